@@ -255,7 +255,7 @@ pub enum SpanError {
         shape: Vec<u64>,
     },
     /// Shape does not multiply to the entry's byte length.
-    #[error("layer {layer} {kind}: shape {shape:?} in {dtype} needs {expected} bytes, found len {found}")]
+    #[error("layer {layer} {kind}: expected {expected} bytes for shape {shape:?} in {dtype}, found len {found}")]
     ShapeLenMismatch {
         /// Layer.
         layer: u32,
