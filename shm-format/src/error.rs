@@ -143,7 +143,7 @@ pub enum SpanError {
         found: u8,
     },
     /// A sliding group with window 0.
-    #[error("group {group}: sliding window must be at least 1 token, found 0")]
+    #[error("group {group}: expected a sliding window of at least 1 token, found 0")]
     ZeroWindow {
         /// Group id.
         group: u32,
