@@ -15,7 +15,11 @@ pub enum SpanError {
         found: u64,
     },
     /// The first 8 bytes are not the frame magic.
-    #[error("bad magic: expected {:?}, found {:?}", String::from_utf8_lossy(expected), String::from_utf8_lossy(found))]
+    #[error(
+        "bad magic: expected {:?}, found {:?}",
+        String::from_utf8_lossy(expected),
+        String::from_utf8_lossy(found)
+    )]
     BadMagic {
         /// `PDKVSPAN`.
         expected: [u8; 8],
@@ -127,7 +131,9 @@ pub enum SpanError {
         found: u8,
     },
     /// Unknown entry kind code.
-    #[error("layer {layer}: unknown entry kind: expected 0 (k), 1 (v) or 2 (state), found {found}")]
+    #[error(
+        "layer {layer}: unknown entry kind: expected 0 (k), 1 (v) or 2 (state), found {found}"
+    )]
     UnknownEntryKind {
         /// Layer of the entry.
         layer: u32,
@@ -179,7 +185,9 @@ pub enum SpanError {
         group: u32,
     },
     /// A layer is listed in two groups, or twice in one.
-    #[error("layer {layer} appears in groups more than once: expected each layer in exactly one group")]
+    #[error(
+        "layer {layer} appears in groups more than once: expected each layer in exactly one group"
+    )]
     DuplicateLayer {
         /// The layer.
         layer: u32,
@@ -193,7 +201,9 @@ pub enum SpanError {
         kind: EntryKind,
     },
     /// An entry for a layer the layout does not have.
-    #[error("entry for layer {layer} {kind}: expected a layer of the layout ({expected}), found none")]
+    #[error(
+        "entry for layer {layer} {kind}: expected a layer of the layout ({expected}), found none"
+    )]
     LayerNotInLayout {
         /// Layer.
         layer: u32,

@@ -1,1 +1,19 @@
+//! The shared-memory ring of pdhost: sealed memfd segments, eventfd doorbells, and both ends of the slot
+//! protocol laid out by [`shm_format::ring`].
+//!
+//! The host end is [`RingReader`]: it creates every segment, reads each shared header word once into a
+//! private copy, validates it against geometry it keeps privately, copies the frame out, checksums the
+//! copy, re-checks the commit word and only then hands the span on. The producer end is [`RingWriter`].
+//! All access to shared bytes goes through [`segment::Segment`], which never forms a Rust reference over
+//! memory the other side can write.
 
+pub mod doorbell;
+pub mod protocol;
+mod reader;
+pub mod segment;
+#[cfg(test)]
+mod tests;
+mod writer;
+
+pub use reader::{create_ring, AsFdSegment, HostRing, RingError, RingReader, COPY_CHUNK};
+pub use writer::{RingWriter, SlotWriter, WriteError};

@@ -1,0 +1,404 @@
+//! The host end of a ring.
+
+use std::os::fd::BorrowedFd;
+use std::time::{Duration, Instant};
+
+use shm_format::ring::RingGeometry;
+use shm_format::{
+    decode_body, FrameHasher, HeaderInfo, RingExpectation, SpanError, SpanView, HEADER_LEN,
+};
+use zerocopy::IntoBytes;
+
+use crate::doorbell::{wait, Doorbell, Woken};
+use crate::protocol::{self, SlotState, Word};
+use crate::segment::memfd::{MemfdSegment, SegmentError, Writer};
+use crate::segment::{Segment, SharedWord};
+
+/// The copy loop moves this many bytes, then checksums them while they are still in cache.
+///
+/// 128 KiB sits well inside L2 on current x86 and Arm server cores, so the checksum reads the chunk
+/// from L2 instead of memory: copy and checksum together cost little more than the copy alone.
+pub const COPY_CHUNK: usize = 128 << 10;
+
+/// Why the host could not take a span from a ring. Every variant but `Timeout` and `PeerExited` is a
+/// protocol violation by the producer; after any error the reader is poisoned and the ring must be
+/// replaced (the supervisor restarts the producer with a new epoch).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RingError {
+    /// No frame was committed before the deadline.
+    #[error(
+        "no span committed within {waited:?}: expected frame {sequence} in slot {slot}, found none"
+    )]
+    Timeout {
+        /// How long the host waited.
+        waited: Duration,
+        /// The frame awaited.
+        sequence: u64,
+        /// Its slot.
+        slot: u32,
+    },
+    /// The watched descriptor (the producer's pidfd) signalled while waiting.
+    #[error("producer exited while the host awaited frame {sequence}")]
+    PeerExited {
+        /// The frame awaited.
+        sequence: u64,
+    },
+    /// The commit word holds a generation the host never granted.
+    #[error("slot {slot} commit word: expected generation {expected} or {}, found {found}", expected - 1)]
+    InvalidCommit {
+        /// Slot.
+        slot: u32,
+        /// Generation granted.
+        expected: u64,
+        /// What the word held.
+        found: u64,
+    },
+    /// The frame is invalid.
+    #[error("slot {slot}: {source}")]
+    Span {
+        /// Slot.
+        slot: u32,
+        /// Why.
+        #[source]
+        source: SpanError,
+    },
+    /// The producer rewrote the header after committing it (a double-fetch attack or bug).
+    #[error("slot {slot}: header changed after commit: expected the {HEADER_LEN} bytes read first, found different bytes")]
+    HeaderChangedAfterCommit {
+        /// Slot.
+        slot: u32,
+    },
+    /// The commit word changed while the host copied the frame.
+    #[error(
+        "slot {slot}: commit word changed during the copy: expected {expected}, found {found}"
+    )]
+    CommitChanged {
+        /// Slot.
+        slot: u32,
+        /// Generation committed.
+        expected: u64,
+        /// What the word held after the copy.
+        found: u64,
+    },
+    /// An earlier error poisoned this reader.
+    #[error("ring is poisoned by an earlier protocol violation: expected a new ring, found the old one reused")]
+    Poisoned,
+    /// Waiting failed.
+    #[error("waiting on the ring doorbell failed: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+impl RingError {
+    /// A stable snake_case name, for metrics and JSON.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RingError::Timeout { .. } => "timeout",
+            RingError::PeerExited { .. } => "peer_exited",
+            RingError::InvalidCommit { .. } => "invalid_commit",
+            RingError::Span { source, .. } => source.kind(),
+            RingError::HeaderChangedAfterCommit { .. } => "header_changed_after_commit",
+            RingError::CommitChanged { .. } => "commit_changed",
+            RingError::Poisoned => "poisoned",
+            RingError::Io(_) => "io",
+        }
+    }
+}
+
+/// The host end of one ring: it owns the control segment (writable) and reads the data segment.
+#[derive(Debug)]
+pub struct RingReader<C: Segment, D: Segment> {
+    control: C,
+    data: D,
+    geometry: RingGeometry,
+    epoch: u64,
+    next_sequence: u64,
+    /// The generation the host granted per slot: private, never re-read from shared memory.
+    granted: Vec<u64>,
+    /// Where frames are copied to; prefaulted, reused for every frame.
+    private: Vec<u8>,
+    /// Rung by the producer after a commit.
+    from_peer: Doorbell,
+    /// Rung by the host after a release.
+    to_peer: Doorbell,
+    poisoned: bool,
+}
+
+/// A ring the host created over sealed memfds.
+pub type HostRing = RingReader<MemfdSegment, MemfdSegment>;
+
+/// Creates the two sealed segments and the two doorbells of a ring for a producer of `epoch`, and
+/// returns its host end. The descriptors to hand the producer come from [`RingReader::peer_fds`].
+pub fn create_ring(
+    name: &str,
+    geometry: RingGeometry,
+    epoch: u64,
+) -> Result<HostRing, SegmentError> {
+    let control = MemfdSegment::create(
+        &format!("{name}.control"),
+        geometry.control_len() as usize,
+        Writer::Host,
+    )?;
+    let data = MemfdSegment::create(
+        &format!("{name}.data"),
+        geometry.data_len() as usize,
+        Writer::Peer,
+    )?;
+    let bell = |name: &str| {
+        Doorbell::new().map_err(|source| SegmentError::Os {
+            op: "eventfd",
+            name: name.into(),
+            source,
+        })
+    };
+    let (from_peer, to_peer) = (bell("from_peer")?, bell("to_peer")?);
+    Ok(RingReader::new(
+        control, data, geometry, epoch, from_peer, to_peer,
+    ))
+}
+
+impl<C: Segment, D: Segment> RingReader<C, D> {
+    /// Takes ownership of the segments, writes the control header and grants every slot generation 1.
+    ///
+    /// `control` must be writable by this process and `data` at least `geometry.data_len()` bytes.
+    pub fn new(
+        control: C,
+        data: D,
+        geometry: RingGeometry,
+        epoch: u64,
+        from_peer: Doorbell,
+        to_peer: Doorbell,
+    ) -> Self {
+        assert!(
+            control.len() as u64 >= geometry.control_len() && control.writable(),
+            "control segment"
+        );
+        assert!(data.len() as u64 >= geometry.data_len(), "data segment");
+        control.copy_in(0, geometry.control_header(epoch).as_bytes());
+        let reader = RingReader {
+            granted: vec![1; geometry.slot_count() as usize],
+            private: prefaulted(geometry.frame_capacity() as usize),
+            control,
+            data,
+            geometry,
+            epoch,
+            next_sequence: 0,
+            from_peer,
+            to_peer,
+            poisoned: false,
+        };
+        for slot in 0..geometry.slot_count() {
+            reader.grant_word(slot).store_release(1);
+        }
+        reader
+    }
+
+    /// The ring's geometry.
+    pub fn geometry(&self) -> RingGeometry {
+        self.geometry
+    }
+
+    /// The producer epoch this ring was made for.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The sequence number of the next frame.
+    pub fn next_sequence(&self) -> u64 {
+        self.next_sequence
+    }
+
+    /// The doorbell the producer rings.
+    pub fn from_peer(&self) -> &Doorbell {
+        &self.from_peer
+    }
+
+    /// The doorbell the host rings.
+    pub fn to_peer(&self) -> &Doorbell {
+        &self.to_peer
+    }
+
+    fn grant_word(&self, slot: u32) -> SharedWord<'_, C> {
+        SharedWord::new(&self.control, self.geometry.grant_offset(slot) as usize)
+    }
+
+    fn commit_word(&self, slot: u32) -> SharedWord<'_, D> {
+        SharedWord::new(&self.data, self.geometry.commit_offset(slot) as usize)
+    }
+
+    /// Waits until the next frame is committed, then takes it (see [`RingReader::try_take`]).
+    ///
+    /// `watch`, if given, is polled alongside the doorbell: when it becomes readable (a pidfd does when the
+    /// process exits) the wait ends with [`RingError::PeerExited`].
+    pub fn take(
+        &mut self,
+        deadline: Instant,
+        watch: Option<BorrowedFd<'_>>,
+    ) -> Result<SpanView<'_>, RingError> {
+        let started = Instant::now();
+        loop {
+            if self.poll_next()? {
+                return self.try_take().map(|span| span.expect("committed frame"));
+            }
+            match wait(&self.from_peer, watch, deadline)? {
+                Woken::Rang => {}
+                Woken::Other => {
+                    // The producer may have committed just before it exited: take what is there.
+                    if self.poll_next()? {
+                        return self.try_take().map(|span| span.expect("committed frame"));
+                    }
+                    self.poisoned = true;
+                    return Err(RingError::PeerExited {
+                        sequence: self.next_sequence,
+                    });
+                }
+                Woken::TimedOut => {
+                    return Err(RingError::Timeout {
+                        waited: started.elapsed(),
+                        sequence: self.next_sequence,
+                        slot: self.geometry.slot_of(self.next_sequence),
+                    })
+                }
+            }
+        }
+    }
+
+    /// Whether the next frame is committed.
+    pub fn poll_next(&mut self) -> Result<bool, RingError> {
+        if self.poisoned {
+            return Err(RingError::Poisoned);
+        }
+        let slot = self.geometry.slot_of(self.next_sequence);
+        let generation = self.granted[slot as usize];
+        match protocol::host_poll(&self.commit_word(slot), generation) {
+            SlotState::Pending => Ok(false),
+            SlotState::Committed => Ok(true),
+            SlotState::Invalid { found } => {
+                self.poisoned = true;
+                Err(RingError::InvalidCommit {
+                    slot,
+                    expected: generation,
+                    found,
+                })
+            }
+        }
+    }
+
+    /// Takes the next frame if it is committed: `Ok(None)` if not yet.
+    ///
+    /// The steps, in order: read the header once into a private copy; validate it against the private
+    /// geometry and expectations; copy the frame out chunk by chunk, checksumming each chunk of the copy;
+    /// re-read the header and re-check the commit word; hand the slot back; validate the manifest on the
+    /// private copy. The returned span borrows the private copy, which the next call overwrites.
+    pub fn try_take(&mut self) -> Result<Option<SpanView<'_>>, RingError> {
+        if !self.poll_next()? {
+            return Ok(None);
+        }
+        let slot = self.geometry.slot_of(self.next_sequence);
+        match self.copy_out(slot) {
+            Ok((info, checksum)) => {
+                let generation = self.granted[slot as usize];
+                self.granted[slot as usize] =
+                    protocol::host_release(&self.grant_word(slot), generation);
+                self.next_sequence += 1;
+                self.to_peer.ring();
+                let frame = &self.private[..info.frame_len as usize];
+                match decode_body(info, frame, checksum) {
+                    Ok(span) => Ok(Some(span)),
+                    Err(source) => {
+                        self.poisoned = true;
+                        Err(RingError::Span { slot, source })
+                    }
+                }
+            }
+            Err(e) => {
+                self.poisoned = true;
+                Err(e)
+            }
+        }
+    }
+
+    /// Copies the committed frame in `slot` into the private buffer and returns its header and the
+    /// checksum of the copy.
+    fn copy_out(&mut self, slot: u32) -> Result<(HeaderInfo, u64), RingError> {
+        let generation = self.granted[slot as usize];
+        let base = self.geometry.frame_offset(slot) as usize;
+        let mut header = [0u8; HEADER_LEN];
+        self.data.copy_out(base, &mut header);
+        let span_err = |source| RingError::Span { slot, source };
+        let info = HeaderInfo::parse(&header).map_err(span_err)?;
+        let expect = RingExpectation {
+            producer_epoch: self.epoch,
+            slot_generation: generation,
+            sequence: self.next_sequence,
+            slot_capacity: self.geometry.frame_capacity(),
+        };
+        expect.check(&info).map_err(span_err)?;
+
+        // `frame_len <= frame_capacity == private.len()` by the check above.
+        let len = info.frame_len as usize;
+        self.private[..HEADER_LEN].copy_from_slice(&header);
+        let mut hasher = FrameHasher::new(&header);
+        let mut at = HEADER_LEN;
+        while at < len {
+            let n = COPY_CHUNK.min(len - at);
+            let chunk = &mut self.private[at..at + n];
+            self.data.copy_out(base + at, chunk);
+            hasher.update(chunk);
+            at += n;
+        }
+
+        let mut again = [0u8; HEADER_LEN];
+        self.data.copy_out(base, &mut again);
+        if again != header {
+            return Err(RingError::HeaderChangedAfterCommit { slot });
+        }
+        protocol::host_recheck(&self.commit_word(slot), generation).map_err(|found| {
+            RingError::CommitChanged {
+                slot,
+                expected: generation,
+                found,
+            }
+        })?;
+        Ok((info, hasher.finish()))
+    }
+
+    /// The descriptors a producer needs, in the order [`crate::RingWriter::open`] takes them:
+    /// control, data, the doorbell it rings, the doorbell it waits on.
+    pub fn peer_fds(&self) -> [BorrowedFd<'_>; 4]
+    where
+        C: AsFdSegment,
+        D: AsFdSegment,
+    {
+        [
+            self.control.segment_fd(),
+            self.data.segment_fd(),
+            self.from_peer.fd(),
+            self.to_peer.fd(),
+        ]
+    }
+}
+
+/// A segment backed by a descriptor that can be handed to another process.
+pub trait AsFdSegment {
+    /// The descriptor.
+    fn segment_fd(&self) -> BorrowedFd<'_>;
+}
+
+impl AsFdSegment for MemfdSegment {
+    fn segment_fd(&self) -> BorrowedFd<'_> {
+        self.fd()
+    }
+}
+
+/// A zeroed buffer whose every page has been written, so that copying into it takes no page faults.
+fn prefaulted(len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    // `vec!` of zeros maps the shared zero page lazily; writing one byte per page makes each page private
+    // now instead of on the first copy. `black_box` keeps the stores.
+    for i in (0..len).step_by(4096) {
+        v[i] = 1;
+    }
+    std::hint::black_box(&mut v).fill(0);
+    v
+}
