@@ -4,13 +4,15 @@
 //! malicious producer, who can always compute a valid checksum for garbage: that is what the structural
 //! validation is for. `docs/decisions/0002-checksum-xxh3.md` records why XXH3 and not CRC-32C.
 
-use xxhash_rust::xxh3::Xxh3;
+use std::hash::Hasher;
+
+use twox_hash::XxHash3_64;
 
 use crate::header::{CHECKSUM_OFFSET, HEADER_LEN};
 
 /// Incremental checksum of one frame, fed the header first and then the rest of the frame in order.
 #[derive(Clone)]
-pub struct FrameHasher(Box<Xxh3>);
+pub struct FrameHasher(Box<XxHash3_64>);
 
 impl std::fmt::Debug for FrameHasher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -21,21 +23,21 @@ impl std::fmt::Debug for FrameHasher {
 impl FrameHasher {
     /// Starts a checksum with the fixed header; its checksum field is hashed as zero whatever it holds.
     pub fn new(header: &[u8; HEADER_LEN]) -> Self {
-        let mut h = Box::new(Xxh3::new());
-        h.update(&header[..CHECKSUM_OFFSET]);
-        h.update(&[0; 8]);
-        h.update(&header[CHECKSUM_OFFSET + 8..]);
+        let mut h = Box::new(XxHash3_64::with_seed(0));
+        h.write(&header[..CHECKSUM_OFFSET]);
+        h.write(&[0; 8]);
+        h.write(&header[CHECKSUM_OFFSET + 8..]);
         FrameHasher(h)
     }
 
     /// Feeds the next bytes after the fixed header.
     pub fn update(&mut self, bytes: &[u8]) {
-        self.0.update(bytes);
+        self.0.write(bytes);
     }
 
     /// The checksum.
     pub fn finish(&self) -> u64 {
-        self.0.digest()
+        self.0.finish()
     }
 }
 
@@ -64,7 +66,7 @@ mod tests {
         let mut frame: Vec<u8> = (0..1000u32).map(|i| (i * 7 + 3) as u8).collect();
         let with_garbage_field = frame_checksum(&frame);
         frame[CHECKSUM_OFFSET..CHECKSUM_OFFSET + 8].fill(0);
-        assert_eq!(with_garbage_field, xxhash_rust::xxh3::xxh3_64(&frame));
+        assert_eq!(with_garbage_field, XxHash3_64::oneshot(&frame));
         let mut h = FrameHasher::new(frame[..HEADER_LEN].try_into().unwrap());
         for chunk in frame[HEADER_LEN..].chunks(37) {
             h.update(chunk);

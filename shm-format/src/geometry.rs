@@ -72,7 +72,7 @@ impl KvGeometry {
     pub fn fingerprint(&self) -> Fingerprint {
         let mut bytes = FINGERPRINT_DOMAIN.to_vec();
         bytes.extend(postcard::to_allocvec(&self.layers).expect("encoding into a Vec cannot fail"));
-        Fingerprint(xxhash_rust::xxh3::xxh3_64(&bytes))
+        Fingerprint(twox_hash::XxHash3_64::oneshot(&bytes))
     }
 
     /// The canonical grouping: all full layers form one group, sliding layers one group per distinct window,

@@ -1,0 +1,205 @@
+//! `pdhost bench ...`: whole-system throughput, each figure beside its physical reference.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde_json::json;
+use shm_format::ring::RingGeometry;
+use shm_format::{Dtype, KvGeometry, LayerKv, Manifest};
+use shm_ring::segment::memfd::MemfdSegment;
+use shm_ring::segment::Segment;
+use shm_ring::{create_ring, RingWriter};
+
+use crate::cli::{Bench, BenchArgs, RingBenchArgs};
+
+pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
+    match &args.which {
+        Bench::Ring(a) => ring(a),
+    }
+}
+
+/// A progress bar on a terminal, nothing otherwise (or with `--json`).
+fn progress(len: u64, json: bool) -> ProgressBar {
+    if json || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        return ProgressBar::hidden();
+    }
+    let bar = ProgressBar::new(len);
+    bar.set_style(
+        ProgressStyle::with_template("{msg:>24} [{bar:30}] {pos}/{len}")
+            .expect("template")
+            .progress_chars("=> "),
+    );
+    bar
+}
+
+/// A dense span of `bytes` payload: 16 layers x 8 KV heads x 128 head dim in bf16 is 64 KiB per token.
+fn span_of(bytes: u64) -> anyhow::Result<Manifest> {
+    const PER_TOKEN: u64 = 16 * 2 * 8 * 128 * 2;
+    anyhow::ensure!(
+        bytes % PER_TOKEN == 0 && bytes > 0,
+        "span size must be a positive multiple of 64 KiB"
+    );
+    let geometry = KvGeometry {
+        layers: vec![
+            LayerKv::Full {
+                kv_heads: 8,
+                head_dim: 128
+            };
+            16
+        ],
+    };
+    Ok(Manifest::dense(&geometry, 1, 0..bytes / PER_TOKEN, Dtype::Bf16).expect("uniform geometry"))
+}
+
+fn gbps(bytes: u64, d: Duration) -> f64 {
+    bytes as f64 / d.as_secs_f64() / 1e9
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn ring(args: &RingBenchArgs) -> anyhow::Result<ExitCode> {
+    let mut rows = Vec::new();
+    for &mib in &args.sizes {
+        let bytes = mib.checked_mul(1 << 20).context("size overflows")?;
+        let manifest = span_of(bytes)?;
+        let iters = args
+            .iters
+            .unwrap_or_else(|| ((2u64 << 30) / bytes).clamp(5, 200) as u32);
+        let bar = progress(u64::from(iters), args.json);
+        bar.set_message(format!("ring {mib} MiB"));
+
+        let geometry = RingGeometry::new(1, bytes + (64 << 10)).context("ring geometry")?;
+        let mut reader = create_ring("pdhost-bench", geometry, 1).context("creating the ring")?;
+        let fds = reader
+            .peer_fds()
+            .map(|fd| fd.try_clone_to_owned().expect("dup"));
+        let mut writer = RingWriter::open(fds).context("mapping the producer end")?;
+        // A second read-only mapping of the data segment, and a prefaulted buffer of the private copy's
+        // size: the memcpy reference moves exactly the bytes the ring read moves, between the same kinds
+        // of memory.
+        let data_fd = reader.peer_fds()[1].try_clone_to_owned()?;
+        let source = MemfdSegment::open("bench.data", data_fd, geometry.data_len(), false)?;
+        let mut dest = vec![1u8; geometry.frame_capacity() as usize];
+
+        let deadline = || Instant::now() + Duration::from_secs(30);
+        let mut first = true;
+        let (mut ring_t, mut copy_t) = (Vec::new(), Vec::new());
+        let mut frame_len = 0;
+        for _ in 0..iters {
+            // Producer side, not measured: the payload stays in the slot between iterations, only the header
+            // (new generation and sequence) and checksum are rewritten.
+            writer.write_span(&manifest, deadline(), |p| {
+                if first {
+                    for (i, b) in p.iter_mut().enumerate() {
+                        *b = (i as u8).wrapping_mul(31);
+                    }
+                }
+            })?;
+            first = false;
+
+            let t = Instant::now();
+            let span = reader.try_take()?.context("span committed")?;
+            ring_t.push(t.elapsed());
+            frame_len = span.header.frame_len;
+            std::hint::black_box(span.payload.len());
+
+            let t = Instant::now();
+            source.copy_out(
+                geometry.frame_offset(0) as usize,
+                &mut dest[..frame_len as usize],
+            );
+            copy_t.push(t.elapsed());
+            std::hint::black_box(&dest);
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+        let (ring_m, copy_m) = (median(ring_t), median(copy_t));
+        rows.push((
+            bytes,
+            frame_len,
+            iters,
+            gbps(frame_len, ring_m),
+            gbps(frame_len, copy_m),
+        ));
+    }
+
+    let checksums = checksum_rates(args.json);
+    if args.json {
+        let results: Vec<_> = rows
+            .iter()
+            .map(|&(span, frame, iters, ring, copy)| {
+                json!({"span_bytes": span, "frame_bytes": frame, "iters": iters, "ring_gbps": ring, "memcpy_gbps": copy, "ratio": ring / copy})
+            })
+            .collect();
+        let sums: Vec<_> = checksums
+            .iter()
+            .map(|(name, cached, mem)| json!({"algo": name, "l2_gbps": cached, "memory_gbps": mem}))
+            .collect();
+        println!(
+            "{}",
+            json!({"bench": "ring", "results": results, "checksum": sums})
+        );
+    } else {
+        println!("ring -> private buffer: header check, copy, xxh3 checksum of the copy, re-check, manifest validation");
+        println!("memcpy: the same frame bytes from the same shared mapping into a prefaulted buffer, same run (median)");
+        println!(
+            "{:>10} {:>12} {:>12} {:>8} {:>6}",
+            "span", "ring GB/s", "memcpy GB/s", "ratio", "iters"
+        );
+        for (span, _, iters, ring, copy) in &rows {
+            println!(
+                "{:>6} MiB {ring:>12.2} {copy:>12.2} {:>7.2}x {iters:>6}",
+                span >> 20,
+                ring / copy
+            );
+        }
+        println!();
+        println!(
+            "checksum alone, single thread:  {:>14} {:>16}",
+            "in L2 (128 KiB)", "from memory (256 MiB)"
+        );
+        for (name, cached, mem) in &checksums {
+            println!("  {name:<30} {cached:>10.2} GB/s {mem:>11.2} GB/s");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Throughput of the two checksum candidates, over a cache-resident chunk (as the ring uses them) and
+/// over a buffer far larger than any cache.
+fn checksum_rates(json: bool) -> Vec<(&'static str, f64, f64)> {
+    let small: Vec<u8> = (0..shm_ring::COPY_CHUNK).map(|i| i as u8).collect();
+    let big: Vec<u8> = (0..256usize << 20).map(|i| (i * 7) as u8).collect();
+    let bar = progress(2, json);
+    bar.set_message("checksums");
+    type Hash = fn(&[u8]) -> u64;
+    let algos: [(&str, Hash); 2] = [
+        ("xxh3-64 (twox-hash)", twox_hash::XxHash3_64::oneshot),
+        ("crc32c (crc32c, SSE4.2)", |b| u64::from(crc32c::crc32c(b))),
+    ];
+    let out = algos
+        .iter()
+        .map(|&(name, f)| {
+            let rate = |buf: &[u8], reps: usize| {
+                let times: Vec<Duration> = (0..reps)
+                    .map(|_| {
+                        let t = Instant::now();
+                        std::hint::black_box(f(std::hint::black_box(buf)));
+                        t.elapsed()
+                    })
+                    .collect();
+                gbps(buf.len() as u64, median(times))
+            };
+            let r = (name, rate(&small, 2000), rate(&big, 5));
+            bar.inc(1);
+            r
+        })
+        .collect();
+    bar.finish_and_clear();
+    out
+}
