@@ -43,9 +43,7 @@ impl FrameHasher {
 
 /// The checksum of a whole frame held in one buffer (at least [`HEADER_LEN`] bytes).
 pub fn frame_checksum(frame: &[u8]) -> u64 {
-    let (header, rest) = frame
-        .split_first_chunk::<HEADER_LEN>()
-        .expect("a frame holds a full header");
+    let (header, rest) = frame.split_first_chunk::<HEADER_LEN>().expect("a frame holds a full header");
     let mut h = FrameHasher::new(header);
     h.update(rest);
     h.finish()

@@ -33,16 +33,10 @@ pub fn decode_frame(bytes: &[u8]) -> Result<SpanView<'_>, SpanError> {
     let header = parse_header_prefix(bytes)?;
     let found = bytes.len() as u64;
     if found < header.frame_len {
-        return Err(SpanError::Truncated {
-            expected: header.frame_len,
-            found,
-        });
+        return Err(SpanError::Truncated { expected: header.frame_len, found });
     }
     if found > header.frame_len {
-        return Err(SpanError::TrailingBytes {
-            expected: header.frame_len,
-            found,
-        });
+        return Err(SpanError::TrailingBytes { expected: header.frame_len, found });
     }
     decode_body(header, bytes, frame_checksum(bytes))
 }
@@ -50,52 +44,32 @@ pub fn decode_frame(bytes: &[u8]) -> Result<SpanView<'_>, SpanError> {
 /// Parses the fixed header from the first 64 bytes of `bytes`.
 pub fn parse_header_prefix(bytes: &[u8]) -> Result<HeaderInfo, SpanError> {
     let Some(prefix) = bytes.first_chunk::<HEADER_LEN>() else {
-        return Err(SpanError::TruncatedHeader {
-            expected: HEADER_LEN as u64,
-            found: bytes.len() as u64,
-        });
+        return Err(SpanError::TruncatedHeader { expected: HEADER_LEN as u64, found: bytes.len() as u64 });
     };
     HeaderInfo::parse(prefix)
 }
 
 /// Validates a frame whose header has been parsed and whose checksum has been computed over exactly
 /// `frame` (length `header.frame_len`) — the ring reader computes it while copying.
-pub fn decode_body(
-    header: HeaderInfo,
-    frame: &[u8],
-    computed_checksum: u64,
-) -> Result<SpanView<'_>, SpanError> {
+pub fn decode_body(header: HeaderInfo, frame: &[u8], computed_checksum: u64) -> Result<SpanView<'_>, SpanError> {
     debug_assert_eq!(frame.len() as u64, header.frame_len);
     if computed_checksum != header.checksum {
-        return Err(SpanError::ChecksumMismatch {
-            expected: header.checksum,
-            found: computed_checksum,
-        });
+        return Err(SpanError::ChecksumMismatch { expected: header.checksum, found: computed_checksum });
     }
     let manifest_range = header.manifest_range();
     // The frame is at least `payload_offset` long, which is past the manifest and the padding.
     let padding = &frame[manifest_range.end..header.payload_offset as usize];
     if let Some(i) = padding.iter().position(|&b| b != 0) {
-        return Err(SpanError::NonZeroPadding {
-            offset: (manifest_range.end + i) as u64,
-            found: padding[i],
-        });
+        return Err(SpanError::NonZeroPadding { offset: (manifest_range.end + i) as u64, found: padding[i] });
     }
     let manifest = decode_manifest(&frame[manifest_range], header.payload_len)?;
-    Ok(SpanView {
-        header,
-        manifest,
-        payload: &frame[header.payload_offset as usize..],
-    })
+    Ok(SpanView { header, manifest, payload: &frame[header.payload_offset as usize..] })
 }
 
 /// Decodes a postcard manifest that must use every byte, then validates it against the payload length.
 pub fn decode_manifest(bytes: &[u8], payload_len: u64) -> Result<Manifest, SpanError> {
-    let (wire, rest) = postcard::take_from_bytes::<wire::Manifest>(bytes).map_err(|e| {
-        SpanError::ManifestDecode {
-            reason: e.to_string(),
-        }
-    })?;
+    let (wire, rest) = postcard::take_from_bytes::<wire::Manifest>(bytes)
+        .map_err(|e| SpanError::ManifestDecode { reason: e.to_string() })?;
     if !rest.is_empty() {
         return Err(SpanError::ManifestTrailingBytes {
             expected: (bytes.len() - rest.len()) as u64,
@@ -116,10 +90,7 @@ struct LayerRule {
 /// Checks every cross-field rule of a manifest describing a payload of `payload_len` bytes.
 pub fn validate_manifest(m: &Manifest, payload_len: u64) -> Result<(), SpanError> {
     if m.token_start >= m.token_end {
-        return Err(SpanError::BadTokenRange {
-            start: m.token_start,
-            end: m.token_end,
-        });
+        return Err(SpanError::BadTokenRange { start: m.token_start, end: m.token_end });
     }
     let tokens = m.tokens();
     let esize = m.dtype.size();
@@ -131,40 +102,18 @@ pub fn validate_manifest(m: &Manifest, payload_len: u64) -> Result<(), SpanError
     let mut seen = BTreeSet::new();
     for e in &m.entries {
         let Some(rule) = rules.get(&e.layer) else {
-            return Err(SpanError::LayerNotInLayout {
-                layer: e.layer,
-                kind: e.kind,
-                expected: describe(&m.layout),
-            });
+            return Err(SpanError::LayerNotInLayout { layer: e.layer, kind: e.kind, expected: describe(&m.layout) });
         };
         match (rule.attention, e.kind) {
             (true, EntryKind::K | EntryKind::V) | (false, EntryKind::State) => {}
-            (true, found) => {
-                return Err(SpanError::WrongEntryKind {
-                    layer: e.layer,
-                    expected: "k and v",
-                    found,
-                })
-            }
-            (false, found) => {
-                return Err(SpanError::WrongEntryKind {
-                    layer: e.layer,
-                    expected: "state",
-                    found,
-                })
-            }
+            (true, found) => return Err(SpanError::WrongEntryKind { layer: e.layer, expected: "k and v", found }),
+            (false, found) => return Err(SpanError::WrongEntryKind { layer: e.layer, expected: "state", found }),
         }
         if !seen.insert((e.layer, e.kind)) {
-            return Err(SpanError::DuplicateEntry {
-                layer: e.layer,
-                kind: e.kind,
-            });
+            return Err(SpanError::DuplicateEntry { layer: e.layer, kind: e.kind });
         }
         check_shape(e, tokens, esize, m.dtype.name())?;
-        let in_bounds = e
-            .offset
-            .checked_add(e.len)
-            .is_some_and(|end| end <= payload_len);
+        let in_bounds = e.offset.checked_add(e.len).is_some_and(|end| end <= payload_len);
         if !in_bounds {
             return Err(SpanError::EntryOutOfBounds {
                 layer: e.layer,
@@ -178,11 +127,7 @@ pub fn validate_manifest(m: &Manifest, payload_len: u64) -> Result<(), SpanError
 
     // 3. Every layer of the layout carries all it must.
     for (&layer, rule) in &rules {
-        let kinds: &[EntryKind] = if rule.attention {
-            &[EntryKind::K, EntryKind::V]
-        } else {
-            &[EntryKind::State]
-        };
+        let kinds: &[EntryKind] = if rule.attention { &[EntryKind::K, EntryKind::V] } else { &[EntryKind::State] };
         for &kind in kinds {
             if !seen.contains(&(layer, kind)) {
                 return Err(SpanError::MissingEntry { layer, kind });
@@ -209,20 +154,11 @@ pub fn validate_manifest(m: &Manifest, payload_len: u64) -> Result<(), SpanError
     }
 
     // 5. Dense: every entry sits exactly where `[layer][k|v][token][kv_head][head_dim]` puts it.
-    if let Layout::Dense {
-        num_layers,
-        kv_heads,
-        head_dim,
-    } = m.layout
-    {
-        let per =
-            u128::from(tokens) * u128::from(kv_heads) * u128::from(head_dim) * u128::from(esize);
+    if let Layout::Dense { num_layers, kv_heads, head_dim } = m.layout {
+        let per = u128::from(tokens) * u128::from(kv_heads) * u128::from(head_dim) * u128::from(esize);
         let expected_total = per * 2 * u128::from(num_layers);
         if expected_total != u128::from(payload_len) {
-            return Err(SpanError::DensePayloadLen {
-                expected: expected_total,
-                found: payload_len,
-            });
+            return Err(SpanError::DensePayloadLen { expected: expected_total, found: payload_len });
         }
         // `per * 2 * num_layers == payload_len`, so every offset below fits in u64.
         let per = per as u64;
@@ -248,17 +184,9 @@ pub fn validate_manifest(m: &Manifest, payload_len: u64) -> Result<(), SpanError
 fn layout_rules(layout: &Layout) -> Result<BTreeMap<u32, LayerRule>, SpanError> {
     let mut rules = BTreeMap::new();
     match layout {
-        &Layout::Dense {
-            num_layers,
-            kv_heads,
-            head_dim,
-        } => {
+        &Layout::Dense { num_layers, kv_heads, head_dim } => {
             if num_layers == 0 || kv_heads == 0 || head_dim == 0 {
-                return Err(SpanError::EmptyDenseLayout {
-                    num_layers,
-                    kv_heads,
-                    head_dim,
-                });
+                return Err(SpanError::EmptyDenseLayout { num_layers, kv_heads, head_dim });
             }
             // Two entries per layer, so more layers than MAX_ENTRIES / 2 cannot be described.
             if num_layers as usize > MAX_ENTRIES / 2 {
@@ -272,17 +200,11 @@ fn layout_rules(layout: &Layout) -> Result<BTreeMap<u32, LayerRule>, SpanError> 
         }
         Layout::Grouped { groups } => {
             if groups.is_empty() {
-                return Err(SpanError::EmptyGroup {
-                    what: "no groups".into(),
-                });
+                return Err(SpanError::EmptyGroup { what: "no groups".into() });
             }
             let listed: usize = groups.iter().map(|g| g.layers.len()).sum();
             if listed > MAX_ENTRIES {
-                return Err(SpanError::TooMany {
-                    what: "layers in groups",
-                    max: MAX_ENTRIES,
-                    found: listed,
-                });
+                return Err(SpanError::TooMany { what: "layers in groups", max: MAX_ENTRIES, found: listed });
             }
             let mut ids = BTreeSet::new();
             for g in groups {
@@ -290,13 +212,9 @@ fn layout_rules(layout: &Layout) -> Result<BTreeMap<u32, LayerRule>, SpanError> 
                     return Err(SpanError::DuplicateGroup { group: g.id });
                 }
                 if g.layers.is_empty() {
-                    return Err(SpanError::EmptyGroup {
-                        what: format!("group {} with no layers", g.id),
-                    });
+                    return Err(SpanError::EmptyGroup { what: format!("group {} with no layers", g.id) });
                 }
-                let rule = LayerRule {
-                    attention: g.kind.is_attention(),
-                };
+                let rule = LayerRule { attention: g.kind.is_attention() };
                 for &layer in &g.layers {
                     if rules.insert(layer, rule).is_some() {
                         return Err(SpanError::DuplicateLayer { layer });
@@ -314,36 +232,16 @@ fn check_shape(e: &Entry, tokens: u64, esize: u64, dtype: &'static str) -> Resul
         EntryKind::State => (1..=MAX_RANK).contains(&e.shape.len()),
     };
     if !rank_ok {
-        let expected = if e.kind == EntryKind::State {
-            MAX_RANK
-        } else {
-            3
-        };
-        return Err(SpanError::BadRank {
-            layer: e.layer,
-            kind: e.kind,
-            expected,
-            found: e.shape.clone(),
-        });
+        let expected = if e.kind == EntryKind::State { MAX_RANK } else { 3 };
+        return Err(SpanError::BadRank { layer: e.layer, kind: e.kind, expected, found: e.shape.clone() });
     }
     if e.shape.contains(&0) {
-        return Err(SpanError::ZeroDimension {
-            layer: e.layer,
-            kind: e.kind,
-            shape: e.shape.clone(),
-        });
+        return Err(SpanError::ZeroDimension { layer: e.layer, kind: e.kind, shape: e.shape.clone() });
     }
     if e.kind != EntryKind::State && e.shape[0] != tokens {
-        return Err(SpanError::TokenDimMismatch {
-            layer: e.layer,
-            kind: e.kind,
-            expected: tokens,
-            found: e.shape[0],
-        });
+        return Err(SpanError::TokenDimMismatch { layer: e.layer, kind: e.kind, expected: tokens, found: e.shape[0] });
     }
-    let expected = e.shape.iter().fold(u128::from(esize), |acc, &d| {
-        acc.saturating_mul(u128::from(d))
-    });
+    let expected = e.shape.iter().fold(u128::from(esize), |acc, &d| acc.saturating_mul(u128::from(d)));
     if expected != u128::from(e.len) {
         return Err(SpanError::ShapeLenMismatch {
             layer: e.layer,

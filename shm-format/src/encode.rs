@@ -31,24 +31,12 @@ pub fn write_prefix(
 ) -> Result<HeaderInfo, SpanError> {
     let manifest_len = u32::try_from(manifest.len()).unwrap_or(u32::MAX);
     if manifest_len > MAX_MANIFEST_LEN {
-        return Err(SpanError::BadManifestLen {
-            max: MAX_MANIFEST_LEN,
-            found: manifest_len,
-        });
+        return Err(SpanError::BadManifestLen { max: MAX_MANIFEST_LEN, found: manifest_len });
     }
-    let header = FrameHeader::new(
-        manifest_len,
-        payload_len,
-        coords.epoch,
-        coords.generation,
-        coords.sequence,
-    );
+    let header = FrameHeader::new(manifest_len, payload_len, coords.epoch, coords.generation, coords.sequence);
     let info = HeaderInfo::parse(header.as_bytes().try_into().expect("64 bytes"))?;
     if (buf.len() as u64) < info.payload_offset {
-        return Err(SpanError::FrameExceedsSlot {
-            capacity: buf.len() as u64,
-            found: info.frame_len,
-        });
+        return Err(SpanError::FrameExceedsSlot { capacity: buf.len() as u64, found: info.frame_len });
     }
     buf[..HEADER_LEN].copy_from_slice(header.as_bytes());
     let range = info.manifest_range();
@@ -65,8 +53,7 @@ pub fn encode_frame(manifest: &Manifest, payload: &[u8], coords: FrameCoords) ->
 /// Encodes a complete, sealed frame around manifest bytes that need not be valid (for fault injection).
 pub fn encode_raw(manifest: &[u8], payload: &[u8], coords: FrameCoords) -> Vec<u8> {
     let mut prefix = vec![0u8; HEADER_LEN + manifest.len() + 64];
-    let info = write_prefix(&mut prefix, manifest, payload.len() as u64, coords)
-        .expect("manifest within bounds");
+    let info = write_prefix(&mut prefix, manifest, payload.len() as u64, coords).expect("manifest within bounds");
     let mut frame = Vec::with_capacity(info.frame_len as usize);
     frame.extend_from_slice(&prefix[..info.payload_offset as usize]);
     frame.extend_from_slice(payload);
@@ -91,13 +78,7 @@ impl Manifest {
         let entries = (0..geometry.layers.len() as u32)
             .flat_map(|layer| [EntryKind::K, EntryKind::V].map(|kind| (layer, kind)))
             .enumerate()
-            .map(|(i, (layer, kind))| Entry {
-                layer,
-                kind,
-                shape: shape.clone(),
-                offset: i as u64 * per,
-                len: per,
-            })
+            .map(|(i, (layer, kind))| Entry { layer, kind, shape: shape.clone(), offset: i as u64 * per, len: per })
             .collect();
         Some(Manifest {
             fingerprint: geometry.fingerprint(),
@@ -105,49 +86,29 @@ impl Manifest {
             token_start: tokens.start,
             token_end: tokens.end,
             dtype,
-            layout: Layout::Dense {
-                num_layers: geometry.layers.len() as u32,
-                kv_heads,
-                head_dim,
-            },
+            layout: Layout::Dense { num_layers: geometry.layers.len() as u32, kv_heads, head_dim },
             entries,
         })
     }
 
     /// The grouped manifest: one tensor set per group of [`KvGeometry::groups`], laid out group after group;
     /// inside a group, layer after layer (in the group's order), K then V (or the state).
-    pub fn grouped(
-        geometry: &KvGeometry,
-        request_id: u64,
-        tokens: std::ops::Range<u64>,
-        dtype: Dtype,
-    ) -> Manifest {
+    pub fn grouped(geometry: &KvGeometry, request_id: u64, tokens: std::ops::Range<u64>, dtype: Dtype) -> Manifest {
         let t = tokens.end.saturating_sub(tokens.start);
         let groups = geometry.groups();
         let mut entries = Vec::new();
         let mut offset = 0;
         for g in &groups {
             for &layer in &g.layers {
-                let (kinds, shape): (&[EntryKind], Vec<u64>) = match geometry.layers[layer as usize]
-                {
-                    LayerKv::Full { kv_heads, head_dim }
-                    | LayerKv::Sliding {
-                        kv_heads, head_dim, ..
-                    } => (
-                        &[EntryKind::K, EntryKind::V],
-                        vec![t, u64::from(kv_heads), u64::from(head_dim)],
-                    ),
+                let (kinds, shape): (&[EntryKind], Vec<u64>) = match geometry.layers[layer as usize] {
+                    LayerKv::Full { kv_heads, head_dim } | LayerKv::Sliding { kv_heads, head_dim, .. } => {
+                        (&[EntryKind::K, EntryKind::V], vec![t, u64::from(kv_heads), u64::from(head_dim)])
+                    }
                     LayerKv::Recurrent { state_elems } => (&[EntryKind::State], vec![state_elems]),
                 };
                 let len = shape.iter().product::<u64>() * dtype.size();
                 for &kind in kinds {
-                    entries.push(Entry {
-                        layer,
-                        kind,
-                        shape: shape.clone(),
-                        offset,
-                        len,
-                    });
+                    entries.push(Entry { layer, kind, shape: shape.clone(), offset, len });
                     offset += len;
                 }
             }
@@ -165,10 +126,6 @@ impl Manifest {
 
     /// The payload length the entries need: the end of the last entry.
     pub fn payload_len(&self) -> u64 {
-        self.entries
-            .iter()
-            .map(|e| e.offset.saturating_add(e.len))
-            .max()
-            .unwrap_or(0)
+        self.entries.iter().map(|e| e.offset.saturating_add(e.len)).max().unwrap_or(0)
     }
 }

@@ -15,11 +15,7 @@ pub enum SpanError {
         found: u64,
     },
     /// The first 8 bytes are not the frame magic.
-    #[error(
-        "bad magic: expected {:?}, found {:?}",
-        String::from_utf8_lossy(expected),
-        String::from_utf8_lossy(found)
-    )]
+    #[error("bad magic: expected {:?}, found {:?}", String::from_utf8_lossy(expected), String::from_utf8_lossy(found))]
     BadMagic {
         /// `PDKVSPAN`.
         expected: [u8; 8],
@@ -93,7 +89,9 @@ pub enum SpanError {
         found: u8,
     },
     /// The checksum over the copied frame differs from the header's.
-    #[error("checksum mismatch: expected {expected:#018x} (from the header), found {found:#018x} over the copied frame")]
+    #[error(
+        "checksum mismatch: expected {expected:#018x} (from the header), found {found:#018x} over the copied frame"
+    )]
     ChecksumMismatch {
         /// What the header claims.
         expected: u64,
@@ -131,9 +129,7 @@ pub enum SpanError {
         found: u8,
     },
     /// Unknown entry kind code.
-    #[error(
-        "layer {layer}: unknown entry kind: expected 0 (k), 1 (v) or 2 (state), found {found}"
-    )]
+    #[error("layer {layer}: unknown entry kind: expected 0 (k), 1 (v) or 2 (state), found {found}")]
     UnknownEntryKind {
         /// Layer of the entry.
         layer: u32,
@@ -185,9 +181,7 @@ pub enum SpanError {
         group: u32,
     },
     /// A layer is listed in two groups, or twice in one.
-    #[error(
-        "layer {layer} appears in groups more than once: expected each layer in exactly one group"
-    )]
+    #[error("layer {layer} appears in groups more than once: expected each layer in exactly one group")]
     DuplicateLayer {
         /// The layer.
         layer: u32,
@@ -201,9 +195,7 @@ pub enum SpanError {
         kind: EntryKind,
     },
     /// An entry for a layer the layout does not have.
-    #[error(
-        "entry for layer {layer} {kind}: expected a layer of the layout ({expected}), found none"
-    )]
+    #[error("entry for layer {layer} {kind}: expected a layer of the layout ({expected}), found none")]
     LayerNotInLayout {
         /// Layer.
         layer: u32,
@@ -281,7 +273,9 @@ pub enum SpanError {
         found: u64,
     },
     /// An entry that does not lie inside the payload.
-    #[error("layer {layer} {kind}: expected bytes inside the {payload_len}-byte payload, found [{offset}, {offset}+{len})")]
+    #[error(
+        "layer {layer} {kind}: expected bytes inside the {payload_len}-byte payload, found [{offset}, {offset}+{len})"
+    )]
     EntryOutOfBounds {
         /// Layer.
         layer: u32,

@@ -7,11 +7,7 @@ use crate::{decode_frame, encode_frame, FrameCoords, HeaderInfo, RingExpectation
 pub fn decode(data: &[u8]) {
     if let Ok(span) = decode_frame(data) {
         let h = &span.header;
-        let coords = FrameCoords {
-            epoch: h.producer_epoch,
-            generation: h.slot_generation,
-            sequence: h.sequence,
-        };
+        let coords = FrameCoords { epoch: h.producer_epoch, generation: h.slot_generation, sequence: h.sequence };
         let again = encode_frame(&span.manifest, span.payload, coords);
         let back = decode_frame(&again).expect("a re-encoded valid span decodes");
         assert_eq!(back.manifest, span.manifest);
@@ -19,12 +15,7 @@ pub fn decode(data: &[u8]) {
     }
     if let Some(prefix) = data.first_chunk::<HEADER_LEN>() {
         if let Ok(info) = HeaderInfo::parse(prefix) {
-            let expect = RingExpectation {
-                producer_epoch: 1,
-                slot_generation: 1,
-                sequence: 0,
-                slot_capacity: 1 << 20,
-            };
+            let expect = RingExpectation { producer_epoch: 1, slot_generation: 1, sequence: 0, slot_capacity: 1 << 20 };
             let _ = expect.check(&info);
         }
     }

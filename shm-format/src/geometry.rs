@@ -51,10 +51,9 @@ impl LayerKv {
     /// `(kv_heads, head_dim)` of an attention layer.
     pub fn heads(self) -> Option<(u32, u32)> {
         match self {
-            LayerKv::Full { kv_heads, head_dim }
-            | LayerKv::Sliding {
-                kv_heads, head_dim, ..
-            } => Some((kv_heads, head_dim)),
+            LayerKv::Full { kv_heads, head_dim } | LayerKv::Sliding { kv_heads, head_dim, .. } => {
+                Some((kv_heads, head_dim))
+            }
             LayerKv::Recurrent { .. } => None,
         }
     }
@@ -83,11 +82,7 @@ impl KvGeometry {
             let kind = kv.group_kind();
             match groups.iter_mut().find(|g| g.kind == kind) {
                 Some(g) => g.layers.push(layer as u32),
-                None => groups.push(Group {
-                    id: groups.len() as u32,
-                    kind,
-                    layers: vec![layer as u32],
-                }),
+                None => groups.push(Group { id: groups.len() as u32, kind, layers: vec![layer as u32] }),
             }
         }
         groups
@@ -96,10 +91,7 @@ impl KvGeometry {
     /// `(kv_heads, head_dim)` if every layer is attention with the same heads: the condition for a dense span.
     pub fn uniform_heads(&self) -> Option<(u32, u32)> {
         let first = self.layers.first()?.heads()?;
-        self.layers
-            .iter()
-            .all(|l| l.heads() == Some(first))
-            .then_some(first)
+        self.layers.iter().all(|l| l.heads() == Some(first)).then_some(first)
     }
 }
 
@@ -111,16 +103,9 @@ mod tests {
         let layers = (0..26)
             .map(|l| {
                 if l % 6 == 5 {
-                    LayerKv::Full {
-                        kv_heads: 1,
-                        head_dim: 256,
-                    }
+                    LayerKv::Full { kv_heads: 1, head_dim: 256 }
                 } else {
-                    LayerKv::Sliding {
-                        window: 512,
-                        kv_heads: 1,
-                        head_dim: 256,
-                    }
+                    LayerKv::Sliding { window: 512, kv_heads: 1, head_dim: 256 }
                 }
             })
             .collect();
@@ -144,16 +129,9 @@ mod tests {
         let mut fewer = base.clone();
         fewer.layers.pop();
         let mut window = base.clone();
-        window.layers[0] = LayerKv::Sliding {
-            window: 511,
-            kv_heads: 1,
-            head_dim: 256,
-        };
+        window.layers[0] = LayerKv::Sliding { window: 511, kv_heads: 1, head_dim: 256 };
         let mut heads = base.clone();
-        heads.layers[5] = LayerKv::Full {
-            kv_heads: 2,
-            head_dim: 256,
-        };
+        heads.layers[5] = LayerKv::Full { kv_heads: 2, head_dim: 256 };
         for other in [fewer, window, heads] {
             assert_ne!(other.fingerprint(), fp);
         }

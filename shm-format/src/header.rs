@@ -69,22 +69,14 @@ pub struct FrameHeader {
 const _: () = assert!(size_of::<FrameHeader>() == HEADER_LEN);
 // The largest frame a reader accepts is far from overflowing u64 (or usize on 64-bit hosts).
 const _: () = assert!(
-    (MAX_HEADER_LEN as u64 + MAX_MANIFEST_LEN as u64 + PAYLOAD_ALIGN)
-        .checked_add(MAX_PAYLOAD_LEN)
-        .is_some()
+    (MAX_HEADER_LEN as u64 + MAX_MANIFEST_LEN as u64 + PAYLOAD_ALIGN).checked_add(MAX_PAYLOAD_LEN).is_some()
         && MAX_PAYLOAD_LEN < (1 << 40)
 );
 const _: () = assert!(std::mem::offset_of!(FrameHeader, checksum) == CHECKSUM_OFFSET);
 
 impl FrameHeader {
     /// A v1.0 header with the given lengths and ring coordinates, checksum zero.
-    pub fn new(
-        manifest_len: u32,
-        payload_len: u64,
-        epoch: u64,
-        generation: u64,
-        sequence: u64,
-    ) -> Self {
+    pub fn new(manifest_len: u32, payload_len: u64, epoch: u64, generation: u64, sequence: u64) -> Self {
         FrameHeader {
             magic: FRAME_MAGIC,
             version_major: FORMAT_MAJOR.into(),
@@ -132,49 +124,29 @@ impl HeaderInfo {
     pub fn parse(bytes: &[u8; HEADER_LEN]) -> Result<Self, SpanError> {
         let h = FrameHeader::read_from_bytes(bytes).expect("64 bytes always decode as FrameHeader");
         if h.magic != FRAME_MAGIC {
-            return Err(SpanError::BadMagic {
-                expected: FRAME_MAGIC,
-                found: h.magic,
-            });
+            return Err(SpanError::BadMagic { expected: FRAME_MAGIC, found: h.magic });
         }
         if h.version_major.get() != FORMAT_MAJOR {
-            return Err(SpanError::UnsupportedMajorVersion {
-                expected: FORMAT_MAJOR,
-                found: h.version_major.get(),
-            });
+            return Err(SpanError::UnsupportedMajorVersion { expected: FORMAT_MAJOR, found: h.version_major.get() });
         }
         let flags = h.flags.get();
         if flags & !KNOWN_FLAGS != 0 {
-            return Err(SpanError::UnknownFlags {
-                known: KNOWN_FLAGS,
-                found: flags,
-            });
+            return Err(SpanError::UnknownFlags { known: KNOWN_FLAGS, found: flags });
         }
         let header_len = h.header_len.get();
         if header_len < HEADER_LEN as u32 || header_len > MAX_HEADER_LEN || header_len % 8 != 0 {
-            return Err(SpanError::BadHeaderLen {
-                min: HEADER_LEN as u32,
-                max: MAX_HEADER_LEN,
-                found: header_len,
-            });
+            return Err(SpanError::BadHeaderLen { min: HEADER_LEN as u32, max: MAX_HEADER_LEN, found: header_len });
         }
         let manifest_len = h.manifest_len.get();
         if manifest_len == 0 || manifest_len > MAX_MANIFEST_LEN {
-            return Err(SpanError::BadManifestLen {
-                max: MAX_MANIFEST_LEN,
-                found: manifest_len,
-            });
+            return Err(SpanError::BadManifestLen { max: MAX_MANIFEST_LEN, found: manifest_len });
         }
         let payload_len = h.payload_len.get();
         if payload_len > MAX_PAYLOAD_LEN {
-            return Err(SpanError::PayloadTooLarge {
-                max: MAX_PAYLOAD_LEN,
-                found: payload_len,
-            });
+            return Err(SpanError::PayloadTooLarge { max: MAX_PAYLOAD_LEN, found: payload_len });
         }
         // No sum below can overflow: the bounds just checked keep it under 2^35 (asserted at compile time).
-        let payload_offset =
-            (u64::from(header_len) + u64::from(manifest_len)).next_multiple_of(PAYLOAD_ALIGN);
+        let payload_offset = (u64::from(header_len) + u64::from(manifest_len)).next_multiple_of(PAYLOAD_ALIGN);
         let frame_len = payload_offset + payload_len;
         Ok(HeaderInfo {
             version_minor: h.version_minor.get(),
@@ -215,28 +187,16 @@ impl RingExpectation {
     /// private header copy before it copies a single payload byte.
     pub fn check(&self, info: &HeaderInfo) -> Result<(), SpanError> {
         if info.producer_epoch != self.producer_epoch {
-            return Err(SpanError::WrongEpoch {
-                expected: self.producer_epoch,
-                found: info.producer_epoch,
-            });
+            return Err(SpanError::WrongEpoch { expected: self.producer_epoch, found: info.producer_epoch });
         }
         if info.slot_generation != self.slot_generation {
-            return Err(SpanError::StaleGeneration {
-                expected: self.slot_generation,
-                found: info.slot_generation,
-            });
+            return Err(SpanError::StaleGeneration { expected: self.slot_generation, found: info.slot_generation });
         }
         if info.sequence != self.sequence {
-            return Err(SpanError::UnexpectedSequence {
-                expected: self.sequence,
-                found: info.sequence,
-            });
+            return Err(SpanError::UnexpectedSequence { expected: self.sequence, found: info.sequence });
         }
         if info.frame_len > self.slot_capacity {
-            return Err(SpanError::FrameExceedsSlot {
-                capacity: self.slot_capacity,
-                found: info.frame_len,
-            });
+            return Err(SpanError::FrameExceedsSlot { capacity: self.slot_capacity, found: info.frame_len });
         }
         Ok(())
     }

@@ -33,18 +33,14 @@ pub mod testing;
 mod tests;
 
 pub use checksum::{frame_checksum, seal_frame, FrameHasher};
-pub use decode::{
-    decode_body, decode_frame, decode_manifest, parse_header_prefix, validate_manifest, SpanView,
-};
+pub use decode::{decode_body, decode_frame, decode_manifest, parse_header_prefix, validate_manifest, SpanView};
 pub use encode::{encode_frame, encode_raw, write_prefix, FrameCoords};
 pub use error::{SpanError, ALL_KINDS};
 pub use geometry::{KvGeometry, LayerKv};
 pub use header::{
-    FrameHeader, HeaderInfo, RingExpectation, CHECKSUM_OFFSET, FORMAT_MAJOR, FORMAT_MINOR,
-    FRAME_MAGIC, HEADER_LEN, KNOWN_FLAGS, MAX_HEADER_LEN, MAX_MANIFEST_LEN, MAX_PAYLOAD_LEN,
-    PAYLOAD_ALIGN,
+    FrameHeader, HeaderInfo, RingExpectation, CHECKSUM_OFFSET, FORMAT_MAJOR, FORMAT_MINOR, FRAME_MAGIC, HEADER_LEN,
+    KNOWN_FLAGS, MAX_HEADER_LEN, MAX_MANIFEST_LEN, MAX_PAYLOAD_LEN, PAYLOAD_ALIGN,
 };
 pub use manifest::{
-    Dtype, Entry, EntryKind, Fingerprint, Group, GroupKind, Layout, Manifest, MAX_ENTRIES,
-    MAX_GROUPS, MAX_RANK,
+    Dtype, Entry, EntryKind, Fingerprint, Group, GroupKind, Layout, Manifest, MAX_ENTRIES, MAX_GROUPS, MAX_RANK,
 };

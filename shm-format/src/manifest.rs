@@ -229,14 +229,8 @@ pub(crate) mod wire {
 
     #[derive(Serialize, Deserialize, Debug)]
     pub(crate) enum Layout {
-        Dense {
-            num_layers: u32,
-            kv_heads: u32,
-            head_dim: u32,
-        },
-        Grouped {
-            groups: Vec<Group>,
-        },
+        Dense { num_layers: u32, kv_heads: u32, head_dim: u32 },
+        Grouped { groups: Vec<Group> },
     }
 
     /// `kind`: 0 full, 1 sliding (uses `window`), 2 recurrent.
@@ -266,15 +260,9 @@ pub(crate) mod wire {
                 token_end: m.token_end,
                 dtype: m.dtype as u8,
                 layout: match &m.layout {
-                    super::Layout::Dense {
-                        num_layers,
-                        kv_heads,
-                        head_dim,
-                    } => Layout::Dense {
-                        num_layers: *num_layers,
-                        kv_heads: *kv_heads,
-                        head_dim: *head_dim,
-                    },
+                    super::Layout::Dense { num_layers, kv_heads, head_dim } => {
+                        Layout::Dense { num_layers: *num_layers, kv_heads: *kv_heads, head_dim: *head_dim }
+                    }
                     super::Layout::Grouped { groups } => Layout::Grouped {
                         groups: groups
                             .iter()
@@ -284,12 +272,7 @@ pub(crate) mod wire {
                                     super::GroupKind::Sliding { window } => (1, window),
                                     super::GroupKind::Recurrent => (2, 0),
                                 };
-                                Group {
-                                    id: g.id,
-                                    kind,
-                                    window,
-                                    layers: g.layers.clone(),
-                                }
+                                Group { id: g.id, kind, window, layers: g.layers.clone() }
                             })
                             .collect(),
                     },
@@ -316,22 +299,10 @@ impl TryFrom<wire::Manifest> for Manifest {
     /// Maps codes to types. Cross-field rules are checked afterwards by [`crate::validate_manifest`].
     fn try_from(w: wire::Manifest) -> Result<Self, SpanError> {
         let layout = match w.layout {
-            wire::Layout::Dense {
-                num_layers,
-                kv_heads,
-                head_dim,
-            } => Layout::Dense {
-                num_layers,
-                kv_heads,
-                head_dim,
-            },
+            wire::Layout::Dense { num_layers, kv_heads, head_dim } => Layout::Dense { num_layers, kv_heads, head_dim },
             wire::Layout::Grouped { groups } => {
                 if groups.len() > MAX_GROUPS {
-                    return Err(SpanError::TooMany {
-                        what: "groups",
-                        max: MAX_GROUPS,
-                        found: groups.len(),
-                    });
+                    return Err(SpanError::TooMany { what: "groups", max: MAX_GROUPS, found: groups.len() });
                 }
                 let groups = groups
                     .into_iter()
@@ -341,26 +312,16 @@ impl TryFrom<wire::Manifest> for Manifest {
                             (1, 0) => return Err(SpanError::ZeroWindow { group: g.id }),
                             (1, window) => GroupKind::Sliding { window },
                             (2, _) => GroupKind::Recurrent,
-                            (found, _) => {
-                                return Err(SpanError::UnknownGroupKind { group: g.id, found })
-                            }
+                            (found, _) => return Err(SpanError::UnknownGroupKind { group: g.id, found }),
                         };
-                        Ok(Group {
-                            id: g.id,
-                            kind,
-                            layers: g.layers,
-                        })
+                        Ok(Group { id: g.id, kind, layers: g.layers })
                     })
                     .collect::<Result<_, _>>()?;
                 Layout::Grouped { groups }
             }
         };
         if w.entries.len() > MAX_ENTRIES {
-            return Err(SpanError::TooMany {
-                what: "entries",
-                max: MAX_ENTRIES,
-                found: w.entries.len(),
-            });
+            return Err(SpanError::TooMany { what: "entries", max: MAX_ENTRIES, found: w.entries.len() });
         }
         let entries = w
             .entries

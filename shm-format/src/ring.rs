@@ -82,9 +82,7 @@ pub enum RingLayoutError {
         found: u32,
     },
     /// Slot stride not a page multiple in range.
-    #[error(
-        "slot stride: expected a multiple of {PAGE} in {PAGE}..={MAX_SLOT_STRIDE}, found {found}"
-    )]
+    #[error("slot stride: expected a multiple of {PAGE} in {PAGE}..={MAX_SLOT_STRIDE}, found {found}")]
     BadSlotStride {
         /// Requested or found.
         found: u64,
@@ -115,23 +113,16 @@ impl RingGeometry {
         if slot_stride == 0 || slot_stride % PAGE != 0 || slot_stride > MAX_SLOT_STRIDE {
             return Err(RingLayoutError::BadSlotStride { found: slot_stride });
         }
-        Ok(RingGeometry {
-            slot_count,
-            slot_stride,
-        })
+        Ok(RingGeometry { slot_count, slot_stride })
     }
 
     /// Reads the geometry back from a control header (the producer's side).
     pub fn from_control(header: &ControlHeader) -> Result<(Self, u64), RingLayoutError> {
         if header.magic != CONTROL_MAGIC {
-            return Err(RingLayoutError::BadMagic {
-                found: header.magic,
-            });
+            return Err(RingLayoutError::BadMagic { found: header.magic });
         }
         if header.version_major.get() != RING_MAJOR {
-            return Err(RingLayoutError::UnsupportedMajorVersion {
-                found: header.version_major.get(),
-            });
+            return Err(RingLayoutError::UnsupportedMajorVersion { found: header.version_major.get() });
         }
         let geometry = Self::from_parts(header.slot_count.get(), header.slot_stride.get())?;
         Ok((geometry, header.producer_epoch.get()))
@@ -216,21 +207,12 @@ mod tests {
 
     #[test]
     fn bad_geometry_is_rejected() {
-        assert_eq!(
-            RingGeometry::new(0, 10),
-            Err(RingLayoutError::BadSlotCount { found: 0 })
-        );
+        assert_eq!(RingGeometry::new(0, 10), Err(RingLayoutError::BadSlotCount { found: 0 }));
         assert!(RingGeometry::new(1, u64::MAX).is_err());
         let mut h = RingGeometry::new(1, 10).unwrap().control_header(0);
         h.slot_stride = 4097.into();
-        assert_eq!(
-            RingGeometry::from_control(&h),
-            Err(RingLayoutError::BadSlotStride { found: 4097 })
-        );
+        assert_eq!(RingGeometry::from_control(&h), Err(RingLayoutError::BadSlotStride { found: 4097 }));
         h.magic = *b"XXXXXXXX";
-        assert!(matches!(
-            RingGeometry::from_control(&h),
-            Err(RingLayoutError::BadMagic { .. })
-        ));
+        assert!(matches!(RingGeometry::from_control(&h), Err(RingLayoutError::BadMagic { .. })));
     }
 }

@@ -8,8 +8,8 @@ use zerocopy::IntoBytes;
 use crate::header::{FrameHeader, HEADER_LEN};
 use crate::manifest::wire;
 use crate::{
-    encode_frame, encode_raw, seal_frame, Dtype, Entry, EntryKind, FrameCoords, Group, GroupKind,
-    KvGeometry, LayerKv, Layout, Manifest,
+    encode_frame, encode_raw, seal_frame, Dtype, Entry, EntryKind, FrameCoords, Group, GroupKind, KvGeometry, LayerKv,
+    Layout, Manifest,
 };
 
 /// One fixture: a file name, its bytes, and the verdict `inspect-span` must give: `None` for valid, or
@@ -26,15 +26,7 @@ pub struct Fixture {
 
 /// A small model with four identical full-attention layers.
 pub fn tiny_dense_geometry() -> KvGeometry {
-    KvGeometry {
-        layers: vec![
-            LayerKv::Full {
-                kv_heads: 2,
-                head_dim: 4
-            };
-            4
-        ],
-    }
+    KvGeometry { layers: vec![LayerKv::Full { kv_heads: 2, head_dim: 4 }; 4] }
 }
 
 /// A small Gemma-3-like model: six layers, every third full, the rest sliding with window 4.
@@ -42,16 +34,9 @@ pub fn tiny_gemma_geometry() -> KvGeometry {
     let layers = (0..6)
         .map(|l| {
             if l % 3 == 2 {
-                LayerKv::Full {
-                    kv_heads: 1,
-                    head_dim: 4,
-                }
+                LayerKv::Full { kv_heads: 1, head_dim: 4 }
             } else {
-                LayerKv::Sliding {
-                    window: 4,
-                    kv_heads: 1,
-                    head_dim: 4,
-                }
+                LayerKv::Sliding { window: 4, kv_heads: 1, head_dim: 4 }
             }
         })
         .collect();
@@ -62,24 +47,16 @@ pub fn tiny_gemma_geometry() -> KvGeometry {
 pub fn tiny_hybrid_geometry() -> KvGeometry {
     KvGeometry {
         layers: vec![
-            LayerKv::Full {
-                kv_heads: 1,
-                head_dim: 4,
-            },
+            LayerKv::Full { kv_heads: 1, head_dim: 4 },
             LayerKv::Recurrent { state_elems: 6 },
-            LayerKv::Full {
-                kv_heads: 1,
-                head_dim: 4,
-            },
+            LayerKv::Full { kv_heads: 1, head_dim: 4 },
         ],
     }
 }
 
 /// A deterministic payload of `len` bytes.
 pub fn pattern(len: u64, seed: u8) -> Vec<u8> {
-    (0..len)
-        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
-        .collect()
+    (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
 fn frame(m: &Manifest) -> Vec<u8> {
@@ -137,26 +114,14 @@ pub fn fixtures() -> Vec<Fixture> {
         ("valid-dense-bf16", dense_bytes.clone(), None),
         ("valid-grouped-f32", frame(&grouped), None),
         ("valid-grouped-recurrent-f16", frame(&hybrid), None),
-        (
-            "truncated-header",
-            dense_bytes[..40].to_vec(),
-            Some("truncated_header"),
-        ),
-        (
-            "bad-magic",
-            edit_header(dense_bytes.clone(), true, |h| h.magic = *b"PDKVSPAM"),
-            Some("bad_magic"),
-        ),
+        ("truncated-header", dense_bytes[..40].to_vec(), Some("truncated_header")),
+        ("bad-magic", edit_header(dense_bytes.clone(), true, |h| h.magic = *b"PDKVSPAM"), Some("bad_magic")),
         (
             "major-version-2",
             edit_header(dense_bytes.clone(), true, |h| h.version_major = 2.into()),
             Some("unsupported_major_version"),
         ),
-        (
-            "unknown-flags",
-            edit_header(dense_bytes.clone(), true, |h| h.flags = 1.into()),
-            Some("unknown_flags"),
-        ),
+        ("unknown-flags", edit_header(dense_bytes.clone(), true, |h| h.flags = 1.into()), Some("unknown_flags")),
         (
             "bad-header-len",
             edit_header(dense_bytes.clone(), true, |h| h.header_len = 60.into()),
@@ -169,61 +134,19 @@ pub fn fixtures() -> Vec<Fixture> {
         ),
         (
             "payload-len-overflow",
-            edit_header(dense_bytes.clone(), false, |h| {
-                h.payload_len = u64::MAX.into()
-            }),
+            edit_header(dense_bytes.clone(), false, |h| h.payload_len = u64::MAX.into()),
             Some("payload_too_large"),
         ),
-        (
-            "truncated-payload",
-            dense_bytes[..n - 1].to_vec(),
-            Some("truncated"),
-        ),
-        (
-            "trailing-byte",
-            [dense_bytes.as_slice(), &[0]].concat(),
-            Some("trailing_bytes"),
-        ),
-        (
-            "nonzero-padding",
-            nonzero_padding(&dense),
-            Some("nonzero_padding"),
-        ),
-        (
-            "flipped-payload-bit",
-            flip(&dense_bytes, n - 5, 0x10),
-            Some("checksum_mismatch"),
-        ),
-        (
-            "flipped-checksum-bit",
-            flip(&dense_bytes, crate::CHECKSUM_OFFSET, 0x01),
-            Some("checksum_mismatch"),
-        ),
-        (
-            "garbage-manifest",
-            encode_raw(&[0xff; 10], &[0; 16], FrameCoords::default()),
-            Some("manifest_decode"),
-        ),
-        (
-            "manifest-trailing-byte",
-            manifest_trailing_byte(&dense),
-            Some("manifest_trailing_bytes"),
-        ),
-        (
-            "too-many-groups",
-            frame(&too_many_groups()),
-            Some("too_many"),
-        ),
-        (
-            "unknown-dtype",
-            frame_wire(&dense, |w| w.dtype = 9),
-            Some("unknown_dtype"),
-        ),
-        (
-            "unknown-entry-kind",
-            frame_wire(&dense, |w| w.entries[3].kind = 7),
-            Some("unknown_entry_kind"),
-        ),
+        ("truncated-payload", dense_bytes[..n - 1].to_vec(), Some("truncated")),
+        ("trailing-byte", [dense_bytes.as_slice(), &[0]].concat(), Some("trailing_bytes")),
+        ("nonzero-padding", nonzero_padding(&dense), Some("nonzero_padding")),
+        ("flipped-payload-bit", flip(&dense_bytes, n - 5, 0x10), Some("checksum_mismatch")),
+        ("flipped-checksum-bit", flip(&dense_bytes, crate::CHECKSUM_OFFSET, 0x01), Some("checksum_mismatch")),
+        ("garbage-manifest", encode_raw(&[0xff; 10], &[0; 16], FrameCoords::default()), Some("manifest_decode")),
+        ("manifest-trailing-byte", manifest_trailing_byte(&dense), Some("manifest_trailing_bytes")),
+        ("too-many-groups", frame(&too_many_groups()), Some("too_many")),
+        ("unknown-dtype", frame_wire(&dense, |w| w.dtype = 9), Some("unknown_dtype")),
+        ("unknown-entry-kind", frame_wire(&dense, |w| w.entries[3].kind = 7), Some("unknown_entry_kind")),
         (
             "unknown-group-kind",
             frame_wire(&grouped, |w| match &mut w.layout {
@@ -240,19 +163,11 @@ pub fn fixtures() -> Vec<Fixture> {
             }),
             Some("zero_window"),
         ),
-        (
-            "empty-token-range",
-            frame(&with(&dense, |m| m.token_end = m.token_start)),
-            Some("bad_token_range"),
-        ),
+        ("empty-token-range", frame(&with(&dense, |m| m.token_end = m.token_start)), Some("bad_token_range")),
         (
             "dense-zero-heads",
             frame(&with(&dense, |m| {
-                m.layout = Layout::Dense {
-                    num_layers: 4,
-                    kv_heads: 0,
-                    head_dim: 4,
-                };
+                m.layout = Layout::Dense { num_layers: 4, kv_heads: 0, head_dim: 4 };
             })),
             Some("empty_dense_layout"),
         ),
@@ -264,16 +179,8 @@ pub fn fixtures() -> Vec<Fixture> {
             })),
             Some("empty_group"),
         ),
-        (
-            "duplicate-group-id",
-            frame(&with(&grouped, |m| groups_mut(m)[1].id = 0)),
-            Some("duplicate_group"),
-        ),
-        (
-            "layer-in-two-groups",
-            frame(&with(&grouped, |m| groups_mut(m)[1].layers.push(0))),
-            Some("duplicate_layer"),
-        ),
+        ("duplicate-group-id", frame(&with(&grouped, |m| groups_mut(m)[1].id = 0)), Some("duplicate_group")),
+        ("layer-in-two-groups", frame(&with(&grouped, |m| groups_mut(m)[1].layers.push(0))), Some("duplicate_layer")),
         (
             "duplicate-entry",
             frame(&with(&dense, |m| {
@@ -285,9 +192,7 @@ pub fn fixtures() -> Vec<Fixture> {
         ),
         (
             "dense-layer-26-of-26",
-            frame(&with(&dense, |m| {
-                m.entries.last_mut().expect("entries").layer = 4
-            })),
+            frame(&with(&dense, |m| m.entries.last_mut().expect("entries").layer = 4)),
             Some("layer_not_in_layout"),
         ),
         (
@@ -298,16 +203,11 @@ pub fn fixtures() -> Vec<Fixture> {
         (
             "grouped-missing-v",
             frame(&with(&grouped, |m| {
-                m.entries
-                    .retain(|e| !(e.layer == 5 && e.kind == EntryKind::V));
+                m.entries.retain(|e| !(e.layer == 5 && e.kind == EntryKind::V));
             })),
             Some("missing_entry"),
         ),
-        (
-            "rank-2-k",
-            frame(&with(&dense, |m| m.entries[0].shape = vec![3, 8])),
-            Some("bad_rank"),
-        ),
+        ("rank-2-k", frame(&with(&dense, |m| m.entries[0].shape = vec![3, 8])), Some("bad_rank")),
         (
             "zero-head-dim",
             frame(&with(&grouped, |m| {
@@ -323,11 +223,7 @@ pub fn fixtures() -> Vec<Fixture> {
             })),
             Some("token_dim_mismatch"),
         ),
-        (
-            "shape-len-mismatch",
-            frame(&with(&grouped, |m| m.entries[0].len += 2)),
-            Some("shape_len_mismatch"),
-        ),
+        ("shape-len-mismatch", frame(&with(&grouped, |m| m.entries[0].len += 2)), Some("shape_len_mismatch")),
         (
             "entry-out-of-bounds",
             frame_with_payload(
@@ -338,10 +234,7 @@ pub fn fixtures() -> Vec<Fixture> {
         ),
         (
             "entries-overlap",
-            frame_with_payload(
-                &with(&grouped, |m| m.entries[1].offset = 8),
-                &pattern(grouped.payload_len(), 1),
-            ),
+            frame_with_payload(&with(&grouped, |m| m.entries[1].offset = 8), &pattern(grouped.payload_len(), 1)),
             Some("entry_overlap"),
         ),
         (
@@ -360,13 +253,7 @@ pub fn fixtures() -> Vec<Fixture> {
         ),
     ];
     out.sort_by(|a, b| a.0.cmp(b.0));
-    out.into_iter()
-        .map(|(name, bytes, verdict)| Fixture {
-            name: format!("{name}.span"),
-            bytes,
-            verdict,
-        })
-        .collect()
+    out.into_iter().map(|(name, bytes, verdict)| Fixture { name: format!("{name}.span"), bytes, verdict }).collect()
 }
 
 fn groups_mut(m: &mut Manifest) -> &mut Vec<Group> {
@@ -387,10 +274,7 @@ fn nonzero_padding(m: &Manifest) -> Vec<u8> {
     let mut bytes = frame(m);
     let info = crate::parse_header_prefix(&bytes).expect("valid");
     let range = info.manifest_range();
-    assert!(
-        info.payload_offset as usize > range.end,
-        "the fixture manifest leaves padding"
-    );
+    assert!(info.payload_offset as usize > range.end, "the fixture manifest leaves padding");
     bytes[range.end] = 0xA5;
     seal_frame(&mut bytes);
     bytes
@@ -399,29 +283,15 @@ fn nonzero_padding(m: &Manifest) -> Vec<u8> {
 fn manifest_trailing_byte(m: &Manifest) -> Vec<u8> {
     let mut manifest = m.encode();
     manifest.push(0);
-    encode_raw(
-        &manifest,
-        &pattern(m.payload_len(), 0),
-        FrameCoords::default(),
-    )
+    encode_raw(&manifest, &pattern(m.payload_len(), 0), FrameCoords::default())
 }
 
 fn too_many_groups() -> Manifest {
     let groups: Vec<Group> = (0..crate::MAX_GROUPS as u32 + 1)
-        .map(|id| Group {
-            id,
-            kind: GroupKind::Recurrent,
-            layers: vec![id],
-        })
+        .map(|id| Group { id, kind: GroupKind::Recurrent, layers: vec![id] })
         .collect();
     let entries = (0..groups.len() as u32)
-        .map(|layer| Entry {
-            layer,
-            kind: EntryKind::State,
-            shape: vec![1],
-            offset: u64::from(layer) * 4,
-            len: 4,
-        })
+        .map(|layer| Entry { layer, kind: EntryKind::State, shape: vec![1], offset: u64::from(layer) * 4, len: 4 })
         .collect();
     Manifest {
         fingerprint: crate::Fingerprint(1),

@@ -24,13 +24,7 @@ fn verdict_line(f: &testing::Fixture) -> String {
 fn every_fixture_decodes_to_its_verdict() {
     for f in fixtures() {
         let got = decode_frame(&f.bytes).err().map(|e| e.kind());
-        assert_eq!(
-            got,
-            f.verdict,
-            "fixture {}: {:?}",
-            f.name,
-            decode_frame(&f.bytes).err()
-        );
+        assert_eq!(got, f.verdict, "fixture {}: {:?}", f.name, decode_frame(&f.bytes).err());
     }
 }
 
@@ -54,58 +48,28 @@ fn fixture_files_are_current() {
         }
         std::fs::write(dir.join("verdicts.txt"), &verdicts).unwrap();
     }
-    let on_disk =
-        std::fs::read_to_string(dir.join("verdicts.txt")).expect("fixtures/spans/verdicts.txt");
-    assert_eq!(
-        on_disk, verdicts,
-        "verdicts.txt is stale: rerun with PDHOST_BLESS=1"
-    );
+    let on_disk = std::fs::read_to_string(dir.join("verdicts.txt")).expect("fixtures/spans/verdicts.txt");
+    assert_eq!(on_disk, verdicts, "verdicts.txt is stale: rerun with PDHOST_BLESS=1");
     for f in &all {
         let bytes = std::fs::read(dir.join(&f.name)).unwrap_or_else(|e| panic!("{}: {e}", f.name));
-        assert!(
-            bytes == f.bytes,
-            "{} is stale: rerun with PDHOST_BLESS=1",
-            f.name
-        );
+        assert!(bytes == f.bytes, "{} is stale: rerun with PDHOST_BLESS=1", f.name);
     }
-    let files = std::fs::read_dir(&dir).unwrap().filter(|e| {
-        e.as_ref()
-            .unwrap()
-            .path()
-            .extension()
-            .is_some_and(|x| x == "span")
-    });
-    assert_eq!(
-        files.count(),
-        all.len(),
-        "stray .span files in fixtures/spans"
-    );
+    let files = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter(|e| e.as_ref().unwrap().path().extension().is_some_and(|x| x == "span"));
+    assert_eq!(files.count(), all.len(), "stray .span files in fixtures/spans");
 }
 
 fn ring_rejections() -> Vec<SpanError> {
     let frame = encode_frame(&testing::valid_dense(), &[0; 192], FrameCoords::default());
     let info = parse_header_prefix(&frame).unwrap();
-    let ok = RingExpectation {
-        producer_epoch: 0,
-        slot_generation: 0,
-        sequence: 0,
-        slot_capacity: info.frame_len,
-    };
+    let ok = RingExpectation { producer_epoch: 0, slot_generation: 0, sequence: 0, slot_capacity: info.frame_len };
     assert_eq!(ok.check(&info), Ok(()));
     [
-        RingExpectation {
-            producer_epoch: 3,
-            ..ok
-        },
-        RingExpectation {
-            slot_generation: 2,
-            ..ok
-        },
+        RingExpectation { producer_epoch: 3, ..ok },
+        RingExpectation { slot_generation: 2, ..ok },
         RingExpectation { sequence: 1, ..ok },
-        RingExpectation {
-            slot_capacity: info.frame_len - 1,
-            ..ok
-        },
+        RingExpectation { slot_capacity: info.frame_len - 1, ..ok },
     ]
     .iter()
     .map(|e| e.check(&info).unwrap_err())
@@ -115,15 +79,7 @@ fn ring_rejections() -> Vec<SpanError> {
 #[test]
 fn ring_expectation_rejects_each_coordinate() {
     let kinds: Vec<_> = ring_rejections().iter().map(SpanError::kind).collect();
-    assert_eq!(
-        kinds,
-        [
-            "wrong_epoch",
-            "stale_generation",
-            "unexpected_sequence",
-            "frame_exceeds_slot"
-        ]
-    );
+    assert_eq!(kinds, ["wrong_epoch", "stale_generation", "unexpected_sequence", "frame_exceeds_slot"]);
 }
 
 #[test]
@@ -131,10 +87,7 @@ fn every_rejection_kind_has_a_test() {
     let mut seen: BTreeSet<&str> = fixtures().iter().filter_map(|f| f.verdict).collect();
     seen.extend(ring_rejections().iter().map(SpanError::kind));
     let all: BTreeSet<&str> = ALL_KINDS.iter().copied().collect();
-    assert_eq!(
-        seen, all,
-        "every SpanError kind needs a fixture or a ring test"
-    );
+    assert_eq!(seen, all, "every SpanError kind needs a fixture or a ring test");
 }
 
 #[test]
@@ -143,11 +96,7 @@ fn errors_name_expected_and_found() {
         if let Err(e) = decode_frame(&f.bytes) {
             let msg = e.to_string();
             assert!(!msg.contains('\n'), "{}: one line: {msg}", f.name);
-            assert!(
-                msg.contains("expected"),
-                "{}: names what was expected: {msg}",
-                f.name
-            );
+            assert!(msg.contains("expected"), "{}: names what was expected: {msg}", f.name);
         }
     }
 }
@@ -171,11 +120,7 @@ fn every_bit_flip_truncation_and_extension_is_rejected() {
             }
         }
         for len in 0..f.bytes.len() {
-            assert!(
-                decode_frame(&f.bytes[..len]).is_err(),
-                "{} truncated to {len}",
-                f.name
-            );
+            assert!(decode_frame(&f.bytes[..len]).is_err(), "{} truncated to {len}", f.name);
         }
         for extra in [1usize, 7, 64, 4096] {
             let mut b = f.bytes.clone();

@@ -23,10 +23,7 @@ pub enum Woken {
 impl Doorbell {
     /// A new non-blocking eventfd.
     pub fn new() -> std::io::Result<Self> {
-        Ok(Doorbell(rustix::event::eventfd(
-            0,
-            EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK,
-        )?))
+        Ok(Doorbell(rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?))
     }
 
     /// Wraps a received eventfd.
@@ -59,21 +56,15 @@ impl Doorbell {
 
 /// Waits until `bell` rings, `other` (if any) becomes readable, or `deadline` passes. A ring is consumed;
 /// the caller then re-checks the shared words, since a ring only says "look again".
-pub fn wait(
-    bell: &Doorbell,
-    other: Option<BorrowedFd<'_>>,
-    deadline: Instant,
-) -> std::io::Result<Woken> {
+pub fn wait(bell: &Doorbell, other: Option<BorrowedFd<'_>>, deadline: Instant) -> std::io::Result<Woken> {
     loop {
         let now = Instant::now();
         if now >= deadline {
             return Ok(Woken::TimedOut);
         }
         let left = deadline - now;
-        let timeout = rustix::event::Timespec {
-            tv_sec: left.as_secs() as i64,
-            tv_nsec: i64::from(left.subsec_nanos()),
-        };
+        let timeout =
+            rustix::event::Timespec { tv_sec: left.as_secs() as i64, tv_nsec: i64::from(left.subsec_nanos()) };
         let mut fds = vec![PollFd::new(&bell.0, PollFlags::IN)];
         if let Some(fd) = other {
             fds.push(PollFd::from_borrowed_fd(fd, PollFlags::IN));

@@ -4,9 +4,7 @@ use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 use shm_format::ring::RingGeometry;
-use shm_format::{
-    decode_body, FrameHasher, HeaderInfo, RingExpectation, SpanError, SpanView, HEADER_LEN,
-};
+use shm_format::{decode_body, FrameHasher, HeaderInfo, RingExpectation, SpanError, SpanView, HEADER_LEN};
 use zerocopy::IntoBytes;
 
 use crate::doorbell::{wait, Doorbell, Woken};
@@ -27,9 +25,7 @@ pub const COPY_CHUNK: usize = 128 << 10;
 #[non_exhaustive]
 pub enum RingError {
     /// No frame was committed before the deadline.
-    #[error(
-        "no span committed within {waited:?}: expected frame {sequence} in slot {slot}, found none"
-    )]
+    #[error("no span committed within {waited:?}: expected frame {sequence} in slot {slot}, found none")]
     Timeout {
         /// How long the host waited.
         waited: Duration,
@@ -64,15 +60,15 @@ pub enum RingError {
         source: SpanError,
     },
     /// The producer rewrote the header after committing it (a double-fetch attack or bug).
-    #[error("slot {slot}: header changed after commit: expected the {HEADER_LEN} bytes read first, found different bytes")]
+    #[error(
+        "slot {slot}: header changed after commit: expected the {HEADER_LEN} bytes read first, found different bytes"
+    )]
     HeaderChangedAfterCommit {
         /// Slot.
         slot: u32,
     },
     /// The commit word changed while the host copied the frame.
-    #[error(
-        "slot {slot}: commit word changed during the copy: expected {expected}, found {found}"
-    )]
+    #[error("slot {slot}: commit word changed during the copy: expected {expected}, found {found}")]
     CommitChanged {
         /// Slot.
         slot: u32,
@@ -129,32 +125,13 @@ pub type HostRing = RingReader<MemfdSegment, MemfdSegment>;
 
 /// Creates the two sealed segments and the two doorbells of a ring for a producer of `epoch`, and
 /// returns its host end. The descriptors to hand the producer come from [`RingReader::peer_fds`].
-pub fn create_ring(
-    name: &str,
-    geometry: RingGeometry,
-    epoch: u64,
-) -> Result<HostRing, SegmentError> {
-    let control = MemfdSegment::create(
-        &format!("{name}.control"),
-        geometry.control_len() as usize,
-        Writer::Host,
-    )?;
-    let data = MemfdSegment::create(
-        &format!("{name}.data"),
-        geometry.data_len() as usize,
-        Writer::Peer,
-    )?;
-    let bell = |name: &str| {
-        Doorbell::new().map_err(|source| SegmentError::Os {
-            op: "eventfd",
-            name: name.into(),
-            source,
-        })
-    };
+pub fn create_ring(name: &str, geometry: RingGeometry, epoch: u64) -> Result<HostRing, SegmentError> {
+    let control = MemfdSegment::create(&format!("{name}.control"), geometry.control_len() as usize, Writer::Host)?;
+    let data = MemfdSegment::create(&format!("{name}.data"), geometry.data_len() as usize, Writer::Peer)?;
+    let bell =
+        |name: &str| Doorbell::new().map_err(|source| SegmentError::Os { op: "eventfd", name: name.into(), source });
     let (from_peer, to_peer) = (bell("from_peer")?, bell("to_peer")?);
-    Ok(RingReader::new(
-        control, data, geometry, epoch, from_peer, to_peer,
-    ))
+    Ok(RingReader::new(control, data, geometry, epoch, from_peer, to_peer))
 }
 
 impl<C: Segment, D: Segment> RingReader<C, D> {
@@ -169,10 +146,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         from_peer: Doorbell,
         to_peer: Doorbell,
     ) -> Self {
-        assert!(
-            control.len() as u64 >= geometry.control_len() && control.writable(),
-            "control segment"
-        );
+        assert!(control.len() as u64 >= geometry.control_len() && control.writable(), "control segment");
         assert!(data.len() as u64 >= geometry.data_len(), "data segment");
         control.copy_in(0, geometry.control_header(epoch).as_bytes());
         let reader = RingReader {
@@ -230,11 +204,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
     ///
     /// `watch`, if given, is polled alongside the doorbell: when it becomes readable (a pidfd does when the
     /// process exits) the wait ends with [`RingError::PeerExited`].
-    pub fn take(
-        &mut self,
-        deadline: Instant,
-        watch: Option<BorrowedFd<'_>>,
-    ) -> Result<SpanView<'_>, RingError> {
+    pub fn take(&mut self, deadline: Instant, watch: Option<BorrowedFd<'_>>) -> Result<SpanView<'_>, RingError> {
         let started = Instant::now();
         loop {
             if self.poll_next()? {
@@ -248,9 +218,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
                         return self.try_take().map(|span| span.expect("committed frame"));
                     }
                     self.poisoned = true;
-                    return Err(RingError::PeerExited {
-                        sequence: self.next_sequence,
-                    });
+                    return Err(RingError::PeerExited { sequence: self.next_sequence });
                 }
                 Woken::TimedOut => {
                     return Err(RingError::Timeout {
@@ -275,11 +243,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
             SlotState::Committed => Ok(true),
             SlotState::Invalid { found } => {
                 self.poisoned = true;
-                Err(RingError::InvalidCommit {
-                    slot,
-                    expected: generation,
-                    found,
-                })
+                Err(RingError::InvalidCommit { slot, expected: generation, found })
             }
         }
     }
@@ -298,8 +262,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         match self.copy_out(slot) {
             Ok((info, checksum)) => {
                 let generation = self.granted[slot as usize];
-                self.granted[slot as usize] =
-                    protocol::host_release(&self.grant_word(slot), generation);
+                self.granted[slot as usize] = protocol::host_release(&self.grant_word(slot), generation);
                 self.next_sequence += 1;
                 self.to_peer.ring();
                 let frame = &self.private[..info.frame_len as usize];
@@ -353,12 +316,10 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         if again != header {
             return Err(RingError::HeaderChangedAfterCommit { slot });
         }
-        protocol::host_recheck(&self.commit_word(slot), generation).map_err(|found| {
-            RingError::CommitChanged {
-                slot,
-                expected: generation,
-                found,
-            }
+        protocol::host_recheck(&self.commit_word(slot), generation).map_err(|found| RingError::CommitChanged {
+            slot,
+            expected: generation,
+            found,
         })?;
         Ok((info, hasher.finish()))
     }
@@ -370,12 +331,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         C: AsFdSegment,
         D: AsFdSegment,
     {
-        [
-            self.control.segment_fd(),
-            self.data.segment_fd(),
-            self.from_peer.fd(),
-            self.to_peer.fd(),
-        ]
+        [self.control.segment_fd(), self.data.segment_fd(), self.from_peer.fd(), self.to_peer.fd()]
     }
 }
 

@@ -34,42 +34,17 @@ impl HeapRing {
         }
     }
 
-    fn ends(
-        &self,
-        epoch: u64,
-    ) -> (
-        RingReader<HeapView<'_>, HeapView<'_>>,
-        RingWriter<HeapView<'_>, HeapView<'_>>,
-    ) {
+    fn ends(&self, epoch: u64) -> (RingReader<HeapView<'_>, HeapView<'_>>, RingWriter<HeapView<'_>, HeapView<'_>>) {
         let (up, down) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
         let (up2, down2) = (up.try_clone().unwrap(), down.try_clone().unwrap());
-        let reader = RingReader::new(
-            self.control.view(true),
-            self.data.view(false),
-            self.geometry,
-            epoch,
-            up,
-            down,
-        );
-        let writer = RingWriter::new(
-            self.control.view(false),
-            self.data.view(true),
-            self.geometry,
-            epoch,
-            up2,
-            down2,
-        );
+        let reader = RingReader::new(self.control.view(true), self.data.view(false), self.geometry, epoch, up, down);
+        let writer = RingWriter::new(self.control.view(false), self.data.view(true), self.geometry, epoch, up2, down2);
         (reader, writer)
     }
 }
 
 fn manifest(request: u64, start: u64, len: u64) -> Manifest {
-    Manifest::grouped(
-        &tiny_gemma_geometry(),
-        request,
-        start..start + len,
-        Dtype::Bf16,
-    )
+    Manifest::grouped(&tiny_gemma_geometry(), request, start..start + len, Dtype::Bf16)
 }
 
 #[test]
@@ -80,20 +55,13 @@ fn spans_cross_the_ring_in_order_across_slot_reuse() {
         s.spawn(move || {
             for i in 0..20u64 {
                 let m = manifest(i, i * 4, 1 + i % 7);
-                writer
-                    .write_span(&m, soon(), |p| {
-                        p.copy_from_slice(&pattern(p.len() as u64, i as u8))
-                    })
-                    .unwrap();
+                writer.write_span(&m, soon(), |p| p.copy_from_slice(&pattern(p.len() as u64, i as u8))).unwrap();
             }
         });
         for i in 0..20u64 {
             let span = reader.take(soon(), None).unwrap();
             assert_eq!(span.manifest, manifest(i, i * 4, 1 + i % 7));
-            assert_eq!(
-                span.payload,
-                &pattern(span.payload.len() as u64, i as u8)[..]
-            );
+            assert_eq!(span.payload, &pattern(span.payload.len() as u64, i as u8)[..]);
             assert_eq!((span.header.sequence, span.header.producer_epoch), (i, 5));
             assert_eq!(span.header.slot_generation, 1 + i / 3);
         }
@@ -106,11 +74,7 @@ fn a_frame_longer_than_one_copy_chunk_checksums_correctly() {
     let (mut reader, mut writer) = ring.ends(1);
     let m = Manifest::grouped(&tiny_gemma_geometry(), 1, 0..10_000, Dtype::F32);
     assert!(m.payload_len() > 2 * crate::COPY_CHUNK as u64);
-    writer
-        .write_span(&m, soon(), |p| {
-            p.copy_from_slice(&pattern(p.len() as u64, 9))
-        })
-        .unwrap();
+    writer.write_span(&m, soon(), |p| p.copy_from_slice(&pattern(p.len() as u64, 9))).unwrap();
     let span = reader.try_take().unwrap().unwrap();
     assert_eq!(span.payload, &pattern(m.payload_len(), 9)[..]);
 }
@@ -120,20 +84,8 @@ fn nothing_committed_times_out_with_the_awaited_frame() {
     let ring = HeapRing::new(2, 4096);
     let (mut reader, _writer) = ring.ends(1);
     assert!(reader.try_take().unwrap().is_none());
-    let err = reader
-        .take(Instant::now() + Duration::from_millis(20), None)
-        .unwrap_err();
-    assert!(
-        matches!(
-            err,
-            RingError::Timeout {
-                sequence: 0,
-                slot: 0,
-                ..
-            }
-        ),
-        "{err}"
-    );
+    let err = reader.take(Instant::now() + Duration::from_millis(20), None).unwrap_err();
+    assert!(matches!(err, RingError::Timeout { sequence: 0, slot: 0, .. }), "{err}");
 }
 
 /// Writes a frame with `edit` applied to the sealed bytes, commits it, and returns the reader's verdict.
@@ -159,26 +111,11 @@ fn set_u64(frame: &mut [u8], at: usize, v: u64) {
 
 #[test]
 fn ring_coordinates_are_checked_against_private_state() {
-    assert_eq!(
-        take_after(|f, c| set_u64(f, 40, c.epoch + 1)),
-        "wrong_epoch"
-    );
-    assert_eq!(
-        take_after(|f, c| set_u64(f, 48, c.generation - 1)),
-        "stale_generation"
-    );
-    assert_eq!(
-        take_after(|f, c| set_u64(f, 56, c.sequence + 1)),
-        "unexpected_sequence"
-    );
-    assert_eq!(
-        take_after(|f, _| set_u64(f, 24, 1 << 20)),
-        "frame_exceeds_slot"
-    );
-    assert_eq!(
-        take_after(|f, _| *f.last_mut().unwrap() ^= 1),
-        "checksum_mismatch"
-    );
+    assert_eq!(take_after(|f, c| set_u64(f, 40, c.epoch + 1)), "wrong_epoch");
+    assert_eq!(take_after(|f, c| set_u64(f, 48, c.generation - 1)), "stale_generation");
+    assert_eq!(take_after(|f, c| set_u64(f, 56, c.sequence + 1)), "unexpected_sequence");
+    assert_eq!(take_after(|f, _| set_u64(f, 24, 1 << 20)), "frame_exceeds_slot");
+    assert_eq!(take_after(|f, _| *f.last_mut().unwrap() ^= 1), "checksum_mismatch");
     assert_eq!(take_after(|f, _| f[0] = b'X'), "bad_magic");
 }
 
@@ -201,20 +138,9 @@ fn a_replayed_frame_is_rejected() {
 fn a_commit_word_the_host_never_granted_is_rejected() {
     let ring = HeapRing::new(1, 4096);
     let (mut reader, _writer) = ring.ends(1);
-    ring.data
-        .store_release(ring.geometry.commit_offset(0) as usize, 77);
+    ring.data.store_release(ring.geometry.commit_offset(0) as usize, 77);
     let err = reader.try_take().map(|_| ()).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            RingError::InvalidCommit {
-                slot: 0,
-                expected: 1,
-                found: 77
-            }
-        ),
-        "{err}"
-    );
+    assert!(matches!(err, RingError::InvalidCommit { slot: 0, expected: 1, found: 77 }), "{err}");
 }
 
 /// A data segment that lets a test act as a malicious producer between the host's reads.
@@ -261,22 +187,10 @@ fn tampered(act: impl Fn(&HeapView<'_>, &RingGeometry) + 'static) -> String {
         act: Box::new(move |v: &HeapView<'_>| act(v, &geometry)),
     };
     let mut reader = RingReader::new(ring.control.view(true), data, geometry, 1, up, down);
-    let mut writer = RingWriter::new(
-        ring.control.view(false),
-        ring.data.view(true),
-        geometry,
-        1,
-        up2,
-        down2,
-    );
+    let mut writer = RingWriter::new(ring.control.view(false), ring.data.view(true), geometry, 1, up2, down2);
     let m = manifest(1, 0, 2);
     writer.write_span(&m, soon(), |p| p.fill(3)).unwrap();
-    let verdict = reader
-        .try_take()
-        .map(|_| ())
-        .unwrap_err()
-        .kind()
-        .to_string();
+    let verdict = reader.try_take().map(|_| ()).unwrap_err().kind().to_string();
     verdict
 }
 
@@ -311,12 +225,8 @@ fn memfd_segments_are_sealed_and_the_control_segment_refuses_new_writers() {
     let control = MemfdSegment::create("t.control", 8192, Writer::Host).unwrap();
     let data = MemfdSegment::create("t.data", 8192, Writer::Peer).unwrap();
     let seals = control.seals().unwrap();
-    assert!(seals
-        .contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL | SealFlags::FUTURE_WRITE));
-    assert!(data
-        .seals()
-        .unwrap()
-        .contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL));
+    assert!(seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL | SealFlags::FUTURE_WRITE));
+    assert!(data.seals().unwrap().contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL));
     // The host's own mapping still writes.
     control.store_release(64, 42);
     assert_eq!(control.load_acquire(64), 42);
@@ -325,10 +235,7 @@ fn memfd_segments_are_sealed_and_the_control_segment_refuses_new_writers() {
     assert!(rustix::fs::ftruncate(data.fd(), 1 << 20).is_err());
     assert!(rustix::io::write(control.fd(), b"x").is_err());
     let fd = control.fd().try_clone_to_owned().unwrap();
-    assert!(
-        MemfdSegment::open("again", fd, 8192, true).is_err(),
-        "writable map of control"
-    );
+    assert!(MemfdSegment::open("again", fd, 8192, true).is_err(), "writable map of control");
     let fd = control.fd().try_clone_to_owned().unwrap();
     let ro = MemfdSegment::open("again", fd, 8192, false).unwrap();
     assert_eq!(ro.load_acquire(64), 42);
@@ -342,11 +249,7 @@ fn a_memfd_ring_round_trips_in_one_process() {
     let mut writer = RingWriter::open(fds).unwrap();
     assert_eq!((writer.geometry(), writer.epoch()), (geometry, 4));
     let m = manifest(9, 100, 5);
-    writer
-        .write_span(&m, soon(), |p| {
-            p.copy_from_slice(&pattern(p.len() as u64, 1))
-        })
-        .unwrap();
+    writer.write_span(&m, soon(), |p| p.copy_from_slice(&pattern(p.len() as u64, 1))).unwrap();
     let span = reader.take(soon(), None).unwrap();
     assert_eq!(span.manifest, m);
 }

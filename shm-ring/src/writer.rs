@@ -20,9 +20,7 @@ use crate::segment::{Segment, SharedWord};
 #[non_exhaustive]
 pub enum WriteError {
     /// The host did not hand the slot back before the deadline.
-    #[error(
-        "slot {slot} not granted before the deadline: expected a generation above {last_commit}"
-    )]
+    #[error("slot {slot} not granted before the deadline: expected a generation above {last_commit}")]
     Timeout {
         /// Slot.
         slot: u32,
@@ -61,23 +59,14 @@ impl RingWriter<MemfdSegment, MemfdSegment> {
     /// Maps a ring from the four descriptors the host handed over, in [`crate::RingReader::peer_fds`] order.
     pub fn open(fds: [OwnedFd; 4]) -> Result<Self, WriteError> {
         let [control_fd, data_fd, to_host, from_host] = fds;
-        let control_len = rustix::fs::fstat(&control_fd)
-            .map_err(std::io::Error::from)?
-            .st_size as u64;
+        let control_len = rustix::fs::fstat(&control_fd).map_err(std::io::Error::from)?.st_size as u64;
         let control = MemfdSegment::open("control", control_fd, control_len, false)?;
         let mut header = [0u8; 64];
         control.copy_out(0, &mut header);
         let header = ControlHeader::read_from_bytes(&header).expect("64 bytes");
         let (geometry, epoch) = RingGeometry::from_control(&header)?;
         let data = MemfdSegment::open("data", data_fd, geometry.data_len(), true)?;
-        Ok(Self::new(
-            control,
-            data,
-            geometry,
-            epoch,
-            Doorbell::from_fd(to_host),
-            Doorbell::from_fd(from_host),
-        ))
+        Ok(Self::new(control, data, geometry, epoch, Doorbell::from_fd(to_host), Doorbell::from_fd(from_host)))
     }
 }
 
@@ -127,11 +116,7 @@ impl<C: Segment, D: Segment> RingWriter<C, D> {
                 return Err(WriteError::Timeout { slot, last_commit });
             }
         };
-        Ok(SlotWriter {
-            ring: self,
-            slot,
-            generation,
-        })
+        Ok(SlotWriter { ring: self, slot, generation })
     }
 
     /// Writes one span: reserves a slot, writes header and manifest, lets `fill` write the payload in
@@ -163,11 +148,7 @@ pub struct SlotWriter<'a, C: Segment, D: Segment> {
 impl<C: Segment, D: Segment> SlotWriter<'_, C, D> {
     /// The coordinates a frame in this slot must carry.
     pub fn coords(&self) -> FrameCoords {
-        FrameCoords {
-            epoch: self.ring.epoch,
-            generation: self.generation,
-            sequence: self.ring.next_sequence,
-        }
+        FrameCoords { epoch: self.ring.epoch, generation: self.generation, sequence: self.ring.next_sequence }
     }
 
     /// The slot's index.
@@ -190,19 +171,12 @@ impl<C: Segment, D: Segment> SlotWriter<'_, C, D> {
     }
 
     /// Writes header (with [`Self::coords`]) and manifest; returns where the payload goes.
-    pub fn write_prefix(
-        &mut self,
-        manifest: &[u8],
-        payload_len: u64,
-    ) -> Result<HeaderInfo, SpanError> {
+    pub fn write_prefix(&mut self, manifest: &[u8], payload_len: u64) -> Result<HeaderInfo, SpanError> {
         let coords = self.coords();
         let info = write_prefix(self.frame_mut(), manifest, payload_len, coords)?;
         let capacity = self.ring.geometry.frame_capacity();
         if info.frame_len > capacity {
-            return Err(SpanError::FrameExceedsSlot {
-                capacity,
-                found: info.frame_len,
-            });
+            return Err(SpanError::FrameExceedsSlot { capacity, found: info.frame_len });
         }
         Ok(info)
     }

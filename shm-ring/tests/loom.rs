@@ -78,11 +78,7 @@ fn host_reads_each_committed_frame_whole_and_race_free() {
             }
             // SAFETY (model): the slot is the host's between commit and release; loom checks it.
             let frame = slot.frame.with(|f| unsafe { *f });
-            assert_eq!(
-                frame,
-                (generation, 100 + round),
-                "the host sees exactly the committed frame"
-            );
+            assert_eq!(frame, (generation, 100 + round), "the host sees exactly the committed frame");
             assert_eq!(protocol::host_recheck(&slot.commit, generation), Ok(()));
             generation = protocol::host_release(&slot.grant, generation);
         }
@@ -100,14 +96,8 @@ fn a_producer_that_skips_a_generation_is_seen_as_invalid() {
             loom::thread::spawn(move || protocol::producer_commit(&slot.commit, 3))
         };
         let state = protocol::host_poll(&slot.commit, 1);
-        assert!(
-            matches!(state, SlotState::Pending | SlotState::Invalid { found: 3 }),
-            "{state:?}"
-        );
+        assert!(matches!(state, SlotState::Pending | SlotState::Invalid { found: 3 }), "{state:?}");
         p.join().unwrap();
-        assert_eq!(
-            protocol::host_poll(&slot.commit, 1),
-            SlotState::Invalid { found: 3 }
-        );
+        assert_eq!(protocol::host_poll(&slot.commit, 1), SlotState::Invalid { found: 3 });
     });
 }

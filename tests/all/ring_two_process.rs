@@ -30,9 +30,7 @@ fn a_child_writes_spans_that_the_parent_validates_in_order() {
     let mut proc = child(&ring, &["write", "100"]).spawn().unwrap();
     let pid = pidfd(&proc);
     for i in 0..100 {
-        let span = ring
-            .take(deadline(), Some(pid.as_fd()))
-            .unwrap_or_else(|e| panic!("span {i}: {e}"));
+        let span = ring.take(deadline(), Some(pid.as_fd())).unwrap_or_else(|e| panic!("span {i}: {e}"));
         let (manifest, payload) = span_for(i);
         assert_eq!(span.manifest, manifest, "span {i}");
         assert!(span.payload == payload, "span {i} payload");
@@ -45,19 +43,10 @@ fn a_child_writes_spans_that_the_parent_validates_in_order() {
 fn a_child_killed_mid_write_is_reported_as_exited_not_as_a_span() {
     let geometry = RingGeometry::new(2, 64 << 10).unwrap();
     let mut ring = create_ring("crash", geometry, 1).unwrap();
-    let mut proc = child(&ring, &["crash-mid-write"])
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut proc = child(&ring, &["crash-mid-write"]).stderr(Stdio::null()).spawn().unwrap();
     let pid = pidfd(&proc);
-    let err = ring
-        .take(deadline(), Some(pid.as_fd()))
-        .map(|_| ())
-        .unwrap_err();
-    assert!(
-        matches!(err, RingError::PeerExited { sequence: 0 }),
-        "{err}"
-    );
+    let err = ring.take(deadline(), Some(pid.as_fd())).map(|_| ()).unwrap_err();
+    assert!(matches!(err, RingError::PeerExited { sequence: 0 }), "{err}");
     assert!(!wait_with_deadline(&mut proc, pid.as_fd(), Duration::from_secs(20)).success());
     assert!(matches!(ring.try_take(), Err(RingError::Poisoned)));
 }
@@ -68,13 +57,7 @@ fn a_child_cannot_resize_or_write_the_control_segment() {
     let ring = create_ring("attack", geometry, 3).unwrap();
     let [control_fd, data_fd, ..] = ring.peer_fds();
     let control_len = geometry.control_len() as usize;
-    let view = MemfdSegment::open(
-        "view",
-        control_fd.try_clone_to_owned().unwrap(),
-        control_len as u64,
-        false,
-    )
-    .unwrap();
+    let view = MemfdSegment::open("view", control_fd.try_clone_to_owned().unwrap(), control_len as u64, false).unwrap();
     let snapshot = |seg: &MemfdSegment| {
         let mut b = vec![0u8; control_len];
         seg.copy_out(0, &mut b);
@@ -82,10 +65,7 @@ fn a_child_cannot_resize_or_write_the_control_segment() {
     };
     let before = snapshot(&view);
 
-    let mut proc = child(&ring, &["attack"])
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut proc = child(&ring, &["attack"]).stdout(Stdio::piped()).spawn().unwrap();
     let pid = pidfd(&proc);
     let status = wait_with_deadline(&mut proc, pid.as_fd(), Duration::from_secs(20));
     let mut out = String::new();

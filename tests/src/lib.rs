@@ -63,14 +63,8 @@ pub fn wait_with_deadline(
     pidfd: BorrowedFd<'_>,
     timeout: std::time::Duration,
 ) -> std::process::ExitStatus {
-    let mut fds = [rustix::event::PollFd::from_borrowed_fd(
-        pidfd,
-        rustix::event::PollFlags::IN,
-    )];
-    let ts = rustix::event::Timespec {
-        tv_sec: timeout.as_secs() as i64,
-        tv_nsec: i64::from(timeout.subsec_nanos()),
-    };
+    let mut fds = [rustix::event::PollFd::from_borrowed_fd(pidfd, rustix::event::PollFlags::IN)];
+    let ts = rustix::event::Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: i64::from(timeout.subsec_nanos()) };
     let ready = rustix::event::poll(&mut fds, Some(&ts)).expect("poll pidfd");
     if ready == 0 {
         let _ = child.kill();

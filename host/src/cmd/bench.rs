@@ -27,9 +27,7 @@ fn progress(len: u64, json: bool) -> ProgressBar {
     }
     let bar = ProgressBar::new(len);
     bar.set_style(
-        ProgressStyle::with_template("{msg:>24} [{bar:30}] {pos}/{len}")
-            .expect("template")
-            .progress_chars("=> "),
+        ProgressStyle::with_template("{msg:>24} [{bar:30}] {pos}/{len}").expect("template").progress_chars("=> "),
     );
     bar
 }
@@ -37,19 +35,8 @@ fn progress(len: u64, json: bool) -> ProgressBar {
 /// A dense span of `bytes` payload: 16 layers x 8 KV heads x 128 head dim in bf16 is 64 KiB per token.
 fn span_of(bytes: u64) -> anyhow::Result<Manifest> {
     const PER_TOKEN: u64 = 16 * 2 * 8 * 128 * 2;
-    anyhow::ensure!(
-        bytes % PER_TOKEN == 0 && bytes > 0,
-        "span size must be a positive multiple of 64 KiB"
-    );
-    let geometry = KvGeometry {
-        layers: vec![
-            LayerKv::Full {
-                kv_heads: 8,
-                head_dim: 128
-            };
-            16
-        ],
-    };
+    anyhow::ensure!(bytes % PER_TOKEN == 0 && bytes > 0, "span size must be a positive multiple of 64 KiB");
+    let geometry = KvGeometry { layers: vec![LayerKv::Full { kv_heads: 8, head_dim: 128 }; 16] };
     Ok(Manifest::dense(&geometry, 1, 0..bytes / PER_TOKEN, Dtype::Bf16).expect("uniform geometry"))
 }
 
@@ -67,17 +54,13 @@ fn ring(args: &RingBenchArgs) -> anyhow::Result<ExitCode> {
     for &mib in &args.sizes {
         let bytes = mib.checked_mul(1 << 20).context("size overflows")?;
         let manifest = span_of(bytes)?;
-        let iters = args
-            .iters
-            .unwrap_or_else(|| ((2u64 << 30) / bytes).clamp(5, 200) as u32);
+        let iters = args.iters.unwrap_or_else(|| ((2u64 << 30) / bytes).clamp(5, 200) as u32);
         let bar = progress(u64::from(iters), args.json);
         bar.set_message(format!("ring {mib} MiB"));
 
         let geometry = RingGeometry::new(1, bytes + (64 << 10)).context("ring geometry")?;
         let mut reader = create_ring("pdhost-bench", geometry, 1).context("creating the ring")?;
-        let fds = reader
-            .peer_fds()
-            .map(|fd| fd.try_clone_to_owned().expect("dup"));
+        let fds = reader.peer_fds().map(|fd| fd.try_clone_to_owned().expect("dup"));
         let mut writer = RingWriter::open(fds).context("mapping the producer end")?;
         // A second read-only mapping of the data segment, and a prefaulted buffer of the private copy's
         // size: the memcpy reference moves exactly the bytes the ring read moves, between the same kinds
@@ -109,23 +92,14 @@ fn ring(args: &RingBenchArgs) -> anyhow::Result<ExitCode> {
             std::hint::black_box(span.payload.len());
 
             let t = Instant::now();
-            source.copy_out(
-                geometry.frame_offset(0) as usize,
-                &mut dest[..frame_len as usize],
-            );
+            source.copy_out(geometry.frame_offset(0) as usize, &mut dest[..frame_len as usize]);
             copy_t.push(t.elapsed());
             std::hint::black_box(&dest);
             bar.inc(1);
         }
         bar.finish_and_clear();
         let (ring_m, copy_m) = (median(ring_t), median(copy_t));
-        rows.push((
-            bytes,
-            frame_len,
-            iters,
-            gbps(frame_len, ring_m),
-            gbps(frame_len, copy_m),
-        ));
+        rows.push((bytes, frame_len, iters, gbps(frame_len, ring_m), gbps(frame_len, copy_m)));
     }
 
     let checksums = checksum_rates(args.json);
@@ -140,29 +114,20 @@ fn ring(args: &RingBenchArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|(name, cached, mem)| json!({"algo": name, "l2_gbps": cached, "memory_gbps": mem}))
             .collect();
-        println!(
-            "{}",
-            json!({"bench": "ring", "results": results, "checksum": sums})
-        );
+        println!("{}", json!({"bench": "ring", "results": results, "checksum": sums}));
     } else {
-        println!("ring -> private buffer: header check, copy, xxh3 checksum of the copy, re-check, manifest validation");
-        println!("memcpy: the same frame bytes from the same shared mapping into a prefaulted buffer, same run (median)");
         println!(
-            "{:>10} {:>12} {:>12} {:>8} {:>6}",
-            "span", "ring GB/s", "memcpy GB/s", "ratio", "iters"
+            "ring -> private buffer: header check, copy, xxh3 checksum of the copy, re-check, manifest validation"
         );
+        println!(
+            "memcpy: the same frame bytes from the same shared mapping into a prefaulted buffer, same run (median)"
+        );
+        println!("{:>10} {:>12} {:>12} {:>8} {:>6}", "span", "ring GB/s", "memcpy GB/s", "ratio", "iters");
         for (span, _, iters, ring, copy) in &rows {
-            println!(
-                "{:>6} MiB {ring:>12.2} {copy:>12.2} {:>7.2}x {iters:>6}",
-                span >> 20,
-                ring / copy
-            );
+            println!("{:>6} MiB {ring:>12.2} {copy:>12.2} {:>7.2}x {iters:>6}", span >> 20, ring / copy);
         }
         println!();
-        println!(
-            "checksum alone, single thread:  {:>14} {:>16}",
-            "in L2 (128 KiB)", "from memory (256 MiB)"
-        );
+        println!("checksum alone, single thread:  {:>14} {:>16}", "in L2 (128 KiB)", "from memory (256 MiB)");
         for (name, cached, mem) in &checksums {
             println!("  {name:<30} {cached:>10.2} GB/s {mem:>11.2} GB/s");
         }

@@ -31,52 +31,53 @@ pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
 /// read); the inner one a rejection of its bytes.
 fn read_span_file(args: &InspectArgs) -> anyhow::Result<Result<Vec<u8>, SpanError>> {
     let path = &args.file;
-    let mut file = std::fs::File::open(path)
-        .with_context(|| format!("cannot open span file {}", path.display()))?;
-    let meta = file
-        .metadata()
-        .with_context(|| format!("cannot stat {}", path.display()))?;
+    // Check the type before opening: opening a FIFO would block until a writer appears.
+    let meta = std::fs::metadata(path).with_context(|| format!("cannot read span file {}", path.display()))?;
     if !meta.is_file() {
-        anyhow::bail!(
-            "{}: expected a regular file, found {:?}",
-            path.display(),
-            meta.file_type()
-        );
+        anyhow::bail!("{}: expected a regular file, found {}", path.display(), describe_type(&meta));
     }
+    let mut file = std::fs::File::open(path).with_context(|| format!("cannot open span file {}", path.display()))?;
     let size = meta.len();
     let mut prefix = vec![0u8; HEADER_LEN.min(size as usize)];
-    file.read_exact(&mut prefix)
-        .with_context(|| format!("cannot read {}", path.display()))?;
+    file.read_exact(&mut prefix).with_context(|| format!("cannot read {}", path.display()))?;
     let header = match parse_header_prefix(&prefix) {
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),
     };
     if size < header.frame_len {
-        return Ok(Err(SpanError::Truncated {
-            expected: header.frame_len,
-            found: size,
-        }));
+        return Ok(Err(SpanError::Truncated { expected: header.frame_len, found: size }));
     }
     if size > header.frame_len {
-        return Ok(Err(SpanError::TrailingBytes {
-            expected: header.frame_len,
-            found: size,
-        }));
+        return Ok(Err(SpanError::TrailingBytes { expected: header.frame_len, found: size }));
     }
     let mut bytes = prefix;
     bytes.resize(size as usize, 0);
-    file.read_exact(&mut bytes[HEADER_LEN..])
-        .with_context(|| format!("cannot read {}", path.display()))?;
+    file.read_exact(&mut bytes[HEADER_LEN..]).with_context(|| format!("cannot read {}", path.display()))?;
     Ok(Ok(bytes))
+}
+
+fn describe_type(meta: &std::fs::Metadata) -> &'static str {
+    use std::os::unix::fs::FileTypeExt;
+    let t = meta.file_type();
+    if t.is_dir() {
+        "a directory"
+    } else if t.is_fifo() {
+        "a FIFO"
+    } else if t.is_socket() {
+        "a socket"
+    } else if t.is_char_device() || t.is_block_device() {
+        "a device"
+    } else {
+        "not a regular file"
+    }
 }
 
 fn report(args: &InspectArgs, verdict: Result<SpanView<'_>, SpanError>) -> ExitCode {
     let name = args.file.display();
     match (&verdict, args.json) {
-        (Ok(span), true) => println!(
-            "{}",
-            json!({"file": name.to_string(), "verdict": "valid", "span": span_json(span)})
-        ),
+        (Ok(span), true) => {
+            println!("{}", json!({"file": name.to_string(), "verdict": "valid", "span": span_json(span)}))
+        }
         (Ok(span), false) => print_span(&name.to_string(), span),
         (Err(e), true) => println!(
             "{}",
@@ -94,11 +95,7 @@ fn span_json(span: &SpanView<'_>) -> Value {
     let h = &span.header;
     let m = &span.manifest;
     let layout = match &m.layout {
-        Layout::Dense {
-            num_layers,
-            kv_heads,
-            head_dim,
-        } => {
+        Layout::Dense { num_layers, kv_heads, head_dim } => {
             json!({"kind": "dense", "num_layers": num_layers, "kv_heads": kv_heads, "head_dim": head_dim})
         }
         Layout::Grouped { groups } => json!({
@@ -168,22 +165,13 @@ fn print_span(name: &str, span: &SpanView<'_>) {
     );
     println!("  fingerprint  {}", m.fingerprint);
     match &m.layout {
-        Layout::Dense {
-            num_layers,
-            kv_heads,
-            head_dim,
-        } => {
+        Layout::Dense { num_layers, kv_heads, head_dim } => {
             println!("  layout       dense: {num_layers} layers x {kv_heads} kv heads x {head_dim} head dim")
         }
         Layout::Grouped { groups } => {
             println!("  layout       grouped: {} groups", groups.len());
             for g in groups {
-                println!(
-                    "    group {:<3} {:<20} layers {:?}",
-                    g.id,
-                    format!("{:?}", g.kind).to_lowercase(),
-                    g.layers
-                );
+                println!("    group {:<3} {:<20} layers {:?}", g.id, format!("{:?}", g.kind).to_lowercase(), g.layers);
             }
         }
     }

@@ -25,21 +25,14 @@ impl HeapSegment {
         // SAFETY: the layout has nonzero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        HeapSegment {
-            ptr,
-            layout,
-            writable: true,
-        }
+        HeapSegment { ptr, layout, writable: true }
     }
 
     /// A view of the same region, read-only or writable: the in-heap analogue of a second mapping.
     ///
     /// The view borrows `self`, so it cannot outlive the allocation.
     pub fn view(&self, writable: bool) -> HeapView<'_> {
-        HeapView {
-            owner: self,
-            writable,
-        }
+        HeapView { owner: self, writable }
     }
 }
 

@@ -71,78 +71,42 @@ pub struct MemfdSegment {
 }
 
 /// Seals every segment carries before a peer sees it.
-pub const BASE_SEALS: SealFlags = SealFlags::SHRINK
-    .union(SealFlags::GROW)
-    .union(SealFlags::SEAL);
+pub const BASE_SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW).union(SealFlags::SEAL);
 
 impl MemfdSegment {
     /// Host side: creates, allocates, prefaults, maps and seals a segment of `len` bytes. The host's
     /// mapping is writable for [`Writer::Host`] and read-only for [`Writer::Peer`].
     pub fn create(name: &str, len: usize, writer: Writer) -> Result<Self, SegmentError> {
-        let os = |op| {
-            move |e: rustix::io::Errno| SegmentError::Os {
-                op,
-                name: name.to_string(),
-                source: e.into(),
-            }
-        };
+        let os = |op| move |e: rustix::io::Errno| SegmentError::Os { op, name: name.to_string(), source: e.into() };
         let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
             .map_err(os("memfd_create"))?;
         rustix::fs::ftruncate(&fd, len as u64).map_err(os("ftruncate"))?;
         // Allocate every page now, so neither side takes a fault that allocates, and a full tmpfs fails here
         // rather than as a SIGBUS in the middle of a copy.
-        rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len as u64)
-            .map_err(os("fallocate"))?;
+        rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len as u64).map_err(os("fallocate"))?;
         let file = File::from(fd);
         let writable = writer == Writer::Host;
-        let map = map(&file, len, writable).map_err(|e| SegmentError::Os {
-            op: "mmap",
-            name: name.into(),
-            source: e,
-        })?;
+        let map =
+            map(&file, len, writable).map_err(|e| SegmentError::Os { op: "mmap", name: name.into(), source: e })?;
         let mut seals = BASE_SEALS;
         if writer == Writer::Host {
             // After our own writable mapping exists: it stays valid, new writable access is refused.
             seals |= SealFlags::FUTURE_WRITE;
         }
         rustix::fs::fcntl_add_seals(&file, seals).map_err(os("F_ADD_SEALS"))?;
-        Ok(MemfdSegment {
-            name: name.into(),
-            file,
-            map,
-            writable,
-        })
+        Ok(MemfdSegment { name: name.into(), file, map, writable })
     }
 
     /// Peer side: maps a received segment, checking its size and base seals first.
-    pub fn open(
-        name: &str,
-        fd: OwnedFd,
-        expected_len: u64,
-        writable: bool,
-    ) -> Result<Self, SegmentError> {
-        let os = |op| {
-            move |e: rustix::io::Errno| SegmentError::Os {
-                op,
-                name: name.to_string(),
-                source: e.into(),
-            }
-        };
+    pub fn open(name: &str, fd: OwnedFd, expected_len: u64, writable: bool) -> Result<Self, SegmentError> {
+        let os = |op| move |e: rustix::io::Errno| SegmentError::Os { op, name: name.to_string(), source: e.into() };
         let found = rustix::fs::fstat(&fd).map_err(os("fstat"))?.st_size as u64;
         if found != expected_len {
-            return Err(SegmentError::SizeMismatch {
-                name: name.into(),
-                expected: expected_len,
-                found,
-            });
+            return Err(SegmentError::SizeMismatch { name: name.into(), expected: expected_len, found });
         }
         let seals = rustix::fs::fcntl_get_seals(&fd).map_err(os("F_GET_SEALS"))?;
         if !seals.contains(BASE_SEALS) {
-            return Err(SegmentError::MissingSeals {
-                name: name.into(),
-                expected: BASE_SEALS,
-                found: seals,
-            });
+            return Err(SegmentError::MissingSeals { name: name.into(), expected: BASE_SEALS, found: seals });
         }
         let file = File::from(fd);
         let map = map(&file, expected_len as usize, writable).map_err(|e| SegmentError::Os {
@@ -150,12 +114,7 @@ impl MemfdSegment {
             name: name.into(),
             source: e,
         })?;
-        Ok(MemfdSegment {
-            name: name.into(),
-            file,
-            map,
-            writable,
-        })
+        Ok(MemfdSegment { name: name.into(), file, map, writable })
     }
 
     /// The descriptor, to hand to a peer.

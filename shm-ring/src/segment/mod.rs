@@ -35,25 +35,12 @@ pub unsafe trait Segment: Send {
     /// The copy is a plain `memcpy` from the mapping: the bytes may change under it, in which case `dst`
     /// holds some mixture, which is why callers checksum and validate the *copy*, never the region.
     fn copy_out(&self, offset: usize, dst: &mut [u8]) {
-        let end = offset
-            .checked_add(dst.len())
-            .expect("segment range overflows");
-        assert!(
-            end <= self.len(),
-            "copy of {}..{end} outside a {}-byte segment",
-            offset,
-            self.len()
-        );
+        let end = offset.checked_add(dst.len()).expect("segment range overflows");
+        assert!(end <= self.len(), "copy of {}..{end} outside a {}-byte segment", offset, self.len());
         // SAFETY: `offset..end` is inside the mapped region (checked above; the trait guarantees the
         // mapping lives as long as `self`), and `dst` is private memory that cannot overlap a shared mapping.
         // No reference to the source is formed, so concurrent writes by the peer cannot violate aliasing.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.base().as_ptr().add(offset),
-                dst.as_mut_ptr(),
-                dst.len(),
-            )
-        }
+        unsafe { std::ptr::copy_nonoverlapping(self.base().as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) }
     }
 
     /// Reads the aligned 8-byte word at `offset` once, with Acquire ordering.
@@ -84,29 +71,17 @@ pub unsafe trait Segment: Send {
     /// Copies `src` into the region at `offset`. Panics on a read-only segment.
     fn copy_in(&self, offset: usize, src: &[u8]) {
         assert!(self.writable(), "write to a read-only segment");
-        let end = offset
-            .checked_add(src.len())
-            .expect("segment range overflows");
-        assert!(
-            end <= self.len(),
-            "copy of {}..{end} outside a {}-byte segment",
-            offset,
-            self.len()
-        );
+        let end = offset.checked_add(src.len()).expect("segment range overflows");
+        assert!(end <= self.len(), "copy of {}..{end} outside a {}-byte segment", offset, self.len());
         // SAFETY: in bounds and writable (checked above); `src` is private memory.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.base().as_ptr().add(offset), src.len())
-        }
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.base().as_ptr().add(offset), src.len()) }
     }
 
     /// The bounds- and alignment-checked pointer to the word at `offset`.
     #[doc(hidden)]
     fn word_ptr(&self, offset: usize) -> *mut u64 {
         assert!(offset % 8 == 0, "unaligned word offset {offset}");
-        assert!(
-            offset.checked_add(8).is_some_and(|end| end <= self.len()),
-            "word {offset} out of bounds"
-        );
+        assert!(offset.checked_add(8).is_some_and(|end| end <= self.len()), "word {offset} out of bounds");
         // SAFETY: in bounds (checked above), so the result stays inside the same allocation.
         unsafe { self.base().as_ptr().add(offset).cast() }
     }

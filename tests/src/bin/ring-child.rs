@@ -22,20 +22,16 @@ fn main() {
             let mut ring = RingWriter::open(fds).expect("open ring");
             for i in 0..count {
                 let (manifest, payload) = pdhost_tests::span_for(i);
-                ring.write_span(&manifest, deadline(), |p| p.copy_from_slice(&payload))
-                    .expect("write span");
+                ring.write_span(&manifest, deadline(), |p| p.copy_from_slice(&payload)).expect("write span");
             }
         }
         Some("crash-mid-write") => {
             let mut ring = RingWriter::open(fds).expect("open ring");
             let (manifest, _) = pdhost_tests::span_for(0);
             let mut slot = ring.reserve(deadline()).expect("reserve");
-            let info = slot
-                .write_prefix(&manifest.encode(), manifest.payload_len())
-                .expect("prefix");
+            let info = slot.write_prefix(&manifest.encode(), manifest.payload_len()).expect("prefix");
             let frame = slot.frame_mut();
-            frame[info.payload_offset as usize..][..(manifest.payload_len() / 2) as usize]
-                .fill(0xAB);
+            frame[info.payload_offset as usize..][..(manifest.payload_len() / 2) as usize].fill(0xAB);
             std::process::abort();
         }
         Some("attack") => attack(),
@@ -64,38 +60,16 @@ fn attack() {
         };
         let len = size(control) as usize;
         report("control-shrink", libc::ftruncate(control, 0).into());
-        report(
-            "control-grow",
-            libc::ftruncate(control, (len * 2) as i64).into(),
-        );
-        report(
-            "control-fallocate-grow",
-            libc::fallocate(control, 0, len as i64, 4096).into(),
-        );
+        report("control-grow", libc::ftruncate(control, (len * 2) as i64).into());
+        report("control-fallocate-grow", libc::fallocate(control, 0, len as i64, 4096).into());
         report("data-shrink", libc::ftruncate(data, 0).into());
         report("data-grow", libc::ftruncate(data, size(data) * 2).into());
-        report(
-            "control-write",
-            libc::write(control, b"x".as_ptr().cast(), 1) as i64,
-        );
-        report(
-            "control-pwrite",
-            libc::pwrite(control, b"x".as_ptr().cast(), 1, 64) as i64,
-        );
+        report("control-write", libc::write(control, b"x".as_ptr().cast(), 1) as i64);
+        report("control-pwrite", libc::pwrite(control, b"x".as_ptr().cast(), 1, 64) as i64);
         let rw = libc::PROT_READ | libc::PROT_WRITE;
         let p = libc::mmap(std::ptr::null_mut(), len, rw, libc::MAP_SHARED, control, 0);
-        report(
-            "control-mmap-shared-rw",
-            if p == libc::MAP_FAILED { -1 } else { 0 },
-        );
-        let p = libc::mmap(
-            std::ptr::null_mut(),
-            len,
-            libc::PROT_READ,
-            libc::MAP_SHARED,
-            control,
-            0,
-        );
+        report("control-mmap-shared-rw", if p == libc::MAP_FAILED { -1 } else { 0 });
+        let p = libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, control, 0);
         assert!(p != libc::MAP_FAILED, "read-only mapping must work");
         report("control-mprotect-rw", libc::mprotect(p, len, rw).into());
         libc::munmap(p, len);
@@ -103,26 +77,14 @@ fn attack() {
         let reopened = libc::open(path.as_ptr(), libc::O_RDWR);
         if reopened >= 0 {
             let p = libc::mmap(std::ptr::null_mut(), len, rw, libc::MAP_SHARED, reopened, 0);
-            report(
-                "control-reopen-mmap-rw",
-                if p == libc::MAP_FAILED { -1 } else { 0 },
-            );
-            report(
-                "control-reopen-write",
-                libc::write(reopened, b"x".as_ptr().cast(), 1) as i64,
-            );
+            report("control-reopen-mmap-rw", if p == libc::MAP_FAILED { -1 } else { 0 });
+            report("control-reopen-write", libc::write(reopened, b"x".as_ptr().cast(), 1) as i64);
             libc::close(reopened);
         } else {
             report("control-reopen-rdwr", -1);
         }
-        report(
-            "control-add-seal",
-            libc::fcntl(control, libc::F_ADD_SEALS, libc::F_SEAL_WRITE).into(),
-        );
-        report(
-            "data-add-seal",
-            libc::fcntl(data, libc::F_ADD_SEALS, libc::F_SEAL_WRITE).into(),
-        );
+        report("control-add-seal", libc::fcntl(control, libc::F_ADD_SEALS, libc::F_SEAL_WRITE).into());
+        report("data-add-seal", libc::fcntl(data, libc::F_ADD_SEALS, libc::F_SEAL_WRITE).into());
         // A private copy-on-write mapping may be written, but the writes never reach the host's pages.
         let p = libc::mmap(std::ptr::null_mut(), len, rw, libc::MAP_PRIVATE, control, 0);
         if p != libc::MAP_FAILED {
