@@ -17,7 +17,7 @@ pub const FRAME_MAGIC: [u8; 8] = *b"PDKVSPAN";
 /// Version constants only go up. A change that an older reader would misread bumps the major version.
 pub const FORMAT_MAJOR: u16 = 1;
 /// The minor version this code writes. Minor versions only append fields after the v1.0 header (see
-/// `header_len`) or add manifest data that older readers may ignore; a reader accepts any minor version.
+/// `header_len`), which older readers skip; a reader accepts any minor version of its major.
 pub const FORMAT_MINOR: u16 = 0;
 
 /// Size of the v1.0 header in bytes.

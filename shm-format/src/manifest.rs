@@ -212,7 +212,8 @@ impl Manifest {
     }
 }
 
-/// The postcard shapes. Field order is the wire order: never reorder, only append (in a new minor version).
+/// The postcard shapes. Field order is the wire order; any change here is a new major version, because a
+/// reader rejects manifest bytes it does not consume.
 pub(crate) mod wire {
     use serde::{Deserialize, Serialize};
 

@@ -7,6 +7,7 @@
 //! All access to shared bytes goes through [`segment::Segment`], which never forms a Rust reference over
 //! memory the other side can write.
 
+mod copy;
 pub mod doorbell;
 pub mod protocol;
 mod reader;
@@ -15,5 +16,6 @@ pub mod segment;
 mod tests;
 mod writer;
 
-pub use reader::{create_ring, AsFdSegment, HostRing, RingError, RingReader, COPY_CHUNK};
+pub use copy::COPY_CHUNK;
+pub use reader::{create_ring, AsFdSegment, HostRing, RingError, RingReader};
 pub use writer::{RingWriter, SlotWriter, WriteError};

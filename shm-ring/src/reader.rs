@@ -4,19 +4,14 @@ use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 use shm_format::ring::RingGeometry;
-use shm_format::{decode_body, FrameHasher, HeaderInfo, RingExpectation, SpanError, SpanView, HEADER_LEN};
+use shm_format::{decode_body, HeaderInfo, RingExpectation, SpanError, SpanView, HEADER_LEN};
 use zerocopy::IntoBytes;
 
+use crate::copy::copy_and_checksum;
 use crate::doorbell::{wait, Doorbell, Woken};
 use crate::protocol::{self, SlotState, Word};
 use crate::segment::memfd::{MemfdSegment, SegmentError, Writer};
 use crate::segment::{Segment, SharedWord};
-
-/// The copy loop moves this many bytes, then checksums them while they are still in cache.
-///
-/// 128 KiB sits well inside L2 on current x86 and Arm server cores, so the checksum reads the chunk
-/// from L2 instead of memory: copy and checksum together cost little more than the copy alone.
-pub const COPY_CHUNK: usize = 128 << 10;
 
 /// Why the host could not take a span from a ring. Every variant but `Timeout` and `PeerExited` is a
 /// protocol violation by the producer; after any error the reader is poisoned and the ring must be
@@ -251,7 +246,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
     /// Takes the next frame if it is committed: `Ok(None)` if not yet.
     ///
     /// The steps, in order: read the header once into a private copy; validate it against the private
-    /// geometry and expectations; copy the frame out chunk by chunk, checksumming each chunk of the copy;
+    /// geometry and expectations; copy the frame out, checksumming the copy as it is made;
     /// re-read the header and re-check the commit word; hand the slot back; validate the manifest on the
     /// private copy. The returned span borrows the private copy, which the next call overwrites.
     pub fn try_take(&mut self) -> Result<Option<SpanView<'_>>, RingError> {
@@ -300,16 +295,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
 
         // `frame_len <= frame_capacity == private.len()` by the check above.
         let len = info.frame_len as usize;
-        self.private[..HEADER_LEN].copy_from_slice(&header);
-        let mut hasher = FrameHasher::new(&header);
-        let mut at = HEADER_LEN;
-        while at < len {
-            let n = COPY_CHUNK.min(len - at);
-            let chunk = &mut self.private[at..at + n];
-            self.data.copy_out(base + at, chunk);
-            hasher.update(chunk);
-            at += n;
-        }
+        let checksum = copy_and_checksum(&self.data, base, &header, &mut self.private[..len]);
 
         let mut again = [0u8; HEADER_LEN];
         self.data.copy_out(base, &mut again);
@@ -321,7 +307,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
             expected: generation,
             found,
         })?;
-        Ok((info, hasher.finish()))
+        Ok((info, checksum))
     }
 
     /// The descriptors a producer needs, in the order [`crate::RingWriter::open`] takes them:

@@ -52,8 +52,10 @@ fn producer(slot: &Slot) {
             loom::thread::yield_now();
         };
         assert_eq!(g, round + 1, "generations are granted in order");
-        // SAFETY (model): the slot is the producer's between grant and commit.
-        slot.frame.with_mut(|f| unsafe { *f = (g, 100 + round) });
+        slot.frame.with_mut(|f| {
+            // SAFETY: the slot is the producer's between grant and commit; loom checks exactly this claim.
+            unsafe { *f = (g, 100 + round) }
+        });
         protocol::producer_commit(&slot.commit, g);
         last = g;
     }
@@ -76,8 +78,10 @@ fn host_reads_each_committed_frame_whole_and_race_free() {
                     SlotState::Invalid { found } => panic!("invalid commit {found}"),
                 }
             }
-            // SAFETY (model): the slot is the host's between commit and release; loom checks it.
-            let frame = slot.frame.with(|f| unsafe { *f });
+            let frame = slot.frame.with(|f| {
+                // SAFETY: the slot is the host's between commit and release; loom checks exactly this claim.
+                unsafe { *f }
+            });
             assert_eq!(frame, (generation, 100 + round), "the host sees exactly the committed frame");
             assert_eq!(protocol::host_recheck(&slot.commit, generation), Ok(()));
             generation = protocol::host_release(&slot.grant, generation);

@@ -77,6 +77,16 @@ pub unsafe trait Segment: Send {
         unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.base().as_ptr().add(offset), src.len()) }
     }
 
+    /// A pointer to `offset..offset + len`, checked to lie inside the region, for raw-pointer readers that
+    /// must not form references (the fused copy-and-checksum kernel).
+    #[doc(hidden)]
+    fn range_ptr(&self, offset: usize, len: usize) -> *const u8 {
+        let end = offset.checked_add(len).expect("segment range overflows");
+        assert!(end <= self.len(), "range {offset}..{end} outside a {}-byte segment", self.len());
+        // SAFETY: in bounds (checked above).
+        unsafe { self.base().as_ptr().add(offset) }
+    }
+
     /// The bounds- and alignment-checked pointer to the word at `offset`.
     #[doc(hidden)]
     fn word_ptr(&self, offset: usize) -> *mut u64 {

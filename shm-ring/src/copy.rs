@@ -1,0 +1,254 @@
+//! Copying a frame out of shared memory while computing its checksum.
+//!
+//! The checksum (XXH3-64, seed 0, over the frame with its checksum field zeroed) must be computed on the
+//! host's private copy. Copying first and hashing the copy afterwards reads every byte twice; on x86-64
+//! with AVX2 [`copy_and_checksum`] instead hashes each 64-byte stripe from the very registers it stores
+//! into the private buffer, so the checksum is still exactly that of the copy, at close to the cost of the
+//! copy alone. Elsewhere, or for frames of 240 bytes or less (where XXH3 uses other algorithms), it copies
+//! in cache-sized chunks and hashes each chunk of the copy with `twox-hash`.
+//!
+//! The fused kernel implements XXH3's long-input path (stripes, blocks, scrambles, merge) and is tested
+//! against `twox-hash` on every length class; it exists only because no XXH3 crate can hash while copying.
+
+use shm_format::{FrameHasher, CHECKSUM_OFFSET, HEADER_LEN};
+
+use crate::segment::Segment;
+
+/// The unfused path copies this many bytes, then checksums them while they are still in cache.
+pub const COPY_CHUNK: usize = 256 << 10;
+
+/// Copies the frame at `base` (whose first 64 bytes the caller already holds privately in `header`) into
+/// `dst`, which is exactly the frame's length, and returns the frame checksum of `dst`.
+pub fn copy_and_checksum<S: Segment>(data: &S, base: usize, header: &[u8; HEADER_LEN], dst: &mut [u8]) -> u64 {
+    let len = dst.len();
+    assert!(len >= HEADER_LEN);
+    #[cfg(target_arch = "x86_64")]
+    if len > xxh3::MIDSIZE_MAX && std::arch::is_x86_feature_detected!("avx2") {
+        dst[..HEADER_LEN].copy_from_slice(header);
+        let src = data.range_ptr(base, len);
+        let mut zeroed = *header;
+        zeroed[CHECKSUM_OFFSET..CHECKSUM_OFFSET + 8].fill(0);
+        // SAFETY: AVX2 is present (checked above); `src..src + len` is inside the mapping (`range_ptr`
+        // checked it) and `dst` is a private buffer of `len` bytes that cannot overlap a shared mapping.
+        return unsafe { xxh3::copy_hash_avx2(src, &zeroed, dst.as_mut_ptr(), len) };
+    }
+    chunked(data, base, header, dst)
+}
+
+/// Copy a chunk, hash the chunk of the copy, repeat.
+fn chunked<S: Segment>(data: &S, base: usize, header: &[u8; HEADER_LEN], dst: &mut [u8]) -> u64 {
+    dst[..HEADER_LEN].copy_from_slice(header);
+    let mut hasher = FrameHasher::new(header);
+    let mut at = HEADER_LEN;
+    while at < dst.len() {
+        // Chunks end at multiples of COPY_CHUNK from the frame start, so after the first one every write
+        // to the hasher is block-aligned and it never buffers partial blocks.
+        let end = ((at / COPY_CHUNK + 1) * COPY_CHUNK).min(dst.len());
+        let chunk = &mut dst[at..end];
+        data.copy_out(base + at, chunk);
+        hasher.update(chunk);
+        at = end;
+    }
+    hasher.finish()
+}
+
+#[cfg(target_arch = "x86_64")]
+mod xxh3 {
+    use std::arch::x86_64::*;
+
+    /// Inputs up to this length use XXH3's short and mid-size algorithms, not the striped one.
+    pub const MIDSIZE_MAX: usize = 240;
+    const STRIPE: usize = 64;
+    const SECRET_LEN: usize = 192;
+    const STRIPES_PER_BLOCK: usize = (SECRET_LEN - STRIPE) / 8;
+    const BLOCK: usize = STRIPE * STRIPES_PER_BLOCK;
+
+    const PRIME32_1: u64 = 0x9E37_79B1;
+    const PRIME32_2: u64 = 0x85EB_CA77;
+    const PRIME32_3: u64 = 0xC2B2_AE3D;
+    const PRIME64_1: u64 = 0x9E37_79B1_85EB_CA87;
+    const PRIME64_2: u64 = 0xC2B2_AE3D_27D4_EB4F;
+    const PRIME64_3: u64 = 0x1656_67B1_9E37_79F9;
+    const PRIME64_4: u64 = 0x85EB_CA77_C2B2_AE63;
+    const PRIME64_5: u64 = 0x27D4_EB2F_1656_67C5;
+    const PRIME_MX1: u64 = 0x1656_6791_9E37_79F9;
+
+    /// XXH3's default secret (the xxHash specification's `kSecret`).
+    static SECRET: [u8; SECRET_LEN] = [
+        0xb8, 0xfe, 0x6c, 0x39, 0x23, 0xa4, 0x4b, 0xbe, 0x7c, 0x01, 0x81, 0x2c, 0xf7, 0x21, 0xad, 0x1c, 0xde, 0xd4,
+        0x6d, 0xe9, 0x83, 0x90, 0x97, 0xdb, 0x72, 0x40, 0xa4, 0xa4, 0xb7, 0xb3, 0x67, 0x1f, 0xcb, 0x79, 0xe6, 0x4e,
+        0xcc, 0xc0, 0xe5, 0x78, 0x82, 0x5a, 0xd0, 0x7d, 0xcc, 0xff, 0x72, 0x21, 0xb8, 0x08, 0x46, 0x74, 0xf7, 0x43,
+        0x24, 0x8e, 0xe0, 0x35, 0x90, 0xe6, 0x81, 0x3a, 0x26, 0x4c, 0x3c, 0x28, 0x52, 0xbb, 0x91, 0xc3, 0x00, 0xcb,
+        0x88, 0xd0, 0x65, 0x8b, 0x1b, 0x53, 0x2e, 0xa3, 0x71, 0x64, 0x48, 0x97, 0xa2, 0x0d, 0xf9, 0x4e, 0x38, 0x19,
+        0xef, 0x46, 0xa9, 0xde, 0xac, 0xd8, 0xa8, 0xfa, 0x76, 0x3f, 0xe3, 0x9c, 0x34, 0x3f, 0xf9, 0xdc, 0xbb, 0xc7,
+        0xc7, 0x0b, 0x4f, 0x1d, 0x8a, 0x51, 0xe0, 0x4b, 0xcd, 0xb4, 0x59, 0x31, 0xc8, 0x9f, 0x7e, 0xc9, 0xd9, 0x78,
+        0x73, 0x64, 0xea, 0xc5, 0xac, 0x83, 0x34, 0xd3, 0xeb, 0xc3, 0xc5, 0x81, 0xa0, 0xff, 0xfa, 0x13, 0x63, 0xeb,
+        0x17, 0x0d, 0xdd, 0x51, 0xb7, 0xf0, 0xda, 0x49, 0xd3, 0x16, 0x55, 0x26, 0x29, 0xd4, 0x68, 0x9e, 0x2b, 0x16,
+        0xbe, 0x58, 0x7d, 0x47, 0xa1, 0xfc, 0x8f, 0xf8, 0xb8, 0xd1, 0x7a, 0xd0, 0x31, 0xce, 0x45, 0xcb, 0x3a, 0x8f,
+        0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
+    ];
+
+    /// XXH3-64 (seed 0) of `zeroed_header ‖ src[64..len]`, storing `src[64..len]` to `dst[64..len]`.
+    ///
+    /// # Safety
+    ///
+    /// The CPU supports AVX2; `len > MIDSIZE_MAX`; `src` is readable and `dst` writable for `len` bytes;
+    /// `dst` does not overlap `src` and `dst[..64]` already holds the frame header.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn copy_hash_avx2(src: *const u8, zeroed_header: &[u8; 64], dst: *mut u8, len: usize) -> u64 {
+        let secret = SECRET.as_ptr();
+        let mut acc = [
+            _mm256_setr_epi64x(PRIME32_3 as i64, PRIME64_1 as i64, PRIME64_2 as i64, PRIME64_3 as i64),
+            _mm256_setr_epi64x(PRIME64_4 as i64, PRIME32_2 as i64, PRIME64_5 as i64, PRIME32_1 as i64),
+        ];
+        let blocks = (len - 1) / BLOCK;
+        for n in 0..blocks {
+            for s in 0..STRIPES_PER_BLOCK {
+                // SAFETY: s * 8 + 64 <= 192; the stripe ends before the last byte (n < blocks).
+                unsafe { stripe(&mut acc, n * BLOCK + s * STRIPE, secret.add(s * 8), src, dst, zeroed_header) };
+            }
+            // SAFETY: 128 + 64 <= 192.
+            unsafe { scramble(&mut acc, secret.add(SECRET_LEN - STRIPE)) };
+        }
+        let stripes = ((len - 1) - BLOCK * blocks) / STRIPE;
+        for s in 0..stripes {
+            // SAFETY: s < 16, so s * 8 + 64 <= 192; the stripe ends at or before the last byte.
+            unsafe { stripe(&mut acc, blocks * BLOCK + s * STRIPE, secret.add(s * 8), src, dst, zeroed_header) };
+        }
+        // The bytes after the last whole stripe, then XXH3's final stripe (the last 64 bytes of the input,
+        // read back from the private copy). `covered >= 192 > 64`, so none of it is header.
+        let covered = blocks * BLOCK + stripes * STRIPE;
+        // SAFETY: covered < len; both ranges are in bounds and do not overlap (caller's contract).
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.add(covered), dst.add(covered), len - covered);
+            accumulate(&mut acc, dst.add(len - STRIPE), secret.add(SECRET_LEN - STRIPE - 7), std::ptr::null_mut());
+        }
+        let mut lanes = [0u64; 8];
+        // SAFETY: `lanes` is 64 bytes, two unaligned 32-byte stores.
+        unsafe {
+            _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc[0]);
+            _mm256_storeu_si256(lanes.as_mut_ptr().add(4).cast(), acc[1]);
+        }
+        merge(&lanes, &SECRET[11..], (len as u64).wrapping_mul(PRIME64_1))
+    }
+
+    /// Stripe `p` of the input: from the private header for `p == 0`, else loaded from `src` and stored
+    /// to `dst` on the way.
+    ///
+    /// # Safety
+    ///
+    /// AVX2; 64 readable bytes at `key`; for `p > 0`, 64 readable bytes at `src + p` and writable at `dst + p`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn stripe(
+        acc: &mut [__m256i; 2],
+        p: usize,
+        key: *const u8,
+        src: *const u8,
+        dst: *mut u8,
+        header: &[u8; 64],
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            if p == 0 {
+                accumulate(acc, header.as_ptr(), key, std::ptr::null_mut())
+            } else {
+                accumulate(acc, src.add(p), key, dst.add(p))
+            }
+        }
+    }
+
+    /// One stripe: `acc[i ^ 1] += data[i]; acc[i] += lo32(data[i] ^ key[i]) * hi32(data[i] ^ key[i])`,
+    /// storing the 64 data bytes to `store` unless it is null.
+    ///
+    /// # Safety
+    ///
+    /// AVX2; 64 readable bytes at `input` and `key`; 64 writable bytes at `store` unless it is null.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn accumulate(acc: &mut [__m256i; 2], input: *const u8, key: *const u8, store: *mut u8) {
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: the caller guarantees 64 readable bytes at `input` and `key`, 64 writable at `store`.
+            unsafe {
+                let data = _mm256_loadu_si256(input.add(32 * j).cast());
+                if !store.is_null() {
+                    _mm256_storeu_si256(store.add(32 * j).cast(), data);
+                }
+                let data_key = _mm256_xor_si256(data, _mm256_loadu_si256(key.add(32 * j).cast()));
+                let data_key_hi = _mm256_shuffle_epi32::<0x31>(data_key);
+                let product = _mm256_mul_epu32(data_key, data_key_hi);
+                let swapped = _mm256_shuffle_epi32::<0x4E>(data);
+                *a = _mm256_add_epi64(product, _mm256_add_epi64(*a, swapped));
+            }
+        }
+    }
+
+    /// The end-of-block scramble: `acc = (acc ^ (acc >> 47) ^ key) * PRIME32_1`.
+    ///
+    /// # Safety
+    ///
+    /// AVX2; 64 readable bytes at `key`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn scramble(acc: &mut [__m256i; 2], key: *const u8) {
+        let prime = _mm256_set1_epi32(PRIME32_1 as i32);
+        for (j, a) in acc.iter_mut().enumerate() {
+            // SAFETY: the caller guarantees 64 readable bytes at `key`.
+            let k = unsafe { _mm256_loadu_si256(key.add(32 * j).cast()) };
+            let mixed = _mm256_xor_si256(_mm256_xor_si256(*a, _mm256_srli_epi64::<47>(*a)), k);
+            let hi = _mm256_shuffle_epi32::<0x31>(mixed);
+            let lo_product = _mm256_mul_epu32(mixed, prime);
+            let hi_product = _mm256_mul_epu32(hi, prime);
+            *a = _mm256_add_epi64(lo_product, _mm256_slli_epi64::<32>(hi_product));
+        }
+    }
+
+    fn read64(b: &[u8], at: usize) -> u64 {
+        u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+    }
+
+    fn merge(acc: &[u64; 8], secret: &[u8], start: u64) -> u64 {
+        let mut result = start;
+        for i in 0..4 {
+            let a = acc[2 * i] ^ read64(secret, 16 * i);
+            let b = acc[2 * i + 1] ^ read64(secret, 16 * i + 8);
+            let product = u128::from(a) * u128::from(b);
+            result = result.wrapping_add((product as u64) ^ ((product >> 64) as u64));
+        }
+        result ^= result >> 37;
+        result = result.wrapping_mul(PRIME_MX1);
+        result ^ (result >> 32)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::segment::heap::HeapSegment;
+
+    /// The fused and the chunked paths both give the checksum of the copy, as `twox-hash` computes it, and
+    /// both copy every byte, for lengths across XXH3's size classes and block boundaries.
+    #[test]
+    fn copy_and_checksum_matches_twox_hash_at_every_length_class() {
+        let seg = HeapSegment::new(3 << 20);
+        let mut bytes: Vec<u8> =
+            (0..seg.len()).map(|i| (i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15).to_le_bytes()[5]).collect();
+        // A nonzero checksum field, which the checksum must treat as zero.
+        bytes[CHECKSUM_OFFSET..CHECKSUM_OFFSET + 8].fill(0xCC);
+        seg.copy_in(0, &bytes);
+        let header: [u8; 64] = bytes[..64].try_into().unwrap();
+        let mut lengths: Vec<usize> = (64..1300).collect();
+        lengths.extend([2047, 2048, 2049, 4095, 4096, 65_537, COPY_CHUNK - 1, COPY_CHUNK + 65, (3 << 20) - 1]);
+        for len in lengths {
+            let mut expected_input = bytes[..len].to_vec();
+            expected_input[CHECKSUM_OFFSET..CHECKSUM_OFFSET + 8].fill(0);
+            let expected = twox_hash::XxHash3_64::oneshot(&expected_input);
+            let mut dst = vec![0u8; len];
+            assert_eq!(copy_and_checksum(&seg, 0, &header, &mut dst), expected, "fused, len {len}");
+            assert!(dst == bytes[..len], "fused copy, len {len}");
+            let mut dst = vec![0u8; len];
+            assert_eq!(chunked(&seg, 0, &header, &mut dst), expected, "chunked, len {len}");
+            assert!(dst == bytes[..len], "chunked copy, len {len}");
+        }
+    }
+}
