@@ -10,46 +10,142 @@
 //! The fused kernel implements XXH3's long-input path (stripes, blocks, scrambles, merge) and is tested
 //! against `twox-hash` on every length class; it exists only because no XXH3 crate can hash while copying.
 
+use std::ops::Range;
+
 use shm_format::{FrameHasher, CHECKSUM_OFFSET, HEADER_LEN};
 
 use crate::segment::Segment;
 
-/// The unfused path copies this many bytes, then checksums them while they are still in cache.
+/// Frames are copied in chunks of this many bytes (the last chunk may be up to [`CHUNK_SLACK`] longer), so a
+/// consumer can scatter each chunk onward while it is still in cache.
 pub const COPY_CHUNK: usize = 256 << 10;
+/// The last chunk absorbs a remainder shorter than this, so it always holds XXH3's final 64-byte stripe.
+pub const CHUNK_SLACK: usize = 1024;
 
-/// Copies the frame at `base` (whose first 64 bytes the caller already holds privately in `header`) into
-/// `dst`, which is exactly the frame's length, and returns the frame checksum of `dst`.
-pub fn copy_and_checksum<S: Segment>(data: &S, base: usize, header: &[u8; HEADER_LEN], dst: &mut [u8]) -> u64 {
-    let len = dst.len();
-    assert!(len >= HEADER_LEN);
-    #[cfg(target_arch = "x86_64")]
-    if len > xxh3::MIDSIZE_MAX && std::arch::is_x86_feature_detected!("avx2") {
-        dst[..HEADER_LEN].copy_from_slice(header);
-        let src = data.range_ptr(base, len);
-        let mut zeroed = *header;
-        zeroed[CHECKSUM_OFFSET..CHECKSUM_OFFSET + 8].fill(0);
-        // SAFETY: AVX2 is present (checked above); `src..src + len` is inside the mapping (`range_ptr`
-        // checked it) and `dst` is a private buffer of `len` bytes that cannot overlap a shared mapping.
-        return unsafe { xxh3::copy_hash_avx2(src, &zeroed, dst.as_mut_ptr(), len) };
-    }
-    chunked(data, base, header, dst)
+/// Copies a frame out of a segment chunk by chunk and computes the frame checksum of the copy.
+///
+/// The caller holds the frame's first 64 bytes privately already (it read and validated them); the first
+/// chunk starts with those bytes, not with a second read of shared memory.
+pub struct FrameCopier<'a, S: Segment> {
+    data: &'a S,
+    base: usize,
+    header: [u8; HEADER_LEN],
+    /// `header` with the checksum field zeroed: what the checksum sees.
+    zeroed: [u8; HEADER_LEN],
+    len: usize,
+    pos: usize,
+    hash: Hash,
 }
 
-/// Copy a chunk, hash the chunk of the copy, repeat.
-fn chunked<S: Segment>(data: &S, base: usize, header: &[u8; HEADER_LEN], dst: &mut [u8]) -> u64 {
-    dst[..HEADER_LEN].copy_from_slice(header);
-    let mut hasher = FrameHasher::new(header);
-    let mut at = HEADER_LEN;
-    while at < dst.len() {
-        // Chunks end at multiples of COPY_CHUNK from the frame start, so after the first one every write
-        // to the hasher is block-aligned and it never buffers partial blocks.
-        let end = ((at / COPY_CHUNK + 1) * COPY_CHUNK).min(dst.len());
-        let chunk = &mut dst[at..end];
-        data.copy_out(base + at, chunk);
-        hasher.update(chunk);
-        at = end;
+enum Hash {
+    /// XXH3 accumulators of the fused AVX2 kernel.
+    #[cfg(target_arch = "x86_64")]
+    Fused([u64; 8], Option<u64>),
+    /// Copy, then hash the copy.
+    Plain(FrameHasher),
+}
+
+impl<S: Segment> std::fmt::Debug for FrameCopier<'_, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FrameCopier").field("base", &self.base).field("len", &self.len).field("pos", &self.pos).finish()
     }
-    hasher.finish()
+}
+
+impl<'a, S: Segment> FrameCopier<'a, S> {
+    /// A copier for the `len`-byte frame at `base`, whose header the caller read into `header`.
+    pub fn new(data: &'a S, base: usize, header: &[u8; HEADER_LEN], len: usize) -> Self {
+        assert!(len >= HEADER_LEN);
+        // Checked once here, so the kernel's raw reads below stay in bounds.
+        let _ = data.range_ptr(base, len);
+        let mut zeroed = *header;
+        zeroed[CHECKSUM_OFFSET..CHECKSUM_OFFSET + 8].fill(0);
+        #[cfg(target_arch = "x86_64")]
+        let hash = if len > xxh3::MIDSIZE_MAX && std::arch::is_x86_feature_detected!("avx2") {
+            Hash::Fused(xxh3::INITIAL_ACC, None)
+        } else {
+            Hash::Plain(FrameHasher::new(header))
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let hash = Hash::Plain(FrameHasher::new(header));
+        FrameCopier { data, base, header: *header, zeroed, len, pos: 0, hash }
+    }
+
+    /// A copier that never uses the fused kernel, to test the portable path.
+    #[cfg(test)]
+    fn new_plain(data: &'a S, base: usize, header: &[u8; HEADER_LEN], len: usize) -> Self {
+        let mut c = Self::new(data, base, header, len);
+        c.hash = Hash::Plain(FrameHasher::new(header));
+        c
+    }
+
+    /// The length of the next chunk, 0 when the frame is done.
+    pub fn next_len(&self) -> usize {
+        let left = self.len - self.pos;
+        if left < COPY_CHUNK + CHUNK_SLACK {
+            left
+        } else {
+            COPY_CHUNK
+        }
+    }
+
+    /// Copies the next chunk into `dst` (exactly [`Self::next_len`] bytes) and returns its range in the frame.
+    pub fn copy_next(&mut self, dst: &mut [u8]) -> Range<usize> {
+        let n = self.next_len();
+        assert!(n > 0 && dst.len() == n, "copy_next needs a {n}-byte buffer, got {}", dst.len());
+        let start = self.pos;
+        let last = start + n == self.len;
+        // Bytes of this chunk that come from the header the caller holds, and from shared memory.
+        let from_header = HEADER_LEN.saturating_sub(start).min(n);
+        if from_header > 0 {
+            dst[..from_header].copy_from_slice(&self.header[start..start + from_header]);
+        }
+        match &mut self.hash {
+            #[cfg(target_arch = "x86_64")]
+            Hash::Fused(acc, result) => {
+                let src = self.data.range_ptr(self.base, self.len);
+                // SAFETY: AVX2 was detected in `new`; `src..src + len` is inside the mapping (checked by
+                // `range_ptr`); `dst` is `n` private bytes for frame positions `start..start + n`; the
+                // chunk schedule makes every chunk but the last a multiple of 1024 bytes and the last one
+                // at least 1024 bytes (or the whole frame), as the kernel requires.
+                unsafe {
+                    if last {
+                        *result = Some(xxh3::last_chunk(acc, src, dst.as_mut_ptr(), start, self.len, &self.zeroed));
+                    } else {
+                        xxh3::blocks(acc, src, dst.as_mut_ptr(), start, n, &self.zeroed);
+                    }
+                }
+            }
+            Hash::Plain(hasher) => {
+                self.data.copy_out(self.base + start + from_header, &mut dst[from_header..]);
+                // The hasher was seeded with the header; feed it everything after.
+                hasher.update(&dst[from_header..]);
+            }
+        }
+        self.pos += n;
+        start..start + n
+    }
+
+    /// The checksum of everything copied; call after the last chunk.
+    pub fn finish(self) -> u64 {
+        assert_eq!(self.pos, self.len, "frame not fully copied");
+        match self.hash {
+            #[cfg(target_arch = "x86_64")]
+            Hash::Fused(_, result) => result.expect("last chunk hashed"),
+            Hash::Plain(hasher) => hasher.finish(),
+        }
+    }
+}
+
+/// Copies the whole frame at `base` into `dst` (exactly the frame's length) and returns the checksum of
+/// the copy.
+pub fn copy_and_checksum<S: Segment>(data: &S, base: usize, header: &[u8; HEADER_LEN], dst: &mut [u8]) -> u64 {
+    let mut copier = FrameCopier::new(data, base, header, dst.len());
+    while copier.next_len() > 0 {
+        let n = copier.next_len();
+        let at = copier.pos;
+        copier.copy_next(&mut dst[at..at + n]);
+    }
+    copier.finish()
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -88,52 +184,98 @@ mod xxh3 {
         0x95, 0x16, 0x04, 0x28, 0xaf, 0xd7, 0xfb, 0xca, 0xbb, 0x4b, 0x40, 0x7e,
     ];
 
-    /// XXH3-64 (seed 0) of `zeroed_header ‖ src[64..len]`, storing `src[64..len]` to `dst[64..len]`.
+    /// The initial accumulators of XXH3.
+    pub const INITIAL_ACC: [u64; 8] =
+        [PRIME32_3, PRIME64_1, PRIME64_2, PRIME64_3, PRIME64_4, PRIME32_2, PRIME64_5, PRIME32_1];
+
+    /// Hashes and copies `n` bytes (whole 1024-byte blocks, none of them the frame's last block) at frame
+    /// positions `start..start + n` into `dst`, which holds those positions.
     ///
     /// # Safety
     ///
-    /// The CPU supports AVX2; `len > MIDSIZE_MAX`; `src` is readable and `dst` writable for `len` bytes;
-    /// `dst` does not overlap `src` and `dst[..64]` already holds the frame header.
+    /// AVX2; `src` readable for the whole frame; `dst` writable for `n` bytes, not overlapping `src`;
+    /// `start` and `n` multiples of 1024.
     #[target_feature(enable = "avx2")]
-    pub unsafe fn copy_hash_avx2(src: *const u8, zeroed_header: &[u8; 64], dst: *mut u8, len: usize) -> u64 {
-        let secret = SECRET.as_ptr();
-        let mut acc = [
-            _mm256_setr_epi64x(PRIME32_3 as i64, PRIME64_1 as i64, PRIME64_2 as i64, PRIME64_3 as i64),
-            _mm256_setr_epi64x(PRIME64_4 as i64, PRIME32_2 as i64, PRIME64_5 as i64, PRIME32_1 as i64),
-        ];
-        let blocks = (len - 1) / BLOCK;
-        for n in 0..blocks {
+    pub unsafe fn blocks(acc: &mut [u64; 8], src: *const u8, dst: *mut u8, start: usize, n: usize, header: &[u8; 64]) {
+        let mut a = load(acc);
+        for b in (start..start + n).step_by(BLOCK) {
             for s in 0..STRIPES_PER_BLOCK {
-                // SAFETY: s * 8 + 64 <= 192; the stripe ends before the last byte (n < blocks).
-                unsafe { stripe(&mut acc, n * BLOCK + s * STRIPE, secret.add(s * 8), src, dst, zeroed_header) };
+                // SAFETY: s * 8 + 64 <= 192; the stripe lies inside this chunk (caller's contract).
+                unsafe {
+                    stripe(&mut a, b + s * STRIPE, SECRET.as_ptr().add(s * 8), src, dst.wrapping_sub(start), header)
+                };
             }
             // SAFETY: 128 + 64 <= 192.
-            unsafe { scramble(&mut acc, secret.add(SECRET_LEN - STRIPE)) };
+            unsafe { scramble(&mut a, SECRET.as_ptr().add(SECRET_LEN - STRIPE)) };
+        }
+        store(&a, acc);
+    }
+
+    /// Hashes and copies the frame's last chunk (from `start` to the frame's end `len`) and returns the
+    /// frame's XXH3-64.
+    ///
+    /// # Safety
+    ///
+    /// As [`blocks`], except that the chunk runs to the end of the frame, is at least 1024 bytes long or
+    /// starts at 0, and `len > 240`.
+    #[target_feature(enable = "avx2")]
+    pub unsafe fn last_chunk(
+        acc: &mut [u64; 8],
+        src: *const u8,
+        dst: *mut u8,
+        start: usize,
+        len: usize,
+        header: &[u8; 64],
+    ) -> u64 {
+        let secret = SECRET.as_ptr();
+        // `dst` addresses frame position `start`; `base` addresses position 0 (never dereferenced below
+        // `start`).
+        let base = dst.wrapping_sub(start);
+        let mut a = load(acc);
+        let blocks = (len - 1) / BLOCK;
+        for b in (start / BLOCK)..blocks {
+            for s in 0..STRIPES_PER_BLOCK {
+                // SAFETY: in bounds as in `blocks`: these stripes end before the frame's last byte.
+                unsafe { stripe(&mut a, b * BLOCK + s * STRIPE, secret.add(s * 8), src, base, header) };
+            }
+            // SAFETY: 128 + 64 <= 192.
+            unsafe { scramble(&mut a, secret.add(SECRET_LEN - STRIPE)) };
         }
         let stripes = ((len - 1) - BLOCK * blocks) / STRIPE;
         for s in 0..stripes {
             // SAFETY: s < 16, so s * 8 + 64 <= 192; the stripe ends at or before the last byte.
-            unsafe { stripe(&mut acc, blocks * BLOCK + s * STRIPE, secret.add(s * 8), src, dst, zeroed_header) };
+            unsafe { stripe(&mut a, blocks * BLOCK + s * STRIPE, secret.add(s * 8), src, base, header) };
         }
-        // The bytes after the last whole stripe, then XXH3's final stripe (the last 64 bytes of the input,
-        // read back from the private copy). `covered >= 192 > 64`, so none of it is header.
+        // The bytes after the last whole stripe, then XXH3's final stripe: the last 64 bytes of the input,
+        // read back from the private copy. The chunk holds them: it is at least 1024 bytes or the whole
+        // frame, and `covered >= 192 > 64`, so none of them is header.
         let covered = blocks * BLOCK + stripes * STRIPE;
-        // SAFETY: covered < len; both ranges are in bounds and do not overlap (caller's contract).
+        // SAFETY: start <= covered < len; both ranges are in bounds and do not overlap.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.add(covered), dst.add(covered), len - covered);
-            accumulate(&mut acc, dst.add(len - STRIPE), secret.add(SECRET_LEN - STRIPE - 7), std::ptr::null_mut());
+            std::ptr::copy_nonoverlapping(src.add(covered), base.add(covered), len - covered);
+            accumulate(&mut a, base.add(len - STRIPE), secret.add(SECRET_LEN - STRIPE - 7), std::ptr::null_mut());
         }
-        let mut lanes = [0u64; 8];
-        // SAFETY: `lanes` is 64 bytes, two unaligned 32-byte stores.
-        unsafe {
-            _mm256_storeu_si256(lanes.as_mut_ptr().cast(), acc[0]);
-            _mm256_storeu_si256(lanes.as_mut_ptr().add(4).cast(), acc[1]);
-        }
-        merge(&lanes, &SECRET[11..], (len as u64).wrapping_mul(PRIME64_1))
+        store(&a, acc);
+        merge(acc, &SECRET[11..], (len as u64).wrapping_mul(PRIME64_1))
     }
 
-    /// Stripe `p` of the input: from the private header for `p == 0`, else loaded from `src` and stored
-    /// to `dst` on the way.
+    #[target_feature(enable = "avx2")]
+    fn load(acc: &[u64; 8]) -> [__m256i; 2] {
+        // SAFETY: `acc` is 64 readable bytes.
+        unsafe { [_mm256_loadu_si256(acc.as_ptr().cast()), _mm256_loadu_si256(acc.as_ptr().add(4).cast())] }
+    }
+
+    #[target_feature(enable = "avx2")]
+    fn store(a: &[__m256i; 2], acc: &mut [u64; 8]) {
+        // SAFETY: `acc` is 64 writable bytes.
+        unsafe {
+            _mm256_storeu_si256(acc.as_mut_ptr().cast(), a[0]);
+            _mm256_storeu_si256(acc.as_mut_ptr().add(4).cast(), a[1]);
+        }
+    }
+
+    /// Stripe `p` of the frame: from the private header for `p == 0`, else loaded from `src + p` and stored
+    /// to `dst + p` on the way (`dst` addresses frame position 0).
     ///
     /// # Safety
     ///
@@ -153,7 +295,7 @@ mod xxh3 {
             if p == 0 {
                 accumulate(acc, header.as_ptr(), key, std::ptr::null_mut())
             } else {
-                accumulate(acc, src.add(p), key, dst.add(p))
+                accumulate(acc, src.add(p), key, dst.wrapping_add(p))
             }
         }
     }
@@ -226,7 +368,7 @@ mod tests {
     use super::*;
     use crate::segment::heap::HeapSegment;
 
-    /// The fused and the chunked paths both give the checksum of the copy, as `twox-hash` computes it, and
+    /// The fused and the plain paths both give the checksum of the copy, as `twox-hash` computes it, and
     /// both copy every byte, for lengths across XXH3's size classes and block boundaries.
     #[test]
     fn copy_and_checksum_matches_twox_hash_at_every_length_class() {
@@ -238,7 +380,18 @@ mod tests {
         seg.copy_in(0, &bytes);
         let header: [u8; 64] = bytes[..64].try_into().unwrap();
         let mut lengths: Vec<usize> = (64..1300).collect();
-        lengths.extend([2047, 2048, 2049, 4095, 4096, 65_537, COPY_CHUNK - 1, COPY_CHUNK + 65, (3 << 20) - 1]);
+        lengths.extend([
+            2047,
+            2048,
+            2049,
+            4095,
+            4096,
+            65_537,
+            COPY_CHUNK - 1,
+            COPY_CHUNK + 65,
+            COPY_CHUNK + CHUNK_SLACK - 1,
+        ]);
+        lengths.extend([COPY_CHUNK + CHUNK_SLACK, 2 * COPY_CHUNK + 1023, 2 * COPY_CHUNK + 1024, (3 << 20) - 1]);
         for len in lengths {
             let mut expected_input = bytes[..len].to_vec();
             expected_input[CHECKSUM_OFFSET..CHECKSUM_OFFSET + 8].fill(0);
@@ -246,9 +399,15 @@ mod tests {
             let mut dst = vec![0u8; len];
             assert_eq!(copy_and_checksum(&seg, 0, &header, &mut dst), expected, "fused, len {len}");
             assert!(dst == bytes[..len], "fused copy, len {len}");
+            let mut plain = FrameCopier::new_plain(&seg, 0, &header, len);
             let mut dst = vec![0u8; len];
-            assert_eq!(chunked(&seg, 0, &header, &mut dst), expected, "chunked, len {len}");
-            assert!(dst == bytes[..len], "chunked copy, len {len}");
+            while plain.next_len() > 0 {
+                let mut chunk = vec![0u8; plain.next_len()];
+                let range = plain.copy_next(&mut chunk);
+                dst[range].copy_from_slice(&chunk);
+            }
+            assert_eq!(plain.finish(), expected, "plain, len {len}");
+            assert!(dst == bytes[..len], "plain copy, len {len}");
         }
     }
 }
