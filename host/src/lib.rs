@@ -1,7 +1,11 @@
 //! The pdhost library: what the `pdhost` binary is made of.
 //!
-//! For now it re-exports the wire format and the ring; the paged KV cache, ingest, supervisor and engine
-//! arrive with their issues (see `docs/ARCHITECTURE.md`).
+//! - [`kv`]: the grouped paged KV cache and strict span ingest.
+//!
+//! The wire format and the ring are re-exported as [`format`] and [`ring`]. The supervisor, models and
+//! engine arrive with their issues (see `docs/ARCHITECTURE.md`).
+
+pub mod kv;
 
 pub use shm_format as format;
 pub use shm_ring as ring;

@@ -16,6 +16,6 @@ pub mod segment;
 mod tests;
 mod writer;
 
-pub use copy::COPY_CHUNK;
-pub use reader::{create_ring, AsFdSegment, HostRing, RingError, RingReader};
+pub use copy::{FrameCopier, CHUNK_SLACK, COPY_CHUNK};
+pub use reader::{create_ring, prefaulted, AsFdSegment, HostRing, RingError, RingReader, SpanSink, TakeError};
 pub use writer::{RingWriter, SlotWriter, WriteError};

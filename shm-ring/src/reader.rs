@@ -4,10 +4,12 @@ use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 use shm_format::ring::RingGeometry;
-use shm_format::{decode_body, HeaderInfo, RingExpectation, SpanError, SpanView, HEADER_LEN};
+use shm_format::{
+    decode_body, decode_manifest, HeaderInfo, Manifest, RingExpectation, SpanError, SpanView, HEADER_LEN,
+};
 use zerocopy::IntoBytes;
 
-use crate::copy::copy_and_checksum;
+use crate::copy::{copy_and_checksum, FrameCopier, CHUNK_SLACK, COPY_CHUNK};
 use crate::doorbell::{wait, Doorbell, Woken};
 use crate::protocol::{self, SlotState, Word};
 use crate::segment::memfd::{MemfdSegment, SegmentError, Writer};
@@ -96,6 +98,36 @@ impl RingError {
     }
 }
 
+/// Where a frame's payload goes. The reader decides nothing about the payload itself: it hands the sink
+/// the validated manifest before copying any payload byte, then the payload in order, straight from its
+/// private copy, and finally commits or aborts.
+pub trait SpanSink {
+    /// What [`SpanSink::prepare`] reserved for this span.
+    type Staged;
+    /// Why the sink refused a span.
+    type Error: std::error::Error + Send + Sync + 'static;
+
+    /// Checks the span against the receiver and reserves room for it. Nothing may change if this fails.
+    fn prepare(&mut self, header: &HeaderInfo, manifest: &Manifest) -> Result<Self::Staged, Self::Error>;
+    /// Receives the payload bytes at `offset..offset + bytes.len()`, in increasing, contiguous order.
+    fn write(&mut self, staged: &mut Self::Staged, offset: u64, bytes: &[u8]);
+    /// The checksum and the re-checks passed: make the span visible in one step.
+    fn commit(&mut self, staged: Self::Staged);
+    /// The frame turned out bad after `prepare`: undo the reservation.
+    fn abort(&mut self, staged: Self::Staged);
+}
+
+/// Why [`RingReader::take_into`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum TakeError<E: std::error::Error + 'static> {
+    /// The ring or the frame is bad (the ring is poisoned).
+    #[error(transparent)]
+    Ring(#[from] RingError),
+    /// The frame is well-formed but the sink refused it (the ring moves on to the next frame).
+    #[error(transparent)]
+    Sink(E),
+}
+
 /// The host end of one ring: it owns the control segment (writable) and reads the data segment.
 #[derive(Debug)]
 pub struct RingReader<C: Segment, D: Segment> {
@@ -108,6 +140,8 @@ pub struct RingReader<C: Segment, D: Segment> {
     granted: Vec<u64>,
     /// Where frames are copied to; prefaulted, reused for every frame.
     private: Vec<u8>,
+    /// One chunk of a frame on its way to a sink; prefaulted, reused.
+    staging: Vec<u8>,
     /// Rung by the producer after a commit.
     from_peer: Doorbell,
     /// Rung by the host after a release.
@@ -147,6 +181,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         let reader = RingReader {
             granted: vec![1; geometry.slot_count() as usize],
             private: prefaulted(geometry.frame_capacity() as usize),
+            staging: prefaulted(COPY_CHUNK + CHUNK_SLACK),
             control,
             data,
             geometry,
@@ -256,10 +291,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         let slot = self.geometry.slot_of(self.next_sequence);
         match self.copy_out(slot) {
             Ok((info, checksum)) => {
-                let generation = self.granted[slot as usize];
-                self.granted[slot as usize] = protocol::host_release(&self.grant_word(slot), generation);
-                self.next_sequence += 1;
-                self.to_peer.ring();
+                self.release(slot);
                 let frame = &self.private[..info.frame_len as usize];
                 match decode_body(info, frame, checksum) {
                     Ok(span) => Ok(Some(span)),
@@ -276,10 +308,38 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         }
     }
 
-    /// Copies the committed frame in `slot` into the private buffer and returns its header and the
-    /// checksum of the copy.
-    fn copy_out(&mut self, slot: u32) -> Result<(HeaderInfo, u64), RingError> {
+    /// Takes the next frame into `sink` if it is committed (`Ok(None)` if not yet): the same checks and
+    /// order as [`RingReader::try_take`], but the payload goes to the sink chunk by chunk while each chunk
+    /// is still in cache, instead of into one private frame buffer first.
+    pub fn take_into<K: SpanSink>(&mut self, sink: &mut K) -> Result<Option<()>, TakeError<K::Error>> {
+        if !self.poll_next()? {
+            return Ok(None);
+        }
+        let slot = self.geometry.slot_of(self.next_sequence);
+        let result = self.copy_into(slot, sink);
+        match result {
+            Ok(()) => Ok(Some(())),
+            Err(TakeError::Sink(e)) => {
+                // Well-formed but refused: hand the slot back and move on.
+                self.release(slot);
+                Err(TakeError::Sink(e))
+            }
+            Err(e) => {
+                self.poisoned = true;
+                Err(e)
+            }
+        }
+    }
+
+    fn release(&mut self, slot: u32) {
         let generation = self.granted[slot as usize];
+        self.granted[slot as usize] = protocol::host_release(&self.grant_word(slot), generation);
+        self.next_sequence += 1;
+        self.to_peer.ring();
+    }
+
+    /// Reads and checks the header of the committed frame in `slot`.
+    fn read_header(&self, slot: u32) -> Result<([u8; HEADER_LEN], HeaderInfo), RingError> {
         let base = self.geometry.frame_offset(slot) as usize;
         let mut header = [0u8; HEADER_LEN];
         self.data.copy_out(base, &mut header);
@@ -287,26 +347,110 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         let info = HeaderInfo::parse(&header).map_err(span_err)?;
         let expect = RingExpectation {
             producer_epoch: self.epoch,
-            slot_generation: generation,
+            slot_generation: self.granted[slot as usize],
             sequence: self.next_sequence,
             slot_capacity: self.geometry.frame_capacity(),
         };
         expect.check(&info).map_err(span_err)?;
+        Ok((header, info))
+    }
 
-        // `frame_len <= frame_capacity == private.len()` by the check above.
-        let len = info.frame_len as usize;
-        let checksum = copy_and_checksum(&self.data, base, &header, &mut self.private[..len]);
-
+    /// The re-checks after the copy: the header unchanged, the commit word still the granted generation.
+    fn recheck(&self, slot: u32, header: &[u8; HEADER_LEN]) -> Result<(), RingError> {
+        let generation = self.granted[slot as usize];
         let mut again = [0u8; HEADER_LEN];
-        self.data.copy_out(base, &mut again);
-        if again != header {
+        self.data.copy_out(self.geometry.frame_offset(slot) as usize, &mut again);
+        if &again != header {
             return Err(RingError::HeaderChangedAfterCommit { slot });
         }
         protocol::host_recheck(&self.commit_word(slot), generation).map_err(|found| RingError::CommitChanged {
             slot,
             expected: generation,
             found,
-        })?;
+        })
+    }
+
+    fn copy_into<K: SpanSink>(&mut self, slot: u32, sink: &mut K) -> Result<(), TakeError<K::Error>> {
+        let (header, info) = self.read_header(slot)?;
+        let base = self.geometry.frame_offset(slot) as usize;
+        let span_err = |source| RingError::Span { slot, source };
+        let payload_offset = info.payload_offset as usize;
+        let mut copier = FrameCopier::new(&self.data, base, &header, info.frame_len as usize);
+        // Header and manifest collect in `prefix` (they may span chunks); payload bytes go to the sink.
+        let mut prefix = Vec::with_capacity(payload_offset);
+        let mut staged = None;
+        let mut staging = std::mem::take(&mut self.staging);
+        while copier.next_len() > 0 {
+            let n = copier.next_len();
+            let range = copier.copy_next(&mut staging[..n]);
+            let chunk = &staging[..n];
+            if range.start < payload_offset {
+                let upto = payload_offset.min(range.end);
+                prefix.extend_from_slice(&chunk[..upto - range.start]);
+                if upto == payload_offset {
+                    // The manifest is whole: validate it on the private copy, then let the sink decide.
+                    let manifest =
+                        match decode_manifest(&prefix[info.manifest_range()], info.payload_len).map_err(span_err) {
+                            Ok(m) => m,
+                            Err(e) => {
+                                self.staging = staging;
+                                return Err(e.into());
+                            }
+                        };
+                    match sink.prepare(&info, &manifest) {
+                        Ok(s) => staged = Some(s),
+                        Err(e) => {
+                            self.staging = staging;
+                            return Err(TakeError::Sink(e));
+                        }
+                    }
+                }
+            }
+            if range.end > payload_offset {
+                let from = range.start.max(payload_offset);
+                let staged = staged.as_mut().expect("prepared once the manifest was whole");
+                sink.write(staged, (from - payload_offset) as u64, &chunk[from - range.start..]);
+            }
+        }
+        self.staging = staging;
+        let checksum = copier.finish();
+        let staged = staged.expect("prepared");
+        let checked = self.recheck(slot, &header).and_then(|()| {
+            // Padding and checksum: the manifest was already validated.
+            let padding = &prefix[info.manifest_range().end..payload_offset];
+            if checksum != info.checksum {
+                return Err(span_err(SpanError::ChecksumMismatch { expected: info.checksum, found: checksum }));
+            }
+            match padding.iter().position(|&b| b != 0) {
+                Some(i) => Err(span_err(SpanError::NonZeroPadding {
+                    offset: (info.manifest_range().end + i) as u64,
+                    found: padding[i],
+                })),
+                None => Ok(()),
+            }
+        });
+        match checked {
+            Ok(()) => {
+                self.release(slot);
+                sink.commit(staged);
+                Ok(())
+            }
+            Err(e) => {
+                sink.abort(staged);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Copies the committed frame in `slot` into the private buffer and returns its header and the
+    /// checksum of the copy.
+    fn copy_out(&mut self, slot: u32) -> Result<(HeaderInfo, u64), RingError> {
+        let (header, info) = self.read_header(slot)?;
+        let base = self.geometry.frame_offset(slot) as usize;
+        // `frame_len <= frame_capacity == private.len()` by the header check.
+        let len = info.frame_len as usize;
+        let checksum = copy_and_checksum(&self.data, base, &header, &mut self.private[..len]);
+        self.recheck(slot, &header)?;
         Ok((info, checksum))
     }
 
@@ -334,7 +478,7 @@ impl AsFdSegment for MemfdSegment {
 }
 
 /// A zeroed buffer whose every page has been written, so that copying into it takes no page faults.
-fn prefaulted(len: usize) -> Vec<u8> {
+pub fn prefaulted(len: usize) -> Vec<u8> {
     let mut v = vec![0u8; len];
     // `vec!` of zeros maps the shared zero page lazily; writing one byte per page makes each page private
     // now instead of on the first copy. `black_box` keeps the stores.

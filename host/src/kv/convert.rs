@@ -1,0 +1,67 @@
+//! Element type conversion between span and cache dtypes.
+
+use half::{bf16, f16};
+use shm_format::Dtype;
+
+/// Whether a span of `from` may land in a cache of `to`: always for the same type or a widening to f32;
+/// narrowing (to bf16 or f16, or between them) only when the cache allows lossy conversion.
+pub fn convertible(from: Dtype, to: Dtype, allow_lossy: bool) -> bool {
+    from == to || to == Dtype::F32 || allow_lossy
+}
+
+/// Bytes of `to` that `src_len` bytes of `from` become.
+pub fn converted_len(from: Dtype, to: Dtype, src_len: usize) -> usize {
+    src_len / from.size() as usize * to.size() as usize
+}
+
+/// Converts little-endian elements of `from` in `src` into `to` in `dst` (exactly `converted_len` bytes).
+/// Narrowing rounds to nearest, ties to even.
+pub fn convert(from: Dtype, src: &[u8], to: Dtype, dst: &mut [u8]) {
+    debug_assert_eq!(dst.len(), converted_len(from, to, src.len()));
+    if from == to {
+        dst.copy_from_slice(src);
+        return;
+    }
+    let load: fn(&[u8]) -> f32 = match from {
+        Dtype::F32 => |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        Dtype::F16 => |b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+        Dtype::Bf16 => |b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+    };
+    let (ss, ds) = (from.size() as usize, to.size() as usize);
+    match to {
+        Dtype::F32 => {
+            for (s, d) in src.chunks_exact(ss).zip(dst.chunks_exact_mut(ds)) {
+                d.copy_from_slice(&load(s).to_le_bytes());
+            }
+        }
+        Dtype::F16 => {
+            for (s, d) in src.chunks_exact(ss).zip(dst.chunks_exact_mut(ds)) {
+                d.copy_from_slice(&f16::from_f32(load(s)).to_bits().to_le_bytes());
+            }
+        }
+        Dtype::Bf16 => {
+            for (s, d) in src.chunks_exact(ss).zip(dst.chunks_exact_mut(ds)) {
+                d.copy_from_slice(&bf16::from_f32(load(s)).to_bits().to_le_bytes());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn widening_is_exact_and_narrowing_rounds() {
+        let x = bf16::from_f32(1.5).to_bits().to_le_bytes();
+        let mut out = [0u8; 4];
+        convert(Dtype::Bf16, &x, Dtype::F32, &mut out);
+        assert_eq!(f32::from_le_bytes(out), 1.5);
+        let mut back = [0u8; 2];
+        convert(Dtype::F32, &(1.0f32 + 1.0 / 512.0).to_le_bytes(), Dtype::Bf16, &mut back);
+        assert_eq!(bf16::from_bits(u16::from_le_bytes(back)).to_f32(), 1.0, "ties to even");
+        assert!(convertible(Dtype::F16, Dtype::F32, false));
+        assert!(!convertible(Dtype::F32, Dtype::Bf16, false));
+        assert!(convertible(Dtype::F32, Dtype::Bf16, true));
+    }
+}

@@ -1,0 +1,523 @@
+//! The grouped paged KV cache.
+//!
+//! Layers are grouped by attention kind ([`KvGeometry::groups`]): all full-attention layers form one group,
+//! sliding-window layers one group per window, recurrent layers one state group. Each group has a pool of
+//! fixed-size pages, preallocated and prefaulted from a memory budget, and each sequence has a block table
+//! per group. An attention page holds `page_size` token positions for *every* layer of its group:
+//!
+//! ```text
+//! page = [slot 0: K rows][slot 0: V rows][slot 1: K rows][slot 1: V rows] ...   (slot = layer's index in group)
+//! rows = page_size x (kv_heads x head_dim elements)
+//! ```
+//!
+//! A sliding group keeps only the pages its window can still see. Spans land through [`ingest`]: validation
+//! first, then the copy into new pages, then one commit. `docs/paged-kv.md` has the whole story.
+
+pub mod convert;
+pub mod ingest;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeMap, VecDeque};
+use std::hash::Hasher;
+use std::ops::Range;
+
+use shm_format::{Dtype, Fingerprint, GroupKind, KvGeometry, LayerKv};
+
+pub use ingest::{IngestError, IntoSequence, Staged};
+
+/// A sequence's id in the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct SeqId(pub u64);
+
+impl std::fmt::Display for SeqId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "seq {}", self.0)
+    }
+}
+
+/// How to build a cache.
+#[derive(Clone, Debug)]
+pub struct KvConfig {
+    /// The model's per-layer KV geometry.
+    pub geometry: KvGeometry,
+    /// Tokens per page (attention groups).
+    pub page_size: u32,
+    /// The element type pages store.
+    pub dtype: Dtype,
+    /// Bytes for all page pools together.
+    pub budget_bytes: u64,
+    /// Sequences the sliding and recurrent pools are sized for.
+    pub max_seqs: u32,
+    /// Whether spans may be narrowed to a smaller dtype (f32 to bf16 or f16, or between bf16 and f16).
+    pub allow_lossy: bool,
+}
+
+impl KvConfig {
+    /// Defaults: 64-token pages, 8 sequences, lossy conversion allowed.
+    pub fn new(geometry: KvGeometry, dtype: Dtype, budget_bytes: u64) -> Self {
+        KvConfig { geometry, page_size: 64, dtype, budget_bytes, max_seqs: 8, allow_lossy: true }
+    }
+}
+
+/// Why a cache cannot be built.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// No layers.
+    #[error("model geometry: expected at least one layer, found none")]
+    NoLayers,
+    /// A zero page size, head count or head dim.
+    #[error("{what}: expected a nonzero value, found 0")]
+    Zero {
+        /// Which value.
+        what: &'static str,
+    },
+    /// Layers of one group with different head geometry.
+    #[error(
+        "group {group}: expected every layer with kv_heads x head_dim {expected:?}, found layer {layer} with {found:?}"
+    )]
+    MixedHeads {
+        /// Group.
+        group: usize,
+        /// First layer's.
+        expected: (u32, u32),
+        /// The differing layer.
+        layer: u32,
+        /// Its heads.
+        found: (u32, u32),
+    },
+    /// The budget does not cover the bounded groups plus one page of each unbounded group.
+    #[error(
+        "memory budget: expected at least {needed} bytes for this geometry and {max_seqs} sequences, found {budget}"
+    )]
+    BudgetTooSmall {
+        /// Minimum.
+        needed: u64,
+        /// Sequences asked for.
+        max_seqs: u32,
+        /// Budget given.
+        budget: u64,
+    },
+}
+
+/// Why a read failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ReadError {
+    /// No such sequence.
+    #[error("{0}: expected a live sequence, found none")]
+    UnknownSequence(SeqId),
+    /// No such layer, or a layer of the wrong kind for the call.
+    #[error("layer {layer}: expected {expected}, found {found}")]
+    BadLayer {
+        /// Layer.
+        layer: u32,
+        /// What the call needs.
+        expected: &'static str,
+        /// What the layer is.
+        found: String,
+    },
+}
+
+/// One group: its layers and its page pool.
+#[derive(Debug)]
+pub(crate) struct Group {
+    pub(crate) kind: GroupKind,
+    /// Model layer ids; a layer's slot is its index here.
+    pub(crate) layers: Vec<u32>,
+    /// `(kv_heads, head_dim)` of attention groups.
+    pub(crate) heads: (u32, u32),
+    /// Elements of state per layer (recurrent groups).
+    pub(crate) state_elems: u64,
+    /// Bytes of one token row of one layer's K (or V): `kv_heads * head_dim * dtype size`.
+    pub(crate) row_bytes: usize,
+    /// Bytes per page.
+    pub(crate) page_bytes: usize,
+    pub(crate) pool: Vec<u8>,
+    pub(crate) pages: u32,
+    /// Free page ids; the next page handed out is the last.
+    pub(crate) free: Vec<u32>,
+}
+
+impl Group {
+    fn is_attention(&self) -> bool {
+        self.kind.is_attention()
+    }
+
+    /// Byte offset in the pool of `(page, slot, kind, token_in_page)`.
+    pub(crate) fn row_offset(&self, page: u32, slot: usize, v: bool, token: usize, page_size: usize) -> usize {
+        page as usize * self.page_bytes + ((slot * 2 + usize::from(v)) * page_size + token) * self.row_bytes
+    }
+
+    /// Byte offset in the pool of a state slot's layer.
+    pub(crate) fn state_offset(&self, page: u32, slot: usize) -> usize {
+        page as usize * self.page_bytes + slot * (self.page_bytes / self.layers.len())
+    }
+}
+
+/// A sequence's pages in one group.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub(crate) struct BlockTable {
+    /// Logical page index (position / page_size) of `pages[0]`.
+    pub(crate) first: u64,
+    pub(crate) pages: VecDeque<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Seq {
+    pub(crate) request_id: u64,
+    /// Token positions held: `[0, len)` (sliding groups keep only the window's tail of them).
+    pub(crate) len: u64,
+    pub(crate) tables: Vec<BlockTable>,
+}
+
+/// Where a model layer lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Place {
+    pub(crate) group: usize,
+    pub(crate) slot: usize,
+}
+
+/// Per-group accounting.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GroupUsage {
+    /// The group's kind.
+    pub kind: GroupKind,
+    /// Its model layer ids.
+    pub layers: Vec<u32>,
+    /// Bytes per page.
+    pub page_bytes: usize,
+    /// Pages in the pool.
+    pub total: u32,
+    /// Pages in use.
+    pub used: u32,
+    /// Pages free.
+    pub free: u32,
+}
+
+/// The grouped paged KV cache.
+#[derive(Debug)]
+pub struct PagedKv {
+    pub(crate) page_size: u32,
+    pub(crate) dtype: Dtype,
+    pub(crate) allow_lossy: bool,
+    pub(crate) fingerprint: Fingerprint,
+    pub(crate) geometry: KvGeometry,
+    pub(crate) groups: Vec<Group>,
+    /// Indexed by model layer id.
+    pub(crate) places: Vec<Place>,
+    pub(crate) seqs: BTreeMap<SeqId, Seq>,
+}
+
+impl PagedKv {
+    /// Builds the groups and preallocates (and prefaults) every pool from the budget.
+    ///
+    /// Sliding groups get enough pages for `max_seqs` sequences at their window (twice, so a write can
+    /// reserve new pages before the old ones are freed), recurrent groups two states per sequence, and full
+    /// groups share the rest in proportion to their page size.
+    pub fn new(config: KvConfig) -> Result<Self, ConfigError> {
+        let KvConfig { geometry, page_size, dtype, budget_bytes, max_seqs, allow_lossy } = config;
+        if geometry.layers.is_empty() {
+            return Err(ConfigError::NoLayers);
+        }
+        if page_size == 0 {
+            return Err(ConfigError::Zero { what: "page size" });
+        }
+        let esize = dtype.size() as usize;
+        let mut groups = Vec::new();
+        let mut places = vec![Place { group: 0, slot: 0 }; geometry.layers.len()];
+        for (gi, g) in geometry.groups().into_iter().enumerate() {
+            let first = geometry.layers[g.layers[0] as usize];
+            let heads = first.heads().unwrap_or((0, 0));
+            let mut state_elems = 0;
+            for (slot, &layer) in g.layers.iter().enumerate() {
+                places[layer as usize] = Place { group: gi, slot };
+                match geometry.layers[layer as usize] {
+                    LayerKv::Recurrent { state_elems: n } => {
+                        if n == 0 {
+                            return Err(ConfigError::Zero { what: "recurrent state size" });
+                        }
+                        state_elems = state_elems.max(n);
+                    }
+                    kv => {
+                        let h = kv.heads().expect("attention layer");
+                        if h.0 == 0 || h.1 == 0 {
+                            return Err(ConfigError::Zero { what: "kv_heads or head_dim" });
+                        }
+                        if h != heads {
+                            return Err(ConfigError::MixedHeads { group: gi, expected: heads, layer, found: h });
+                        }
+                    }
+                }
+            }
+            let row_bytes = heads.0 as usize * heads.1 as usize * esize;
+            let page_bytes = if g.kind.is_attention() {
+                g.layers.len() * 2 * page_size as usize * row_bytes
+            } else {
+                g.layers.len() * state_elems as usize * esize
+            };
+            groups.push(Group {
+                kind: g.kind,
+                layers: g.layers,
+                heads,
+                state_elems,
+                row_bytes,
+                page_bytes,
+                pool: Vec::new(),
+                pages: 0,
+                free: Vec::new(),
+            });
+        }
+
+        // Bounded groups first, then the rest of the budget to the full groups.
+        let mut bounded = 0u64;
+        for g in &mut groups {
+            g.pages = match g.kind {
+                GroupKind::Sliding { window } => max_seqs * 2 * (window.div_ceil(page_size) + 1),
+                GroupKind::Recurrent => max_seqs * 2,
+                GroupKind::Full => 0,
+            };
+            bounded += u64::from(g.pages) * g.page_bytes as u64;
+        }
+        let full_page_bytes: u64 =
+            groups.iter().filter(|g| g.kind == GroupKind::Full).map(|g| g.page_bytes as u64).sum();
+        let needed = bounded + full_page_bytes;
+        if budget_bytes < needed {
+            return Err(ConfigError::BudgetTooSmall { needed, max_seqs, budget: budget_bytes });
+        }
+        if full_page_bytes > 0 {
+            let full_pages = ((budget_bytes - bounded) / full_page_bytes).min(u64::from(u32::MAX)) as u32;
+            for g in groups.iter_mut().filter(|g| g.kind == GroupKind::Full) {
+                g.pages = full_pages;
+            }
+        }
+        for g in &mut groups {
+            g.pool = shm_ring::prefaulted(g.pages as usize * g.page_bytes);
+            // Hand out low page ids first.
+            g.free = (0..g.pages).rev().collect();
+        }
+        Ok(PagedKv {
+            page_size,
+            dtype,
+            allow_lossy,
+            fingerprint: geometry.fingerprint(),
+            geometry,
+            groups,
+            places,
+            seqs: BTreeMap::new(),
+        })
+    }
+
+    /// The fingerprint spans must carry.
+    pub fn fingerprint(&self) -> Fingerprint {
+        self.fingerprint
+    }
+
+    /// The element type pages store.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// The model geometry the cache was built for.
+    pub fn geometry(&self) -> &KvGeometry {
+        &self.geometry
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> u32 {
+        self.page_size
+    }
+
+    /// The group a model layer belongs to, and its kind.
+    pub fn group_of(&self, layer: u32) -> Option<(usize, GroupKind)> {
+        let p = self.places.get(layer as usize)?;
+        Some((p.group, self.groups[p.group].kind))
+    }
+
+    /// Starts an empty sequence for `request_id`. Replaces nothing: an existing id is an error.
+    pub fn add_sequence(&mut self, seq: SeqId, request_id: u64) -> Result<(), IngestError> {
+        if self.seqs.contains_key(&seq) {
+            return Err(IngestError::SequenceExists { seq });
+        }
+        let tables = vec![BlockTable::default(); self.groups.len()];
+        self.seqs.insert(seq, Seq { request_id, len: 0, tables });
+        Ok(())
+    }
+
+    /// Tokens the sequence holds (positions `[0, len)` have been written).
+    pub fn seq_len(&self, seq: SeqId) -> Option<u64> {
+        self.seqs.get(&seq).map(|s| s.len)
+    }
+
+    /// Frees a sequence and returns its pages to their pools.
+    pub fn remove_sequence(&mut self, seq: SeqId) -> Result<(), ReadError> {
+        let s = self.seqs.remove(&seq).ok_or(ReadError::UnknownSequence(seq))?;
+        for (g, table) in self.groups.iter_mut().zip(s.tables) {
+            g.free.extend(table.pages.into_iter().rev());
+        }
+        Ok(())
+    }
+
+    /// Pages used and free per group.
+    pub fn usage(&self) -> Vec<GroupUsage> {
+        self.groups
+            .iter()
+            .map(|g| GroupUsage {
+                kind: g.kind,
+                layers: g.layers.clone(),
+                page_bytes: g.page_bytes,
+                total: g.pages,
+                used: g.pages - g.free.len() as u32,
+                free: g.free.len() as u32,
+            })
+            .collect()
+    }
+
+    /// The positions a layer attends to for the sequence's next query: all held positions for full
+    /// attention, the last `window` for sliding.
+    pub fn visible(&self, seq: SeqId, layer: u32) -> Result<Range<u64>, ReadError> {
+        let s = self.seqs.get(&seq).ok_or(ReadError::UnknownSequence(seq))?;
+        let place = self.place(layer)?;
+        Ok(match self.groups[place.group].kind {
+            GroupKind::Full => 0..s.len,
+            GroupKind::Sliding { window } => s.len.saturating_sub(u64::from(window))..s.len,
+            GroupKind::Recurrent => {
+                return Err(ReadError::BadLayer { layer, expected: "an attention layer", found: "recurrent".into() })
+            }
+        })
+    }
+
+    fn place(&self, layer: u32) -> Result<Place, ReadError> {
+        self.places.get(layer as usize).copied().ok_or(ReadError::BadLayer {
+            layer,
+            expected: "a layer of the model",
+            found: format!("a model with {} layers", self.places.len()),
+        })
+    }
+
+    /// K and V of exactly the positions `layer` attends to, as contiguous runs inside pages.
+    pub fn read(&self, seq: SeqId, layer: u32) -> Result<LayerRead<'_>, ReadError> {
+        let positions = self.visible(seq, layer)?;
+        let place = self.place(layer)?;
+        let s = &self.seqs[&seq];
+        Ok(LayerRead {
+            positions,
+            group: &self.groups[place.group],
+            table: &s.tables[place.group],
+            slot: place.slot,
+            page_size: self.page_size as usize,
+            dtype: self.dtype,
+        })
+    }
+
+    /// The recurrent state of `layer` for the sequence, or `None` if no span has set it yet.
+    pub fn read_state(&self, seq: SeqId, layer: u32) -> Result<Option<&[u8]>, ReadError> {
+        let s = self.seqs.get(&seq).ok_or(ReadError::UnknownSequence(seq))?;
+        let place = self.place(layer)?;
+        let g = &self.groups[place.group];
+        if g.is_attention() {
+            return Err(ReadError::BadLayer { layer, expected: "a recurrent layer", found: "attention".into() });
+        }
+        Ok(s.tables[place.group].pages.front().map(|&page| {
+            let at = g.state_offset(page, place.slot);
+            &g.pool[at..at + g.state_elems as usize * self.dtype.size() as usize]
+        }))
+    }
+
+    /// A hash of the whole cache: every pool byte, free list, block table and sequence. Equal before and
+    /// after a rejected span, byte for byte.
+    pub fn state_hash(&self) -> u64 {
+        let mut h = twox_hash::XxHash3_64::with_seed(0);
+        for g in &self.groups {
+            h.write(&g.pool);
+            for &p in &g.free {
+                h.write_u32(p);
+            }
+            h.write_u8(0xFF);
+        }
+        for (id, s) in &self.seqs {
+            h.write_u64(id.0);
+            h.write_u64(s.request_id);
+            h.write_u64(s.len);
+            for t in &s.tables {
+                h.write_u64(t.first);
+                for &p in &t.pages {
+                    h.write_u32(p);
+                }
+                h.write_u8(0xFE);
+            }
+        }
+        h.finish()
+    }
+}
+
+/// The K/V of one layer for one sequence, over exactly the positions it attends to.
+#[derive(Debug)]
+pub struct LayerRead<'a> {
+    /// The positions covered.
+    pub positions: Range<u64>,
+    group: &'a Group,
+    table: &'a BlockTable,
+    slot: usize,
+    page_size: usize,
+    dtype: Dtype,
+}
+
+/// A run of consecutive positions inside one page.
+#[derive(Debug, Clone, Copy)]
+pub struct KvRun<'a> {
+    /// First position of the run.
+    pub start: u64,
+    /// Positions in the run.
+    pub tokens: usize,
+    /// `tokens` rows of `kv_heads * head_dim` elements.
+    pub k: &'a [u8],
+    /// Same for V.
+    pub v: &'a [u8],
+}
+
+impl<'a> LayerRead<'a> {
+    /// The element type of the bytes.
+    pub fn dtype(&self) -> Dtype {
+        self.dtype
+    }
+
+    /// `(kv_heads, head_dim)`.
+    pub fn heads(&self) -> (u32, u32) {
+        self.group.heads
+    }
+
+    /// The runs, in position order.
+    pub fn runs(&self) -> impl Iterator<Item = KvRun<'a>> + '_ {
+        let p = self.page_size as u64;
+        let mut pos = self.positions.start;
+        let end = self.positions.end;
+        std::iter::from_fn(move || {
+            if pos >= end {
+                return None;
+            }
+            let logical = pos / p;
+            let page = self.table.pages[(logical - self.table.first) as usize];
+            let token = (pos % p) as usize;
+            let tokens = ((logical + 1) * p).min(end) - pos;
+            let g = self.group;
+            let n = tokens as usize * g.row_bytes;
+            let k = g.row_offset(page, self.slot, false, token, self.page_size);
+            let v = g.row_offset(page, self.slot, true, token, self.page_size);
+            let run = KvRun { start: pos, tokens: tokens as usize, k: &g.pool[k..k + n], v: &g.pool[v..v + n] };
+            pos += tokens;
+            Some(run)
+        })
+    }
+
+    /// K and V of all covered positions, contiguous, in the cache's dtype.
+    pub fn to_bytes(&self) -> (Vec<u8>, Vec<u8>) {
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for run in self.runs() {
+            k.extend_from_slice(run.k);
+            v.extend_from_slice(run.v);
+        }
+        (k, v)
+    }
+}

@@ -1,0 +1,390 @@
+//! Paged KV tests: the incident's regressions, accounting, and property tests over random geometries.
+
+use proptest::prelude::*;
+use shm_format::{decode_frame, encode_frame, Dtype, EntryKind, FrameCoords, GroupKind, KvGeometry, LayerKv, Manifest};
+
+use super::*;
+
+/// Gemma3-1B's KV geometry: 26 layers, full attention at 5, 11, 17, 23, the rest sliding over 512 tokens.
+fn gemma3_1b() -> KvGeometry {
+    let layers = (0..26)
+        .map(|l| {
+            if l % 6 == 5 {
+                LayerKv::Full { kv_heads: 1, head_dim: 256 }
+            } else {
+                LayerKv::Sliding { window: 512, kv_heads: 1, head_dim: 256 }
+            }
+        })
+        .collect();
+    KvGeometry { layers }
+}
+
+fn cache(geometry: KvGeometry, dtype: Dtype, page_size: u32, budget: u64) -> PagedKv {
+    let mut config = KvConfig::new(geometry, dtype, budget);
+    config.page_size = page_size;
+    config.max_seqs = 2;
+    PagedKv::new(config).unwrap()
+}
+
+/// A payload where every byte depends on its entry, so a byte landing in the wrong layer shows.
+fn payload_for(m: &Manifest, seed: u8) -> Vec<u8> {
+    let mut p = vec![0u8; m.payload_len() as usize];
+    for e in &m.entries {
+        let tag = (e.layer as u8).wrapping_mul(7).wrapping_add(e.kind as u8 * 3).wrapping_add(seed);
+        for (i, b) in p[e.offset as usize..(e.offset + e.len) as usize].iter_mut().enumerate() {
+            *b = tag.wrapping_add((i as u8).wrapping_mul(13));
+        }
+    }
+    p
+}
+
+fn frame(m: &Manifest, payload: &[u8]) -> Vec<u8> {
+    encode_frame(m, payload, FrameCoords::default())
+}
+
+/// The bytes of `layer`'s `kind` at `positions`, from a span.
+fn rows(m: &Manifest, payload: &[u8], layer: u32, kind: EntryKind, positions: std::ops::Range<u64>) -> Vec<u8> {
+    let e = m.entries.iter().find(|e| e.layer == layer && e.kind == kind).unwrap();
+    let row = (e.len / m.tokens()) as usize;
+    let a = e.offset as usize + (positions.start - m.token_start) as usize * row;
+    let b = e.offset as usize + (positions.end - m.token_start) as usize * row;
+    payload[a..b].to_vec()
+}
+
+fn ingest(kv: &mut PagedKv, seq: SeqId, m: &Manifest, payload: &[u8]) -> Result<(), IngestError> {
+    let bytes = frame(m, payload);
+    let span = decode_frame(&bytes).expect("a structurally valid span");
+    kv.write_span(seq, &span)
+}
+
+/// Ingest must fail with `kind`, and leave the cache byte-identical.
+fn rejected(kv: &mut PagedKv, seq: SeqId, m: &Manifest, payload: &[u8]) -> &'static str {
+    let before = kv.state_hash();
+    let err = ingest(kv, seq, m, payload).unwrap_err();
+    assert_eq!(kv.state_hash(), before, "cache changed by rejected span: {err}");
+    err.kind()
+}
+
+#[test]
+fn a_dense_26_layer_span_lands_each_layer_in_its_own_group_and_slot() {
+    let g = gemma3_1b();
+    let mut kv = cache(g.clone(), Dtype::Bf16, 64, 64 << 20);
+    kv.add_sequence(SeqId(1), 7).unwrap();
+    let m = Manifest::dense(&g, 7, 0..100, Dtype::Bf16).unwrap();
+    let payload = payload_for(&m, 1);
+    ingest(&mut kv, SeqId(1), &m, &payload).unwrap();
+    assert_eq!(kv.group_of(5).unwrap().1, GroupKind::Full);
+    assert_eq!(kv.group_of(4).unwrap().1, GroupKind::Sliding { window: 512 });
+    for layer in 0..26 {
+        let read = kv.read(SeqId(1), layer).unwrap();
+        assert_eq!(read.positions, 0..100);
+        let (k, v) = read.to_bytes();
+        assert!(k == rows(&m, &payload, layer, EntryKind::K, 0..100), "layer {layer} K");
+        assert!(v == rows(&m, &payload, layer, EntryKind::V, 0..100), "layer {layer} V");
+    }
+    let usage = kv.usage();
+    assert_eq!(usage[0].layers.len(), 22);
+    assert_eq!(usage[1].layers, vec![5, 11, 17, 23]);
+    assert_eq!((usage[0].used, usage[1].used), (2, 2), "100 tokens in 64-token pages, per group");
+
+    // The incident: the same 26-layer span sent to a 22-layer sliding receiver is rejected, not copied.
+    let sliding_only = KvGeometry {
+        layers: g
+            .layers
+            .iter()
+            .copied()
+            .filter(|l| l.heads().is_some() && !matches!(l, LayerKv::Full { .. }))
+            .collect(),
+    };
+    assert_eq!(sliding_only.layers.len(), 22);
+    let mut small = cache(sliding_only.clone(), Dtype::Bf16, 64, 64 << 20);
+    small.add_sequence(SeqId(1), 7).unwrap();
+    let mut wrong = m.clone();
+    wrong.fingerprint = small.fingerprint();
+    assert_eq!(rejected(&mut small, SeqId(1), &wrong, &payload), "layer_count_mismatch");
+}
+
+#[test]
+fn chunked_prefill_with_noncontiguous_full_layers_reads_back() {
+    let g = gemma3_1b();
+    let mut kv = cache(g.clone(), Dtype::Bf16, 64, 64 << 20);
+    kv.add_sequence(SeqId(3), 9).unwrap();
+    let first = Manifest::grouped(&g, 9, 0..70, Dtype::Bf16);
+    let second = Manifest::grouped(&g, 9, 70..135, Dtype::Bf16);
+    let (p1, p2) = (payload_for(&first, 1), payload_for(&second, 2));
+    ingest(&mut kv, SeqId(3), &first, &p1).unwrap();
+    // Replaying the first chunk, or skipping ahead, is refused.
+    assert_eq!(rejected(&mut kv, SeqId(3), &first, &p1), "token_offset_mismatch");
+    ingest(&mut kv, SeqId(3), &second, &p2).unwrap();
+    for layer in [5, 11, 17, 23, 0, 22] {
+        let (k, v) = kv.read(SeqId(3), layer).unwrap().to_bytes();
+        let mut want_k = rows(&first, &p1, layer, EntryKind::K, 0..70);
+        want_k.extend(rows(&second, &p2, layer, EntryKind::K, 70..135));
+        let mut want_v = rows(&first, &p1, layer, EntryKind::V, 0..70);
+        want_v.extend(rows(&second, &p2, layer, EntryKind::V, 70..135));
+        assert!(k == want_k && v == want_v, "layer {layer}");
+    }
+    assert_eq!(kv.seq_len(SeqId(3)), Some(135));
+}
+
+#[test]
+fn every_receiver_mismatch_is_rejected_and_changes_nothing() {
+    let g = gemma3_1b();
+    let mut kv = cache(g.clone(), Dtype::Bf16, 64, 64 << 20);
+    kv.add_sequence(SeqId(1), 7).unwrap();
+    // Something already in the cache, so "unchanged" means something.
+    let m = Manifest::grouped(&g, 7, 0..10, Dtype::Bf16);
+    ingest(&mut kv, SeqId(1), &m, &payload_for(&m, 0)).unwrap();
+    let next = Manifest::grouped(&g, 7, 10..20, Dtype::Bf16);
+    let p = payload_for(&next, 3);
+
+    let mut missing_group = next.clone();
+    if let shm_format::Layout::Grouped { groups } = &mut missing_group.layout {
+        groups.retain(|g| g.kind != GroupKind::Full);
+    }
+    missing_group.entries.retain(|e| e.layer % 6 != 5);
+    assert_eq!(rejected(&mut kv, SeqId(1), &missing_group, &p), "missing_layer");
+
+    // One malformed group among valid ones: the full group's head dim is 128, not 256.
+    let mut bad_group = next.clone();
+    let full: Vec<u32> = vec![5, 11, 17, 23];
+    let mut offset = 0;
+    for e in &mut bad_group.entries {
+        if full.contains(&e.layer) {
+            e.shape = vec![10, 2, 128];
+        }
+        e.offset = offset;
+        offset += e.len;
+    }
+    assert_eq!(rejected(&mut kv, SeqId(1), &bad_group, &payload_for(&bad_group, 1)), "head_geometry_mismatch");
+
+    let mut fingerprint = next.clone();
+    fingerprint.fingerprint.0 ^= 1;
+    assert_eq!(rejected(&mut kv, SeqId(1), &fingerprint, &p), "fingerprint_mismatch");
+
+    let mut request = next.clone();
+    request.request_id = 8;
+    assert_eq!(rejected(&mut kv, SeqId(1), &request, &p), "request_mismatch");
+
+    let mut kind = next.clone();
+    if let shm_format::Layout::Grouped { groups } = &mut kind.layout {
+        groups[1].kind = GroupKind::Sliding { window: 512 };
+    }
+    assert_eq!(rejected(&mut kv, SeqId(1), &kind, &p), "group_kind_mismatch");
+
+    let gap = Manifest::grouped(&g, 7, 11..20, Dtype::Bf16);
+    assert_eq!(rejected(&mut kv, SeqId(1), &gap, &payload_for(&gap, 0)), "token_offset_mismatch");
+
+    // A larger model's span: layer 26 does not exist here.
+    let mut bigger = g.clone();
+    bigger.layers.push(LayerKv::Full { kv_heads: 1, head_dim: 256 });
+    let mut extra = Manifest::grouped(&bigger, 7, 10..20, Dtype::Bf16);
+    extra.fingerprint = kv.fingerprint();
+    assert_eq!(rejected(&mut kv, SeqId(1), &extra, &payload_for(&extra, 0)), "unexpected_layer");
+
+    assert_eq!(rejected(&mut kv, SeqId(2), &next, &p), "unknown_sequence");
+}
+
+#[test]
+fn dtype_conversion_widens_and_refuses_lossy_narrowing_when_disabled() {
+    let g = KvGeometry { layers: vec![LayerKv::Full { kv_heads: 2, head_dim: 4 }; 2] };
+    let mut config = KvConfig::new(g.clone(), Dtype::F32, 1 << 20);
+    config.allow_lossy = false;
+    let mut kv = PagedKv::new(config).unwrap();
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    let m = Manifest::grouped(&g, 1, 0..3, Dtype::Bf16);
+    let values: Vec<f32> = (0..m.payload_len() / 2).map(|i| i as f32 * 0.5 - 3.0).collect();
+    let payload: Vec<u8> = values.iter().flat_map(|&x| half::bf16::from_f32(x).to_bits().to_le_bytes()).collect();
+    ingest(&mut kv, SeqId(1), &m, &payload).unwrap();
+    let (k, _) = kv.read(SeqId(1), 1).unwrap().to_bytes();
+    let e = m.entries.iter().find(|e| e.layer == 1 && e.kind == EntryKind::K).unwrap();
+    let want: Vec<u8> = values[(e.offset / 2) as usize..((e.offset + e.len) / 2) as usize]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    assert_eq!(k, want, "bf16 widened to f32 exactly");
+
+    let mut kv16 = PagedKv::new({
+        let mut c = KvConfig::new(g.clone(), Dtype::Bf16, 1 << 20);
+        c.allow_lossy = false;
+        c
+    })
+    .unwrap();
+    kv16.add_sequence(SeqId(1), 1).unwrap();
+    let m32 = Manifest::grouped(&g, 1, 0..3, Dtype::F32);
+    assert_eq!(rejected(&mut kv16, SeqId(1), &m32, &payload_for(&m32, 0)), "dtype_not_convertible");
+}
+
+#[test]
+fn capacity_exhaustion_is_rejected_and_release_returns_every_page() {
+    let g = KvGeometry { layers: vec![LayerKv::Full { kv_heads: 1, head_dim: 8 }; 2] };
+    // 2 layers x 2 x 4 tokens x 8 x 4 bytes = 512 bytes a page: 10 pages.
+    let mut kv = cache(g.clone(), Dtype::F32, 4, 10 * 512);
+    assert_eq!(kv.usage()[0].total, 10);
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    kv.add_sequence(SeqId(2), 2).unwrap();
+    let a = Manifest::grouped(&g, 1, 0..30, Dtype::F32);
+    ingest(&mut kv, SeqId(1), &a, &payload_for(&a, 0)).unwrap();
+    assert_eq!((kv.usage()[0].used, kv.usage()[0].free), (8, 2));
+    let b = Manifest::grouped(&g, 2, 0..9, Dtype::F32);
+    assert_eq!(rejected(&mut kv, SeqId(2), &b, &payload_for(&b, 0)), "capacity_exhausted");
+    // The other sequence is untouched and still reads back.
+    let (k, _) = kv.read(SeqId(1), 0).unwrap().to_bytes();
+    assert_eq!(k, rows(&a, &payload_for(&a, 0), 0, EntryKind::K, 0..30));
+    kv.remove_sequence(SeqId(1)).unwrap();
+    assert_eq!((kv.usage()[0].used, kv.usage()[0].free), (0, 10));
+    ingest(&mut kv, SeqId(2), &b, &payload_for(&b, 0)).unwrap();
+    assert_eq!(kv.usage()[0].used, 3);
+}
+
+#[test]
+fn a_sliding_span_longer_than_the_window_keeps_only_the_tail() {
+    let g = KvGeometry {
+        layers: vec![
+            LayerKv::Sliding { window: 8, kv_heads: 1, head_dim: 2 },
+            LayerKv::Full { kv_heads: 1, head_dim: 2 },
+        ],
+    };
+    let mut kv = cache(g.clone(), Dtype::F32, 4, 1 << 16);
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    let m = Manifest::grouped(&g, 1, 0..30, Dtype::F32);
+    let p = payload_for(&m, 5);
+    ingest(&mut kv, SeqId(1), &m, &p).unwrap();
+    let read = kv.read(SeqId(1), 0).unwrap();
+    assert_eq!(read.positions, 22..30);
+    let (k, v) = read.to_bytes();
+    assert_eq!(k, rows(&m, &p, 0, EntryKind::K, 22..30));
+    assert_eq!(v, rows(&m, &p, 0, EntryKind::V, 22..30));
+    // Positions 20..30 in pages 5..7: 3 pages, not 8.
+    assert_eq!(kv.usage()[0].used, 3);
+    assert_eq!(kv.usage()[1].used, 8);
+    // Decoding on one token at a time keeps the sliding group bounded by the window.
+    for pos in 30..60 {
+        let one = Manifest::grouped(&g, 1, pos..pos + 1, Dtype::F32);
+        ingest(&mut kv, SeqId(1), &one, &payload_for(&one, pos as u8)).unwrap();
+        assert!(kv.usage()[0].used <= 3, "window 8 in 4-token pages needs at most 3 pages");
+    }
+    let (k, _) = kv.read(SeqId(1), 0).unwrap().to_bytes();
+    let want: Vec<u8> = (52..60)
+        .flat_map(|pos| {
+            let one = Manifest::grouped(&g, 1, pos..pos + 1, Dtype::F32);
+            rows(&one, &payload_for(&one, pos as u8), 0, EntryKind::K, pos..pos + 1)
+        })
+        .collect();
+    assert_eq!(k, want);
+}
+
+#[test]
+fn recurrent_state_is_replaced_by_each_span() {
+    let g = shm_format::testing::tiny_hybrid_geometry();
+    let mut kv = cache(g.clone(), Dtype::F16, 4, 1 << 16);
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    assert_eq!(kv.read_state(SeqId(1), 1).unwrap(), None);
+    for (i, range) in [0..3u64, 3..5].into_iter().enumerate() {
+        let m = Manifest::grouped(&g, 1, range, Dtype::F16);
+        let p = payload_for(&m, i as u8);
+        ingest(&mut kv, SeqId(1), &m, &p).unwrap();
+        let e = m.entries.iter().find(|e| e.kind == EntryKind::State).unwrap();
+        assert_eq!(kv.read_state(SeqId(1), 1).unwrap().unwrap(), &p[e.offset as usize..(e.offset + e.len) as usize]);
+    }
+    let recurrent = kv.usage().into_iter().find(|u| u.kind == GroupKind::Recurrent).unwrap();
+    assert_eq!(recurrent.used, 1, "the old state's page went back");
+    let mut wrong = Manifest::grouped(&g, 1, 5..6, Dtype::F16);
+    for e in &mut wrong.entries {
+        if e.kind == EntryKind::State {
+            e.shape = vec![3];
+            e.len = 3 * 2;
+        }
+    }
+    assert_eq!(rejected(&mut kv, SeqId(1), &wrong, &payload_for(&wrong, 0)), "state_size_mismatch");
+}
+
+/// A random model: 1 to 6 layers, each full, sliding (window 1..10) or recurrent.
+fn arb_geometry() -> impl Strategy<Value = KvGeometry> {
+    let layer = prop_oneof![
+        Just(LayerKv::Full { kv_heads: 2, head_dim: 3 }),
+        (1u32..10).prop_map(|window| LayerKv::Sliding { window, kv_heads: 2, head_dim: 3 }),
+        Just(LayerKv::Recurrent { state_elems: 5 }),
+    ];
+    prop::collection::vec(layer, 1..7).prop_map(|layers| KvGeometry { layers })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Random geometries, page sizes and chunkings: every layer reads back exactly the positions it sees,
+    /// with the bytes written for them; corrupted spans are refused and change nothing.
+    #[test]
+    fn random_chunked_spans_read_back_and_corruptions_change_nothing(
+        geometry in arb_geometry(),
+        page_size in 1u32..6,
+        chunks in prop::collection::vec(1u64..12, 1..6),
+        dense in any::<bool>(),
+        corruption in 0usize..6,
+    ) {
+        let mut kv = cache(geometry.clone(), Dtype::F32, page_size, 1 << 20);
+        kv.add_sequence(SeqId(1), 5).unwrap();
+        // Expected K/V rows per attention layer, by position; the last state per recurrent layer.
+        let row = 2 * 3 * 4;
+        let mut want: Vec<(Vec<u8>, Vec<u8>)> = vec![(Vec::new(), Vec::new()); geometry.layers.len()];
+        let mut state: Vec<Option<Vec<u8>>> = vec![None; geometry.layers.len()];
+        let mut pos = 0;
+        for (i, len) in chunks.into_iter().enumerate() {
+            let range = pos..pos + len;
+            let m = match Manifest::dense(&geometry, 5, range.clone(), Dtype::F32) {
+                Some(m) if dense => m,
+                _ => Manifest::grouped(&geometry, 5, range.clone(), Dtype::F32),
+            };
+            let p = payload_for(&m, i as u8);
+
+            // A corrupted copy first: refused, cache unchanged.
+            let mut bad = m.clone();
+            match corruption {
+                0 => bad.fingerprint.0 ^= 1,
+                1 => bad.request_id += 1,
+                2 => { bad.token_start += 1; bad.token_end += 1; }
+                3 => bad.entries.retain(|e| e.layer != 0),
+                4 => if let shm_format::Layout::Dense { num_layers, .. } = &mut bad.layout { *num_layers += 1 } else { bad.entries.pop(); },
+                // Capacity: a real span far longer than the pools. Only full attention grows with the span:
+                // sliding groups keep the window's tail and recurrent groups one state.
+                _ if geometry.layers.iter().any(|l| matches!(l, LayerKv::Full { .. })) => {
+                    bad = Manifest::grouped(&geometry, 5, pos..pos + 100_000, Dtype::F32);
+                }
+                _ => bad.fingerprint.0 ^= 2,
+            }
+            let before = kv.state_hash();
+            let bad_frame = frame(&bad, &payload_for(&bad, 0));
+            match decode_frame(&bad_frame) {
+                Ok(span) => prop_assert!(kv.write_span(SeqId(1), &span).is_err()),
+                Err(_) => {} // refused by the format already
+            }
+            prop_assert_eq!(kv.state_hash(), before);
+
+            ingest(&mut kv, SeqId(1), &m, &p).unwrap();
+            for (layer, kvg) in geometry.layers.iter().enumerate() {
+                let layer32 = layer as u32;
+                if kvg.heads().is_some() {
+                    want[layer].0.extend(rows(&m, &p, layer32, EntryKind::K, range.clone()));
+                    want[layer].1.extend(rows(&m, &p, layer32, EntryKind::V, range.clone()));
+                } else {
+                    let e = m.entries.iter().find(|e| e.layer == layer32).unwrap();
+                    state[layer] = Some(p[e.offset as usize..(e.offset + e.len) as usize].to_vec());
+                }
+            }
+            pos += len;
+            for (layer, kvg) in geometry.layers.iter().enumerate() {
+                if kvg.heads().is_some() {
+                    let read = kv.read(SeqId(1), layer as u32).unwrap();
+                    let from = read.positions.start as usize * row;
+                    let (k, v) = read.to_bytes();
+                    prop_assert_eq!(&k[..], &want[layer].0[from..]);
+                    prop_assert_eq!(&v[..], &want[layer].1[from..]);
+                } else {
+                    prop_assert_eq!(kv.read_state(SeqId(1), layer as u32).unwrap().map(<[u8]>::to_vec), state[layer].clone());
+                }
+            }
+        }
+        kv.remove_sequence(SeqId(1)).unwrap();
+        prop_assert!(kv.usage().iter().all(|u| u.used == 0 && u.free == u.total));
+    }
+}
