@@ -286,8 +286,8 @@ impl PagedKv {
         if budget_bytes < needed {
             return Err(ConfigError::BudgetTooSmall { needed, max_seqs, budget: budget_bytes });
         }
-        if full_page_bytes > 0 {
-            let full_pages = ((budget_bytes - bounded) / full_page_bytes).min(u64::from(u32::MAX)) as u32;
+        if let Some(full_pages) = (budget_bytes - bounded).checked_div(full_page_bytes) {
+            let full_pages = full_pages.min(u64::from(u32::MAX)) as u32;
             for g in groups.iter_mut().filter(|g| g.kind == GroupKind::Full) {
                 g.pages = full_pages;
             }
