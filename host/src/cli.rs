@@ -52,6 +52,24 @@ pub enum Bench {
     /// Ring to private buffer: header validation, copy, checksum and manifest validation of 1, 16 and
     /// 256 MiB spans through a real memfd ring, beside memcpy of the same bytes.
     Ring(RingBenchArgs),
+    /// Ring to paged KV: everything `ring` does, plus receiver validation and the copy into pages, for
+    /// Gemma 3 270M and Gemma3-1B geometries, dense and grouped spans, bf16 and f32, single-threaded,
+    /// beside memcpy of the same span bytes.
+    Ingest(IngestBenchArgs),
+}
+
+/// `pdhost bench ingest`.
+#[derive(Debug, Args)]
+pub struct IngestBenchArgs {
+    /// Span lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_values_t = [512u64, 2048, 8192])]
+    pub tokens: Vec<u64>,
+    /// Repetitions per case (default: enough for about 1 GiB moved, at least 3).
+    #[arg(long)]
+    pub iters: Option<u32>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `pdhost bench ring`.

@@ -138,7 +138,8 @@ pub struct RingReader<C: Segment, D: Segment> {
     next_sequence: u64,
     /// The generation the host granted per slot: private, never re-read from shared memory.
     granted: Vec<u64>,
-    /// Where frames are copied to; prefaulted, reused for every frame.
+    /// Where [`RingReader::try_take`] copies frames; allocated and prefaulted on first use (a reader that
+    /// only feeds sinks never needs it), then reused.
     private: Vec<u8>,
     /// One chunk of a frame on its way to a sink; prefaulted, reused.
     staging: Vec<u8>,
@@ -180,7 +181,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         control.copy_in(0, geometry.control_header(epoch).as_bytes());
         let reader = RingReader {
             granted: vec![1; geometry.slot_count() as usize],
-            private: prefaulted(geometry.frame_capacity() as usize),
+            private: Vec::new(),
             staging: prefaulted(COPY_CHUNK + CHUNK_SLACK),
             control,
             data,
@@ -447,6 +448,9 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
     fn copy_out(&mut self, slot: u32) -> Result<(HeaderInfo, u64), RingError> {
         let (header, info) = self.read_header(slot)?;
         let base = self.geometry.frame_offset(slot) as usize;
+        if self.private.is_empty() {
+            self.private = prefaulted(self.geometry.frame_capacity() as usize);
+        }
         // `frame_len <= frame_capacity == private.len()` by the header check.
         let len = info.frame_len as usize;
         let checksum = copy_and_checksum(&self.data, base, &header, &mut self.private[..len]);

@@ -12,11 +12,15 @@ use shm_ring::segment::memfd::MemfdSegment;
 use shm_ring::segment::Segment;
 use shm_ring::{create_ring, RingWriter};
 
-use crate::cli::{Bench, BenchArgs, RingBenchArgs};
+use pdhost::kv::{IntoSequence, KvConfig, PagedKv, SeqId};
+use shm_ring::HostRing;
+
+use crate::cli::{Bench, BenchArgs, IngestBenchArgs, RingBenchArgs};
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     match &args.which {
         Bench::Ring(a) => ring(a),
+        Bench::Ingest(a) => ingest(a),
     }
 }
 
@@ -40,6 +44,43 @@ fn span_of(bytes: u64) -> anyhow::Result<Manifest> {
     Ok(Manifest::dense(&geometry, 1, 0..bytes / PER_TOKEN, Dtype::Bf16).expect("uniform geometry"))
 }
 
+/// A one-slot ring with both ends in this process, plus the memcpy reference's source and destination: a
+/// second read-only mapping of the data segment and a prefaulted buffer of the frame's size, so the
+/// reference moves exactly the bytes the host moves, between the same kinds of memory.
+struct Bench1 {
+    geometry: RingGeometry,
+    reader: HostRing,
+    writer: RingWriter<MemfdSegment, MemfdSegment>,
+    source: MemfdSegment,
+    dest: Vec<u8>,
+}
+
+impl Bench1 {
+    fn new(frame_capacity: u64) -> anyhow::Result<Self> {
+        let geometry = RingGeometry::new(1, frame_capacity).context("ring geometry")?;
+        let reader = create_ring("pdhost-bench", geometry, 1).context("creating the ring")?;
+        let fds = reader.peer_fds().map(|fd| fd.try_clone_to_owned().expect("dup"));
+        let writer = RingWriter::open(fds).context("mapping the producer end")?;
+        let data_fd = reader.peer_fds()[1].try_clone_to_owned()?;
+        let source = MemfdSegment::open("bench.data", data_fd, geometry.data_len(), false)?;
+        let dest = shm_ring::prefaulted(geometry.frame_capacity() as usize);
+        Ok(Bench1 { geometry, reader, writer, source, dest })
+    }
+
+    /// The memcpy reference: the frame's bytes from the shared mapping into the private buffer.
+    fn memcpy(&mut self, frame_len: u64) -> Duration {
+        let t = Instant::now();
+        self.source.copy_out(self.geometry.frame_offset(0) as usize, &mut self.dest[..frame_len as usize]);
+        let d = t.elapsed();
+        std::hint::black_box(&self.dest);
+        d
+    }
+}
+
+fn deadline() -> Instant {
+    Instant::now() + Duration::from_secs(30)
+}
+
 fn gbps(bytes: u64, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
@@ -58,25 +99,14 @@ fn ring(args: &RingBenchArgs) -> anyhow::Result<ExitCode> {
         let bar = progress(u64::from(iters), args.json);
         bar.set_message(format!("ring {mib} MiB"));
 
-        let geometry = RingGeometry::new(1, bytes + (64 << 10)).context("ring geometry")?;
-        let mut reader = create_ring("pdhost-bench", geometry, 1).context("creating the ring")?;
-        let fds = reader.peer_fds().map(|fd| fd.try_clone_to_owned().expect("dup"));
-        let mut writer = RingWriter::open(fds).context("mapping the producer end")?;
-        // A second read-only mapping of the data segment, and a prefaulted buffer of the private copy's
-        // size: the memcpy reference moves exactly the bytes the ring read moves, between the same kinds
-        // of memory.
-        let data_fd = reader.peer_fds()[1].try_clone_to_owned()?;
-        let source = MemfdSegment::open("bench.data", data_fd, geometry.data_len(), false)?;
-        let mut dest = vec![1u8; geometry.frame_capacity() as usize];
-
-        let deadline = || Instant::now() + Duration::from_secs(30);
+        let mut b = Bench1::new(bytes + (64 << 10))?;
         let mut first = true;
         let (mut ring_t, mut copy_t) = (Vec::new(), Vec::new());
         let mut frame_len = 0;
         for _ in 0..iters {
             // Producer side, not measured: the payload stays in the slot between iterations, only the header
             // (new generation and sequence) and checksum are rewritten.
-            writer.write_span(&manifest, deadline(), |p| {
+            b.writer.write_span(&manifest, deadline(), |p| {
                 if first {
                     for (i, b) in p.iter_mut().enumerate() {
                         *b = (i as u8).wrapping_mul(31);
@@ -86,15 +116,12 @@ fn ring(args: &RingBenchArgs) -> anyhow::Result<ExitCode> {
             first = false;
 
             let t = Instant::now();
-            let span = reader.try_take()?.context("span committed")?;
+            let span = b.reader.try_take()?.context("span committed")?;
             ring_t.push(t.elapsed());
             frame_len = span.header.frame_len;
             std::hint::black_box(span.payload.len());
 
-            let t = Instant::now();
-            source.copy_out(geometry.frame_offset(0) as usize, &mut dest[..frame_len as usize]);
-            copy_t.push(t.elapsed());
-            std::hint::black_box(&dest);
+            copy_t.push(b.memcpy(frame_len));
             bar.inc(1);
         }
         bar.finish_and_clear();
@@ -167,4 +194,117 @@ fn checksum_rates(json: bool) -> Vec<(&'static str, f64, f64)> {
         .collect();
     bar.finish_and_clear();
     out
+}
+
+/// The KV geometry of a Gemma 3 text model: every sixth layer full attention, the rest sliding over 512
+/// tokens; one KV head of dimension 256.
+fn gemma3(layers: u32) -> KvGeometry {
+    let layers = (0..layers)
+        .map(|l| {
+            if l % 6 == 5 {
+                LayerKv::Full { kv_heads: 1, head_dim: 256 }
+            } else {
+                LayerKv::Sliding { window: 512, kv_heads: 1, head_dim: 256 }
+            }
+        })
+        .collect();
+    KvGeometry { layers }
+}
+
+fn ingest(args: &IngestBenchArgs) -> anyhow::Result<ExitCode> {
+    let models = [("gemma3-270m", gemma3(18)), ("gemma3-1b", gemma3(26))];
+    let dtypes = [Dtype::Bf16, Dtype::F32];
+    let max_tokens = *args.tokens.iter().max().context("--tokens needs at least one length")?;
+    let cases = (models.len() * dtypes.len() * 2 * args.tokens.len()) as u64;
+    let bar = progress(cases, args.json);
+    let mut rows = Vec::new();
+    for (name, geometry) in &models {
+        for &dtype in &dtypes {
+            // One ring and one cache per model and dtype, sized for the longest span.
+            let biggest = Manifest::grouped(geometry, 1, 0..max_tokens, dtype);
+            let mut b = Bench1::new(biggest.payload_len() + (1 << 20))?;
+            let full_layers = geometry.layers.iter().filter(|l| matches!(l, LayerKv::Full { .. })).count() as u64;
+            let budget = biggest.payload_len() / geometry.layers.len() as u64 * (full_layers + 1) + (512 << 20);
+            let mut config = KvConfig::new(geometry.clone(), dtype, budget);
+            config.max_seqs = 1;
+            let mut kv = PagedKv::new(config).context("building the KV cache")?;
+            for dense in [true, false] {
+                for &tokens in &args.tokens {
+                    bar.set_message(format!("{name} {tokens}"));
+                    let manifest = if dense {
+                        Manifest::dense(geometry, 1, 0..tokens, dtype).expect("uniform heads")
+                    } else {
+                        Manifest::grouped(geometry, 1, 0..tokens, dtype)
+                    };
+                    let bytes = manifest.payload_len();
+                    let iters = args.iters.unwrap_or_else(|| ((1u64 << 30) / bytes).clamp(3, 50) as u32);
+                    let (mut ingest_t, mut copy_t) = (Vec::new(), Vec::new());
+                    let mut frame_len = 0;
+                    for i in 0..iters {
+                        // Not measured: the producer's write and resetting the sequence.
+                        let info = b.writer.write_span(&manifest, deadline(), |p| {
+                            if i == 0 {
+                                p.iter_mut().enumerate().for_each(|(j, x)| *x = (j as u8).wrapping_mul(31));
+                            }
+                        })?;
+                        frame_len = info.frame_len;
+                        let _ = kv.remove_sequence(SeqId(1));
+                        kv.add_sequence(SeqId(1), 1)?;
+
+                        let t = Instant::now();
+                        b.reader
+                            .take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1) })
+                            .map_err(|e| anyhow::anyhow!("{e}"))?
+                            .context("span committed")?;
+                        ingest_t.push(t.elapsed());
+                        copy_t.push(b.memcpy(frame_len));
+                    }
+                    anyhow::ensure!(kv.seq_len(SeqId(1)) == Some(tokens), "span not ingested");
+                    let (ing, copy) = (gbps(frame_len, median(ingest_t)), gbps(frame_len, median(copy_t)));
+                    rows.push((
+                        *name,
+                        if dense { "dense" } else { "grouped" },
+                        dtype.name(),
+                        tokens,
+                        frame_len,
+                        iters,
+                        ing,
+                        copy,
+                    ));
+                    bar.inc(1);
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+    if args.json {
+        let results: Vec<_> = rows
+            .iter()
+            .map(|&(model, layout, dtype, tokens, frame, iters, ing, copy)| {
+                json!({"model": model, "layout": layout, "dtype": dtype, "tokens": tokens, "frame_bytes": frame,
+                       "iters": iters, "ingest_gbps": ing, "memcpy_gbps": copy, "ratio": ing / copy})
+            })
+            .collect();
+        println!("{}", json!({"bench": "ingest", "threads": 1, "results": results}));
+    } else {
+        println!(
+            "ring -> paged KV, one thread: header check, fused copy + checksum, manifest and receiver validation,"
+        );
+        println!(
+            "scatter into pages (sliding groups keep the window's tail), re-check, commit; memcpy: the same frame"
+        );
+        println!("bytes from the same shared mapping into a prefaulted buffer, same run (medians)");
+        println!(
+            "{:<12} {:<8} {:<5} {:>6} {:>10} {:>11} {:>12} {:>7}",
+            "model", "layout", "dtype", "tokens", "span MiB", "ingest GB/s", "memcpy GB/s", "ratio"
+        );
+        for (model, layout, dtype, tokens, frame, _, ing, copy) in &rows {
+            println!(
+                "{model:<12} {layout:<8} {dtype:<5} {tokens:>6} {:>10.1} {ing:>11.2} {copy:>12.2} {:>6.2}x",
+                *frame as f64 / (1 << 20) as f64,
+                ing / copy
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
 }

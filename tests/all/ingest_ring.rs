@@ -1,0 +1,87 @@
+//! Spans from a real memfd ring straight into the paged KV cache.
+
+use std::time::{Duration, Instant};
+
+use pdhost::kv::{IntoSequence, KvConfig, PagedKv, SeqId};
+use shm_format::ring::RingGeometry;
+use shm_format::testing::pattern;
+use shm_format::{encode_frame, Dtype, EntryKind, KvGeometry, LayerKv, Manifest};
+use shm_ring::{create_ring, RingError, RingWriter, TakeError};
+
+fn gemma_like() -> KvGeometry {
+    let layers = (0..6)
+        .map(|l| {
+            if l % 3 == 2 {
+                LayerKv::Full { kv_heads: 2, head_dim: 64 }
+            } else {
+                LayerKv::Sliding { window: 40, kv_heads: 2, head_dim: 64 }
+            }
+        })
+        .collect();
+    KvGeometry { layers }
+}
+
+fn soon() -> Instant {
+    Instant::now() + Duration::from_secs(10)
+}
+
+#[test]
+fn spans_go_from_the_ring_into_pages_and_a_bad_checksum_changes_nothing_visible() {
+    let g = gemma_like();
+    let mut kv = PagedKv::new(KvConfig::new(g.clone(), Dtype::Bf16, 16 << 20)).unwrap();
+    kv.add_sequence(SeqId(1), 3).unwrap();
+    // Spans larger than one copy chunk, so the sink sees several pieces.
+    let geometry = RingGeometry::new(2, 4 << 20).unwrap();
+    let mut ring = create_ring("ingest", geometry, 1).unwrap();
+    let mut writer = RingWriter::open(ring.peer_fds().map(|fd| fd.try_clone_to_owned().unwrap())).unwrap();
+
+    let first = Manifest::dense(&g, 3, 0..700, Dtype::Bf16).unwrap();
+    assert!(first.payload_len() > 2 * shm_ring::COPY_CHUNK as u64);
+    let p1 = pattern(first.payload_len(), 1);
+    writer.write_span(&first, soon(), |p| p.copy_from_slice(&p1)).unwrap();
+    ring.take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1) }).unwrap().expect("committed");
+    assert_eq!(kv.seq_len(SeqId(1)), Some(700));
+
+    let full = kv.read(SeqId(1), 2).unwrap().to_bytes();
+    let e = first.entries.iter().find(|e| e.layer == 2 && e.kind == EntryKind::K).unwrap();
+    assert!(full.0 == p1[e.offset as usize..(e.offset + e.len) as usize], "full layer K through the ring");
+    let sliding = kv.read(SeqId(1), 0).unwrap();
+    assert_eq!(sliding.positions, 660..700);
+    let usage = kv.usage();
+
+    // A frame whose payload is corrupted after sealing: the sink is prepared, sees the bytes, then aborts.
+    let second = Manifest::grouped(&g, 3, 700..760, Dtype::Bf16);
+    let mut slot = writer.reserve(soon()).unwrap();
+    let mut frame = encode_frame(&second, &pattern(second.payload_len(), 2), slot.coords());
+    *frame.last_mut().unwrap() ^= 0x40;
+    slot.frame_mut()[..frame.len()].copy_from_slice(&frame);
+    slot.commit();
+    let err = ring.take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1) }).unwrap_err();
+    assert!(
+        matches!(&err, TakeError::Ring(RingError::Span { source, .. }) if source.kind() == "checksum_mismatch"),
+        "{err}"
+    );
+    assert_eq!(kv.seq_len(SeqId(1)), Some(700));
+    assert_eq!(kv.usage(), usage, "the reservation was returned");
+    assert_eq!(kv.read(SeqId(1), 2).unwrap().to_bytes(), full);
+}
+
+#[test]
+fn a_span_the_cache_refuses_is_skipped_and_the_ring_goes_on() {
+    let g = gemma_like();
+    let mut kv = PagedKv::new(KvConfig::new(g.clone(), Dtype::Bf16, 16 << 20)).unwrap();
+    kv.add_sequence(SeqId(1), 3).unwrap();
+    let mut ring = create_ring("refuse", RingGeometry::new(2, 1 << 20).unwrap(), 1).unwrap();
+    let mut writer = RingWriter::open(ring.peer_fds().map(|fd| fd.try_clone_to_owned().unwrap())).unwrap();
+    let wrong_request = Manifest::grouped(&g, 4, 0..10, Dtype::Bf16);
+    let right = Manifest::grouped(&g, 3, 0..10, Dtype::Bf16);
+    for m in [&wrong_request, &right] {
+        writer.write_span(m, soon(), |p| p.fill(9)).unwrap();
+    }
+    let before = kv.state_hash();
+    let err = ring.take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1) }).unwrap_err();
+    assert!(matches!(&err, TakeError::Sink(e) if e.kind() == "request_mismatch"), "{err}");
+    assert_eq!(kv.state_hash(), before);
+    ring.take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1) }).unwrap().expect("next frame");
+    assert_eq!(kv.seq_len(SeqId(1)), Some(10));
+}
