@@ -376,7 +376,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         let base = self.geometry.frame_offset(slot) as usize;
         let span_err = |source| RingError::Span { slot, source };
         let payload_offset = info.payload_offset as usize;
-        let mut copier = FrameCopier::new(&self.data, base, &header, info.frame_len as usize);
+        let mut copier = FrameCopier::new(&self.data, base, &header, info.frame_len as usize).prefetching();
         // Header and manifest collect in `prefix` (they may span chunks); payload bytes go to the sink.
         let mut prefix = Vec::with_capacity(payload_offset);
         let mut staged = None;

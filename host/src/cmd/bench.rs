@@ -144,7 +144,7 @@ fn ring(args: &RingBenchArgs) -> anyhow::Result<ExitCode> {
         println!("{}", json!({"bench": "ring", "results": results, "checksum": sums}));
     } else {
         println!(
-            "ring -> private buffer: header check, copy, xxh3 checksum of the copy, re-check, manifest validation"
+            "ring -> private buffer: header check, copy with the xxh3 checksum fused into it, re-check, manifest validation"
         );
         println!(
             "memcpy: the same frame bytes from the same shared mapping into a prefaulted buffer, same run (median)"
