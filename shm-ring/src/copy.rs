@@ -426,6 +426,15 @@ mod tests {
             let mut dst = vec![0u8; len];
             assert_eq!(copy_and_checksum(&seg, 0, &header, &mut dst), expected, "fused, len {len}");
             assert!(dst == bytes[..len], "fused copy, len {len}");
+            let mut ahead = FrameCopier::new(&seg, 0, &header, len).prefetching();
+            let mut dst = vec![0u8; len];
+            while ahead.next_len() > 0 {
+                let at = ahead.pos;
+                let n = ahead.next_len();
+                ahead.copy_next(&mut dst[at..at + n]);
+            }
+            assert_eq!(ahead.finish(), expected, "prefetching, len {len}");
+            assert!(dst == bytes[..len], "prefetching copy, len {len}");
             let mut plain = FrameCopier::new_plain(&seg, 0, &header, len);
             let mut dst = vec![0u8; len];
             while plain.next_len() > 0 {
