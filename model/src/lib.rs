@@ -1,0 +1,3 @@
+//! Model loading, tokenizers and forward passes for pdhost.
+
+pub mod quant;

@@ -1,0 +1,311 @@
+//! GGML tensor types and their dequantization to f32.
+//!
+//! Block layouts follow ggml's reference implementation (`ggml-quants.c`); unit tests check each against
+//! vectors produced by the `gguf` Python package (`fixtures/reference/dequant_vectors.json`).
+
+use half::{bf16, f16};
+
+/// A GGML tensor element type this crate can read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum GgmlType {
+    /// 32-bit float.
+    F32,
+    /// IEEE half.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// 32 weights: f16 scale, 32 x i8.
+    Q8_0,
+    /// 32 weights: f16 scale, 32 x 4 bits, offset -8.
+    Q4_0,
+    /// 32 weights: f16 scale and min, 32 x 4 bits.
+    Q4_1,
+    /// 32 weights: f16 scale, 32 x 5 bits, offset -16.
+    Q5_0,
+    /// 32 weights: f16 scale and min, 32 x 5 bits.
+    Q5_1,
+    /// 256 weights in 8 sub-blocks of 32 with 6-bit scales and mins, 4-bit weights.
+    Q4K,
+    /// As Q4_K with a fifth bit per weight.
+    Q5K,
+    /// 256 weights in 16 sub-blocks of 16 with 8-bit scales, 6-bit weights.
+    Q6K,
+}
+
+impl GgmlType {
+    /// From ggml's type id; `None` for types this crate does not read.
+    pub fn from_id(id: u32) -> Option<Self> {
+        Some(match id {
+            0 => GgmlType::F32,
+            1 => GgmlType::F16,
+            2 => GgmlType::Q4_0,
+            3 => GgmlType::Q4_1,
+            6 => GgmlType::Q5_0,
+            7 => GgmlType::Q5_1,
+            8 => GgmlType::Q8_0,
+            12 => GgmlType::Q4K,
+            13 => GgmlType::Q5K,
+            14 => GgmlType::Q6K,
+            30 => GgmlType::Bf16,
+            _ => return None,
+        })
+    }
+
+    /// ggml's name.
+    pub fn name(self) -> &'static str {
+        match self {
+            GgmlType::F32 => "F32",
+            GgmlType::F16 => "F16",
+            GgmlType::Bf16 => "BF16",
+            GgmlType::Q8_0 => "Q8_0",
+            GgmlType::Q4_0 => "Q4_0",
+            GgmlType::Q4_1 => "Q4_1",
+            GgmlType::Q5_0 => "Q5_0",
+            GgmlType::Q5_1 => "Q5_1",
+            GgmlType::Q4K => "Q4_K",
+            GgmlType::Q5K => "Q5_K",
+            GgmlType::Q6K => "Q6_K",
+        }
+    }
+
+    /// Weights per block.
+    pub fn block_elems(self) -> usize {
+        match self {
+            GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
+            GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => 32,
+            GgmlType::Q4K | GgmlType::Q5K | GgmlType::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> usize {
+        match self {
+            GgmlType::F32 => 4,
+            GgmlType::F16 | GgmlType::Bf16 => 2,
+            GgmlType::Q8_0 => 34,
+            GgmlType::Q4_0 => 18,
+            GgmlType::Q4_1 => 20,
+            GgmlType::Q5_0 => 22,
+            GgmlType::Q5_1 => 24,
+            GgmlType::Q4K => 144,
+            GgmlType::Q5K => 176,
+            GgmlType::Q6K => 210,
+        }
+    }
+
+    /// Bytes for `elems` weights, or `None` if `elems` is not a whole number of blocks.
+    pub fn bytes_for(self, elems: u64) -> Option<u64> {
+        let be = self.block_elems() as u64;
+        (elems % be == 0).then(|| elems / be).and_then(|blocks| blocks.checked_mul(self.block_bytes() as u64))
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
+}
+
+/// Dequantizes `src` (whole blocks of `ty`) into `dst`, which holds exactly the blocks' weights.
+///
+/// Panics if the lengths disagree; callers size both from the tensor's validated shape.
+pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+    let (be, bb) = (ty.block_elems(), ty.block_bytes());
+    assert_eq!(src.len() / bb * be, dst.len(), "{} source of {} bytes for {} weights", ty.name(), src.len(), dst.len());
+    assert_eq!(src.len() % bb, 0);
+    for (b, y) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(be)) {
+        match ty {
+            GgmlType::F32 => y[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+            GgmlType::F16 => y[0] = f16_at(b, 0),
+            GgmlType::Bf16 => y[0] = bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+            GgmlType::Q8_0 => {
+                let d = f16_at(b, 0);
+                for (y, &q) in y.iter_mut().zip(&b[2..34]) {
+                    *y = d * f32::from(q as i8);
+                }
+            }
+            GgmlType::Q4_0 => {
+                let d = f16_at(b, 0);
+                for j in 0..16 {
+                    y[j] = d * (f32::from(b[2 + j] & 0xF) - 8.0);
+                    y[j + 16] = d * (f32::from(b[2 + j] >> 4) - 8.0);
+                }
+            }
+            GgmlType::Q4_1 => {
+                let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+                for j in 0..16 {
+                    y[j] = d * f32::from(b[4 + j] & 0xF) + m;
+                    y[j + 16] = d * f32::from(b[4 + j] >> 4) + m;
+                }
+            }
+            GgmlType::Q5_0 => {
+                let d = f16_at(b, 0);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                for j in 0..16 {
+                    let h0 = ((qh >> j) << 4) & 0x10;
+                    let h1 = (qh >> (j + 12)) & 0x10;
+                    y[j] = d * ((u32::from(b[6 + j] & 0xF) | h0) as f32 - 16.0);
+                    y[j + 16] = d * ((u32::from(b[6 + j] >> 4) | h1) as f32 - 16.0);
+                }
+            }
+            GgmlType::Q5_1 => {
+                let (d, m) = (f16_at(b, 0), f16_at(b, 2));
+                let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+                for j in 0..16 {
+                    let h0 = ((qh >> j) << 4) & 0x10;
+                    let h1 = (qh >> (j + 12)) & 0x10;
+                    y[j] = d * (u32::from(b[8 + j] & 0xF) | h0) as f32 + m;
+                    y[j + 16] = d * (u32::from(b[8 + j] >> 4) | h1) as f32 + m;
+                }
+            }
+            GgmlType::Q4K => {
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let scales = &b[4..16];
+                let qs = &b[16..144];
+                for j in 0..4 {
+                    let (sc1, m1) = scale_min_k4(2 * j, scales);
+                    let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+                    let (d1, min1, d2, min2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+                    let q = &qs[32 * j..32 * j + 32];
+                    for l in 0..32 {
+                        y[64 * j + l] = d1 * f32::from(q[l] & 0xF) - min1;
+                        y[64 * j + 32 + l] = d2 * f32::from(q[l] >> 4) - min2;
+                    }
+                }
+            }
+            GgmlType::Q5K => {
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let scales = &b[4..16];
+                let qh = &b[16..48];
+                let qs = &b[48..176];
+                for j in 0..4 {
+                    let (sc1, m1) = scale_min_k4(2 * j, scales);
+                    let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+                    let (d1, min1, d2, min2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+                    let (u1, u2) = (1u8 << (2 * j), 2u8 << (2 * j));
+                    let q = &qs[32 * j..32 * j + 32];
+                    for l in 0..32 {
+                        let h1 = if qh[l] & u1 != 0 { 16.0 } else { 0.0 };
+                        let h2 = if qh[l] & u2 != 0 { 16.0 } else { 0.0 };
+                        y[64 * j + l] = d1 * (f32::from(q[l] & 0xF) + h1) - min1;
+                        y[64 * j + 32 + l] = d2 * (f32::from(q[l] >> 4) + h2) - min2;
+                    }
+                }
+            }
+            GgmlType::Q6K => {
+                let ql = &b[0..128];
+                let qh = &b[128..192];
+                let sc = &b[192..208];
+                let d = f16_at(b, 208);
+                for n in 0..2 {
+                    let (ql, qh, sc, y) = (&ql[64 * n..], &qh[32 * n..], &sc[8 * n..], &mut y[128 * n..]);
+                    for l in 0..32 {
+                        let is = l / 16;
+                        let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                        let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                        let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                        let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                        y[l] = d * f32::from(sc[is] as i8) * q1 as f32;
+                        y[l + 32] = d * f32::from(sc[is + 2] as i8) * q2 as f32;
+                        y[l + 64] = d * f32::from(sc[is + 4] as i8) * q3 as f32;
+                        y[l + 96] = d * f32::from(sc[is + 6] as i8) * q4 as f32;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block.
+fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
+    let (d, m) = if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
+    };
+    (f32::from(d), f32::from(m))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference() -> serde_json::Value {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/reference/dequant_vectors.json");
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    fn hex(s: &str) -> Vec<u8> {
+        (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap()).collect()
+    }
+
+    fn floats(v: &serde_json::Value) -> Vec<f32> {
+        v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    }
+
+    /// Every quantized tensor in the reference file: its first blocks dequantize to exactly the reference.
+    #[test]
+    fn first_blocks_match_the_gguf_reference_dequantizer() {
+        let reference = reference();
+        let mut types = std::collections::BTreeSet::new();
+        for (name, v) in reference.as_object().unwrap() {
+            let Some(id) = v.get("type_id") else { continue };
+            let ty = GgmlType::from_id(id.as_u64().unwrap() as u32).unwrap();
+            assert_eq!(ty.name(), v["ggml_type"].as_str().unwrap());
+            assert_eq!(ty.block_bytes() as u64, v["block_bytes"].as_u64().unwrap());
+            assert_eq!(ty.block_elems() as u64, v["block_elems"].as_u64().unwrap());
+            let src = hex(v["first_blocks_hex"].as_str().unwrap());
+            let want = floats(&v["first_blocks_dequant"]);
+            let mut got = vec![0f32; want.len()];
+            dequantize(ty, &src, &mut got);
+            assert_eq!(got, want, "{name}");
+            types.insert(ty.name());
+        }
+        assert_eq!(types.into_iter().collect::<Vec<_>>(), ["F32", "Q4_1", "Q4_K", "Q5_0", "Q6_K", "Q8_0"]);
+    }
+
+    #[test]
+    fn f16_and_bf16_match_the_reference() {
+        let reference = reference();
+        for (key, ty) in [("synthetic::F16", GgmlType::F16), ("synthetic::BF16", GgmlType::Bf16)] {
+            let v = &reference[key];
+            let src = hex(v["hex"].as_str().unwrap());
+            let want = floats(&v["values"]);
+            let mut got = vec![0f32; want.len()];
+            dequantize(ty, &src, &mut got);
+            assert_eq!(got, want, "{key}");
+        }
+    }
+
+    /// Types the reference file has no tensor of, checked against hand-computed blocks.
+    #[test]
+    fn q4_0_q5_1_and_q5_k_decode_hand_made_blocks() {
+        // Q4_0: d = 0.5, nibbles j (low) and 15 - j (high).
+        let mut b = f16::from_f32(0.5).to_bits().to_le_bytes().to_vec();
+        b.extend((0..16u8).map(|j| j | ((15 - j) << 4)));
+        let mut y = [0f32; 32];
+        dequantize(GgmlType::Q4_0, &b, &mut y);
+        for j in 0..16 {
+            assert_eq!(y[j], 0.5 * (j as f32 - 8.0));
+            assert_eq!(y[j + 16], 0.5 * (7.0 - j as f32));
+        }
+        // Q5_1: d = 2, m = -1, fifth bit set for weights 0 and 16 only.
+        let mut b = f16::from_f32(2.0).to_bits().to_le_bytes().to_vec();
+        b.extend(f16::from_f32(-1.0).to_bits().to_le_bytes());
+        b.extend((1u32 | (1 << 16)).to_le_bytes());
+        b.extend([0x21u8; 16]);
+        let mut y = [0f32; 32];
+        dequantize(GgmlType::Q5_1, &b, &mut y);
+        assert_eq!((y[0], y[1], y[16], y[17]), (2.0 * 17.0 - 1.0, 2.0 - 1.0, 2.0 * 18.0 - 1.0, 4.0 - 1.0));
+        // Q5_K: d = 1, dmin = 0, scales 1 for sub-blocks 0 and 1, high bits set for sub-block 0.
+        let mut b = f16::from_f32(1.0).to_bits().to_le_bytes().to_vec();
+        b.extend(f16::from_f32(0.0).to_bits().to_le_bytes());
+        let mut scales = [0u8; 12];
+        scales[0] = 1;
+        scales[1] = 1;
+        b.extend(scales);
+        b.extend([1u8; 32]); // qh: bit 0 set -> +16 in sub-block 0
+        b.extend([0x53u8; 128]); // low nibble 3, high nibble 5
+        let mut y = [0f32; 256];
+        dequantize(GgmlType::Q5K, &b, &mut y);
+        assert_eq!((y[0], y[31], y[32], y[63], y[64]), (19.0, 19.0, 5.0, 5.0, 0.0));
+    }
+}
