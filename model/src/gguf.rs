@@ -1,0 +1,411 @@
+//! A GGUF reader: the file is memory-mapped, every length is bounded before use, and every tensor is
+//! checked to lie inside the file, aligned, and made of whole quantization blocks.
+//!
+//! The mapping is of a model file in pdhost's own cache, opened read-only; nobody else writes it. (A file
+//! truncated underneath a mapping would fault on access; model files are written once, atomically renamed
+//! into place, and never modified.)
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::quant::{dequantize, GgmlType};
+
+/// Most key/value pairs and tensors a file may declare.
+const MAX_ENTRIES: u64 = 1 << 20;
+/// Longest string (tokenizer vocabularies hold many short ones; chat templates a few KiB).
+const MAX_STRING: u64 = 16 << 20;
+/// Longest metadata array (vocabularies are around 262k entries).
+const MAX_ARRAY: u64 = 1 << 24;
+/// Highest tensor rank.
+const MAX_DIMS: u32 = 4;
+
+/// Why a GGUF file cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum GgufError {
+    /// Opening or mapping failed.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not a GGUF file.
+    #[error("{path}: expected the GGUF magic \"GGUF\", found {found:?}")]
+    BadMagic {
+        /// The file.
+        path: PathBuf,
+        /// The first bytes.
+        found: Vec<u8>,
+    },
+    /// A version this reader does not know.
+    #[error("{path}: expected GGUF version 2 or 3, found {found}")]
+    UnsupportedVersion {
+        /// The file.
+        path: PathBuf,
+        /// The version.
+        found: u32,
+    },
+    /// The file ends inside a structure.
+    #[error("{path}: truncated reading {what} at offset {offset}: expected {needed} more bytes, found {left}")]
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// What was being read.
+        what: String,
+        /// Where.
+        offset: u64,
+        /// Bytes needed.
+        needed: u64,
+        /// Bytes left.
+        left: u64,
+    },
+    /// A count or length above the reader's bounds.
+    #[error("{path}: {what}: expected at most {max}, found {found}")]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// What.
+        what: String,
+        /// The bound.
+        max: u64,
+        /// The value.
+        found: u64,
+    },
+    /// Something structurally wrong with a key or tensor.
+    #[error("{path}: {what}: expected {expected}, found {found}")]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// The key or tensor.
+        what: String,
+        /// What was expected.
+        expected: String,
+        /// What was found.
+        found: String,
+    },
+}
+
+/// A metadata value.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Value {
+    /// Unsigned integer (u8, u16, u32, u64).
+    U64(u64),
+    /// Signed integer (i8, i16, i32, i64).
+    I64(i64),
+    /// Float (f32, f64).
+    F64(f64),
+    /// Boolean.
+    Bool(bool),
+    /// UTF-8 string.
+    Str(String),
+    /// Array.
+    Array(Vec<Value>),
+}
+
+impl Value {
+    fn type_name(&self) -> &'static str {
+        match self {
+            Value::U64(_) => "an unsigned integer",
+            Value::I64(_) => "a signed integer",
+            Value::F64(_) => "a float",
+            Value::Bool(_) => "a bool",
+            Value::Str(_) => "a string",
+            Value::Array(_) => "an array",
+        }
+    }
+}
+
+/// Where a tensor is and what it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TensorInfo {
+    /// GGML dims, innermost first (`[cols, rows]` for a matrix).
+    pub dims: Vec<u64>,
+    /// Element type.
+    pub ty: GgmlType,
+    /// Absolute file offset of the data.
+    pub offset: u64,
+    /// Bytes of data.
+    pub len: u64,
+}
+
+impl TensorInfo {
+    /// Number of weights.
+    pub fn elems(&self) -> u64 {
+        self.dims.iter().product()
+    }
+}
+
+/// An open GGUF file.
+#[derive(Debug)]
+pub struct Gguf {
+    path: PathBuf,
+    map: memmap2::Mmap,
+    /// GGUF version.
+    pub version: u32,
+    /// Metadata by key.
+    pub metadata: BTreeMap<String, Value>,
+    /// Tensors by name.
+    pub tensors: BTreeMap<String, TensorInfo>,
+}
+
+struct Cursor<'a> {
+    path: &'a Path,
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: u64, what: &dyn Fn() -> String) -> Result<&'a [u8], GgufError> {
+        let left = (self.bytes.len() - self.at) as u64;
+        if n > left {
+            return Err(GgufError::Truncated {
+                path: self.path.into(),
+                what: what(),
+                offset: self.at as u64,
+                needed: n,
+                left,
+            });
+        }
+        let s = &self.bytes[self.at..self.at + n as usize];
+        self.at += n as usize;
+        Ok(s)
+    }
+
+    fn array<const N: usize>(&mut self, what: &dyn Fn() -> String) -> Result<[u8; N], GgufError> {
+        Ok(self.take(N as u64, what)?.try_into().expect("N bytes"))
+    }
+
+    fn u32(&mut self, what: &dyn Fn() -> String) -> Result<u32, GgufError> {
+        Ok(u32::from_le_bytes(self.array(what)?))
+    }
+
+    fn u64(&mut self, what: &dyn Fn() -> String) -> Result<u64, GgufError> {
+        Ok(u64::from_le_bytes(self.array(what)?))
+    }
+
+    fn bounded(&mut self, max: u64, what: &dyn Fn() -> String) -> Result<u64, GgufError> {
+        let n = self.u64(what)?;
+        if n > max {
+            return Err(GgufError::TooLarge { path: self.path.into(), what: what(), max, found: n });
+        }
+        Ok(n)
+    }
+
+    fn string(&mut self, what: &dyn Fn() -> String) -> Result<String, GgufError> {
+        let n = self.bounded(MAX_STRING, what)?;
+        let bytes = self.take(n, what)?;
+        String::from_utf8(bytes.to_vec()).map_err(|e| GgufError::Invalid {
+            path: self.path.into(),
+            what: what(),
+            expected: "UTF-8".into(),
+            found: format!("invalid byte at {}", e.utf8_error().valid_up_to()),
+        })
+    }
+
+    fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<Value, GgufError> {
+        let what = || format!("metadata {key:?}");
+        Ok(match ty {
+            0 => Value::U64(u64::from(self.array::<1>(&what)?[0])),
+            1 => Value::I64(i64::from(self.array::<1>(&what)?[0] as i8)),
+            2 => Value::U64(u64::from(u16::from_le_bytes(self.array(&what)?))),
+            3 => Value::I64(i64::from(i16::from_le_bytes(self.array(&what)?))),
+            4 => Value::U64(u64::from(self.u32(&what)?)),
+            5 => Value::I64(i64::from(i32::from_le_bytes(self.array(&what)?))),
+            6 => Value::F64(f64::from(f32::from_le_bytes(self.array(&what)?))),
+            7 => Value::Bool(self.array::<1>(&what)?[0] != 0),
+            8 => Value::Str(self.string(&what)?),
+            9 if depth == 0 => {
+                let elem = self.u32(&what)?;
+                let n = self.bounded(MAX_ARRAY, &what)?;
+                let mut items = Vec::with_capacity(n.min(1 << 16) as usize);
+                for _ in 0..n {
+                    items.push(self.value(elem, key, depth + 1)?);
+                }
+                Value::Array(items)
+            }
+            10 => Value::U64(self.u64(&what)?),
+            11 => Value::I64(i64::from_le_bytes(self.array(&what)?)),
+            12 => Value::F64(f64::from_le_bytes(self.array(&what)?)),
+            found => {
+                return Err(GgufError::Invalid {
+                    path: self.path.into(),
+                    what: what(),
+                    expected: "a value type 0..=12 (arrays not nested)".into(),
+                    found: format!("type {found}"),
+                })
+            }
+        })
+    }
+}
+
+impl Gguf {
+    /// Opens, maps and validates a GGUF file.
+    pub fn open(path: &Path) -> Result<Self, GgufError> {
+        let io = |source| GgufError::Io { path: path.into(), source };
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: the file is a model in pdhost's cache, opened read-only and never modified in place (see
+        // the module docs); the mapping is private to this process and read-only.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let mut c = Cursor { path, bytes: &map, at: 0 };
+        let magic = c.take(4, &|| "magic".into())?;
+        if magic != b"GGUF" {
+            return Err(GgufError::BadMagic { path: path.into(), found: magic.to_vec() });
+        }
+        let version = c.u32(&|| "version".into())?;
+        if !(2..=3).contains(&version) {
+            return Err(GgufError::UnsupportedVersion { path: path.into(), found: version });
+        }
+        let n_tensors = c.bounded(MAX_ENTRIES, &|| "tensor count".into())?;
+        let n_kv = c.bounded(MAX_ENTRIES, &|| "metadata count".into())?;
+        let mut metadata = BTreeMap::new();
+        for i in 0..n_kv {
+            let key = c.string(&|| format!("metadata key {i}"))?;
+            let ty = c.u32(&|| format!("type of metadata {key:?}"))?;
+            let value = c.value(ty, &key, 0)?;
+            metadata.insert(key, value);
+        }
+        let mut infos = Vec::new();
+        for i in 0..n_tensors {
+            let name = c.string(&|| format!("tensor {i} name"))?;
+            let what = || format!("tensor {name:?}");
+            let n_dims = c.u32(&what)?;
+            if n_dims == 0 || n_dims > MAX_DIMS {
+                return Err(GgufError::Invalid {
+                    path: path.into(),
+                    what: what(),
+                    expected: format!("1..={MAX_DIMS} dimensions"),
+                    found: n_dims.to_string(),
+                });
+            }
+            let dims = (0..n_dims).map(|_| c.u64(&what)).collect::<Result<Vec<_>, _>>()?;
+            let ty_id = c.u32(&what)?;
+            let offset = c.u64(&what)?;
+            infos.push((name, dims, ty_id, offset));
+        }
+        let alignment = match metadata.get("general.alignment") {
+            None => 32,
+            Some(Value::U64(a)) if a.is_power_of_two() && *a <= 1 << 16 => *a,
+            Some(v) => {
+                return Err(GgufError::Invalid {
+                    path: path.into(),
+                    what: "general.alignment".into(),
+                    expected: "a power of two up to 65536".into(),
+                    found: format!("{v:?}"),
+                })
+            }
+        };
+        let data_start = (c.at as u64).next_multiple_of(alignment);
+        let file_len = map.len() as u64;
+        let mut tensors = BTreeMap::new();
+        for (name, dims, ty_id, rel) in infos {
+            let invalid = |expected: String, found: String| GgufError::Invalid {
+                path: path.into(),
+                what: format!("tensor {name:?}"),
+                expected,
+                found,
+            };
+            let ty = GgmlType::from_id(ty_id).ok_or_else(|| {
+                invalid(
+                    "a supported type (F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 Q4_K Q5_K Q6_K)".into(),
+                    format!("ggml type {ty_id}"),
+                )
+            })?;
+            let elems = dims
+                .iter()
+                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
+                .ok_or_else(|| invalid("dimensions whose product fits 64 bits".into(), format!("{dims:?}")))?;
+            let len = ty.bytes_for(elems).ok_or_else(|| {
+                invalid(
+                    format!("whole {}-weight blocks of {}", ty.block_elems(), ty.name()),
+                    format!("{elems} weights"),
+                )
+            })?;
+            if rel % alignment != 0 {
+                return Err(invalid(format!("an offset aligned to {alignment}"), rel.to_string()));
+            }
+            let offset = data_start.checked_add(rel).filter(|o| o.checked_add(len).is_some_and(|end| end <= file_len));
+            let Some(offset) = offset else {
+                return Err(invalid(
+                    format!("data inside the {file_len}-byte file"),
+                    format!("{len} bytes at data offset {rel}"),
+                ));
+            };
+            if tensors.insert(name.clone(), TensorInfo { dims, ty, offset, len }).is_some() {
+                return Err(invalid("a unique name".into(), "a duplicate".into()));
+            }
+        }
+        Ok(Gguf { path: path.into(), map, version, metadata, tensors })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn invalid(&self, what: &str, expected: &str, found: String) -> GgufError {
+        GgufError::Invalid { path: self.path.clone(), what: what.into(), expected: expected.into(), found }
+    }
+
+    /// A metadata value.
+    pub fn get(&self, key: &str) -> Result<&Value, GgufError> {
+        self.metadata.get(key).ok_or_else(|| self.invalid(key, "a metadata key", "none".into()))
+    }
+
+    /// An unsigned integer value.
+    pub fn get_u64(&self, key: &str) -> Result<u64, GgufError> {
+        match self.get(key)? {
+            Value::U64(v) => Ok(*v),
+            Value::I64(v) if *v >= 0 => Ok(*v as u64),
+            v => Err(self.invalid(key, "an unsigned integer", v.type_name().into())),
+        }
+    }
+
+    /// A float value.
+    pub fn get_f64(&self, key: &str) -> Result<f64, GgufError> {
+        match self.get(key)? {
+            Value::F64(v) => Ok(*v),
+            v => Err(self.invalid(key, "a float", v.type_name().into())),
+        }
+    }
+
+    /// A string value.
+    pub fn get_str(&self, key: &str) -> Result<&str, GgufError> {
+        match self.get(key)? {
+            Value::Str(v) => Ok(v),
+            v => Err(self.invalid(key, "a string", v.type_name().into())),
+        }
+    }
+
+    /// An array value.
+    pub fn get_array(&self, key: &str) -> Result<&[Value], GgufError> {
+        match self.get(key)? {
+            Value::Array(v) => Ok(v),
+            v => Err(self.invalid(key, "an array", v.type_name().into())),
+        }
+    }
+
+    /// A tensor's description.
+    pub fn tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
+        self.tensors
+            .get(name)
+            .ok_or_else(|| self.invalid(&format!("tensor {name:?}"), "a tensor of the model", "none".into()))
+    }
+
+    /// A tensor's raw bytes.
+    pub fn tensor_bytes(&self, name: &str) -> Result<&[u8], GgufError> {
+        let t = self.tensor(name)?;
+        // Bounds checked in `open`.
+        Ok(&self.map[t.offset as usize..(t.offset + t.len) as usize])
+    }
+
+    /// A tensor dequantized to f32, in GGML order (innermost dimension fastest).
+    pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>, GgufError> {
+        let t = self.tensor(name)?;
+        let mut out = vec![0f32; t.elems() as usize];
+        dequantize(t.ty, self.tensor_bytes(name)?, &mut out);
+        Ok(out)
+    }
+}

@@ -1,0 +1,80 @@
+//! The two real models, fetched through pdhost's own model cache (never skipped: a missing model is
+//! fetched, and a fetch that fails fails the test).
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+
+use model::gguf::Gguf;
+use model::registry;
+
+fn fetched(name: &'static str) -> PathBuf {
+    static GEMMA: OnceLock<PathBuf> = OnceLock::new();
+    static SMOL: OnceLock<PathBuf> = OnceLock::new();
+    let cell = if name == "gemma3-270m" { &GEMMA } else { &SMOL };
+    cell.get_or_init(|| registry::fetch(name, &mut registry::Quiet).unwrap_or_else(|e| panic!("fetching {name}: {e}")))
+        .clone()
+}
+
+fn reference() -> serde_json::Value {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/reference/dequant_vectors.json");
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+/// Whole tensors of both files dequantize to the reference's sums, at the reference's file offsets.
+#[test]
+fn whole_tensors_of_both_models_match_the_reference() {
+    let reference = reference();
+    for (file, name) in
+        [("gemma-3-270m-q4_k_m.gguf", "gemma3-270m"), ("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m")]
+    {
+        let gguf = Gguf::open(&fetched(name)).unwrap();
+        let mut checked = 0;
+        for (key, v) in reference.as_object().unwrap() {
+            let Some(tensor) = key.strip_prefix(&format!("{file}::")) else { continue };
+            let info = gguf.tensor(tensor).unwrap();
+            assert_eq!(info.offset, v["file_offset_abs"].as_u64().unwrap(), "{key} offset");
+            let dims: Vec<u64> = v["ne"].as_array().unwrap().iter().map(|d| d.as_u64().unwrap()).collect();
+            assert_eq!(info.dims, dims, "{key} dims");
+            let w = gguf.tensor_f32(tensor).unwrap();
+            let row0: Vec<f32> =
+                v["row0_first16"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+            assert_eq!(&w[..row0.len()], &row0[..], "{key} row 0");
+            let sum: f64 = w.iter().map(|&x| f64::from(x)).sum();
+            let want = v["sum"].as_f64().unwrap();
+            assert!((sum - want).abs() <= 1e-3 * want.abs().max(1.0), "{key}: sum {sum}, reference {want}");
+            checked += 1;
+        }
+        assert!(checked >= 2, "{file}: {checked} tensors checked");
+    }
+}
+
+#[test]
+fn metadata_describes_the_architectures() {
+    let gemma = Gguf::open(&fetched("gemma3-270m")).unwrap();
+    assert_eq!(gemma.get_str("general.architecture").unwrap(), "gemma3");
+    assert_eq!(gemma.get_u64("gemma3.block_count").unwrap(), 18);
+    assert_eq!(gemma.get_u64("gemma3.attention.sliding_window").unwrap(), 512);
+    let smol = Gguf::open(&fetched("smollm2-135m")).unwrap();
+    assert_eq!(smol.get_str("general.architecture").unwrap(), "llama");
+    assert_eq!(smol.get_u64("llama.block_count").unwrap(), 30);
+}
+
+#[test]
+fn a_corrupt_file_gets_an_error_naming_what_is_wrong() {
+    let dir = std::env::temp_dir().join(format!("pdhost-gguf-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = std::fs::read(fetched("smollm2-135m")).unwrap();
+    let cases: [(&str, Vec<u8>, &str); 3] = [
+        ("magic", [b"GGUX".as_slice(), &good[4..]].concat(), "expected the GGUF magic"),
+        ("truncated", good[..good.len() / 2].to_vec(), "data inside the"),
+        ("header", good[..20].to_vec(), "truncated reading"),
+    ];
+    for (name, bytes, want) in cases {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        let err = Gguf::open(&path).unwrap_err().to_string();
+        assert!(err.contains(want), "{name}: {err}");
+        assert!(!err.contains('\n'));
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
