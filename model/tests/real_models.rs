@@ -78,3 +78,45 @@ fn a_corrupt_file_gets_an_error_naming_what_is_wrong() {
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Token ids equal Hugging Face's on every reference string, with and without BOS, and decode back.
+#[test]
+fn tokenizers_match_hugging_face_ids() {
+    for (name, reference) in
+        [("gemma3-270m", "tokenizer_gemma3_270m.json"), ("smollm2-135m", "tokenizer_smollm2_135m.json")]
+    {
+        let gguf = Gguf::open(&fetched(name)).unwrap();
+        let tok = model::tokenizer::Tokenizer::from_gguf(&gguf).unwrap();
+        let path = format!("{}/../fixtures/reference/{reference}", env!("CARGO_MANIFEST_DIR"));
+        let cases: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+        };
+        for case in cases["cases"].as_array().unwrap() {
+            let text = case["text"].as_str().unwrap();
+            assert_eq!(tok.encode(text, false), ids(&case["ids_plain"]), "{name} {text:?}");
+            assert_eq!(tok.encode(text, tok.add_bos), ids(&case["ids_with_bos"]), "{name} {text:?} with BOS");
+            assert_eq!(tok.decode(&ids(&case["ids_plain"]), false), text, "{name} decode {text:?}");
+        }
+    }
+}
+
+/// The long reference prompts (past the sliding window) tokenize exactly as Hugging Face fed them.
+#[test]
+fn reference_prompts_tokenize_to_the_reference_prompt_ids() {
+    let dir = format!("{}/../fixtures/reference", env!("CARGO_MANIFEST_DIR"));
+    let prompts: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(format!("{dir}/prompts.json")).unwrap()).unwrap();
+    for (name, greedy) in [("gemma3-270m", "greedy_gemma3_270m.json"), ("smollm2-135m", "greedy_smollm2_135m.json")] {
+        let tok = model::tokenizer::Tokenizer::from_gguf(&Gguf::open(&fetched(name)).unwrap()).unwrap();
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(format!("{dir}/{greedy}")).unwrap()).unwrap();
+        for case in reference["cases"].as_array().unwrap() {
+            let prompt = prompts.as_array().unwrap().iter().find(|p| p["name"] == case["name"]).unwrap();
+            let want: Vec<u32> =
+                case["prompt_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+            let got = tok.encode(prompt["text"].as_str().unwrap(), tok.add_bos);
+            assert_eq!(got, want, "{name} {}", case["name"]);
+        }
+    }
+}

@@ -1,0 +1,348 @@
+//! Tokenizers built from GGUF metadata, matching Hugging Face's ids.
+//!
+//! - `llama` (SentencePiece-style, Gemma): score-merged BPE. Special tokens (control and user-defined, e.g.
+//!   whitespace runs and tags) are split out of the raw text first, longest match leftmost; each remaining
+//!   fragment has spaces replaced by `▁` and is merged pair by pair, highest score first, ties leftmost;
+//!   pieces that are not in the vocabulary fall back to `<0xXX>` byte tokens.
+//! - `gpt2` (SmolLM2): special tokens first, then each digit on its own, then GPT-2's pre-tokenizer regex,
+//!   byte-level mapping, and BPE by merge rank. No prefix space.
+
+use std::collections::{BinaryHeap, HashMap};
+
+use crate::gguf::{Gguf, GgufError, Value};
+
+/// A token's type, from `tokenizer.ggml.token_type`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Normal,
+    Unknown,
+    Control,
+    UserDefined,
+    Unused,
+    Byte,
+}
+
+#[derive(Debug)]
+enum Algorithm {
+    /// Score per token.
+    Spm { scores: Vec<f32> },
+    /// Merge rank per (left, right) pair, and the GPT-2 pre-tokenizer.
+    Gpt2 { ranks: HashMap<(u32, u32), u32>, pretokenizer: Box<fancy_regex::Regex> },
+}
+
+/// A tokenizer.
+#[derive(Debug)]
+pub struct Tokenizer {
+    tokens: Vec<String>,
+    kinds: Vec<Kind>,
+    ids: HashMap<String, u32>,
+    /// Special tokens matched in raw text, longest first.
+    specials: Vec<(String, u32)>,
+    algorithm: Algorithm,
+    /// BOS id, and whether `encode` adds it.
+    pub bos: Option<u32>,
+    /// Whether the model adds BOS.
+    pub add_bos: bool,
+    /// EOS id.
+    pub eos: Option<u32>,
+    /// Byte token ids, for byte fallback.
+    byte_ids: [Option<u32>; 256],
+}
+
+/// GPT-2's pre-tokenizer pattern.
+const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+impl Tokenizer {
+    /// Builds the tokenizer a GGUF file describes.
+    pub fn from_gguf(g: &Gguf) -> Result<Self, GgufError> {
+        let model = g.get_str("tokenizer.ggml.model")?.to_string();
+        let bad = |what: &str, expected: &str, found: String| GgufError::Invalid {
+            path: g.path().into(),
+            what: what.into(),
+            expected: expected.into(),
+            found,
+        };
+        let tokens: Vec<String> = g
+            .get_array("tokenizer.ggml.tokens")?
+            .iter()
+            .map(|v| match v {
+                Value::Str(s) => Ok(s.clone()),
+                v => Err(bad("tokenizer.ggml.tokens", "strings", format!("{v:?}"))),
+            })
+            .collect::<Result<_, _>>()?;
+        let kinds: Vec<Kind> = match g.get_array("tokenizer.ggml.token_type") {
+            Ok(types) => types
+                .iter()
+                .map(|v| match v {
+                    Value::I64(1) | Value::U64(1) => Ok(Kind::Normal),
+                    Value::I64(2) | Value::U64(2) => Ok(Kind::Unknown),
+                    Value::I64(3) | Value::U64(3) => Ok(Kind::Control),
+                    Value::I64(4) | Value::U64(4) => Ok(Kind::UserDefined),
+                    Value::I64(5) | Value::U64(5) => Ok(Kind::Unused),
+                    Value::I64(6) | Value::U64(6) => Ok(Kind::Byte),
+                    v => Err(bad("tokenizer.ggml.token_type", "types 1..=6", format!("{v:?}"))),
+                })
+                .collect::<Result<_, _>>()?,
+            Err(_) => vec![Kind::Normal; tokens.len()],
+        };
+        if kinds.len() != tokens.len() {
+            return Err(bad(
+                "tokenizer.ggml.token_type",
+                &format!("{} entries", tokens.len()),
+                kinds.len().to_string(),
+            ));
+        }
+        let ids: HashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
+        let mut specials: Vec<(String, u32)> = tokens
+            .iter()
+            .zip(&kinds)
+            .enumerate()
+            .filter(|(_, (t, k))| matches!(k, Kind::Control | Kind::UserDefined) && !t.is_empty())
+            .map(|(i, (t, _))| (t.clone(), i as u32))
+            .collect();
+        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let mut byte_ids = [None; 256];
+        for (i, (t, k)) in tokens.iter().zip(&kinds).enumerate() {
+            if *k == Kind::Byte {
+                if let Some(b) =
+                    t.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).and_then(|h| u8::from_str_radix(h, 16).ok())
+                {
+                    byte_ids[b as usize] = Some(i as u32);
+                }
+            }
+        }
+        let algorithm = match model.as_str() {
+            "llama" => {
+                let scores = g
+                    .get_array("tokenizer.ggml.scores")?
+                    .iter()
+                    .map(|v| match v {
+                        Value::F64(x) => Ok(*x as f32),
+                        v => Err(bad("tokenizer.ggml.scores", "floats", format!("{v:?}"))),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Algorithm::Spm { scores }
+            }
+            "gpt2" => {
+                let mut ranks = HashMap::new();
+                for (rank, v) in g.get_array("tokenizer.ggml.merges")?.iter().enumerate() {
+                    let Value::Str(m) = v else {
+                        return Err(bad("tokenizer.ggml.merges", "strings", format!("{v:?}")));
+                    };
+                    let (l, r) =
+                        m.split_once(' ').ok_or_else(|| bad("tokenizer.ggml.merges", "\"left right\"", m.clone()))?;
+                    if let (Some(&l), Some(&r)) = (ids.get(l), ids.get(r)) {
+                        ranks.insert((l, r), rank as u32);
+                    }
+                }
+                let pretokenizer = Box::new(fancy_regex::Regex::new(GPT2_PATTERN).expect("valid pattern"));
+                Algorithm::Gpt2 { ranks, pretokenizer }
+            }
+            other => return Err(bad("tokenizer.ggml.model", "\"llama\" or \"gpt2\"", other.into())),
+        };
+        let get_id = |key: &str| g.get_u64(key).ok().map(|v| v as u32);
+        let add_bos = matches!(g.get("tokenizer.ggml.add_bos_token"), Ok(Value::Bool(true)));
+        Ok(Tokenizer {
+            bos: get_id("tokenizer.ggml.bos_token_id"),
+            eos: get_id("tokenizer.ggml.eos_token_id"),
+            add_bos,
+            tokens,
+            kinds,
+            ids,
+            specials,
+            algorithm,
+            byte_ids,
+        })
+    }
+
+    /// Vocabulary size.
+    pub fn vocab_size(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Encodes `text`, with BOS first when `with_bos` and the model has one.
+    pub fn encode(&self, text: &str, with_bos: bool) -> Vec<u32> {
+        let mut out = Vec::new();
+        if with_bos {
+            out.extend(self.bos);
+        }
+        let mut rest = text;
+        let mut plain_start = 0;
+        let mut i = 0;
+        // Split out special tokens: at each position, the longest special token that starts there.
+        while i < rest.len() {
+            if let Some((s, id)) = self.specials.iter().find(|(s, _)| rest[i..].starts_with(s.as_str())) {
+                self.encode_plain(&rest[plain_start..i], &mut out);
+                out.push(*id);
+                rest = &rest[i + s.len()..];
+                i = 0;
+                plain_start = 0;
+                continue;
+            }
+            i += rest[i..].chars().next().map_or(1, char::len_utf8);
+        }
+        self.encode_plain(&rest[plain_start..], &mut out);
+        out
+    }
+
+    fn encode_plain(&self, text: &str, out: &mut Vec<u32>) {
+        if text.is_empty() {
+            return;
+        }
+        match &self.algorithm {
+            Algorithm::Spm { scores } => self.spm(&text.replace(' ', "\u{2581}"), scores, out),
+            Algorithm::Gpt2 { ranks, pretokenizer } => {
+                // Each digit is a piece of its own; the GPT-2 pattern splits what lies between.
+                let mut start = 0;
+                let mut pieces = Vec::new();
+                for (i, c) in text.char_indices() {
+                    if c.is_ascii_digit() || (c.is_numeric() && c.to_digit(10).is_some()) {
+                        pieces.push(&text[start..i]);
+                        pieces.push(&text[i..i + c.len_utf8()]);
+                        start = i + c.len_utf8();
+                    }
+                }
+                pieces.push(&text[start..]);
+                for piece in pieces.into_iter().filter(|p| !p.is_empty()) {
+                    for m in pretokenizer.find_iter(piece) {
+                        let word = m.expect("the GPT-2 pattern cannot fail").as_str();
+                        self.gpt2_word(word, ranks, out);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Score-merged BPE over the characters of `text`.
+    fn spm(&self, text: &str, scores: &[f32], out: &mut Vec<u32>) {
+        // Symbols are the characters; `len == 0` marks a symbol merged into its left neighbour.
+        let mut syms: Vec<(usize, usize)> = text.char_indices().map(|(i, c)| (i, c.len_utf8())).collect();
+        let n = syms.len();
+        let mut prev: Vec<Option<usize>> = (0..n).map(|i| i.checked_sub(1)).collect();
+        let mut next: Vec<Option<usize>> = (0..n).map(|i| (i + 1 < n).then_some(i + 1)).collect();
+        // Max-heap on (score, -left): highest score first, ties to the leftmost pair.
+        #[derive(PartialEq)]
+        struct Bigram {
+            score: f32,
+            left: usize,
+            right: usize,
+            len: usize,
+        }
+        impl Eq for Bigram {}
+        impl Ord for Bigram {
+            fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+                self.score.total_cmp(&o.score).then(o.left.cmp(&self.left))
+            }
+        }
+        impl PartialOrd for Bigram {
+            fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+                Some(self.cmp(o))
+            }
+        }
+        let mut heap = BinaryHeap::new();
+        let push = |heap: &mut BinaryHeap<Bigram>, syms: &[(usize, usize)], l: usize, r: usize| {
+            let (start, len) = (syms[l].0, syms[l].1 + syms[r].1);
+            if let Some(&id) = self.ids.get(&text[start..start + len]) {
+                heap.push(Bigram { score: scores[id as usize], left: l, right: r, len });
+            }
+        };
+        for i in 1..n {
+            push(&mut heap, &syms, i - 1, i);
+        }
+        while let Some(b) = heap.pop() {
+            let (l, r) = (b.left, b.right);
+            // Stale if either side changed since the pair was queued.
+            if syms[l].1 == 0 || syms[r].1 == 0 || syms[l].1 + syms[r].1 != b.len {
+                continue;
+            }
+            syms[l].1 = b.len;
+            syms[r].1 = 0;
+            next[l] = next[r];
+            if let Some(nr) = next[r] {
+                prev[nr] = Some(l);
+            }
+            if let Some(p) = prev[l] {
+                push(&mut heap, &syms, p, l);
+            }
+            if let Some(nx) = next[l] {
+                push(&mut heap, &syms, l, nx);
+            }
+        }
+        let mut i = Some(0).filter(|_| n > 0);
+        while let Some(s) = i {
+            let piece = &text[syms[s].0..syms[s].0 + syms[s].1];
+            match self.ids.get(piece) {
+                Some(&id) => out.push(id),
+                None => self.bytes_fallback(piece, out),
+            }
+            i = next[s];
+        }
+    }
+
+    fn bytes_fallback(&self, piece: &str, out: &mut Vec<u32>) {
+        for b in piece.bytes() {
+            match self.byte_ids[b as usize] {
+                Some(id) => out.push(id),
+                None => out.extend(self.kinds.iter().position(|k| *k == Kind::Unknown).map(|i| i as u32)),
+            }
+        }
+    }
+
+    /// Byte-level BPE of one pre-tokenized word.
+    fn gpt2_word(&self, word: &str, ranks: &HashMap<(u32, u32), u32>, out: &mut Vec<u32>) {
+        let mapped: String = word.bytes().map(byte_to_char).collect();
+        let mut parts: Vec<u32> = mapped.chars().map(|c| self.ids[&c.to_string()]).collect();
+        loop {
+            let best =
+                parts.windows(2).enumerate().filter_map(|(i, w)| ranks.get(&(w[0], w[1])).map(|&r| (r, i))).min();
+            let Some((_, i)) = best else { break };
+            let merged = format!("{}{}", self.tokens[parts[i] as usize], self.tokens[parts[i + 1] as usize]);
+            parts[i] = self.ids[&merged];
+            parts.remove(i + 1);
+        }
+        out.extend(parts);
+    }
+
+    /// The text of `ids`. With `skip_special`, control tokens are left out.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
+        let mut bytes = Vec::new();
+        for &id in ids {
+            let Some(t) = self.tokens.get(id as usize) else { continue };
+            let kind = self.kinds[id as usize];
+            if skip_special && kind == Kind::Control {
+                continue;
+            }
+            match (&self.algorithm, kind) {
+                (_, Kind::Byte) => {
+                    if let Some(b) = t
+                        .strip_prefix("<0x")
+                        .and_then(|h| h.strip_suffix('>'))
+                        .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    {
+                        bytes.push(b);
+                    }
+                }
+                (Algorithm::Spm { .. }, _) => bytes.extend(t.replace('\u{2581}', " ").bytes()),
+                (Algorithm::Gpt2 { .. }, Kind::Control | Kind::UserDefined) => bytes.extend(t.bytes()),
+                (Algorithm::Gpt2 { .. }, _) => bytes.extend(t.chars().filter_map(char_to_byte)),
+            }
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+}
+
+/// GPT-2's reversible byte-to-printable-character map.
+fn byte_to_char(b: u8) -> char {
+    let printable = matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+    if printable {
+        char::from(b)
+    } else {
+        // The 68 other bytes, in order, map to U+0100 and up.
+        let rank = (0..b).filter(|&x| !matches!(x, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF)).count() as u32;
+        char::from_u32(0x100 + rank).expect("valid")
+    }
+}
+
+fn char_to_byte(c: char) -> Option<u8> {
+    (0..=255u8).find(|&b| byte_to_char(b) == c)
+}
