@@ -196,7 +196,8 @@ impl Tokenizer {
                 let mut start = 0;
                 let mut pieces = Vec::new();
                 for (i, c) in text.char_indices() {
-                    if c.is_ascii_digit() || (c.is_numeric() && c.to_digit(10).is_some()) {
+                    // As the HF `Digits(individual_digits)` pre-tokenizer: every numeric char alone.
+                    if c.is_numeric() {
                         pieces.push(&text[start..i]);
                         pieces.push(&text[i..i + c.len_utf8()]);
                         start = i + c.len_utf8();
