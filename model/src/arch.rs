@@ -1,0 +1,445 @@
+//! Model configuration and weights, from GGUF files or Hugging Face checkpoint directories.
+//!
+//! Weights are held as f32 row-major matrices `[out][in]` (PyTorch's `Linear.weight` layout; GGUF stores
+//! the same thing with dims `[in, out]`). Conventions that differ between formats are normalised at load
+//! time, so the forward pass has one code path:
+//! - Gemma RMSNorm multiplies by `1 + w`: GGUF weights already include the `+ 1`, HF weights do not, so
+//!   the HF loader adds it.
+//! - Rotary embedding: Gemma rotates halves (NEOX) in both formats. llama.cpp's converter permutes Llama's
+//!   Q/K rows so that adjacent pairs rotate; HF Llama rotates halves. [`Config::rope_adjacent`] records which.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use shm_format::{KvGeometry, LayerKv};
+
+use crate::gguf::{Gguf, GgufError};
+
+/// The two architectures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// Gemma 3 text.
+    Gemma3,
+    /// Llama.
+    Llama,
+}
+
+/// Attention kind of a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attention {
+    /// Sees every earlier position.
+    Full,
+    /// Sees the last `window` positions, itself included.
+    Sliding(u32),
+}
+
+/// Everything the forward pass needs to know besides the weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    /// Architecture.
+    pub arch: Arch,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Model width.
+    pub hidden: usize,
+    /// Feed-forward width.
+    pub ffn: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// KV heads.
+    pub kv_heads: usize,
+    /// Head dimension.
+    pub head_dim: usize,
+    /// Per layer.
+    pub layers: Vec<Attention>,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// Rope base of full-attention layers.
+    pub rope_global: f32,
+    /// Rope base of sliding layers.
+    pub rope_local: f32,
+    /// Whether rope rotates adjacent pairs (GGUF Llama) rather than halves.
+    pub rope_adjacent: bool,
+    /// Queries are scaled by `query_scale` (Gemma: `query_pre_attn_scalar^-1/2`, Llama: `head_dim^-1/2`).
+    pub query_scale: f32,
+    /// BOS id.
+    pub bos: Option<u32>,
+    /// EOS ids.
+    pub eos: Vec<u32>,
+}
+
+impl Config {
+    /// The KV geometry (what the span fingerprint hashes).
+    pub fn kv_geometry(&self) -> KvGeometry {
+        let (kv_heads, head_dim) = (self.kv_heads as u32, self.head_dim as u32);
+        KvGeometry {
+            layers: self
+                .layers
+                .iter()
+                .map(|a| match *a {
+                    Attention::Full => LayerKv::Full { kv_heads, head_dim },
+                    Attention::Sliding(window) => LayerKv::Sliding { window, kv_heads, head_dim },
+                })
+                .collect(),
+        }
+    }
+}
+
+/// One transformer layer's weights.
+#[derive(Debug)]
+pub struct LayerWeights {
+    /// Pre-attention norm.
+    pub attn_norm: Vec<f32>,
+    /// `[heads * head_dim][hidden]`.
+    pub wq: Vec<f32>,
+    /// `[kv_heads * head_dim][hidden]`.
+    pub wk: Vec<f32>,
+    /// `[kv_heads * head_dim][hidden]`.
+    pub wv: Vec<f32>,
+    /// `[hidden][heads * head_dim]`.
+    pub wo: Vec<f32>,
+    /// Gemma: per-head query norm.
+    pub q_norm: Option<Vec<f32>>,
+    /// Gemma: per-head key norm.
+    pub k_norm: Option<Vec<f32>>,
+    /// Gemma: norm after attention.
+    pub post_attn_norm: Option<Vec<f32>>,
+    /// Pre-feed-forward norm.
+    pub ffn_norm: Vec<f32>,
+    /// Gemma: norm after the feed-forward.
+    pub post_ffn_norm: Option<Vec<f32>>,
+    /// `[ffn][hidden]`.
+    pub gate: Vec<f32>,
+    /// `[ffn][hidden]`.
+    pub up: Vec<f32>,
+    /// `[hidden][ffn]`.
+    pub down: Vec<f32>,
+}
+
+/// A loaded model.
+#[derive(Debug)]
+pub struct Model {
+    /// Configuration.
+    pub config: Config,
+    /// `[vocab][hidden]`.
+    pub embed: Vec<f32>,
+    /// Per layer.
+    pub layers: Vec<LayerWeights>,
+    /// Final norm.
+    pub final_norm: Vec<f32>,
+    /// `[vocab][hidden]`, or `None` when tied to `embed`.
+    pub lm_head: Option<Vec<f32>>,
+    /// Where it came from.
+    pub source: PathBuf,
+}
+
+/// Why a model cannot be loaded.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LoadError {
+    /// The GGUF file is bad.
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    /// A checkpoint directory is bad.
+    #[error("{path}: {what}: expected {expected}, found {found}")]
+    Checkpoint {
+        /// The file.
+        path: PathBuf,
+        /// The key or tensor.
+        what: String,
+        /// Expected.
+        expected: String,
+        /// Found.
+        found: String,
+    },
+    /// Reading failed.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Model {
+    /// Loads a GGUF file (`gemma3` or `llama` architecture), dequantizing every weight to f32.
+    pub fn from_gguf(g: &Gguf) -> Result<Self, LoadError> {
+        let arch_name = g.get_str("general.architecture")?.to_string();
+        let arch = match arch_name.as_str() {
+            "gemma3" => Arch::Gemma3,
+            "llama" => Arch::Llama,
+            other => {
+                return Err(GgufError::Invalid {
+                    path: g.path().into(),
+                    what: "general.architecture".into(),
+                    expected: "gemma3 or llama".into(),
+                    found: other.into(),
+                }
+                .into())
+            }
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let n_layers = g.get_u64(&key("block_count"))? as usize;
+        let hidden = g.get_u64(&key("embedding_length"))? as usize;
+        let heads = g.get_u64(&key("attention.head_count"))? as usize;
+        let kv_heads = g.get_u64(&key("attention.head_count_kv"))? as usize;
+        let head_dim = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden / heads);
+        let embed_info = g.tensor("token_embd.weight")?;
+        let vocab = embed_info.dims[1] as usize;
+        let rope_global = g.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0) as f32;
+        let (layers, rope_local, query_scale) = match arch {
+            Arch::Gemma3 => {
+                // llama.cpp's Gemma 3 conventions: every sixth layer is global, local layers use base 10000,
+                // and queries are scaled by head_dim^-1/2 (query_pre_attn_scalar = head_dim in Gemma 3).
+                let window = g.get_u64(&key("attention.sliding_window"))? as u32;
+                let layers = (0..n_layers)
+                    .map(|l| if l % 6 == 5 { Attention::Full } else { Attention::Sliding(window) })
+                    .collect();
+                (layers, 10_000.0, (head_dim as f32).powf(-0.5))
+            }
+            Arch::Llama => (vec![Attention::Full; n_layers], rope_global, (head_dim as f32).powf(-0.5)),
+        };
+        let config = Config {
+            arch,
+            vocab,
+            hidden,
+            ffn: g.get_u64(&key("feed_forward_length"))? as usize,
+            heads,
+            kv_heads,
+            head_dim,
+            layers,
+            eps: g.get_f64(&key("attention.layer_norm_rms_epsilon"))? as f32,
+            rope_global,
+            rope_local,
+            rope_adjacent: arch == Arch::Llama,
+            query_scale,
+            bos: g.get_u64("tokenizer.ggml.bos_token_id").ok().map(|v| v as u32),
+            eos: g.get_u64("tokenizer.ggml.eos_token_id").ok().map(|v| vec![v as u32]).unwrap_or_default(),
+        };
+        let t = |name: &str| g.tensor_f32(name);
+        let opt = |name: &str| g.tensors.contains_key(name).then(|| g.tensor_f32(name)).transpose();
+        let mut layer_weights = Vec::with_capacity(n_layers);
+        for l in 0..n_layers {
+            let n = |s: &str| format!("blk.{l}.{s}.weight");
+            layer_weights.push(LayerWeights {
+                attn_norm: t(&n("attn_norm"))?,
+                wq: t(&n("attn_q"))?,
+                wk: t(&n("attn_k"))?,
+                wv: t(&n("attn_v"))?,
+                wo: t(&n("attn_output"))?,
+                q_norm: opt(&n("attn_q_norm"))?,
+                k_norm: opt(&n("attn_k_norm"))?,
+                post_attn_norm: opt(&n("post_attention_norm"))?,
+                ffn_norm: t(&n("ffn_norm"))?,
+                post_ffn_norm: opt(&n("post_ffw_norm"))?,
+                gate: t(&n("ffn_gate"))?,
+                up: t(&n("ffn_up"))?,
+                down: t(&n("ffn_down"))?,
+            });
+        }
+        Ok(Model {
+            embed: t("token_embd.weight")?,
+            layers: layer_weights,
+            final_norm: t("output_norm.weight")?,
+            lm_head: opt("output.weight")?,
+            config,
+            source: g.path().into(),
+        })
+    }
+
+    /// Loads a Hugging Face checkpoint directory (`config.json` and `*.safetensors`) of model type
+    /// `gemma3_text` or `llama`.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self, LoadError> {
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path)
+            .map_err(|source| LoadError::Io { path: config_path.clone(), source })?;
+        let bad = |what: &str, expected: &str, found: String| LoadError::Checkpoint {
+            path: config_path.clone(),
+            what: what.into(),
+            expected: expected.into(),
+            found,
+        };
+        let c: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad("config.json", "JSON", e.to_string()))?;
+        let u =
+            |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| bad(k, "an unsigned integer", c[k].to_string()));
+        let arch = match c["model_type"].as_str() {
+            Some("gemma3_text") => Arch::Gemma3,
+            Some("llama") => Arch::Llama,
+            _ => return Err(bad("model_type", "gemma3_text or llama", c["model_type"].to_string())),
+        };
+        let (hidden, heads, n_layers) = (u("hidden_size")?, u("num_attention_heads")?, u("num_hidden_layers")?);
+        let head_dim = c["head_dim"].as_u64().map(|v| v as usize).unwrap_or(hidden / heads);
+        let rope = |kind: &str| -> Option<f32> {
+            c["rope_parameters"][kind]["rope_theta"]
+                .as_f64()
+                .or_else(|| c["rope_parameters"]["rope_theta"].as_f64())
+                .or_else(|| c["rope_theta"].as_f64())
+                .map(|v| v as f32)
+        };
+        let (layers, rope_global, rope_local, query_scale) = match arch {
+            Arch::Gemma3 => {
+                let window = u("sliding_window")? as u32;
+                let types = c["layer_types"]
+                    .as_array()
+                    .ok_or_else(|| bad("layer_types", "a list", c["layer_types"].to_string()))?;
+                let layers = types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("full_attention") => Ok(Attention::Full),
+                        Some("sliding_attention") => Ok(Attention::Sliding(window)),
+                        _ => Err(bad("layer_types", "full_attention or sliding_attention", t.to_string())),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                if layers.len() != n_layers {
+                    return Err(bad("layer_types", &format!("{n_layers} entries"), layers.len().to_string()));
+                }
+                let scalar = c["query_pre_attn_scalar"].as_f64().unwrap_or(head_dim as f64) as f32;
+                (
+                    layers,
+                    rope("full_attention").unwrap_or(1_000_000.0),
+                    rope("sliding_attention").unwrap_or(10_000.0),
+                    scalar.powf(-0.5),
+                )
+            }
+            Arch::Llama => {
+                let base = rope("default").unwrap_or(10_000.0);
+                (vec![Attention::Full; n_layers], base, base, (head_dim as f32).powf(-0.5))
+            }
+        };
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            match v {
+                serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+                v => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+            }
+        };
+        let config = Config {
+            arch,
+            vocab: u("vocab_size")?,
+            hidden,
+            ffn: u("intermediate_size")?,
+            heads,
+            kv_heads: c["num_key_value_heads"].as_u64().map(|v| v as usize).unwrap_or(heads),
+            head_dim,
+            layers,
+            eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
+            rope_global,
+            rope_local,
+            rope_adjacent: false,
+            query_scale,
+            bos: c["bos_token_id"].as_u64().map(|v| v as u32),
+            eos: ids(&c["eos_token_id"]),
+        };
+        let tensors = load_safetensors(dir)?;
+        let get = |name: &str| -> Result<Vec<f32>, LoadError> {
+            tensors.get(name).cloned().ok_or_else(|| LoadError::Checkpoint {
+                path: dir.into(),
+                what: format!("tensor {name}"),
+                expected: "present in the safetensors files".into(),
+                found: "none".into(),
+            })
+        };
+        // Gemma's HF norms store w; the forward pass multiplies by the GGUF convention `1 + w`.
+        let norm = |name: &str| -> Result<Vec<f32>, LoadError> {
+            let w = get(name)?;
+            Ok(if arch == Arch::Gemma3 { w.into_iter().map(|x| 1.0 + x).collect() } else { w })
+        };
+        let opt_norm = |name: &str| -> Result<Option<Vec<f32>>, LoadError> {
+            if arch == Arch::Gemma3 {
+                norm(name).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let mut layer_weights = Vec::with_capacity(n_layers);
+        for l in 0..n_layers {
+            let n = |s: &str| format!("model.layers.{l}.{s}.weight");
+            let (ffn_norm, post_attn) = match arch {
+                Arch::Gemma3 => (norm(&n("pre_feedforward_layernorm"))?, opt_norm(&n("post_attention_layernorm"))?),
+                Arch::Llama => (norm(&n("post_attention_layernorm"))?, None),
+            };
+            layer_weights.push(LayerWeights {
+                attn_norm: norm(&n("input_layernorm"))?,
+                wq: get(&n("self_attn.q_proj"))?,
+                wk: get(&n("self_attn.k_proj"))?,
+                wv: get(&n("self_attn.v_proj"))?,
+                wo: get(&n("self_attn.o_proj"))?,
+                q_norm: opt_norm(&n("self_attn.q_norm"))?,
+                k_norm: opt_norm(&n("self_attn.k_norm"))?,
+                post_attn_norm: post_attn,
+                ffn_norm,
+                post_ffn_norm: opt_norm(&n("post_feedforward_layernorm"))?,
+                gate: get(&n("mlp.gate_proj"))?,
+                up: get(&n("mlp.up_proj"))?,
+                down: get(&n("mlp.down_proj"))?,
+            });
+        }
+        Ok(Model {
+            embed: get("model.embed_tokens.weight")?,
+            layers: layer_weights,
+            final_norm: norm("model.norm.weight")?,
+            lm_head: tensors.get("lm_head.weight").cloned(),
+            config,
+            source: dir.into(),
+        })
+    }
+}
+
+/// Every tensor of every `*.safetensors` file in `dir`, as f32.
+fn load_safetensors(dir: &Path) -> Result<HashMap<String, Vec<f32>>, LoadError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| LoadError::Io { path, source }
+    };
+    let mut out = HashMap::new();
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .map_err(io(dir))?
+        .filter_map(Result::ok)
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+        .collect();
+    files.sort();
+    if files.is_empty() {
+        return Err(LoadError::Checkpoint {
+            path: dir.into(),
+            what: "weights".into(),
+            expected: "at least one *.safetensors file".into(),
+            found: "none".into(),
+        });
+    }
+    for path in files {
+        let bytes = std::fs::read(&path).map_err(io(&path))?;
+        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| LoadError::Checkpoint {
+            path: path.clone(),
+            what: "safetensors header".into(),
+            expected: "a valid safetensors file".into(),
+            found: e.to_string(),
+        })?;
+        for (name, view) in st.tensors() {
+            let data = view.data();
+            let values: Vec<f32> = match view.dtype() {
+                safetensors::Dtype::F32 => {
+                    data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+                }
+                safetensors::Dtype::BF16 => {
+                    data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+                }
+                safetensors::Dtype::F16 => {
+                    data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+                }
+                other => {
+                    return Err(LoadError::Checkpoint {
+                        path: path.clone(),
+                        what: format!("tensor {name}"),
+                        expected: "F32, BF16 or F16".into(),
+                        found: format!("{other:?}"),
+                    })
+                }
+            };
+            out.insert(name, values);
+        }
+    }
+    Ok(out)
+}
