@@ -9,11 +9,14 @@ use std::ops::Range;
 
 use crate::arch::{Arch, Attention, Model};
 
+/// Receives one run of past K/V: `(first_position, k_rows, v_rows)`.
+pub type RunSink<'a> = dyn FnMut(u64, &[f32], &[f32]) + 'a;
+
 /// K/V of positions before the chunk.
 pub trait PastKv {
     /// Calls `f(first_position, k_rows, v_rows)` for consecutive runs covering exactly `positions` of
     /// `layer`, in order; each row is `kv_heads * head_dim` f32 values.
-    fn runs(&self, layer: usize, positions: Range<u64>, f: &mut dyn FnMut(u64, &[f32], &[f32]));
+    fn runs(&self, layer: usize, positions: Range<u64>, f: &mut RunSink<'_>);
 }
 
 /// No earlier positions.
@@ -21,7 +24,7 @@ pub trait PastKv {
 pub struct NoPast;
 
 impl PastKv for NoPast {
-    fn runs(&self, _: usize, positions: Range<u64>, _: &mut dyn FnMut(u64, &[f32], &[f32])) {
+    fn runs(&self, _: usize, positions: Range<u64>, _: &mut RunSink<'_>) {
         assert!(positions.is_empty(), "no past K/V for positions {positions:?}");
     }
 }
@@ -284,7 +287,7 @@ impl VecKv {
 }
 
 impl PastKv for VecKv {
-    fn runs(&self, layer: usize, positions: Range<u64>, f: &mut dyn FnMut(u64, &[f32], &[f32])) {
+    fn runs(&self, layer: usize, positions: Range<u64>, f: &mut RunSink<'_>) {
         if positions.is_empty() {
             return;
         }
