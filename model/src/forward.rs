@@ -56,6 +56,16 @@ fn matmul_t(x: &[f32], w: &[f32], t: usize, n_in: usize, n_out: usize) -> Vec<f3
     assert_eq!(x.len(), t * n_in);
     assert_eq!(w.len(), n_out * n_in, "weight shape");
     let mut c = vec![0f32; t * n_out];
+    if t <= SMALL_BATCH {
+        // Decode: a packed GEMM would copy the whole weight matrix into its panels for one row of
+        // output; reading each weight row once, straight from memory, is what bounds a matvec anyway.
+        for (x, c) in x.chunks_exact(n_in).zip(c.chunks_exact_mut(n_out)) {
+            for (c, w) in c.iter_mut().zip(w.chunks_exact(n_in)) {
+                *c = dot(x, w);
+            }
+        }
+        return c;
+    }
     // SAFETY: the pointers and strides describe exactly `x` (t x n_in, row-major), `w` read as its
     // transpose (n_in x n_out: element (k, j) at j * n_in + k) and `c` (t x n_out), all in bounds
     // (lengths asserted above); `c` does not alias the inputs.
@@ -78,6 +88,22 @@ fn matmul_t(x: &[f32], w: &[f32], t: usize, n_in: usize, n_out: usize) -> Vec<f3
         );
     }
     c
+}
+
+/// Batches up to this many rows use the matrix-vector path.
+const SMALL_BATCH: usize = 4;
+
+/// A dot product with 16 independent accumulators, so the compiler can keep them in vector registers.
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
+    for (x, y) in ca.zip(cb) {
+        for k in 0..16 {
+            acc[k] += x[k] * y[k];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
 }
 
 fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
