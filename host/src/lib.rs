@@ -1,10 +1,12 @@
 //! The pdhost library: what the `pdhost` binary is made of.
 //!
 //! - [`kv`]: the grouped paged KV cache and strict span ingest.
+//! - [`engine`]: prefill, ingest and decode through the cache.
 //!
 //! The wire format and the ring are re-exported as [`format`] and [`ring`]. The supervisor, models and
 //! engine arrive with their issues (see `docs/ARCHITECTURE.md`).
 
+pub mod engine;
 pub mod kv;
 
 pub use shm_format as format;

@@ -13,6 +13,7 @@ fn main() -> ExitCode {
         cli::Command::InspectSpan(args) => cmd::inspect::run(&args),
         cli::Command::Bench(args) => cmd::bench::run(&args),
         cli::Command::Models(args) => cmd::models::run(&args),
+        cli::Command::Generate(args) => cmd::generate::run(&args),
     };
     match result {
         Ok(code) => code,

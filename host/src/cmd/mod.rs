@@ -1,5 +1,6 @@
 //! One module per command.
 
 pub mod bench;
+pub mod generate;
 pub mod inspect;
 pub mod models;

@@ -18,7 +18,7 @@ pub fn run(args: &ModelsArgs) -> anyhow::Result<ExitCode> {
             }
             let mut bar = Bar::new(*json);
             let path = registry::fetch(name, &mut bar)?;
-            bar.0.finish_and_clear();
+            bar.finish();
             if *json {
                 println!("{}", json!({"name": name, "path": path.display().to_string()}));
             } else {
@@ -52,14 +52,20 @@ fn list(json: bool) -> anyhow::Result<ExitCode> {
 }
 
 /// Progress on stderr when it is a terminal.
-struct Bar(ProgressBar);
+pub struct Bar(ProgressBar);
 
 impl Bar {
-    fn new(json: bool) -> Self {
+    /// A bar on a terminal, hidden otherwise (or with `--json`).
+    pub fn new(json: bool) -> Self {
         if json || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
             return Bar(ProgressBar::hidden());
         }
         Bar(ProgressBar::new_spinner())
+    }
+
+    /// Removes the bar.
+    pub fn finish(&self) {
+        self.0.finish_and_clear();
     }
 }
 

@@ -1,0 +1,276 @@
+//! The engine: prefill, ingest into the paged KV cache, decode reading K/V back from it.
+//!
+//! Every K/V byte the decoder reads goes through [`PagedKv`]: local prefill and every decode step produce
+//! a span (one tensor set per group) that is validated and committed like a producer's, and attention
+//! reads exactly the positions each layer sees through [`PagedKv::read`].
+
+use std::time::{Duration, Instant};
+
+use model::arch::Model;
+use model::forward::{ChunkKv, PastKv, RunSink};
+use shm_format::{Dtype, EntryKind, Manifest};
+
+use crate::kv::convert::convert;
+use crate::kv::{IngestError, KvConfig, PagedKv, SeqId};
+
+/// How to sample.
+#[derive(Clone, Copy, Debug)]
+pub enum Sampling {
+    /// Argmax, first index on ties.
+    Greedy,
+    /// Temperature and nucleus sampling from a seeded generator.
+    TopP {
+        /// Softmax temperature.
+        temperature: f32,
+        /// Nucleus mass.
+        top_p: f32,
+        /// Seed.
+        seed: u64,
+    },
+}
+
+/// A generation request.
+#[derive(Clone, Debug)]
+pub struct Request {
+    /// Prompt token ids (BOS included if wanted).
+    pub prompt: Vec<u32>,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    /// Prompt tokens per prefill span (0: the whole prompt in one span).
+    pub prefill_chunk: usize,
+    /// How to pick tokens.
+    pub sampling: Sampling,
+}
+
+/// Why generation stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Finish {
+    /// An EOS token (included in the output).
+    Eos,
+    /// `max_tokens` reached.
+    Length,
+}
+
+/// What generation produced and how long it took.
+#[derive(Clone, Debug)]
+pub struct Generation {
+    /// Generated ids.
+    pub output: Vec<u32>,
+    /// Why it stopped.
+    pub finish: Finish,
+    /// Prefill spans ingested.
+    pub spans: usize,
+    /// Bytes of K/V payload ingested by prefill.
+    pub bytes: u64,
+    /// Time in the forward pass of prefill.
+    pub prefill: Duration,
+    /// Time validating and copying prefill spans into the cache.
+    pub ingest: Duration,
+    /// Time to the first generated token.
+    pub ttft: Duration,
+    /// Time decoding after the first token.
+    pub decode: Duration,
+}
+
+/// The engine for one model.
+#[derive(Debug)]
+pub struct Engine {
+    /// The model.
+    pub model: Model,
+    /// The cache.
+    pub kv: PagedKv,
+    next_seq: u64,
+}
+
+/// Past K/V of one sequence, read from the paged cache.
+struct PagedPast<'a> {
+    kv: &'a PagedKv,
+    seq: SeqId,
+}
+
+impl PastKv for PagedPast<'_> {
+    fn runs(&self, layer: usize, positions: std::ops::Range<u64>, f: &mut RunSink<'_>) {
+        if positions.is_empty() {
+            return;
+        }
+        let read = self.kv.read(self.seq, layer as u32).expect("a live sequence and a model layer");
+        assert!(
+            read.positions.start <= positions.start && positions.end <= read.positions.end,
+            "layer {layer}: positions {positions:?} requested, {:?} held",
+            read.positions
+        );
+        let dtype = read.dtype();
+        let (heads, dim) = read.heads();
+        let row = heads as usize * dim as usize;
+        let (mut k, mut v) = (Vec::new(), Vec::new());
+        for run in read.runs() {
+            let a = run.start.max(positions.start);
+            let b = (run.start + run.tokens as u64).min(positions.end);
+            if a >= b {
+                continue;
+            }
+            let bytes = row * dtype.size() as usize;
+            let (from, to) = ((a - run.start) as usize * bytes, (b - run.start) as usize * bytes);
+            k.resize((b - a) as usize * row, 0.0);
+            v.resize((b - a) as usize * row, 0.0);
+            to_f32(dtype, &run.k[from..to], &mut k);
+            to_f32(dtype, &run.v[from..to], &mut v);
+            f(a, &k, &v);
+        }
+    }
+}
+
+fn to_f32(dtype: Dtype, src: &[u8], dst: &mut [f32]) {
+    let mut bytes = vec![0u8; dst.len() * 4];
+    convert(dtype, src, Dtype::F32, &mut bytes);
+    for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+}
+
+impl Engine {
+    /// An engine whose cache holds `max_seqs` sequences of up to `max_tokens` tokens in `dtype`.
+    pub fn new(
+        model: Model,
+        dtype: Dtype,
+        page_size: u32,
+        max_tokens: u64,
+        max_seqs: u32,
+    ) -> Result<Self, crate::kv::ConfigError> {
+        let geometry = model.config.kv_geometry();
+        let row = (model.config.kv_heads * model.config.head_dim) as u64 * dtype.size();
+        // Every layer at full length is an upper bound on what the groups need; add the bounded groups' share.
+        let budget =
+            u64::from(max_seqs) * geometry.layers.len() as u64 * 2 * row * (max_tokens + 2 * u64::from(page_size))
+                + (64 << 20);
+        let mut config = KvConfig::new(geometry, dtype, budget);
+        config.page_size = page_size;
+        config.max_seqs = max_seqs;
+        Ok(Engine { kv: PagedKv::new(config)?, model, next_seq: 1 })
+    }
+
+    /// Lays a chunk's K/V out as a grouped span and ingests it into `seq`.
+    fn ingest(&mut self, seq: SeqId, request_id: u64, chunk: &ChunkKv) -> Result<u64, IngestError> {
+        let geometry = self.kv.geometry().clone();
+        let dtype = self.kv.dtype();
+        let range = chunk.start..chunk.start + chunk.len as u64;
+        let manifest = Manifest::grouped(&geometry, request_id, range, dtype);
+        let mut payload = vec![0u8; manifest.payload_len() as usize];
+        for e in &manifest.entries {
+            let src = match e.kind {
+                EntryKind::K => &chunk.k[e.layer as usize],
+                EntryKind::V => &chunk.v[e.layer as usize],
+                EntryKind::State => unreachable!("no recurrent layers in these models"),
+            };
+            let bytes: Vec<u8> = src.iter().flat_map(|x| x.to_le_bytes()).collect();
+            convert(Dtype::F32, &bytes, dtype, &mut payload[e.offset as usize..(e.offset + e.len) as usize]);
+        }
+        let mut staged = self.kv.prepare(seq, &manifest)?;
+        self.kv.write_staged(&mut staged, 0, &payload);
+        self.kv.commit(staged);
+        Ok(payload.len() as u64)
+    }
+
+    /// Generates for one request, calling `on_token` with each new id as it is produced.
+    pub fn generate(&mut self, req: &Request, mut on_token: impl FnMut(u32)) -> Result<Generation, IngestError> {
+        let seq = SeqId(self.next_seq);
+        self.next_seq += 1;
+        let request_id = seq.0;
+        self.kv.add_sequence(seq, request_id)?;
+        let result = self.run(seq, request_id, req, &mut on_token);
+        let _ = self.kv.remove_sequence(seq);
+        result
+    }
+
+    fn run(
+        &mut self,
+        seq: SeqId,
+        request_id: u64,
+        req: &Request,
+        on_token: &mut dyn FnMut(u32),
+    ) -> Result<Generation, IngestError> {
+        let started = Instant::now();
+        let mut rng = Rng(match req.sampling {
+            Sampling::TopP { seed, .. } => seed ^ 0x9E37_79B9_7F4A_7C15,
+            Sampling::Greedy => 0,
+        });
+        let chunk = if req.prefill_chunk == 0 { req.prompt.len().max(1) } else { req.prefill_chunk };
+        let (mut prefill, mut ingest, mut bytes, mut spans) = (Duration::ZERO, Duration::ZERO, 0, 0);
+        let mut logits = Vec::new();
+        for (i, part) in req.prompt.chunks(chunk).enumerate() {
+            let start = (i * chunk) as u64;
+            let t = Instant::now();
+            let out = self.model.forward(part, start, &PagedPast { kv: &self.kv, seq }, false);
+            prefill += t.elapsed();
+            let t = Instant::now();
+            bytes += self.ingest(seq, request_id, &out.kv)?;
+            ingest += t.elapsed();
+            spans += 1;
+            logits = out.logits;
+        }
+        let mut output = Vec::new();
+        let mut next = sample(&logits, req.sampling, &mut rng);
+        let ttft = started.elapsed();
+        let decode_start = Instant::now();
+        let eos = self.model.config.eos.clone();
+        let finish = loop {
+            output.push(next);
+            on_token(next);
+            if eos.contains(&next) {
+                break Finish::Eos;
+            }
+            if output.len() >= req.max_tokens {
+                break Finish::Length;
+            }
+            let pos = (req.prompt.len() + output.len() - 1) as u64;
+            let out = self.model.forward(&[next], pos, &PagedPast { kv: &self.kv, seq }, false);
+            self.ingest(seq, request_id, &out.kv)?;
+            next = sample(&out.logits, req.sampling, &mut rng);
+        };
+        Ok(Generation { output, finish, spans, bytes, prefill, ingest, ttft, decode: decode_start.elapsed() })
+    }
+}
+
+/// A small seeded generator (splitmix64) for sampling.
+struct Rng(u64);
+
+impl Rng {
+    fn next_f32(&mut self) -> f32 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
+    }
+}
+
+fn sample(logits: &[f32], sampling: Sampling, rng: &mut Rng) -> u32 {
+    match sampling {
+        Sampling::Greedy => model::forward::argmax(logits),
+        Sampling::TopP { temperature, top_p, .. } => {
+            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut probs: Vec<(f32, u32)> =
+                logits.iter().enumerate().map(|(i, &l)| (((l - max) / temperature).exp(), i as u32)).collect();
+            let total: f32 = probs.iter().map(|p| p.0).sum();
+            probs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+            let mut kept = 0.0;
+            let mut n = 0;
+            for p in &probs {
+                kept += p.0 / total;
+                n += 1;
+                if kept >= top_p {
+                    break;
+                }
+            }
+            let mass: f32 = probs[..n].iter().map(|p| p.0).sum();
+            let mut r = rng.next_f32() * mass;
+            for p in &probs[..n] {
+                if r < p.0 {
+                    return p.1;
+                }
+                r -= p.0;
+            }
+            probs[n - 1].1
+        }
+    }
+}
