@@ -68,9 +68,13 @@ pub struct GenerateArgs {
     /// Prompt tokens per prefill span (0: the whole prompt as one span).
     #[arg(long, default_value_t = 0)]
     pub prefill_chunk: usize,
-    /// Arithmetic: `exact` is f32 on dequantized weights.
-    #[arg(long, default_value = "exact", value_parser = ["exact"])]
+    /// Arithmetic: `exact` is f32 on dequantized weights (matches transformers' fp32); `fast` decodes with
+    /// Q8_0 weights and integer dot products.
+    #[arg(long, default_value = "exact", value_parser = ["exact", "fast"])]
     pub precision: String,
+    /// Threads for the forward pass (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
     /// Sample with this temperature instead of greedy decoding.
     #[arg(long)]
     pub temperature: Option<f32>,
@@ -140,6 +144,26 @@ pub enum Bench {
     /// Gemma 3 270M and Gemma3-1B geometries, dense and grouped spans, bf16 and f32, single-threaded,
     /// beside memcpy of the same span bytes.
     Ingest(IngestBenchArgs),
+    /// Prefill and decode tokens/s of both real models with 1 and 2 threads in both precisions, beside
+    /// llama.cpp (llama-cpp-python, built on first use into $PDHOST_HOME) on the same GGUF files.
+    Model(ModelBenchArgs),
+}
+
+/// `pdhost bench model`.
+#[derive(Debug, Args)]
+pub struct ModelBenchArgs {
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 128)]
+    pub prompt_tokens: usize,
+    /// Tokens to decode.
+    #[arg(long, default_value_t = 32)]
+    pub decode_tokens: usize,
+    /// Skip llama.cpp (no reference column).
+    #[arg(long)]
+    pub no_llama_cpp: bool,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `pdhost bench ingest`.

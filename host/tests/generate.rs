@@ -83,3 +83,14 @@ fn a_prompt_without_a_tokenizer_or_with_bad_ids_gets_a_clear_error() {
     let out = Command::new(PDHOST).args(["generate", "--prompt", "x", "--producer", "rngd"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2), "not built yet: a usage error");
 }
+
+#[test]
+fn fast_precision_and_threads_run_and_report_the_same_prefill() {
+    let dir = reference_dir().join("tiny_gemma3_8l");
+    let dir = dir.to_str().unwrap();
+    let exact = generate(dir, &[2, 86, 171, 181], 8, &["--threads", "1"]);
+    let fast = generate(dir, &[2, 86, 171, 181], 8, &["--precision", "fast", "--threads", "2"]);
+    assert_eq!(ids(&fast["output_ids"]).len(), 8);
+    // Prefill is f32 in both precisions: the first token (from the prefill logits) agrees.
+    assert_eq!(ids(&fast["output_ids"])[0], ids(&exact["output_ids"])[0]);
+}

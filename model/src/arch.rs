@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use shm_format::{KvGeometry, LayerKv};
 
 use crate::gguf::{Gguf, GgufError};
+use crate::kernels::{Exec, Precision, Q8};
 
 /// The two architectures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -131,6 +132,19 @@ pub struct Model {
     pub lm_head: Option<Vec<f32>>,
     /// Where it came from.
     pub source: PathBuf,
+    /// Precision and threads of the forward pass.
+    pub exec: Exec,
+    /// Q8_0 copies of the linear weights, in `fast` precision.
+    pub q8: Option<FastWeights>,
+}
+
+/// Q8_0 copies of every linear weight, for `fast` decode.
+#[derive(Debug)]
+pub struct FastWeights {
+    /// Per layer: q, k, v, o, gate, up, down.
+    pub layers: Vec<[Q8; 7]>,
+    /// The output head.
+    pub head: Q8,
 }
 
 /// Why a model cannot be loaded.
@@ -164,6 +178,36 @@ pub enum LoadError {
 }
 
 impl Model {
+    /// Sets precision and thread count. `fast` quantizes every linear weight to Q8_0 once, here.
+    pub fn configure(&mut self, precision: Precision, threads: usize) {
+        self.exec = Exec::new(precision, threads);
+        self.q8 = match precision {
+            Precision::Exact => None,
+            Precision::Fast => {
+                let c = &self.config;
+                let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+                let q = |w: &[f32], rows: usize, cols: usize| Q8::new(w, rows, cols);
+                let layers: Option<Vec<[Q8; 7]>> = self
+                    .layers
+                    .iter()
+                    .map(|l| {
+                        Some([
+                            q(&l.wq, qd, c.hidden)?,
+                            q(&l.wk, kvd, c.hidden)?,
+                            q(&l.wv, kvd, c.hidden)?,
+                            q(&l.wo, c.hidden, qd)?,
+                            q(&l.gate, c.ffn, c.hidden)?,
+                            q(&l.up, c.ffn, c.hidden)?,
+                            q(&l.down, c.hidden, c.ffn)?,
+                        ])
+                    })
+                    .collect();
+                let head = q(self.lm_head.as_deref().unwrap_or(&self.embed), c.vocab, c.hidden);
+                layers.zip(head).map(|(layers, head)| FastWeights { layers, head })
+            }
+        };
+    }
+
     /// Loads a GGUF file (`gemma3` or `llama` architecture), dequantizing every weight to f32.
     pub fn from_gguf(g: &Gguf) -> Result<Self, LoadError> {
         let arch_name = g.get_str("general.architecture")?.to_string();
@@ -246,6 +290,8 @@ impl Model {
             lm_head: opt("output.weight")?,
             config,
             source: g.path().into(),
+            exec: Exec::new(Precision::Exact, 1),
+            q8: None,
         })
     }
 
@@ -383,6 +429,8 @@ impl Model {
             lm_head: tensors.get("lm_head.weight").cloned(),
             config,
             source: dir.into(),
+            exec: Exec::new(Precision::Exact, 1),
+            q8: None,
         })
     }
 }

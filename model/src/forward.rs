@@ -7,7 +7,10 @@
 
 use std::ops::Range;
 
+use rayon::prelude::*;
+
 use crate::arch::{Arch, Attention, Model};
+use crate::kernels::dot;
 
 /// Receives one run of past K/V: `(first_position, k_rows, v_rows)`.
 pub type RunSink<'a> = dyn FnMut(u64, &[f32], &[f32]) + 'a;
@@ -49,61 +52,6 @@ pub struct Output {
     pub kv: ChunkKv,
     /// Logits of the last position, or of every position (`tokens x vocab`) if asked.
     pub logits: Vec<f32>,
-}
-
-/// `x[T][in] * w[out][in]^T -> [T][out]`.
-fn matmul_t(x: &[f32], w: &[f32], t: usize, n_in: usize, n_out: usize) -> Vec<f32> {
-    assert_eq!(x.len(), t * n_in);
-    assert_eq!(w.len(), n_out * n_in, "weight shape");
-    let mut c = vec![0f32; t * n_out];
-    if t <= SMALL_BATCH {
-        // Decode: a packed GEMM would copy the whole weight matrix into its panels for one row of
-        // output; reading each weight row once, straight from memory, is what bounds a matvec anyway.
-        for (x, c) in x.chunks_exact(n_in).zip(c.chunks_exact_mut(n_out)) {
-            for (c, w) in c.iter_mut().zip(w.chunks_exact(n_in)) {
-                *c = dot(x, w);
-            }
-        }
-        return c;
-    }
-    // SAFETY: the pointers and strides describe exactly `x` (t x n_in, row-major), `w` read as its
-    // transpose (n_in x n_out: element (k, j) at j * n_in + k) and `c` (t x n_out), all in bounds
-    // (lengths asserted above); `c` does not alias the inputs.
-    unsafe {
-        matrixmultiply::sgemm(
-            t,
-            n_in,
-            n_out,
-            1.0,
-            x.as_ptr(),
-            n_in as isize,
-            1,
-            w.as_ptr(),
-            1,
-            n_in as isize,
-            0.0,
-            c.as_mut_ptr(),
-            n_out as isize,
-            1,
-        );
-    }
-    c
-}
-
-/// Batches up to this many rows use the matrix-vector path.
-const SMALL_BATCH: usize = 4;
-
-/// A dot product with 16 independent accumulators, so the compiler can keep them in vector registers.
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0f32; 16];
-    let (ca, cb) = (a.chunks_exact(16), b.chunks_exact(16));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for k in 0..16 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    acc.iter().sum::<f32>() + tail
 }
 
 fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
@@ -160,9 +108,11 @@ impl Model {
         for (l, w) in self.layers.iter().enumerate() {
             let mut h = x.clone();
             rms_norm(&mut h, &w.attn_norm, c.eps);
-            let mut q = matmul_t(&h, &w.wq, t, c.hidden, qd);
-            let mut k = matmul_t(&h, &w.wk, t, c.hidden, kvd);
-            let v = matmul_t(&h, &w.wv, t, c.hidden, kvd);
+            let lq = self.q8.as_ref().map(|q| &q.layers[l]);
+            let q8 = |i: usize| lq.map(|q| &q[i]);
+            let mut q = self.exec.matmul_t(&h, &w.wq, q8(0), t, c.hidden, qd);
+            let mut k = self.exec.matmul_t(&h, &w.wk, q8(1), t, c.hidden, kvd);
+            let v = self.exec.matmul_t(&h, &w.wv, q8(2), t, c.hidden, kvd);
             if let Some(qn) = &w.q_norm {
                 rms_norm(&mut q, qn, c.eps);
             }
@@ -197,50 +147,41 @@ impl Model {
             assert_eq!(pk.len() as u64, (start - past_from) * kvd as u64, "past K/V rows for layer {l}");
 
             let mut attn = vec![0f32; t * qd];
-            let mut scores = Vec::new();
-            for i in 0..t {
-                let pos = start + i as u64;
-                let lo = first_visible(pos);
-                for hq in 0..c.heads {
-                    let g = hq / group;
-                    let qv = &q[i * qd + hq * hd..i * qd + (hq + 1) * hd];
-                    scores.clear();
-                    let key = |p: u64| -> &[f32] {
-                        if p < start {
-                            let r = (p - past_from) as usize;
-                            &pk[r * kvd + g * hd..r * kvd + (g + 1) * hd]
-                        } else {
-                            let r = (p - start) as usize;
-                            &k[r * kvd + g * hd..r * kvd + (g + 1) * hd]
+            let key_row = |p: u64, g: usize| -> (&[f32], &[f32]) {
+                let (src_k, src_v, r) =
+                    if p < start { (&pk, &pv, (p - past_from) as usize) } else { (&k, &v, (p - start) as usize) };
+                let range = r * kvd + g * hd..r * kvd + (g + 1) * hd;
+                (&src_k[range.clone()], &src_v[range])
+            };
+            self.exec.install(|| {
+                attn.par_chunks_mut(qd).enumerate().for_each(|(i, out_row)| {
+                    let pos = start + i as u64;
+                    let lo = first_visible(pos);
+                    let mut scores = Vec::with_capacity((pos - lo + 1) as usize);
+                    for hq in 0..c.heads {
+                        let g = hq / group;
+                        let qv = &q[i * qd + hq * hd..i * qd + (hq + 1) * hd];
+                        scores.clear();
+                        for p in lo..=pos {
+                            scores.push(dot(qv, key_row(p, g).0) * c.query_scale);
                         }
-                    };
-                    for p in lo..=pos {
-                        let dot: f32 = qv.iter().zip(key(p)).map(|(a, b)| a * b).sum();
-                        scores.push(dot * c.query_scale);
-                    }
-                    let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    let mut sum = 0.0;
-                    for s in scores.iter_mut() {
-                        *s = (*s - max).exp();
-                        sum += *s;
-                    }
-                    let out = &mut attn[i * qd + hq * hd..i * qd + (hq + 1) * hd];
-                    for (j, p) in (lo..=pos).enumerate() {
-                        let wgt = scores[j] / sum;
-                        let val = if p < start {
-                            let r = (p - past_from) as usize;
-                            &pv[r * kvd + g * hd..r * kvd + (g + 1) * hd]
-                        } else {
-                            let r = (p - start) as usize;
-                            &v[r * kvd + g * hd..r * kvd + (g + 1) * hd]
-                        };
-                        for (o, &vv) in out.iter_mut().zip(val) {
-                            *o += wgt * vv;
+                        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                        let mut sum = 0.0;
+                        for s in scores.iter_mut() {
+                            *s = (*s - max).exp();
+                            sum += *s;
+                        }
+                        let out = &mut out_row[hq * hd..(hq + 1) * hd];
+                        for (j, p) in (lo..=pos).enumerate() {
+                            let wgt = scores[j] / sum;
+                            for (o, &vv) in out.iter_mut().zip(key_row(p, g).1) {
+                                *o += wgt * vv;
+                            }
                         }
                     }
-                }
-            }
-            let mut o = matmul_t(&attn, &w.wo, t, qd, c.hidden);
+                })
+            });
+            let mut o = self.exec.matmul_t(&attn, &w.wo, q8(3), t, qd, c.hidden);
             if let Some(n) = &w.post_attn_norm {
                 rms_norm(&mut o, n, c.eps);
             }
@@ -248,8 +189,8 @@ impl Model {
 
             let mut h = x.clone();
             rms_norm(&mut h, &w.ffn_norm, c.eps);
-            let gate = matmul_t(&h, &w.gate, t, c.hidden, c.ffn);
-            let up = matmul_t(&h, &w.up, t, c.hidden, c.ffn);
+            let gate = self.exec.matmul_t(&h, &w.gate, q8(4), t, c.hidden, c.ffn);
+            let up = self.exec.matmul_t(&h, &w.up, q8(5), t, c.hidden, c.ffn);
             let act: Vec<f32> = gate
                 .iter()
                 .zip(&up)
@@ -258,7 +199,7 @@ impl Model {
                     Arch::Llama => silu(g) * u,
                 })
                 .collect();
-            let mut down = matmul_t(&act, &w.down, t, c.ffn, c.hidden);
+            let mut down = self.exec.matmul_t(&act, &w.down, q8(6), t, c.ffn, c.hidden);
             if let Some(n) = &w.post_ffn_norm {
                 rms_norm(&mut down, n, c.eps);
             }
@@ -270,7 +211,8 @@ impl Model {
         let rows = if all_logits { &x[..] } else { &x[(t - 1) * c.hidden..] };
         let n = rows.len() / c.hidden;
         let head = self.lm_head.as_deref().unwrap_or(&self.embed);
-        Output { kv, logits: matmul_t(rows, head, n, c.hidden, c.vocab) }
+        let head_q8 = self.q8.as_ref().map(|q| &q.head);
+        Output { kv, logits: self.exec.matmul_t(rows, head, head_q8, n, c.hidden, c.vocab) }
     }
 }
 

@@ -9,6 +9,7 @@
 pub mod arch;
 pub mod forward;
 pub mod gguf;
+pub mod kernels;
 pub mod quant;
 pub mod registry;
 pub mod tokenizer;

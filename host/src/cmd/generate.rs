@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::Context;
 use model::arch::Model;
 use model::gguf::Gguf;
+use model::kernels::Precision;
 use model::tokenizer::Tokenizer;
 use pdhost::engine::{Engine, Finish, Request, Sampling};
 use serde_json::json;
@@ -37,9 +38,16 @@ fn load(name: &str, quiet: bool) -> anyhow::Result<(Model, Option<Tokenizer>, St
     Ok((model, Some(tokenizer), name.to_string()))
 }
 
+/// All cores.
+pub fn default_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
-    let (model, tokenizer, model_name) = load(&args.model, args.json)?;
+    let (mut model, tokenizer, model_name) = load(&args.model, args.json)?;
+    let precision = if args.precision == "fast" { Precision::Fast } else { Precision::Exact };
+    model.configure(precision, args.threads.unwrap_or_else(default_threads));
     let prompt = match (&args.prompt, &args.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) => {

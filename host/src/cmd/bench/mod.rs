@@ -17,15 +17,18 @@ use shm_ring::HostRing;
 
 use crate::cli::{Bench, BenchArgs, IngestBenchArgs, RingBenchArgs};
 
+mod model_bench;
+
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     match &args.which {
         Bench::Ring(a) => ring(a),
         Bench::Ingest(a) => ingest(a),
+        Bench::Model(a) => model_bench::run(a),
     }
 }
 
 /// A progress bar on a terminal, nothing otherwise (or with `--json`).
-fn progress(len: u64, json: bool) -> ProgressBar {
+pub(crate) fn progress(len: u64, json: bool) -> ProgressBar {
     if json || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {
         return ProgressBar::hidden();
     }

@@ -1,0 +1,155 @@
+//! `pdhost bench model`: tokens/s of the real models beside llama.cpp on the same files, same threads.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, ExitCode};
+
+use anyhow::Context;
+use model::arch::Model;
+use model::gguf::Gguf;
+use model::kernels::Precision;
+use model::tokenizer::Tokenizer;
+use pdhost::engine::{Engine, Request, Sampling};
+use serde_json::json;
+use shm_format::Dtype;
+
+use crate::cli::ModelBenchArgs;
+
+const SCRIPT: &str = include_str!("llama_cpp.py");
+const TEXT: &str = "The history of the printing press begins in the fifteenth century, when movable type changed how \
+                    books were made, how ideas travelled, and who could read them. ";
+
+struct Row {
+    model: &'static str,
+    precision: &'static str,
+    threads: usize,
+    prefill: f64,
+    decode: f64,
+    llama: Option<(f64, f64)>,
+}
+
+pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
+    let llama_site = if args.no_llama_cpp { None } else { Some(llama_cpp_python(args.json)?) };
+    let bar = super::progress(8, args.json);
+    let mut rows = Vec::new();
+    for name in ["gemma3-270m", "smollm2-135m"] {
+        let path = model::registry::fetch(name, &mut model::registry::Quiet)?;
+        let gguf = Gguf::open(&path)?;
+        let tok = Tokenizer::from_gguf(&gguf)?;
+        let mut prompt = tok.encode(&TEXT.repeat(1 + args.prompt_tokens / 20), tok.add_bos);
+        prompt.truncate(args.prompt_tokens);
+        let mut model = Model::from_gguf(&gguf)?;
+        for threads in [1, 2] {
+            let llama = match &llama_site {
+                Some(site) => Some(llama_cpp(site, &path, threads, args.decode_tokens, &prompt)?),
+                None => None,
+            };
+            for precision in [Precision::Exact, Precision::Fast] {
+                bar.set_message(format!("{name} {} {threads}t", precision.name()));
+                model.configure(precision, threads);
+                let mut engine = Engine::new(model, Dtype::F32, 64, (prompt.len() + args.decode_tokens) as u64, 1)?;
+                let req = Request {
+                    prompt: prompt.clone(),
+                    max_tokens: args.decode_tokens + 1,
+                    prefill_chunk: 0,
+                    sampling: Sampling::Greedy,
+                };
+                let g = engine.generate(&req, |_| {})?;
+                model = engine.model;
+                let decoded = g.output.len().saturating_sub(1) as f64;
+                rows.push(Row {
+                    model: name,
+                    precision: precision.name(),
+                    threads,
+                    prefill: prompt.len() as f64 / g.prefill.as_secs_f64(),
+                    decode: decoded / g.decode.as_secs_f64(),
+                    llama,
+                });
+                bar.inc(1);
+            }
+        }
+    }
+    bar.finish_and_clear();
+    if args.json {
+        let out: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                json!({"model": r.model, "precision": r.precision, "threads": r.threads, "prefill_tok_s": r.prefill,
+                       "decode_tok_s": r.decode, "llama_cpp_prefill_tok_s": r.llama.map(|l| l.0),
+                       "llama_cpp_decode_tok_s": r.llama.map(|l| l.1)})
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({"bench": "model", "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "results": out})
+        );
+    } else {
+        println!(
+            "prefill of a {}-token prompt and greedy decode of {} tokens through the paged KV cache (f32 KV); llama.cpp on the same GGUF, same threads, same run",
+            args.prompt_tokens, args.decode_tokens
+        );
+        println!(
+            "{:<13} {:<6} {:>3} {:>12} {:>12} {:>14} {:>14} {:>8} {:>8}",
+            "model", "prec", "thr", "prefill t/s", "decode t/s", "llama.cpp pre", "llama.cpp dec", "pre x", "dec x"
+        );
+        for r in &rows {
+            let (lp, ld) = r.llama.unwrap_or((f64::NAN, f64::NAN));
+            println!(
+                "{:<13} {:<6} {:>3} {:>12.1} {:>12.1} {:>14.1} {:>14.1} {:>7.2}x {:>7.2}x",
+                r.model,
+                r.precision,
+                r.threads,
+                r.prefill,
+                r.decode,
+                lp,
+                ld,
+                r.prefill / lp,
+                r.decode / ld
+            );
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Installs llama-cpp-python (which builds llama.cpp from source) into the pdhost home once.
+fn llama_cpp_python(quiet: bool) -> anyhow::Result<PathBuf> {
+    let site = model::registry::home().join("llama-cpp-python");
+    if site.join("llama_cpp").is_dir() {
+        return Ok(site);
+    }
+    let bar = super::progress(1, quiet);
+    bar.set_message("building llama.cpp (pip install llama-cpp-python, several minutes, once)");
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    let out = Command::new("python3")
+        .args(["-m", "pip", "install", "--disable-pip-version-check", "--quiet", "--target"])
+        .arg(&site)
+        .arg("llama-cpp-python")
+        .output()
+        .context("running python3 -m pip")?;
+    bar.finish_and_clear();
+    anyhow::ensure!(
+        out.status.success(),
+        "pip install llama-cpp-python failed: {}",
+        String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("no output")
+    );
+    Ok(site)
+}
+
+fn llama_cpp(site: &Path, gguf: &Path, threads: usize, decode: usize, prompt: &[u32]) -> anyhow::Result<(f64, f64)> {
+    let ids = prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let out = Command::new("python3")
+        .args(["-c", SCRIPT])
+        .arg(gguf)
+        .arg(threads.to_string())
+        .arg(decode.to_string())
+        .arg(ids)
+        .env("PYTHONPATH", site)
+        .output()
+        .context("running llama-cpp-python")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "llama.cpp run failed: {}",
+        String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama.cpp output")?;
+    Ok((v["prefill_tok_s"].as_f64().unwrap_or(f64::NAN), v["decode_tok_s"].as_f64().unwrap_or(f64::NAN)))
+}
