@@ -59,12 +59,47 @@ fn tiny_checkpoints_match_transformers_through_the_paged_cache() {
     }
 }
 
-/// A Gemma 3 270M prompt longer than the 512-token window, prefilled in spans with nonzero offsets: the
-/// sliding groups keep only their window's pages, and the continuation equals transformers'.
+/// Both real models on every reference prompt, tokenized from text by pdhost (two prompts are longer than
+/// Gemma's 512-token window; Gemma's are prefilled in 200-token spans at nonzero offsets, so its sliding
+/// groups page through the window): output ids equal transformers' up to each case's first near-tie.
 #[test]
-fn gemma3_past_the_sliding_window_matches_transformers() {
-    let reference = reference_dir().join("greedy_gemma3_270m.json");
-    check("gemma3-270m", reference.to_str().unwrap(), Some(&["lgpl_650w"]), &[&["--prefill-chunk", "200"]]);
+fn both_real_models_match_transformers_on_every_reference_prompt() {
+    let prompts: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(reference_dir().join("prompts.json")).unwrap()).unwrap();
+    for (model, file, extra) in [
+        ("gemma3-270m", "greedy_gemma3_270m.json", &["--prefill-chunk", "200"][..]),
+        ("smollm2-135m", "greedy_smollm2_135m.json", &[][..]),
+    ] {
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(reference_dir().join(file)).unwrap()).unwrap();
+        for case in reference["cases"].as_array().unwrap() {
+            let text = prompts.as_array().unwrap().iter().find(|p| p["name"] == case["name"]).unwrap()["text"]
+                .as_str()
+                .unwrap();
+            let want = ids(&case["output_ids"]);
+            let margins: Vec<f64> = case["margins"].as_array().unwrap().iter().map(|m| m.as_f64().unwrap()).collect();
+            let stop = margins.iter().position(|&m| m < 0.01).unwrap_or(want.len());
+            let out = Command::new(PDHOST)
+                .args([
+                    "generate",
+                    "--model",
+                    model,
+                    "--prompt",
+                    text,
+                    "--max-tokens",
+                    &want.len().to_string(),
+                    "--json",
+                ])
+                .args(extra)
+                .output()
+                .unwrap();
+            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(ids(&v["prompt_ids"]), ids(&case["prompt_ids"]), "{model} {} prompt ids", case["name"]);
+            let got = ids(&v["output_ids"]);
+            assert_eq!(&got[..stop.min(got.len())], &want[..stop], "{model} {}", case["name"]);
+        }
+    }
 }
 
 #[test]
@@ -93,4 +128,63 @@ fn fast_precision_and_threads_run_and_report_the_same_prefill() {
     assert_eq!(ids(&fast["output_ids"]).len(), 8);
     // Prefill is f32 in both precisions: the first token (from the prefill logits) agrees.
     assert_eq!(ids(&fast["output_ids"])[0], ids(&exact["output_ids"])[0]);
+}
+
+/// A checkpoint directory with a `tokenizer.json` is tokenized through the `tokenizers` crate, BOS from its
+/// post-processor; a broken one is named in the error.
+#[test]
+fn a_checkpoint_tokenizer_json_is_used_for_prompts() {
+    let src = reference_dir().join("tiny_llama_4l");
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+    }
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("<unk>".into(), 0.into());
+    vocab.insert("<s>".into(), 1.into());
+    for (i, w) in ["hello", "world", "again"].iter().enumerate() {
+        vocab.insert((*w).into(), (90 + 10 * i).into());
+    }
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [{"id": 1, "content": "<s>", "single_word": false, "lstrip": false, "rstrip": false,
+                          "normalized": false, "special": true}],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": {"type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<s>": {"id": "<s>", "ids": [1], "tokens": ["<s>"]}}},
+        "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let model = dir.path().to_str().unwrap();
+    let out = Command::new(PDHOST)
+        .args(["generate", "--model", model, "--prompt", "hello world again", "--max-tokens", "3", "--json"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(ids(&v["prompt_ids"]), [1, 90, 100, 110]);
+    assert!(v["text"].is_string());
+
+    std::fs::write(dir.path().join("tokenizer.json"), "{ not json").unwrap();
+    let out = Command::new(PDHOST).args(["generate", "--model", model, "--prompt", "hello"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(err.contains("tokenizer.json: expected a Hugging Face tokenizer.json"), "{err}");
+}
+
+#[test]
+fn sampling_is_reproducible_from_its_seed() {
+    let dir = reference_dir().join("tiny_llama_4l");
+    let dir = dir.to_str().unwrap();
+    let run = |seed: &str| {
+        ids(&generate(dir, &[1, 90, 169], 12, &["--temperature", "1.5", "--top-p", "0.9", "--seed", seed])
+            ["output_ids"])
+    };
+    assert_eq!(run("7"), run("7"));
+    let others: Vec<Vec<u64>> = ["1", "2", "3"].iter().map(|s| run(s)).collect();
+    assert!(others.iter().any(|o| *o != run("7")), "different seeds give different samples");
 }

@@ -30,9 +30,74 @@ enum Algorithm {
     Gpt2 { ranks: HashMap<(u32, u32), u32>, pretokenizer: Box<fancy_regex::Regex> },
 }
 
-/// A tokenizer.
+/// A tokenizer: built from GGUF metadata, or loaded from a Hugging Face `tokenizer.json`.
 #[derive(Debug)]
-pub struct Tokenizer {
+pub enum Tokenizer {
+    /// From GGUF metadata.
+    Gguf(GgufTokenizer),
+    /// From `tokenizer.json`, through the `tokenizers` crate.
+    Hf {
+        /// The tokenizer.
+        inner: Box<tokenizers::Tokenizer>,
+        /// Whether its post-processor adds BOS.
+        add_bos: bool,
+    },
+}
+
+/// Why `tokenizer.json` cannot be used.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: expected a Hugging Face tokenizer.json, found: {reason}")]
+pub struct TokenizerError {
+    /// The file.
+    pub path: std::path::PathBuf,
+    /// What the `tokenizers` crate said.
+    pub reason: String,
+}
+
+impl Tokenizer {
+    /// Builds the tokenizer a GGUF file describes.
+    pub fn from_gguf(g: &Gguf) -> Result<Self, GgufError> {
+        GgufTokenizer::from_gguf(g).map(Tokenizer::Gguf)
+    }
+
+    /// Loads a `tokenizer.json`.
+    pub fn from_file(path: &std::path::Path) -> Result<Self, TokenizerError> {
+        let inner = tokenizers::Tokenizer::from_file(path)
+            .map_err(|e| TokenizerError { path: path.into(), reason: e.to_string() })?;
+        let add_bos = inner.encode("", true).map(|e| !e.get_ids().is_empty()).unwrap_or(false);
+        Ok(Tokenizer::Hf { inner: Box::new(inner), add_bos })
+    }
+
+    /// Whether the model's tokenizer adds BOS (Gemma yes, SmolLM2 no).
+    pub fn add_bos(&self) -> bool {
+        match self {
+            Tokenizer::Gguf(t) => t.add_bos,
+            Tokenizer::Hf { add_bos, .. } => *add_bos,
+        }
+    }
+
+    /// Encodes `text`, with BOS first when `with_bos` (and the model has one).
+    pub fn encode(&self, text: &str, with_bos: bool) -> Vec<u32> {
+        match self {
+            Tokenizer::Gguf(t) => t.encode(text, with_bos),
+            Tokenizer::Hf { inner, .. } => {
+                inner.encode(text, with_bos).map(|e| e.get_ids().to_vec()).unwrap_or_default()
+            }
+        }
+    }
+
+    /// The text of `ids`; with `skip_special`, special tokens are left out.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
+        match self {
+            Tokenizer::Gguf(t) => t.decode(ids, skip_special),
+            Tokenizer::Hf { inner, .. } => inner.decode(ids, skip_special).unwrap_or_default(),
+        }
+    }
+}
+
+/// A tokenizer built from GGUF metadata.
+#[derive(Debug)]
+pub struct GgufTokenizer {
     tokens: Vec<String>,
     kinds: Vec<Kind>,
     ids: HashMap<String, u32>,
@@ -52,7 +117,7 @@ pub struct Tokenizer {
 /// GPT-2's pre-tokenizer pattern.
 const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
-impl Tokenizer {
+impl GgufTokenizer {
     /// Builds the tokenizer a GGUF file describes.
     pub fn from_gguf(g: &Gguf) -> Result<Self, GgufError> {
         let model = g.get_str("tokenizer.ggml.model")?.to_string();
@@ -142,7 +207,7 @@ impl Tokenizer {
         };
         let get_id = |key: &str| g.get_u64(key).ok().map(|v| v as u32);
         let add_bos = matches!(g.get("tokenizer.ggml.add_bos_token"), Ok(Value::Bool(true)));
-        Ok(Tokenizer {
+        Ok(GgufTokenizer {
             bos: get_id("tokenizer.ggml.bos_token_id"),
             eos: get_id("tokenizer.ggml.eos_token_id"),
             add_bos,

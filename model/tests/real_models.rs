@@ -95,7 +95,7 @@ fn tokenizers_match_hugging_face_ids() {
         for case in cases["cases"].as_array().unwrap() {
             let text = case["text"].as_str().unwrap();
             assert_eq!(tok.encode(text, false), ids(&case["ids_plain"]), "{name} {text:?}");
-            assert_eq!(tok.encode(text, tok.add_bos), ids(&case["ids_with_bos"]), "{name} {text:?} with BOS");
+            assert_eq!(tok.encode(text, tok.add_bos()), ids(&case["ids_with_bos"]), "{name} {text:?} with BOS");
             assert_eq!(tok.decode(&ids(&case["ids_plain"]), false), text, "{name} decode {text:?}");
         }
     }
@@ -115,7 +115,7 @@ fn reference_prompts_tokenize_to_the_reference_prompt_ids() {
             let prompt = prompts.as_array().unwrap().iter().find(|p| p["name"] == case["name"]).unwrap();
             let want: Vec<u32> =
                 case["prompt_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
-            let got = tok.encode(prompt["text"].as_str().unwrap(), tok.add_bos);
+            let got = tok.encode(prompt["text"].as_str().unwrap(), tok.add_bos());
             assert_eq!(got, want, "{name} {}", case["name"]);
         }
     }

@@ -21,7 +21,9 @@ fn load(name: &str, quiet: bool) -> anyhow::Result<(Model, Option<Tokenizer>, St
     let path = Path::new(name);
     if path.is_dir() {
         let model = Model::from_hf_dir(path)?;
-        return Ok((model, None, path.display().to_string()));
+        let json = path.join("tokenizer.json");
+        let tokenizer = if json.is_file() { Some(Tokenizer::from_file(&json)?) } else { None };
+        return Ok((model, tokenizer, path.display().to_string()));
     }
     let file = if path.extension().is_some_and(|e| e == "gguf") || path.is_file() {
         path.to_path_buf()
@@ -54,7 +56,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
             let tok = tokenizer.as_ref().with_context(|| {
                 format!("model {model_name} has no tokenizer: expected --prompt-ids instead of --prompt")
             })?;
-            tok.encode(text, tok.add_bos)
+            tok.encode(text, tok.add_bos())
         }
         (None, None) => unreachable!("clap requires one"),
     };

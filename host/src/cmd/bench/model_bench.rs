@@ -35,7 +35,7 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         let path = model::registry::fetch(name, &mut model::registry::Quiet)?;
         let gguf = Gguf::open(&path)?;
         let tok = Tokenizer::from_gguf(&gguf)?;
-        let mut prompt = tok.encode(&TEXT.repeat(1 + args.prompt_tokens / 20), tok.add_bos);
+        let mut prompt = tok.encode(&TEXT.repeat(1 + args.prompt_tokens / 20), tok.add_bos());
         prompt.truncate(args.prompt_tokens);
         let mut model = Model::from_gguf(&gguf)?;
         for threads in [1, 2] {
