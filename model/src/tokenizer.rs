@@ -34,7 +34,7 @@ enum Algorithm {
 #[derive(Debug)]
 pub enum Tokenizer {
     /// From GGUF metadata.
-    Gguf(GgufTokenizer),
+    Gguf(Box<GgufTokenizer>),
     /// From `tokenizer.json`, through the `tokenizers` crate.
     Hf {
         /// The tokenizer.
@@ -57,7 +57,7 @@ pub struct TokenizerError {
 impl Tokenizer {
     /// Builds the tokenizer a GGUF file describes.
     pub fn from_gguf(g: &Gguf) -> Result<Self, GgufError> {
-        GgufTokenizer::from_gguf(g).map(Tokenizer::Gguf)
+        GgufTokenizer::from_gguf(g).map(|t| Tokenizer::Gguf(Box::new(t)))
     }
 
     /// Loads a `tokenizer.json`.
