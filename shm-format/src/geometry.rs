@@ -100,16 +100,7 @@ mod tests {
     use super::*;
 
     fn gemma3_1b() -> KvGeometry {
-        let layers = (0..26)
-            .map(|l| {
-                if l % 6 == 5 {
-                    LayerKv::Full { kv_heads: 1, head_dim: 256 }
-                } else {
-                    LayerKv::Sliding { window: 512, kv_heads: 1, head_dim: 256 }
-                }
-            })
-            .collect();
-        KvGeometry { layers }
+        crate::testing::interleaved(26, 6, 512, 1, 256)
     }
 
     #[test]

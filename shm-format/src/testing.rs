@@ -29,18 +29,25 @@ pub fn tiny_dense_geometry() -> KvGeometry {
     KvGeometry { layers: vec![LayerKv::Full { kv_heads: 2, head_dim: 4 }; 4] }
 }
 
-/// A small Gemma-3-like model: six layers, every third full, the rest sliding with window 4.
-pub fn tiny_gemma_geometry() -> KvGeometry {
-    let layers = (0..6)
+/// Gemma 3's layer pattern: every `period`-th layer (`period - 1`, `2 * period - 1`, ...) full attention,
+/// the rest sliding over `window` tokens, all with the same heads. Gemma 3 itself uses period 6, window 512,
+/// one KV head of dimension 256 (`interleaved(26, 6, 512, 1, 256)` is Gemma3-1B).
+pub fn interleaved(layers: u32, period: u32, window: u32, kv_heads: u32, head_dim: u32) -> KvGeometry {
+    let layers = (0..layers)
         .map(|l| {
-            if l % 3 == 2 {
-                LayerKv::Full { kv_heads: 1, head_dim: 4 }
+            if l % period == period - 1 {
+                LayerKv::Full { kv_heads, head_dim }
             } else {
-                LayerKv::Sliding { window: 4, kv_heads: 1, head_dim: 4 }
+                LayerKv::Sliding { window, kv_heads, head_dim }
             }
         })
         .collect();
     KvGeometry { layers }
+}
+
+/// A small Gemma-3-like model: six layers, every third full, the rest sliding with window 4.
+pub fn tiny_gemma_geometry() -> KvGeometry {
+    interleaved(6, 3, 4, 1, 4)
 }
 
 /// A small hybrid model: attention, recurrent, attention.

@@ -5,20 +5,11 @@ use std::time::{Duration, Instant};
 use pdhost::kv::{IntoSequence, KvConfig, PagedKv, SeqId};
 use shm_format::ring::RingGeometry;
 use shm_format::testing::pattern;
-use shm_format::{encode_frame, Dtype, EntryKind, KvGeometry, LayerKv, Manifest};
+use shm_format::{encode_frame, Dtype, EntryKind, KvGeometry, Manifest};
 use shm_ring::{create_ring, RingError, RingWriter, TakeError};
 
 fn gemma_like() -> KvGeometry {
-    let layers = (0..6)
-        .map(|l| {
-            if l % 3 == 2 {
-                LayerKv::Full { kv_heads: 2, head_dim: 64 }
-            } else {
-                LayerKv::Sliding { window: 40, kv_heads: 2, head_dim: 64 }
-            }
-        })
-        .collect();
-    KvGeometry { layers }
+    shm_format::testing::interleaved(6, 3, 40, 2, 64)
 }
 
 fn soon() -> Instant {

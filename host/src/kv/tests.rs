@@ -7,16 +7,7 @@ use super::*;
 
 /// Gemma3-1B's KV geometry: 26 layers, full attention at 5, 11, 17, 23, the rest sliding over 512 tokens.
 fn gemma3_1b() -> KvGeometry {
-    let layers = (0..26)
-        .map(|l| {
-            if l % 6 == 5 {
-                LayerKv::Full { kv_heads: 1, head_dim: 256 }
-            } else {
-                LayerKv::Sliding { window: 512, kv_heads: 1, head_dim: 256 }
-            }
-        })
-        .collect();
-    KvGeometry { layers }
+    shm_format::testing::interleaved(26, 6, 512, 1, 256)
 }
 
 fn cache(geometry: KvGeometry, dtype: Dtype, page_size: u32, budget: u64) -> PagedKv {

@@ -199,22 +199,8 @@ fn checksum_rates(json: bool) -> Vec<(&'static str, f64, f64)> {
     out
 }
 
-/// The KV geometry of a Gemma 3 text model: every sixth layer full attention, the rest sliding over 512
-/// tokens; one KV head of dimension 256.
-fn gemma3(layers: u32) -> KvGeometry {
-    let layers = (0..layers)
-        .map(|l| {
-            if l % 6 == 5 {
-                LayerKv::Full { kv_heads: 1, head_dim: 256 }
-            } else {
-                LayerKv::Sliding { window: 512, kv_heads: 1, head_dim: 256 }
-            }
-        })
-        .collect();
-    KvGeometry { layers }
-}
-
 fn ingest(args: &IngestBenchArgs) -> anyhow::Result<ExitCode> {
+    let gemma3 = |layers| shm_format::testing::interleaved(layers, 6, 512, 1, 256);
     let models = [("gemma3-270m", gemma3(18)), ("gemma3-1b", gemma3(26))];
     let dtypes = [Dtype::Bf16, Dtype::F32];
     let max_tokens = *args.tokens.iter().max().context("--tokens needs at least one length")?;
