@@ -209,6 +209,19 @@ impl Engine {
             logits = out.logits;
         }
         let mut output = Vec::new();
+        if req.max_tokens == 0 {
+            let ttft = started.elapsed();
+            return Ok(Generation {
+                output,
+                finish: Finish::Length,
+                spans,
+                bytes,
+                prefill,
+                ingest,
+                ttft,
+                decode: Duration::ZERO,
+            });
+        }
         let mut next = sample(&logits, req.sampling, &mut rng);
         let ttft = started.elapsed();
         let decode_start = Instant::now();

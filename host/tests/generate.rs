@@ -188,3 +188,18 @@ fn sampling_is_reproducible_from_its_seed() {
     let others: Vec<Vec<u64>> = ["1", "2", "3"].iter().map(|s| run(s)).collect();
     assert!(others.iter().any(|o| *o != run("7")), "different seeds give different samples");
 }
+
+#[test]
+fn narrower_kv_dtypes_and_zero_tokens_work() {
+    let dir = reference_dir().join("tiny_gemma3_8l");
+    let dir = dir.to_str().unwrap();
+    for dtype in ["bf16", "f16"] {
+        let out =
+            generate(dir, &[2, 86, 171, 181], 6, &["--kv-dtype", dtype, "--prefill-chunk", "2", "--page-size", "3"]);
+        assert_eq!(ids(&out["output_ids"]).len(), 6, "{dtype}");
+        assert!(out["prefill"]["bytes"].as_u64().unwrap() > 0);
+    }
+    let out = generate(dir, &[2, 86], 0, &[]);
+    assert!(ids(&out["output_ids"]).is_empty());
+    assert_eq!(out["finish_reason"], "length");
+}
