@@ -207,3 +207,20 @@ fn models_list_fetch_and_clear_errors() {
         .collect();
     assert!(leftovers.is_empty(), "scratch directories removed");
 }
+
+#[test]
+fn model_errors_are_one_line_naming_the_file_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.gguf");
+    let bad = dir.path().join("bad.gguf");
+    std::fs::write(&bad, b"not a model").unwrap();
+    for (path, want) in [(&missing, "No such file"), (&bad, "expected the GGUF magic")] {
+        let out = pdhost(&["generate", "--model", path.to_str().unwrap(), "--prompt", "hi"]);
+        assert_eq!(out.status.code(), Some(1));
+        let err = String::from_utf8(out.stderr).unwrap();
+        assert_eq!(err.lines().count(), 1, "{err}");
+        assert!(err.contains(want), "{err}");
+        assert_eq!(err.matches(path.to_str().unwrap()).count(), 1, "{err}");
+        assert_eq!(err.matches("os error").count().min(1), err.matches("os error").count(), "{err}");
+    }
+}
