@@ -178,6 +178,65 @@ pub enum LoadError {
 }
 
 impl Model {
+    /// Checks every weight's size against the configuration, so that a checkpoint whose tensors do not
+    /// fit its config is an error naming the tensor, not a panic in the middle of a forward pass.
+    fn checked(self) -> Result<Self, LoadError> {
+        let c = &self.config;
+        let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let bad = |what: String, expected: usize, found: usize| LoadError::Checkpoint {
+            path: self.source.clone(),
+            what,
+            expected: format!("{expected} values for this config"),
+            found: found.to_string(),
+        };
+        let check = |what: &str, v: &[f32], expected: usize| {
+            if v.len() == expected {
+                Ok(())
+            } else {
+                Err(bad(what.to_string(), expected, v.len()))
+            }
+        };
+        if c.heads == 0 || c.kv_heads == 0 || c.heads % c.kv_heads != 0 || c.head_dim % 2 != 0 {
+            return Err(LoadError::Checkpoint {
+                path: self.source.clone(),
+                what: "attention heads".into(),
+                expected: "query heads a nonzero multiple of KV heads, an even head dim".into(),
+                found: format!("{} heads, {} KV heads, head dim {}", c.heads, c.kv_heads, c.head_dim),
+            });
+        }
+        check("token embedding", &self.embed, c.vocab * c.hidden)?;
+        check("final norm", &self.final_norm, c.hidden)?;
+        if let Some(h) = &self.lm_head {
+            check("output head", h, c.vocab * c.hidden)?;
+        }
+        if self.layers.len() != c.layers.len() {
+            return Err(bad("layers".into(), c.layers.len(), self.layers.len()));
+        }
+        for (l, w) in self.layers.iter().enumerate() {
+            let at = |name: &str| format!("layer {l} {name}");
+            check(&at("attention norm"), &w.attn_norm, c.hidden)?;
+            check(&at("q projection"), &w.wq, qd * c.hidden)?;
+            check(&at("k projection"), &w.wk, kvd * c.hidden)?;
+            check(&at("v projection"), &w.wv, kvd * c.hidden)?;
+            check(&at("output projection"), &w.wo, c.hidden * qd)?;
+            check(&at("feed-forward norm"), &w.ffn_norm, c.hidden)?;
+            check(&at("gate projection"), &w.gate, c.ffn * c.hidden)?;
+            check(&at("up projection"), &w.up, c.ffn * c.hidden)?;
+            check(&at("down projection"), &w.down, c.hidden * c.ffn)?;
+            for (name, norm, n) in [
+                ("q norm", &w.q_norm, c.head_dim),
+                ("k norm", &w.k_norm, c.head_dim),
+                ("post-attention norm", &w.post_attn_norm, c.hidden),
+                ("post-feed-forward norm", &w.post_ffn_norm, c.hidden),
+            ] {
+                if let Some(v) = norm {
+                    check(&at(name), v, n)?;
+                }
+            }
+        }
+        Ok(self)
+    }
+
     /// Sets precision and thread count. `fast` quantizes every linear weight to Q8_0 once, here.
     pub fn configure(&mut self, precision: Precision, threads: usize) {
         self.exec = Exec::new(precision, threads);
@@ -283,7 +342,7 @@ impl Model {
                 down: t(&n("ffn_down"))?,
             });
         }
-        Ok(Model {
+        Model {
             embed: t("token_embd.weight")?,
             layers: layer_weights,
             final_norm: t("output_norm.weight")?,
@@ -292,7 +351,8 @@ impl Model {
             source: g.path().into(),
             exec: Exec::new(Precision::Exact, 1),
             q8: None,
-        })
+        }
+        .checked()
     }
 
     /// Loads a Hugging Face checkpoint directory (`config.json` and `*.safetensors`) of model type
@@ -422,7 +482,7 @@ impl Model {
                 down: get(&n("mlp.down_proj"))?,
             });
         }
-        Ok(Model {
+        Model {
             embed: get("model.embed_tokens.weight")?,
             layers: layer_weights,
             final_norm: norm("model.norm.weight")?,
@@ -431,7 +491,8 @@ impl Model {
             source: dir.into(),
             exec: Exec::new(Precision::Exact, 1),
             q8: None,
-        })
+        }
+        .checked()
     }
 }
 

@@ -63,3 +63,16 @@ fn tiny_gemma3_matches_transformers() {
 fn tiny_llama_matches_transformers() {
     check("tiny_llama_4l");
 }
+
+#[test]
+fn a_checkpoint_whose_tensors_do_not_fit_its_config_is_refused_by_name() {
+    let tmp = std::env::temp_dir().join(format!("pdhost-bad-ckpt-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::copy(dir("tiny_llama_4l").join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
+    let config = std::fs::read_to_string(dir("tiny_llama_4l").join("config.json")).unwrap();
+    std::fs::write(tmp.join("config.json"), config.replace("\"intermediate_size\": 64", "\"intermediate_size\": 48"))
+        .unwrap();
+    let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
+    assert!(err.contains("layer 0 gate projection: expected 1536 values for this config, found 2048"), "{err}");
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
