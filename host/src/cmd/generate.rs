@@ -34,9 +34,12 @@ fn load(name: &str, quiet: bool) -> anyhow::Result<(Model, Option<Tokenizer>, St
         bar.finish();
         file
     };
+    let spinner = super::models::Bar::new(quiet);
+    spinner.spin(&format!("loading {}", file.display()));
     let gguf = Gguf::open(&file)?;
     let tokenizer = Tokenizer::from_gguf(&gguf).context("building the tokenizer")?;
     let model = Model::from_gguf(&gguf).context("loading the weights")?;
+    spinner.finish();
     Ok((model, Some(tokenizer), name.to_string()))
 }
 

@@ -63,6 +63,13 @@ impl Bar {
         Bar(ProgressBar::new_spinner())
     }
 
+    /// Shows a spinner with `message` until [`Bar::finish`].
+    pub fn spin(&self, message: &str) {
+        self.0.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("template"));
+        self.0.enable_steady_tick(std::time::Duration::from_millis(120));
+        self.0.set_message(message.to_string());
+    }
+
     /// Removes the bar.
     pub fn finish(&self) {
         self.0.finish_and_clear();
@@ -81,10 +88,7 @@ impl Progress for Bar {
                 self.0.set_length(n);
                 self.0.set_position(0);
             }
-            None => {
-                self.0.set_style(ProgressStyle::with_template("{spinner} {msg} {elapsed}").expect("template"));
-                self.0.enable_steady_tick(std::time::Duration::from_millis(120));
-            }
+            None => self.spin(message),
         }
         self.0.set_message(message.to_string());
     }
