@@ -127,10 +127,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         } else {
             writeln!(stdout)?;
         }
+        stdout.flush()?;
         let decode_tps = (gen.output.len().saturating_sub(1)) as f64 / gen.decode.as_secs_f64().max(1e-9);
         let ingest_gbps = gen.bytes as f64 / gen.ingest.as_secs_f64().max(1e-9) / 1e9;
         eprintln!(
-            "prefill local (layout: host), {} span(s), {:.1} MiB KV, ingest {ingest_gbps:.2} GB/s, TTFT {:.0} ms, decode {decode_tps:.1} tok/s, {} tokens ({finish})",
+            "prefill local: {} span(s) laid out by the host, {:.1} MiB KV, ingest {ingest_gbps:.2} GB/s, TTFT {:.0} ms, decode {decode_tps:.1} tok/s, {} tokens ({finish})",
             gen.spans,
             gen.bytes as f64 / (1 << 20) as f64,
             ms(gen.ttft),
