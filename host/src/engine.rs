@@ -10,7 +10,7 @@ use model::arch::Model;
 use model::forward::{ChunkKv, PastKv, RunSink};
 use shm_format::{Dtype, EntryKind, Manifest};
 
-use crate::kv::convert::convert;
+use crate::kv::convert::{convert, to_f32};
 use crate::kv::{IngestError, KvConfig, PagedKv, SeqId};
 
 /// How to sample.
@@ -117,14 +117,6 @@ impl PastKv for PagedPast<'_> {
             to_f32(dtype, &run.v[from..to], &mut v);
             f(a, &k, &v);
         }
-    }
-}
-
-fn to_f32(dtype: Dtype, src: &[u8], dst: &mut [f32]) {
-    let mut bytes = vec![0u8; dst.len() * 4];
-    convert(dtype, src, Dtype::F32, &mut bytes);
-    for (d, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
-        *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
     }
 }
 

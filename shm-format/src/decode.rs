@@ -53,17 +53,24 @@ pub fn parse_header_prefix(bytes: &[u8]) -> Result<HeaderInfo, SpanError> {
 /// `frame` (length `header.frame_len`) — the ring reader computes it while copying.
 pub fn decode_body(header: HeaderInfo, frame: &[u8], computed_checksum: u64) -> Result<SpanView<'_>, SpanError> {
     debug_assert_eq!(frame.len() as u64, header.frame_len);
+    verify_prefix(&header, frame, computed_checksum)?;
+    let manifest = decode_manifest(&frame[header.manifest_range()], header.payload_len)?;
+    Ok(SpanView { header, manifest, payload: &frame[header.payload_offset as usize..] })
+}
+
+/// The frame-level checks besides the manifest: the checksum computed over the reader's copy equals the
+/// header's, and the padding between manifest and payload is zero. `prefix` holds at least the frame's
+/// first `payload_offset` bytes.
+pub fn verify_prefix(header: &HeaderInfo, prefix: &[u8], computed_checksum: u64) -> Result<(), SpanError> {
     if computed_checksum != header.checksum {
         return Err(SpanError::ChecksumMismatch { expected: header.checksum, found: computed_checksum });
     }
-    let manifest_range = header.manifest_range();
-    // The frame is at least `payload_offset` long, which is past the manifest and the padding.
-    let padding = &frame[manifest_range.end..header.payload_offset as usize];
+    let manifest_end = header.manifest_range().end;
+    let padding = &prefix[manifest_end..header.payload_offset as usize];
     if let Some(i) = padding.iter().position(|&b| b != 0) {
-        return Err(SpanError::NonZeroPadding { offset: (manifest_range.end + i) as u64, found: padding[i] });
+        return Err(SpanError::NonZeroPadding { offset: (manifest_end + i) as u64, found: padding[i] });
     }
-    let manifest = decode_manifest(&frame[manifest_range], header.payload_len)?;
-    Ok(SpanView { header, manifest, payload: &frame[header.payload_offset as usize..] })
+    Ok(())
 }
 
 /// Decodes a postcard manifest that must use every byte, then validates it against the payload length.

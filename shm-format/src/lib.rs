@@ -33,7 +33,9 @@ pub mod testing;
 mod tests;
 
 pub use checksum::{frame_checksum, seal_frame, FrameHasher};
-pub use decode::{decode_body, decode_frame, decode_manifest, parse_header_prefix, validate_manifest, SpanView};
+pub use decode::{
+    decode_body, decode_frame, decode_manifest, parse_header_prefix, validate_manifest, verify_prefix, SpanView,
+};
 pub use encode::{encode_frame, encode_raw, write_prefix, FrameCoords};
 pub use error::{SpanError, ALL_KINDS};
 pub use geometry::{KvGeometry, LayerKv};

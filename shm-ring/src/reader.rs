@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use shm_format::ring::RingGeometry;
 use shm_format::{
-    decode_body, decode_manifest, HeaderInfo, Manifest, RingExpectation, SpanError, SpanView, HEADER_LEN,
+    decode_body, decode_manifest, verify_prefix, HeaderInfo, Manifest, RingExpectation, SpanError, SpanView, HEADER_LEN,
 };
 use zerocopy::IntoBytes;
 
@@ -416,20 +416,8 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         self.staging = staging;
         let checksum = copier.finish();
         let staged = staged.expect("prepared");
-        let checked = self.recheck(slot, &header).and_then(|()| {
-            // Padding and checksum: the manifest was already validated.
-            let padding = &prefix[info.manifest_range().end..payload_offset];
-            if checksum != info.checksum {
-                return Err(span_err(SpanError::ChecksumMismatch { expected: info.checksum, found: checksum }));
-            }
-            match padding.iter().position(|&b| b != 0) {
-                Some(i) => Err(span_err(SpanError::NonZeroPadding {
-                    offset: (info.manifest_range().end + i) as u64,
-                    found: padding[i],
-                })),
-                None => Ok(()),
-            }
-        });
+        let checked =
+            self.recheck(slot, &header).and_then(|()| verify_prefix(&info, &prefix, checksum).map_err(span_err));
         match checked {
             Ok(()) => {
                 self.release(slot);

@@ -14,6 +14,24 @@ pub fn converted_len(from: Dtype, to: Dtype, src_len: usize) -> usize {
     src_len / from.size() as usize * to.size() as usize
 }
 
+/// Reads one little-endian element of `from` as f32.
+fn loader(from: Dtype) -> fn(&[u8]) -> f32 {
+    match from {
+        Dtype::F32 => |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
+        Dtype::F16 => |b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+        Dtype::Bf16 => |b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
+    }
+}
+
+/// Widens little-endian elements of `from` in `src` into `dst` (exact: every dtype here fits in f32).
+pub fn to_f32(from: Dtype, src: &[u8], dst: &mut [f32]) {
+    debug_assert_eq!(src.len(), dst.len() * from.size() as usize);
+    let load = loader(from);
+    for (d, s) in dst.iter_mut().zip(src.chunks_exact(from.size() as usize)) {
+        *d = load(s);
+    }
+}
+
 /// Converts little-endian elements of `from` in `src` into `to` in `dst` (exactly `converted_len` bytes).
 /// Narrowing rounds to nearest, ties to even.
 pub fn convert(from: Dtype, src: &[u8], to: Dtype, dst: &mut [u8]) {
@@ -22,11 +40,7 @@ pub fn convert(from: Dtype, src: &[u8], to: Dtype, dst: &mut [u8]) {
         dst.copy_from_slice(src);
         return;
     }
-    let load: fn(&[u8]) -> f32 = match from {
-        Dtype::F32 => |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-        Dtype::F16 => |b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-        Dtype::Bf16 => |b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-    };
+    let load = loader(from);
     let (ss, ds) = (from.size() as usize, to.size() as usize);
     match to {
         Dtype::F32 => {
