@@ -28,9 +28,10 @@ pub enum Command {
     Bench(BenchArgs),
     /// Generate a continuation of a prompt.
     ///
-    /// Prefill runs (today: in the host, `--producer local`), its K/V is validated and committed into
-    /// the grouped paged KV cache as spans, and decode reads K/V back from the cache. Without --json the
-    /// text streams as it is generated and a one-line summary follows.
+    /// Prefill runs in a producer subprocess (`--producer rngd` by default) that writes K/V spans into a
+    /// sealed shared-memory ring; the host validates each span and commits it into its grouped paged KV
+    /// cache, then decodes, reading K/V back from the cache. Without --json the text streams as it is
+    /// generated and a one-line summary follows.
     Generate(GenerateArgs),
     /// List the models pdhost knows by name, or fetch one into the model cache.
     ///
@@ -56,9 +57,22 @@ pub struct GenerateArgs {
     /// Tokens to generate at most (EOS stops earlier and is included).
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
-    /// Who prefills: `local` (the host itself). Remote producers arrive with the producer issue.
-    #[arg(long, default_value = "local", value_parser = ["local"])]
+    /// Who prefills: `rngd` (dense K/V, bf16 unless the cache is f32 or f16), `gpu` (grouped K/V),
+    /// `faulty` (fault injection, see --backend-config), a backend library `PATH.so`, or `local` (the host
+    /// itself). Producers run as subprocesses; their spans are validated before they land in the cache.
+    #[arg(long, default_value = "rngd")]
     pub producer: String,
+    /// JSON merged into the backend's configuration, e.g. `{"fault":"kill_mid","layout":"grouped"}` for
+    /// `faulty`. The host sets `model`, `dtype`, `precision` and `threads` unless given here.
+    #[arg(long, default_value = "{}")]
+    pub backend_config: String,
+    /// What a failed remote prefill does: `fallback` prefills locally (the reason is reported), `fail`
+    /// ends the request with the producer's error.
+    #[arg(long, default_value = "fallback", value_parser = ["fallback", "fail"])]
+    pub on_producer_failure: String,
+    /// Seconds a producer may take to answer one prefill (and to start) before it is killed.
+    #[arg(long, default_value_t = 120.0)]
+    pub producer_timeout: f64,
     /// Element type of the KV cache.
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
     pub kv_dtype: String,

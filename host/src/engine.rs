@@ -12,6 +12,56 @@ use shm_format::{Dtype, EntryKind, Manifest};
 
 use crate::kv::convert::{convert, to_f32};
 use crate::kv::{IngestError, KvConfig, PagedKv, SeqId};
+use crate::supervisor::{Producer, ProducerError, SpanTimes};
+
+/// Who prefills a request.
+#[derive(Debug)]
+pub enum PrefillBy<'a> {
+    /// The host itself.
+    Local,
+    /// A supervised producer; on failure, `on_failure` decides.
+    Remote {
+        /// The producer.
+        producer: &'a mut Producer,
+        /// What a failed remote prefill does to the request.
+        on_failure: OnFailure,
+    },
+}
+
+/// What a failed remote prefill does to the request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnFailure {
+    /// Prefill locally instead; the request is not lost, and the reason is reported.
+    Fallback,
+    /// Fail the request with the producer's typed error.
+    Fail,
+}
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// The host's own span did not fit its cache (capacity, sequence limits).
+    #[error(transparent)]
+    Ingest(#[from] IngestError),
+    /// Remote prefill failed under [`OnFailure::Fail`].
+    #[error("remote prefill failed ({kind}): {0}", kind = .0.kind())]
+    Producer(#[from] ProducerError),
+}
+
+/// How the prompt was prefilled.
+#[derive(Debug, Default)]
+pub struct PrefillReport {
+    /// Whether the producer's spans are what the cache holds.
+    pub remote: bool,
+    /// The producer's name, if one was asked.
+    pub producer: Option<String>,
+    /// `dense` or `grouped`: the producer's layout.
+    pub layout: Option<&'static str>,
+    /// Why the producer's prefill was replaced by a local one.
+    pub fallback: Option<ProducerError>,
+    /// Remote costs, summed over the spans.
+    pub remote_times: SpanTimes,
+}
 
 /// How to sample.
 #[derive(Clone, Copy, Debug)]
@@ -52,7 +102,7 @@ pub enum Finish {
 }
 
 /// What generation produced and how long it took.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Generation {
     /// Generated ids.
     pub output: Vec<u32>,
@@ -70,6 +120,8 @@ pub struct Generation {
     pub ttft: Duration,
     /// Time decoding after the first token.
     pub decode: Duration,
+    /// Who prefilled, and what it cost.
+    pub report: PrefillReport,
 }
 
 /// The engine for one model.
@@ -163,15 +215,91 @@ impl Engine {
         Ok(payload.len() as u64)
     }
 
-    /// Generates for one request, calling `on_token` with each new id as it is produced.
-    pub fn generate(&mut self, req: &Request, mut on_token: impl FnMut(u32)) -> Result<Generation, IngestError> {
+    /// Generates for one request with local prefill, calling `on_token` with each new id as it is produced.
+    pub fn generate(&mut self, req: &Request, on_token: impl FnMut(u32)) -> Result<Generation, EngineError> {
+        self.generate_with(req, PrefillBy::Local, on_token)
+    }
+
+    /// Generates for one request, prefilled by `by`.
+    ///
+    /// The prompt's last token is always run by the host, as the first decode step: its logits pick the
+    /// first output token, so the host never takes logits from a producer, and local and remote prefill
+    /// run exactly the same arithmetic.
+    pub fn generate_with(
+        &mut self,
+        req: &Request,
+        by: PrefillBy<'_>,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Generation, EngineError> {
         let seq = SeqId(self.next_seq);
         self.next_seq += 1;
         let request_id = seq.0;
         self.kv.add_sequence(seq, request_id)?;
-        let result = self.run(seq, request_id, req, &mut on_token);
+        let result = self.run(seq, request_id, req, by, &mut on_token);
         let _ = self.kv.remove_sequence(seq);
         result
+    }
+
+    /// Adds a sequence holding `prompt`, prefilled locally, and keeps it (for tests that check other
+    /// sequences are untouched). Returns its id.
+    pub fn hold_sequence(&mut self, prompt: &[u32]) -> Result<SeqId, EngineError> {
+        let seq = SeqId(self.next_seq);
+        self.next_seq += 1;
+        self.kv.add_sequence(seq, seq.0)?;
+        let out = self.model.forward(prompt, 0, &model::forward::NoPast, false);
+        self.ingest(seq, seq.0, &out.kv)?;
+        Ok(seq)
+    }
+
+    /// Prefills `prompt` into `seq` locally, chunk by chunk; returns (forward time, ingest time, bytes, spans).
+    fn prefill_local(
+        &mut self,
+        seq: SeqId,
+        request_id: u64,
+        prompt: &[u32],
+        chunk: usize,
+    ) -> Result<(Duration, Duration, u64, usize), IngestError> {
+        let (mut forward, mut ingest, mut bytes, mut spans) = (Duration::ZERO, Duration::ZERO, 0, 0);
+        for (i, part) in prompt.chunks(chunk).enumerate() {
+            let t = Instant::now();
+            let out = self.model.forward(part, (i * chunk) as u64, &PagedPast { kv: &self.kv, seq }, false);
+            forward += t.elapsed();
+            let t = Instant::now();
+            bytes += self.ingest(seq, request_id, &out.kv)?;
+            ingest += t.elapsed();
+            spans += 1;
+        }
+        Ok((forward, ingest, bytes, spans))
+    }
+
+    /// Prefills `prompt` into `seq` through the producer; on failure the sequence is emptied again.
+    fn prefill_remote(
+        &mut self,
+        producer: &mut Producer,
+        seq: SeqId,
+        request_id: u64,
+        prompt: &[u32],
+        chunk: usize,
+    ) -> Result<(SpanTimes, usize), ProducerError> {
+        let mut total = SpanTimes::default();
+        for (i, part) in prompt.chunks(chunk).enumerate() {
+            match producer.prefill(&mut self.kv, seq, request_id, (i * chunk) as u64, part) {
+                Ok(t) => {
+                    total.backend += t.backend;
+                    total.frame += t.frame;
+                    total.take += t.take;
+                    total.round_trip += t.round_trip;
+                    total.bytes += t.bytes;
+                }
+                Err(e) => {
+                    // Spans of earlier chunks are committed: start the sequence over.
+                    let _ = self.kv.remove_sequence(seq);
+                    self.kv.add_sequence(seq, request_id).expect("the slot just freed");
+                    return Err(e);
+                }
+            }
+        }
+        Ok((total, prompt.len().div_ceil(chunk)))
     }
 
     fn run(
@@ -179,40 +307,58 @@ impl Engine {
         seq: SeqId,
         request_id: u64,
         req: &Request,
+        by: PrefillBy<'_>,
         on_token: &mut dyn FnMut(u32),
-    ) -> Result<Generation, IngestError> {
+    ) -> Result<Generation, EngineError> {
         let started = Instant::now();
         let mut rng = Rng(match req.sampling {
             Sampling::TopP { seed, .. } => seed ^ 0x9E37_79B9_7F4A_7C15,
             Sampling::Greedy => 0,
         });
-        let chunk = if req.prefill_chunk == 0 { req.prompt.len().max(1) } else { req.prefill_chunk };
+        let (&last, head) = req.prompt.split_last().expect("a prompt has at least one token");
+        let chunk = if req.prefill_chunk == 0 { head.len().max(1) } else { req.prefill_chunk };
+        let mut report = PrefillReport::default();
         let (mut prefill, mut ingest, mut bytes, mut spans) = (Duration::ZERO, Duration::ZERO, 0, 0);
-        let mut logits = Vec::new();
-        for (i, part) in req.prompt.chunks(chunk).enumerate() {
-            let start = (i * chunk) as u64;
-            let t = Instant::now();
-            let out = self.model.forward(part, start, &PagedPast { kv: &self.kv, seq }, false);
-            prefill += t.elapsed();
-            let t = Instant::now();
-            bytes += self.ingest(seq, request_id, &out.kv)?;
-            ingest += t.elapsed();
-            spans += 1;
-            logits = out.logits;
+        let mut local = true;
+        if let PrefillBy::Remote { producer, on_failure } = by {
+            report.producer = Some(producer.name().to_string());
+            if !head.is_empty() {
+                match self.prefill_remote(producer, seq, request_id, head, chunk) {
+                    Ok((times, n)) => {
+                        local = false;
+                        report.remote = true;
+                        (prefill, ingest, bytes, spans) = (times.round_trip - times.take, times.take, times.bytes, n);
+                        report.remote_times = times;
+                    }
+                    Err(e) if on_failure == OnFailure::Fail => return Err(e.into()),
+                    Err(e) => report.fallback = Some(e),
+                }
+            }
+            report.layout = producer.layout();
         }
+        if local {
+            (prefill, ingest, bytes, spans) = self.prefill_local(seq, request_id, head, chunk)?;
+        }
+        // The last prompt token, run by the host: its logits choose the first output token.
+        let t = Instant::now();
+        let out = self.model.forward(&[last], head.len() as u64, &PagedPast { kv: &self.kv, seq }, false);
+        prefill += t.elapsed();
+        self.ingest(seq, request_id, &out.kv)?;
+        let logits = out.logits;
         let mut output = Vec::new();
+        let done = |output, finish, ttft, decode, report| Generation {
+            output,
+            finish,
+            spans,
+            bytes,
+            prefill,
+            ingest,
+            ttft,
+            decode,
+            report,
+        };
         if req.max_tokens == 0 {
-            let ttft = started.elapsed();
-            return Ok(Generation {
-                output,
-                finish: Finish::Length,
-                spans,
-                bytes,
-                prefill,
-                ingest,
-                ttft,
-                decode: Duration::ZERO,
-            });
+            return Ok(done(output, Finish::Length, started.elapsed(), Duration::ZERO, report));
         }
         let mut next = sample(&logits, req.sampling, &mut rng);
         let ttft = started.elapsed();
@@ -232,7 +378,7 @@ impl Engine {
             self.ingest(seq, request_id, &out.kv)?;
             next = sample(&out.logits, req.sampling, &mut rng);
         };
-        Ok(Generation { output, finish, spans, bytes, prefill, ingest, ttft, decode: decode_start.elapsed() })
+        Ok(done(output, finish, ttft, decode_start.elapsed(), report))
     }
 }
 

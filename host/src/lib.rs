@@ -8,6 +8,7 @@
 
 pub mod engine;
 pub mod kv;
+pub mod supervisor;
 
 pub use shm_format as format;
 pub use shm_ring as ring;

@@ -7,7 +7,16 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
+/// The hidden first argument that makes this binary a producer (see `pdhost_producer`): a host always
+/// starts producers from its own executable, so both sides of the control protocol come from one build.
+pub const PRODUCER_ARG: &str = "__producer";
+
 fn main() -> ExitCode {
+    let mut args = std::env::args_os();
+    if args.nth(1).is_some_and(|a| a == PRODUCER_ARG) {
+        return pdhost_producer::main(args.collect());
+    }
+    pdhost::supervisor::harden_host();
     let cli = cli::Cli::parse();
     let result = match cli.command {
         cli::Command::InspectSpan(args) => cmd::inspect::run(&args),

@@ -1,29 +1,30 @@
 //! `pdhost generate`.
 
 use std::io::Write;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use model::arch::Model;
 use model::gguf::Gguf;
 use model::kernels::Precision;
 use model::tokenizer::Tokenizer;
-use pdhost::engine::{Engine, Finish, Request, Sampling};
+use pdhost::engine::{Engine, Finish, OnFailure, PrefillBy, PrefillReport, Request, Sampling};
+use pdhost::supervisor::{self, Producer, ProducerSpec, RestartPolicy};
 use serde_json::json;
 use shm_format::Dtype;
 
 use crate::cli::GenerateArgs;
 
-/// A loaded model and its tokenizer, if it has one.
-fn load(name: &str, quiet: bool) -> anyhow::Result<(Model, Option<Tokenizer>, String)> {
+/// A loaded model, its tokenizer if it has one, its display name and the path a producer loads it from.
+fn load(name: &str, quiet: bool) -> anyhow::Result<(Model, Option<Tokenizer>, String, PathBuf)> {
     let path = Path::new(name);
     if path.is_dir() {
         let model = Model::from_hf_dir(path)?;
         let json = path.join("tokenizer.json");
         let tokenizer = if json.is_file() { Some(Tokenizer::from_file(&json)?) } else { None };
-        return Ok((model, tokenizer, path.display().to_string()));
+        return Ok((model, tokenizer, path.display().to_string(), std::path::absolute(path)?));
     }
     let file = if path.extension().is_some_and(|e| e == "gguf") || path.is_file() {
         path.to_path_buf()
@@ -40,7 +41,62 @@ fn load(name: &str, quiet: bool) -> anyhow::Result<(Model, Option<Tokenizer>, St
     let tokenizer = Tokenizer::from_gguf(&gguf).context("building the tokenizer")?;
     let model = Model::from_gguf(&gguf).context("loading the weights")?;
     spinner.finish();
-    Ok((model, Some(tokenizer), name.to_string()))
+    Ok((model, Some(tokenizer), name.to_string(), std::path::absolute(&file)?))
+}
+
+/// The producer `--producer` names, or `None` for `local`.
+fn producer_for(
+    args: &GenerateArgs,
+    model_path: &Path,
+    geometry: &shm_format::KvGeometry,
+    dtype: Dtype,
+    chunk_tokens: usize,
+) -> anyhow::Result<Option<Producer>> {
+    let (name, backend) = match args.producer.as_str() {
+        "local" => return Ok(None),
+        builtin @ ("rngd" | "gpu" | "faulty") => {
+            (builtin.to_string(), supervisor::builtin_backend(builtin).map_err(anyhow::Error::msg)?)
+        }
+        path if path.ends_with(".so") || path.contains('/') => {
+            let p = PathBuf::from(path);
+            anyhow::ensure!(p.is_file(), "--producer {path}: expected a backend library file, found none");
+            let name = p.file_stem().map_or_else(|| path.to_string(), |s| s.to_string_lossy().into_owned());
+            (name, std::path::absolute(p)?)
+        }
+        other => anyhow::bail!("--producer: expected local, rngd, gpu, faulty or a PATH.so, found {other:?}"),
+    };
+    let mut config = serde_json::json!({
+        "model": model_path,
+        "dtype": dtype.name(),
+        "precision": args.precision,
+        "threads": args.threads.unwrap_or_else(default_threads),
+    });
+    let extra: serde_json::Value = serde_json::from_str(&args.backend_config)
+        .with_context(|| format!("--backend-config: expected a JSON object, found {:?}", args.backend_config))?;
+    let serde_json::Value::Object(extra) = extra else {
+        anyhow::bail!("--backend-config: expected a JSON object, found {}", args.backend_config);
+    };
+    config.as_object_mut().expect("an object").extend(extra);
+    anyhow::ensure!(
+        args.producer_timeout.is_finite() && args.producer_timeout > 0.0,
+        "--producer-timeout: expected seconds above 0, found {}",
+        args.producer_timeout
+    );
+    let timeout = Duration::from_secs_f64(args.producer_timeout);
+    let spec = ProducerSpec {
+        name,
+        program: std::env::current_exe().context("locating the pdhost executable to run the producer")?,
+        program_args: vec![crate::PRODUCER_ARG.into()],
+        backend,
+        config: config.to_string(),
+        slots: 2,
+        // The widest wire dtype: a backend may send f32 whatever the cache holds.
+        slot_capacity: ProducerSpec::capacity_for(geometry, Dtype::F32, chunk_tokens as u64),
+        start_timeout: timeout,
+        request_timeout: timeout,
+        restart: RestartPolicy::default(),
+    };
+    Ok(Some(Producer::new(spec, geometry.clone())))
 }
 
 /// All cores.
@@ -50,7 +106,7 @@ pub fn default_threads() -> usize {
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
-    let (mut model, tokenizer, model_name) = load(&args.model, args.json)?;
+    let (mut model, tokenizer, model_name, model_path) = load(&args.model, args.json)?;
     let precision = if args.precision == "fast" { Precision::Fast } else { Precision::Exact };
     model.configure(precision, args.threads.unwrap_or_else(default_threads));
     let prompt = match (&args.prompt, &args.prompt_ids) {
@@ -73,7 +129,18 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         _ => Dtype::F32,
     };
     let max_len = (prompt.len() + args.max_tokens) as u64;
+    let geometry = model.config.kv_geometry();
+    let chunk_tokens = if args.prefill_chunk == 0 { prompt.len() } else { args.prefill_chunk.min(prompt.len()) };
+    let mut producer = producer_for(args, &model_path, &geometry, dtype, chunk_tokens)?;
     let mut engine = Engine::new(model, dtype, args.page_size, max_len, 1)?;
+    if let Some(p) = producer.as_mut() {
+        // Start the producer (load its model) before the clock of the request starts; a start-up failure
+        // is handled like any other on the request itself.
+        let spinner = super::models::Bar::new(args.json);
+        spinner.spin(&format!("starting producer {}", p.name()));
+        let _ = p.start();
+        spinner.finish();
+    }
     let load_ms = t0.elapsed();
     let sampling = match args.temperature {
         Some(temperature) if temperature > 0.0 => Sampling::TopP { temperature, top_p: args.top_p, seed: args.seed },
@@ -85,7 +152,12 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let mut stdout = std::io::stdout().lock();
     let mut shown = String::new();
     let mut so_far = Vec::new();
-    let gen = engine.generate(&request, |id| {
+    let on_failure = if args.on_producer_failure == "fail" { OnFailure::Fail } else { OnFailure::Fallback };
+    let by = match producer.as_mut() {
+        Some(producer) => PrefillBy::Remote { producer, on_failure },
+        None => PrefillBy::Local,
+    };
+    let gen = engine.generate_with(&request, by, |id| {
         if args.json {
             return;
         }
@@ -108,6 +180,14 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         Finish::Eos => "eos",
         Finish::Length => "length",
     };
+    let report = &gen.report;
+    let where_ = if report.remote { "remote" } else { "local" };
+    let fallback = report.fallback.as_ref().map(|e| format!("{}: {e}", e.kind()));
+    let metrics = producer.as_ref().map(|p| {
+        let m = p.metrics();
+        json!({"spans_accepted": m.spans_accepted, "spans_rejected": m.spans_rejected, "starts": m.starts,
+               "restarts": m.restarts, "bytes": m.bytes})
+    });
     if args.json {
         let out = json!({
             "model": model_name,
@@ -115,10 +195,16 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
             "output_ids": gen.output,
             "text": text,
             "finish_reason": finish,
-            "prefill": {"where": "local", "producer": "local", "layout": null, "spans": gen.spans,
-                        "bytes": gen.bytes, "fallback_reason": null},
+            "prefill": {"where": where_, "producer": report.producer.as_deref().unwrap_or("local"),
+                        "layout": if report.remote { report.layout } else { None },
+                        "spans": gen.spans, "bytes": gen.bytes,
+                        "fallback_reason": fallback,
+                        "fallback_kind": report.fallback.as_ref().map(|e| e.kind()),
+                        "producer_metrics": metrics},
             "timings_ms": {"load": ms(load_ms), "prefill": ms(gen.prefill), "ingest": ms(gen.ingest),
-                           "decode": ms(gen.decode), "ttft": ms(gen.ttft)},
+                           "decode": ms(gen.decode), "ttft": ms(gen.ttft),
+                           "remote": {"backend": ms(report.remote_times.backend), "frame": ms(report.remote_times.frame),
+                                      "take": ms(report.remote_times.take), "ipc": ms(report.remote_times.ipc())}},
         });
         writeln!(stdout, "{out}")?;
     } else {
@@ -130,8 +216,15 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         stdout.flush()?;
         let decode_tps = (gen.output.len().saturating_sub(1)) as f64 / gen.decode.as_secs_f64().max(1e-9);
         let ingest_gbps = gen.bytes as f64 / gen.ingest.as_secs_f64().max(1e-9) / 1e9;
+        if let Some(reason) = &fallback {
+            eprintln!("warning: remote prefill failed, prefilled locally instead: {reason}");
+        }
+        let how = match (report.remote, report.layout) {
+            (true, Some(layout)) => format!("remote ({} producer, {layout} spans over shared memory)", where_producer(report)),
+            _ => "local (spans laid out by the host)".to_string(),
+        };
         eprintln!(
-            "prefill local: {} span(s) laid out by the host, {:.1} MiB KV, ingest {ingest_gbps:.2} GB/s, TTFT {:.0} ms, decode {decode_tps:.1} tok/s, {} tokens ({finish})",
+            "prefill {how}: {} span(s), {:.1} MiB KV, ingest {ingest_gbps:.2} GB/s, TTFT {:.0} ms, decode {decode_tps:.1} tok/s, {} tokens ({finish})",
             gen.spans,
             gen.bytes as f64 / (1 << 20) as f64,
             ms(gen.ttft),
@@ -139,4 +232,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn where_producer(report: &PrefillReport) -> &str {
+    report.producer.as_deref().unwrap_or("local")
 }

@@ -1,0 +1,783 @@
+//! The supervisor: one producer subprocess per backend, started with host-created sealed rings, watched
+//! through a pidfd, given a deadline on every wait, killed when it breaks the protocol, and restarted with
+//! backoff, at most so many times per window.
+//!
+//! A request's prefill goes: [`Producer::prefill`] sends the tokens over the control socket; the producer
+//! has the backend write K/V into a ring slot and commits it; the reply names the frame; the host takes the
+//! frame from the ring straight into the sequence's pages ([`IntoSequence`]), validating everything on the
+//! way, and commits the span in one step or leaves the cache exactly as it was.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::ffi::OsString;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use pdhost_producer::protocol::{self, Described, FromProducer, ToProducer, PRODUCER_FDS};
+use rustix::event::{PollFd, PollFlags};
+use shm_format::ring::RingGeometry;
+use shm_format::{Dtype, KvGeometry, LayerKv};
+use shm_ring::{create_ring, HostRing, RingError, TakeError};
+
+use crate::kv::{IngestError, IntoSequence, PagedKv, SeqId};
+
+/// How often and how fast a failed producer is restarted.
+#[derive(Clone, Copy, Debug)]
+pub struct RestartPolicy {
+    /// Wait before the first restart after a failure; doubles on each consecutive failure.
+    pub initial_backoff: Duration,
+    /// Longest wait.
+    pub max_backoff: Duration,
+    /// Most restarts within `window`; past that, requests fail with `restart_limit` until the window
+    /// moves on.
+    pub max_restarts: u32,
+    /// The window.
+    pub window: Duration,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        RestartPolicy {
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(2),
+            max_restarts: 10,
+            window: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Everything needed to start a producer.
+#[derive(Clone, Debug)]
+pub struct ProducerSpec {
+    /// A name for messages and metrics (`rngd`, `gpu`, `faulty`, or the library's file name).
+    pub name: String,
+    /// The program that runs the producer, and the arguments that select it (`pdhost __producer`).
+    pub program: PathBuf,
+    /// Arguments before the producer's own.
+    pub program_args: Vec<OsString>,
+    /// The backend library.
+    pub backend: PathBuf,
+    /// The backend's configuration JSON.
+    pub config: String,
+    /// Ring slots.
+    pub slots: u32,
+    /// Largest frame a slot holds.
+    pub slot_capacity: u64,
+    /// Deadline for start-up (load, open, describe).
+    pub start_timeout: Duration,
+    /// Deadline for each prefill request.
+    pub request_timeout: Duration,
+    /// Restarts.
+    pub restart: RestartPolicy,
+}
+
+impl ProducerSpec {
+    /// Ring bytes per slot for spans of up to `tokens` tokens of `geometry` in `dtype`, with room for the
+    /// header and manifest.
+    pub fn capacity_for(geometry: &KvGeometry, dtype: Dtype, tokens: u64) -> u64 {
+        span_bytes(geometry, dtype, tokens.max(1)) + (256 << 10)
+    }
+}
+
+/// Payload bytes of a span of `tokens` tokens of `geometry` in `dtype` (K and V of every attention layer,
+/// plus every recurrent state).
+pub fn span_bytes(geometry: &KvGeometry, dtype: Dtype, tokens: u64) -> u64 {
+    let elems: u64 = geometry
+        .layers
+        .iter()
+        .map(|l| match *l {
+            LayerKv::Full { kv_heads, head_dim } | LayerKv::Sliding { kv_heads, head_dim, .. } => {
+                2 * u64::from(kv_heads) * u64::from(head_dim) * tokens
+            }
+            LayerKv::Recurrent { state_elems } => state_elems,
+        })
+        .sum();
+    elems * dtype.size()
+}
+
+/// Per-producer counters.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Metrics {
+    /// Spans validated and committed.
+    pub spans_accepted: u64,
+    /// Spans (or attempts) refused, by typed reason.
+    pub spans_rejected: BTreeMap<&'static str, u64>,
+    /// Producer processes started, the first included.
+    pub starts: u64,
+    /// Starts after a failure.
+    pub restarts: u64,
+    /// K/V payload bytes accepted.
+    pub bytes: u64,
+}
+
+/// Why a producer could not prefill a request. Each has a stable [`ProducerError::kind`].
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ProducerError {
+    /// The process could not be started.
+    #[error("producer {name}: starting {program}: {source}")]
+    Spawn {
+        /// Producer.
+        name: String,
+        /// Program.
+        program: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The producer reported a start-up failure (library, open, describe).
+    #[error("producer {name}: {stage} failed: {message}")]
+    StartFailed {
+        /// Producer.
+        name: String,
+        /// `load`, `open`, `describe`, `ring`.
+        stage: String,
+        /// Its reason.
+        message: String,
+    },
+    /// The backend describes a model the host does not run.
+    #[error("producer {name}: describe: expected {expected}, found {found}")]
+    DescribeMismatch {
+        /// Producer.
+        name: String,
+        /// What the host runs.
+        expected: String,
+        /// What the backend described.
+        found: String,
+    },
+    /// The process exited (crashed, was killed, or exited on its own) before answering.
+    #[error("producer {name} exited {status} while {during}")]
+    Exited {
+        /// Producer.
+        name: String,
+        /// `with status N` or `by signal SIGNAME`.
+        status: String,
+        /// What the host was waiting for.
+        during: &'static str,
+    },
+    /// No answer before the deadline; the producer was killed.
+    #[error("producer {name}: no answer within {waited:?} while {during}; killed it")]
+    Timeout {
+        /// Producer.
+        name: String,
+        /// How long the host waited.
+        waited: Duration,
+        /// What the host was waiting for.
+        during: &'static str,
+    },
+    /// The backend's prefill returned an error status.
+    #[error("producer {name}: {message}")]
+    Backend {
+        /// Producer.
+        name: String,
+        /// The status name.
+        status: String,
+        /// Its reason.
+        message: String,
+    },
+    /// The ring or the frame broke the protocol; the producer was killed.
+    #[error("producer {name}: {source}")]
+    Ring {
+        /// Producer.
+        name: String,
+        /// Why.
+        #[source]
+        source: RingError,
+    },
+    /// The span was well-formed but does not fit this request and cache; the producer was killed.
+    #[error("producer {name}: span rejected: {source}")]
+    Rejected {
+        /// Producer.
+        name: String,
+        /// Why.
+        #[source]
+        source: IngestError,
+    },
+    /// A control message that is not the protocol.
+    #[error("producer {name}: control channel: expected {expected}, found {found}")]
+    Protocol {
+        /// Producer.
+        name: String,
+        /// What the host expected.
+        expected: String,
+        /// What arrived.
+        found: String,
+    },
+    /// Too many restarts in the window; the producer stays down for now.
+    #[error("producer {name}: {restarts} restarts within {window:?}: not restarting before {wait:?} from now")]
+    RestartLimit {
+        /// Producer.
+        name: String,
+        /// Restarts counted.
+        restarts: u32,
+        /// Window.
+        window: Duration,
+        /// Until the oldest restart leaves the window.
+        wait: Duration,
+    },
+    /// A system call on the host side failed.
+    #[error("producer {name}: {op}: {source}")]
+    Io {
+        /// Producer.
+        name: String,
+        /// What failed.
+        op: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl ProducerError {
+    /// A stable snake_case name, for metrics and JSON: the ring's or the cache's own kind for rejected
+    /// frames and spans (`checksum_mismatch`, `layer_count_mismatch`, ...).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ProducerError::Spawn { .. } => "spawn_failed",
+            ProducerError::StartFailed { .. } => "start_failed",
+            ProducerError::DescribeMismatch { .. } => "describe_mismatch",
+            ProducerError::Exited { .. } => "producer_exited",
+            ProducerError::Timeout { .. } => "timeout",
+            ProducerError::Backend { .. } => "backend_error",
+            ProducerError::Ring { source, .. } => source.kind(),
+            ProducerError::Rejected { source, .. } => source.kind(),
+            ProducerError::Protocol { .. } => "protocol",
+            ProducerError::RestartLimit { .. } => "restart_limit",
+            ProducerError::Io { .. } => "io",
+        }
+    }
+}
+
+/// What one remote span cost, as measured on both sides.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SpanTimes {
+    /// Inside the backend's `prefill` (compute and writing K/V into the slot).
+    pub backend: Duration,
+    /// The producer's framing: slot wait, header and manifest, checksum, commit.
+    pub frame: Duration,
+    /// Taking the frame from the ring into pages: copy, checksum, validation, commit.
+    pub take: Duration,
+    /// From sending the request to having the span: the rest is IPC and scheduling.
+    pub round_trip: Duration,
+    /// Payload bytes.
+    pub bytes: u64,
+}
+
+impl SpanTimes {
+    /// Round trip not accounted for by the backend, the framing or the take: request and reply IPC.
+    pub fn ipc(&self) -> Duration {
+        self.round_trip.saturating_sub(self.backend + self.frame + self.take)
+    }
+}
+
+/// A started producer.
+#[derive(Debug)]
+struct Running {
+    child: Child,
+    pidfd: OwnedFd,
+    ring: HostRing,
+    socket: UnixStream,
+    described: Described,
+}
+
+/// One supervised producer.
+#[derive(Debug)]
+pub struct Producer {
+    spec: ProducerSpec,
+    geometry: KvGeometry,
+    running: Option<Running>,
+    next_epoch: u64,
+    metrics: Metrics,
+    /// Start times of recent restarts, for the cap.
+    recent_restarts: VecDeque<Instant>,
+    /// Whether the last process failed (the next start is a restart, after `backoff`).
+    failed: bool,
+    backoff: Duration,
+    not_before: Instant,
+}
+
+/// Makes this process non-dumpable: no core dumps of host memory, and no ptrace attach or
+/// `/proc/<pid>/mem` reads by other processes of the same user (producers included).
+pub fn harden_host() {
+    // SAFETY: prctl with integer arguments.
+    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+}
+
+fn signal_name(sig: i32) -> String {
+    match sig {
+        libc::SIGKILL => "SIGKILL".into(),
+        libc::SIGABRT => "SIGABRT".into(),
+        libc::SIGSEGV => "SIGSEGV".into(),
+        libc::SIGBUS => "SIGBUS".into(),
+        libc::SIGTERM => "SIGTERM".into(),
+        libc::SIGILL => "SIGILL".into(),
+        libc::SIGFPE => "SIGFPE".into(),
+        other => format!("signal {other}"),
+    }
+}
+
+/// What woke a wait on the control socket.
+enum Ready {
+    Socket,
+    Exited,
+    TimedOut,
+}
+
+fn wait_readable(socket: BorrowedFd<'_>, pidfd: BorrowedFd<'_>, deadline: Instant) -> std::io::Result<Ready> {
+    loop {
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(Ready::TimedOut);
+        }
+        let left = deadline - now;
+        let ts = rustix::event::Timespec { tv_sec: left.as_secs() as i64, tv_nsec: i64::from(left.subsec_nanos()) };
+        let mut fds = [PollFd::from_borrowed_fd(socket, PollFlags::IN), PollFd::from_borrowed_fd(pidfd, PollFlags::IN)];
+        match rustix::event::poll(&mut fds, Some(&ts)) {
+            Ok(0) => continue,
+            Ok(_) if !fds[0].revents().is_empty() => return Ok(Ready::Socket),
+            Ok(_) => return Ok(Ready::Exited),
+            Err(rustix::io::Errno::INTR) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Makes `fds` appear in the child as [`PRODUCER_FDS`], without close-on-exec, and sets `no_new_privs` and
+/// the parent-death signal.
+fn prepare_child(cmd: &mut Command, fds: [RawFd; 5]) {
+    // SAFETY: the closure runs in the forked child before exec and makes only async-signal-safe system
+    // calls (fcntl, dup2, prctl); it allocates nothing. Sources are first moved above the target range so
+    // that a source equal to a later target is not clobbered; dup2 clears O_CLOEXEC on the targets.
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut moved = [0; 5];
+            for (i, &fd) in fds.iter().enumerate() {
+                moved[i] = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 64);
+                if moved[i] < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            for (i, &fd) in moved.iter().enumerate() {
+                if libc::dup2(fd, PRODUCER_FDS[i]) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                || libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+impl Producer {
+    /// A supervisor for producers of `spec`, serving a cache of `geometry`. Nothing starts until the first
+    /// request (or [`Producer::start`]).
+    pub fn new(spec: ProducerSpec, geometry: KvGeometry) -> Self {
+        Producer {
+            spec,
+            geometry,
+            running: None,
+            next_epoch: 1,
+            metrics: Metrics::default(),
+            recent_restarts: VecDeque::new(),
+            failed: false,
+            backoff: Duration::ZERO,
+            not_before: Instant::now(),
+        }
+    }
+
+    /// The producer's name.
+    pub fn name(&self) -> &str {
+        &self.spec.name
+    }
+
+    /// Counters so far.
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// The pid of the running process, if any.
+    pub fn pid(&self) -> Option<u32> {
+        self.running.as_ref().map(|r| r.child.id())
+    }
+
+    /// `"dense"` or `"grouped"`: what the running backend described.
+    pub fn layout(&self) -> Option<&'static str> {
+        self.running.as_ref().map(|r| if r.described.layout == 0 { "dense" } else { "grouped" })
+    }
+
+    /// The running backend's description.
+    pub fn described(&self) -> Option<&Described> {
+        self.running.as_ref().map(|r| &r.described)
+    }
+
+    /// Starts the producer now if it is not running (warm-up before the first request).
+    pub fn start(&mut self) -> Result<(), ProducerError> {
+        self.ensure_running().map(|_| ())
+    }
+
+    fn io(&self, op: &'static str) -> impl Fn(std::io::Error) -> ProducerError + '_ {
+        move |source| ProducerError::Io { name: self.spec.name.clone(), op, source }
+    }
+
+    fn ensure_running(&mut self) -> Result<&mut Running, ProducerError> {
+        if self.running.is_none() {
+            let running = self.spawn()?;
+            self.running = Some(running);
+        }
+        Ok(self.running.as_mut().expect("just started"))
+    }
+
+    fn spawn(&mut self) -> Result<Running, ProducerError> {
+        let name = self.spec.name.clone();
+        if self.failed {
+            let now = Instant::now();
+            let window = self.spec.restart.window;
+            while self.recent_restarts.front().is_some_and(|&t| now.duration_since(t) > window) {
+                self.recent_restarts.pop_front();
+            }
+            if self.recent_restarts.len() as u32 >= self.spec.restart.max_restarts {
+                let oldest = *self.recent_restarts.front().expect("non-empty at the cap");
+                return Err(ProducerError::RestartLimit {
+                    name,
+                    restarts: self.recent_restarts.len() as u32,
+                    window,
+                    wait: window.saturating_sub(now.duration_since(oldest)),
+                });
+            }
+            if self.not_before > now {
+                std::thread::sleep(self.not_before - now);
+            }
+            self.recent_restarts.push_back(Instant::now());
+            self.metrics.restarts += 1;
+        }
+        let epoch = self.next_epoch;
+        self.next_epoch += 1;
+        let geometry = RingGeometry::new(self.spec.slots, self.spec.slot_capacity).map_err(|e| ProducerError::Io {
+            name: name.clone(),
+            op: "ring geometry",
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
+        })?;
+        let ring = create_ring(&format!("pdhost-{name}-e{epoch}"), geometry, epoch)
+            .map_err(|e| ProducerError::Io { name: name.clone(), op: "creating the ring", source: std::io::Error::other(e) })?;
+        let (socket, child_socket) = UnixStream::pair().map_err(self.io("socketpair"))?;
+        let [control, data, to_host, from_host] = ring.peer_fds();
+        let mut cmd = Command::new(&self.spec.program);
+        cmd.args(&self.spec.program_args)
+            .arg("--backend")
+            .arg(&self.spec.backend)
+            .arg("--config")
+            .arg(&self.spec.config)
+            .arg("--parent-pid")
+            .arg(std::process::id().to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null());
+        let fds = [control, data, to_host, from_host, child_socket.as_fd()].map(|fd| fd.as_raw_fd());
+        prepare_child(&mut cmd, fds);
+        self.metrics.starts += 1;
+        let child = cmd.spawn().map_err(|source| ProducerError::Spawn {
+            name: name.clone(),
+            program: self.spec.program.display().to_string(),
+            source,
+        })?;
+        drop(child_socket);
+        let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("a child pid is positive");
+        let pidfd = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
+            Ok(fd) => fd,
+            Err(e) => {
+                let mut child = child;
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(self.io("pidfd_open")(e.into()));
+            }
+        };
+        let mut running =
+            Running { child, pidfd, ring, socket, described: Described::default() };
+        // Until Ready, the process counts as failed: a crash during start-up is a restart next time.
+        self.failed = true;
+        let deadline = Instant::now() + self.spec.start_timeout;
+        let message = match self.receive(&mut running, deadline, "starting") {
+            Ok(m) => m,
+            Err(e) => {
+                self.reap(running);
+                return Err(e);
+            }
+        };
+        let described = match message {
+            FromProducer::Ready(d) => d,
+            FromProducer::StartFailed { stage, message } => {
+                self.reap(running);
+                return Err(ProducerError::StartFailed { name, stage, message });
+            }
+            other => {
+                self.reap(running);
+                return Err(ProducerError::Protocol { name, expected: "Ready".into(), found: format!("{other:?}") });
+            }
+        };
+        if let Err(e) = self.check_described(&described) {
+            self.reap(running);
+            return Err(e);
+        }
+        running.described = described;
+        Ok(running)
+    }
+
+    /// The backend must describe exactly the model the host's cache holds.
+    fn check_described(&self, d: &Described) -> Result<(), ProducerError> {
+        let mismatch = |expected: String, found: String| ProducerError::DescribeMismatch {
+            name: self.spec.name.clone(),
+            expected,
+            found,
+        };
+        let layers: Vec<LayerKv> = d
+            .layers
+            .iter()
+            .map(|l| match l.kind {
+                0 => LayerKv::Full { kv_heads: l.kv_heads, head_dim: l.head_dim },
+                1 => LayerKv::Sliding { window: l.window, kv_heads: l.kv_heads, head_dim: l.head_dim },
+                _ => LayerKv::Recurrent { state_elems: l.state_elems },
+            })
+            .collect();
+        let theirs = KvGeometry { layers };
+        if theirs != self.geometry {
+            return Err(mismatch(
+                format!("{} layers {:?}", self.geometry.layers.len(), self.geometry.groups()),
+                format!("{} layers {:?}", theirs.layers.len(), theirs.groups()),
+            ));
+        }
+        let ours = self.geometry.fingerprint().0;
+        if d.fingerprint != ours {
+            return Err(mismatch(format!("fingerprint {ours:016x}"), format!("{:016x}", d.fingerprint)));
+        }
+        if d.layout > 1 || d.dtype > 2 {
+            return Err(mismatch("layout 0..=1 and dtype 0..=2".into(), format!("{} and {}", d.layout, d.dtype)));
+        }
+        Ok(())
+    }
+
+    /// Waits for one message from the producer until `deadline`. On a timeout the producer is killed.
+    fn receive(
+        &self,
+        running: &mut Running,
+        deadline: Instant,
+        during: &'static str,
+    ) -> Result<FromProducer, ProducerError> {
+        let name = self.spec.name.clone();
+        let started = Instant::now();
+        match wait_readable(running.socket.as_fd(), running.pidfd.as_fd(), deadline).map_err(self.io("poll"))? {
+            Ready::TimedOut => {
+                return Err(ProducerError::Timeout { name, waited: started.elapsed(), during });
+            }
+            Ready::Exited => return Err(self.exited(running, during)),
+            Ready::Socket => {}
+        }
+        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+        running.socket.set_read_timeout(Some(left)).map_err(self.io("socket timeout"))?;
+        match protocol::recv::<FromProducer>(&mut running.socket) {
+            Ok(Some(m)) => Ok(m),
+            Ok(None) => Err(self.exited(running, during)),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                Err(ProducerError::Timeout { name, waited: started.elapsed(), during })
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                Err(ProducerError::Protocol { name, expected: "a control message".into(), found: e.to_string() })
+            }
+            Err(_) => Err(self.exited(running, during)),
+        }
+    }
+
+    /// The producer is gone (or going): wait briefly for its exit status.
+    fn exited(&self, running: &mut Running, during: &'static str) -> ProducerError {
+        let mut fds = [PollFd::from_borrowed_fd(running.pidfd.as_fd(), PollFlags::IN)];
+        let ts = rustix::event::Timespec { tv_sec: 2, tv_nsec: 0 };
+        let _ = rustix::event::poll(&mut fds, Some(&ts));
+        let status = match running.child.try_wait() {
+            Ok(Some(s)) => match (s.code(), s.signal()) {
+                (Some(code), _) => format!("with status {code}"),
+                (None, Some(sig)) => format!("by {}", signal_name(sig)),
+                _ => "somehow".to_string(),
+            },
+            _ => "(closed its control socket)".to_string(),
+        };
+        ProducerError::Exited { name: self.spec.name.clone(), status, during }
+    }
+
+    /// Kills (if needed) and reaps a process, and drops its ring.
+    fn reap(&self, mut running: Running) {
+        let _ = running.child.kill();
+        let _ = running.child.wait();
+    }
+
+    /// Records a failure: the process is killed, and the next start is a restart after the backoff.
+    fn fail(&mut self, error: ProducerError) -> ProducerError {
+        *self.metrics.spans_rejected.entry(error.kind()).or_default() += 1;
+        if let Some(running) = self.running.take() {
+            self.reap(running);
+        }
+        self.failed = true;
+        let policy = self.spec.restart;
+        self.backoff = if self.backoff.is_zero() { policy.initial_backoff } else { (self.backoff * 2).min(policy.max_backoff) };
+        self.not_before = Instant::now() + self.backoff;
+        error
+    }
+
+    /// Prefills `tokens` at `start_pos` of `request_id` in the producer and ingests the span into `seq`.
+    ///
+    /// On any failure the span is not in the cache (the cache is exactly as before), the reason is
+    /// counted, and a producer that broke the protocol, crashed or timed out is killed; the next call
+    /// starts a new one (with backoff, within the restart cap).
+    pub fn prefill(
+        &mut self,
+        kv: &mut PagedKv,
+        seq: SeqId,
+        request_id: u64,
+        start_pos: u64,
+        tokens: &[u32],
+    ) -> Result<SpanTimes, ProducerError> {
+        let started = Instant::now();
+        if let Err(e) = self.ensure_running() {
+            return Err(self.fail(e));
+        }
+        let result = self.exchange(kv, seq, request_id, start_pos, tokens, started);
+        match result {
+            Ok(times) => {
+                self.failed = false;
+                self.backoff = Duration::ZERO;
+                self.metrics.spans_accepted += 1;
+                self.metrics.bytes += times.bytes;
+                Ok(times)
+            }
+            // A backend that says it failed broke no rule: it keeps running.
+            Err(e @ ProducerError::Backend { .. }) => {
+                *self.metrics.spans_rejected.entry(e.kind()).or_default() += 1;
+                Err(e)
+            }
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    fn exchange(
+        &mut self,
+        kv: &mut PagedKv,
+        seq: SeqId,
+        request_id: u64,
+        start_pos: u64,
+        tokens: &[u32],
+        started: Instant,
+    ) -> Result<SpanTimes, ProducerError> {
+        let name = self.spec.name.clone();
+        let deadline = started + self.spec.request_timeout;
+        let mut running = self.running.take().expect("ensured");
+        let result = (|| {
+            let request = ToProducer::Prefill { request_id, start_pos, tokens: tokens.to_vec() };
+            if protocol::send(&running.socket, &request).is_err() {
+                return Err(self.exited(&mut running, "sending a request"));
+            }
+            let reply = self.receive(&mut running, deadline, "awaiting a prefill")?;
+            let (sequence, backend_ns, frame_ns) = match reply {
+                FromProducer::Done { request_id: r, sequence, backend_ns, frame_ns } if r == request_id => {
+                    (sequence, backend_ns, frame_ns)
+                }
+                FromProducer::Failed { request_id: r, status, message } if r == request_id => {
+                    let status = pdhost_plugin_abi::PdhostStatus::from_raw(status)
+                        .map_or_else(|| format!("status {status}"), |s| s.name().to_string());
+                    return Err(ProducerError::Backend { name: name.clone(), status, message });
+                }
+                other => {
+                    return Err(ProducerError::Protocol {
+                        name: name.clone(),
+                        expected: format!("Done or Failed for request {request_id}"),
+                        found: format!("{other:?}"),
+                    })
+                }
+            };
+            if sequence != running.ring.next_sequence() {
+                return Err(ProducerError::Protocol {
+                    name: name.clone(),
+                    expected: format!("frame {}", running.ring.next_sequence()),
+                    found: format!("frame {sequence}"),
+                });
+            }
+            let t = Instant::now();
+            let before = kv.seq_len(seq).unwrap_or(0);
+            let taken = running.ring.take_into(&mut IntoSequence { kv, seq });
+            let take = t.elapsed();
+            match taken {
+                Ok(Some(())) => {}
+                Ok(None) => {
+                    return Err(ProducerError::Protocol {
+                        name: name.clone(),
+                        expected: format!("frame {sequence} committed before the reply"),
+                        found: "no commit".into(),
+                    })
+                }
+                Err(TakeError::Ring(source)) => return Err(ProducerError::Ring { name: name.clone(), source }),
+                Err(TakeError::Sink(source)) => return Err(ProducerError::Rejected { name: name.clone(), source }),
+            }
+            let wire = match running.described.dtype {
+                0 => Dtype::F32,
+                1 => Dtype::F16,
+                _ => Dtype::Bf16,
+            };
+            let bytes = span_bytes(&self.geometry, wire, kv.seq_len(seq).unwrap_or(0) - before);
+            Ok(SpanTimes {
+                backend: Duration::from_nanos(backend_ns),
+                frame: Duration::from_nanos(frame_ns),
+                take,
+                round_trip: started.elapsed(),
+                bytes,
+            })
+        })();
+        self.running = Some(running);
+        result
+    }
+
+    /// Asks the producer to exit, waits briefly, then kills and reaps it.
+    pub fn shutdown(&mut self) {
+        if let Some(running) = self.running.take() {
+            if protocol::send(&running.socket, &ToProducer::Shutdown).is_ok() {
+                let mut fds = [PollFd::from_borrowed_fd(running.pidfd.as_fd(), PollFlags::IN)];
+                let ts = rustix::event::Timespec { tv_sec: 2, tv_nsec: 0 };
+                let _ = rustix::event::poll(&mut fds, Some(&ts));
+            }
+            self.reap(running);
+        }
+    }
+}
+
+impl Drop for Producer {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// Where the libraries of the built-in backends live: `$PDHOST_PLUGIN_DIR`, else next to the running
+/// executable or in its `deps/` (where cargo puts a dependency's cdylib).
+pub fn builtin_backend(name: &str) -> Result<PathBuf, String> {
+    let file = format!("libpdhost_backend_{name}.so");
+    let mut dirs = Vec::new();
+    if let Some(dir) = std::env::var_os("PDHOST_PLUGIN_DIR") {
+        dirs.push(PathBuf::from(dir));
+    }
+    if let Some(exe_dir) = std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf)) {
+        dirs.push(exe_dir.join("deps"));
+        dirs.push(exe_dir.clone());
+        if let Some(up) = exe_dir.parent() {
+            dirs.push(up.join("deps"));
+        }
+    }
+    dirs.iter().map(|d| d.join(&file)).find(|p| p.is_file()).ok_or_else(|| {
+        let looked: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
+        format!(
+            "backend {name}: expected {file} in {}, found none (build it with `cargo build --release --workspace`, \
+             or set PDHOST_PLUGIN_DIR)",
+            looked.join(", ")
+        )
+    })
+}

@@ -1,0 +1,397 @@
+//! The fault-injection backend. It computes a real prefill (dense or grouped, like `rngd` or `gpu`) and
+//! then misbehaves as its configuration says:
+//!
+//! ```json
+//! {"model": "...", "fault": "kill_mid", "layout": "grouped", "on_requests": [1], "delay_ms": 2000}
+//! {"model": "...", "fault": "random", "seed": 7, "rate": 0.3}
+//! ```
+//!
+//! `fault` is one of [`MODES`] or `random` (a mode per request chosen by hashing `seed` and the request
+//! id, so the choice survives producer restarts); `on_requests` limits the fault to those request ids
+//! (default: every request); `layout` is `dense` (default) or `grouped`. Without `fault` it behaves.
+//!
+//! Everything a misbehaving vendor library could do from inside the producer process is fair: crash in
+//! three ways at three points, hang, stall, exit cleanly mid-request, emit spans whose manifest lies about
+//! layers, groups, shapes, dtype, tokens or model, emit frames whose header lies about lengths and ring
+//! coordinates or changes after commit, and attack the host's segments.
+
+use std::time::Duration;
+
+use pdhost_backend_kit::ModelBackend;
+use pdhost_plugin_abi::{Backend, BackendError, Description, PdhostLayout, PdhostStatus, Prefill, Writer};
+use shm_format::{
+    seal_frame, write_prefix, Dtype, Entry, EntryKind, FrameCoords, Group, GroupKind, Layout, CHECKSUM_OFFSET,
+};
+
+/// Every fault mode, by name.
+pub const MODES: &[&str] = &[
+    "kill_before",
+    "kill_mid",
+    "kill_after",
+    "abort_before",
+    "abort_mid",
+    "abort_after",
+    "segv_before",
+    "segv_mid",
+    "segv_after",
+    "hang",
+    "slow",
+    "exit_mid",
+    "wrong_layer_count",
+    "missing_group",
+    "extra_group",
+    "duplicated_layer",
+    "wrong_shape",
+    "wrong_dtype",
+    "wrong_token_range",
+    "wrong_fingerprint",
+    "truncated_payload",
+    "bad_checksum",
+    "stale_generation",
+    "replayed_sequence",
+    "double_fetch",
+    "oversize_lengths",
+    "write_outside_slot",
+    "attack_segments",
+];
+
+/// When a crash happens relative to writing the regions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum When {
+    Before,
+    Mid,
+    After,
+}
+
+/// The backend instance.
+#[derive(Debug)]
+pub struct Faulty {
+    inner: ModelBackend,
+    fault: Option<String>,
+    on_requests: Option<Vec<u64>>,
+    seed: u64,
+    rate: f64,
+    delay: Duration,
+}
+
+fn splitmix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The mode `random` picks for a request, if any: a pure function of the seed and the request id.
+pub fn random_mode(seed: u64, rate: f64, request_id: u64) -> Option<&'static str> {
+    let h = splitmix(seed ^ splitmix(request_id));
+    let pick = (h >> 11) as f64 / (1u64 << 53) as f64;
+    (pick < rate).then(|| MODES[(splitmix(h) % MODES.len() as u64) as usize])
+}
+
+impl Faulty {
+    fn mode_for(&self, request_id: u64) -> Option<&str> {
+        if self.on_requests.as_ref().is_some_and(|ids| !ids.contains(&request_id)) {
+            return None;
+        }
+        match self.fault.as_deref() {
+            Some("random") => random_mode(self.seed, self.rate, request_id),
+            other => other,
+        }
+    }
+}
+
+impl Backend for Faulty {
+    fn open(config: &str) -> Result<Self, BackendError> {
+        let json: serde_json::Value = serde_json::from_str(config)
+            .map_err(|e| BackendError::new(PdhostStatus::BadConfig, format!("config: expected JSON, found {e}")))?;
+        let layout = match json.get("layout").and_then(|l| l.as_str()) {
+            None | Some("dense") => PdhostLayout::Dense,
+            Some("grouped") => PdhostLayout::Grouped,
+            Some(other) => {
+                return Err(BackendError::new(
+                    PdhostStatus::BadConfig,
+                    format!("config layout: expected dense or grouped, found {other:?}"),
+                ))
+            }
+        };
+        let fault = json.get("fault").and_then(|f| f.as_str()).map(str::to_string);
+        if let Some(f) = &fault {
+            if f != "random" && !MODES.contains(&f.as_str()) {
+                return Err(BackendError::new(
+                    PdhostStatus::BadConfig,
+                    format!("config fault: expected random or one of {}, found {f:?}", MODES.join(", ")),
+                ));
+            }
+        }
+        let on_requests =
+            json.get("on_requests").and_then(|r| r.as_array()).map(|a| a.iter().filter_map(|v| v.as_u64()).collect());
+        Ok(Faulty {
+            inner: ModelBackend::open(config, layout, Dtype::Bf16)?,
+            fault,
+            on_requests,
+            seed: json.get("seed").and_then(|s| s.as_u64()).unwrap_or(0),
+            rate: json.get("rate").and_then(|r| r.as_f64()).unwrap_or(0.3),
+            delay: Duration::from_millis(json.get("delay_ms").and_then(|d| d.as_u64()).unwrap_or(2000)),
+        })
+    }
+
+    fn describe(&self) -> Description {
+        self.inner.describe()
+    }
+
+    fn prefill(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
+        let Some(mode) = self.mode_for(request.request_id).map(str::to_string) else {
+            return self.behave(request, writer);
+        };
+        let crash = |how: &str| -> Option<(fn() -> !, When)> {
+            let die: fn() -> ! = match how.split('_').next()? {
+                "kill" => die_kill,
+                "abort" => die_abort,
+                "segv" => die_segv,
+                "exit" => die_exit0,
+                _ => return None,
+            };
+            let when = match how.split('_').nth(1)? {
+                "before" => When::Before,
+                "mid" => When::Mid,
+                "after" => When::After,
+                _ => return None,
+            };
+            Some((die, when))
+        };
+        if let Some((die, when)) = crash(&mode) {
+            if when == When::Before {
+                die();
+            }
+            let kv = self.inner.compute(request)?;
+            let manifest = self.inner.manifest(request);
+            let half = manifest.entries.len() / 2;
+            let limit = if when == When::Mid { Some(half.max(1)) } else { None };
+            self.inner.write_regions(&manifest, &kv, writer, limit)?;
+            if when == When::Mid {
+                // Scribble into part of the next region, as a device DMA cut off halfway would.
+                if let Ok(region) = writer.region(half as u32) {
+                    let n = region.len() / 2;
+                    region[..n].fill(0xAB);
+                }
+            }
+            die();
+        }
+        match mode.as_str() {
+            "hang" => loop {
+                std::thread::sleep(Duration::from_secs(3600));
+            },
+            "slow" => {
+                std::thread::sleep(self.delay);
+                self.behave(request, writer)
+            }
+            "attack_segments" => {
+                let allowed = attack_segments();
+                if !allowed.is_empty() {
+                    eprintln!("faulty: the host's segments allowed: {}", allowed.join(", "));
+                    std::process::abort();
+                }
+                self.behave(request, writer)
+            }
+            _ => self.malformed(&mode, request, writer),
+        }
+    }
+}
+
+impl Faulty {
+    fn behave(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
+        let kv = self.inner.compute(request)?;
+        self.inner.write_regions(&self.inner.manifest(request), &kv, writer, None)
+    }
+
+    /// Writes a whole frame that is wrong in the way `mode` names.
+    fn malformed(&mut self, mode: &str, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
+        let kv = self.inner.compute(request)?;
+        let mut manifest = self.inner.manifest(request);
+        let mut payload = self.inner.payload(&manifest, &kv);
+        let frame = writer.frame()?;
+        let mut coords = FrameCoords { epoch: frame.epoch, generation: frame.generation, sequence: frame.sequence };
+        let mut declared_payload = None;
+        let layers = self.inner.geometry().layers.len() as u32;
+        match mode {
+            "wrong_layer_count" => match &mut manifest.layout {
+                Layout::Dense { num_layers, .. } => *num_layers += 4,
+                // The incident: every model layer sent as one group, into the receiver's sliding group.
+                Layout::Grouped { groups } => {
+                    let kind = groups[0].kind;
+                    *groups = vec![Group { id: 0, kind, layers: (0..layers).collect() }];
+                }
+            },
+            "missing_group" => {
+                let gone: Vec<u32> = match &mut manifest.layout {
+                    Layout::Dense { num_layers, .. } => {
+                        *num_layers -= 1;
+                        vec![*num_layers]
+                    }
+                    Layout::Grouped { groups } => groups.pop().map(|g| g.layers).unwrap_or_default(),
+                };
+                manifest.entries.retain(|e| !gone.contains(&e.layer));
+            }
+            "extra_group" | "duplicated_layer" => {
+                // New entries with their own payload bytes: an extra layer past the model's, or layer 0 again.
+                let layer = if mode == "extra_group" { layers } else { 0 };
+                let template = manifest.entries.iter().find(|e| e.layer == 0).expect("layer 0").clone();
+                for kind in [EntryKind::K, EntryKind::V] {
+                    let offset = payload.len() as u64;
+                    payload.extend(std::iter::repeat_n(0x3Cu8, template.len as usize));
+                    manifest.entries.push(Entry { layer, kind, offset, ..template.clone() });
+                }
+                match &mut manifest.layout {
+                    Layout::Dense { num_layers, .. } if mode == "extra_group" => *num_layers += 1,
+                    Layout::Dense { .. } => {}
+                    Layout::Grouped { groups } => {
+                        let id = groups.len() as u32;
+                        groups.push(Group { id, kind: GroupKind::Full, layers: vec![layer] });
+                    }
+                }
+            }
+            "wrong_shape" => {
+                let e = &mut manifest.entries[0];
+                e.shape = vec![e.shape[0], e.shape[1] * 2, e.shape[2] / 2];
+            }
+            "wrong_dtype" => manifest.dtype = if manifest.dtype == Dtype::F32 { Dtype::Bf16 } else { Dtype::F32 },
+            "wrong_token_range" => {
+                manifest.token_start += 1;
+                manifest.token_end += 1;
+            }
+            "wrong_fingerprint" => manifest.fingerprint.0 ^= 1,
+            "truncated_payload" => {
+                payload.truncate(payload.len() / 2);
+                declared_payload = Some(payload.len() as u64);
+            }
+            "stale_generation" => coords.generation = coords.generation.wrapping_sub(1),
+            "replayed_sequence" => coords.sequence = coords.sequence.wrapping_sub(1),
+            "oversize_lengths" => {
+                // Offsets that overflow u64 when added to their length.
+                let e = manifest.entries.last_mut().expect("entries");
+                e.offset = u64::MAX - 7;
+            }
+            "write_outside_slot" => declared_payload = Some(frame.buf.len() as u64),
+            "bad_checksum" | "double_fetch" => {}
+            other => unreachable!("mode {other} is handled before"),
+        }
+        let declared = declared_payload.unwrap_or(payload.len() as u64);
+        let info = write_prefix(frame.buf, &manifest.encode(), declared, coords)
+            .map_err(|e| BackendError::new(PdhostStatus::BackendError, format!("faulty framing: {e}")))?;
+        let start = info.payload_offset as usize;
+        let room = frame.buf.len() - start;
+        frame.buf[start..start + payload.len().min(room)].copy_from_slice(&payload[..payload.len().min(room)]);
+        if info.frame_len as usize <= frame.buf.len() {
+            seal_frame(&mut frame.buf[..info.frame_len as usize]);
+        }
+        match mode {
+            "bad_checksum" => frame.buf[start] ^= 0x01,
+            "double_fetch" => toggle_header_later(frame.buf.as_mut_ptr()),
+            _ => {}
+        }
+        Ok(())
+    }
+}
+
+/// A raw pointer that may cross to the thread that rewrites the header.
+struct SlotPtr(*mut u8);
+// SAFETY: the pointer is only used to write bytes of this process's own writable mapping, which stays
+// mapped for the producer's life; racing with the host's reads is the point of this fault.
+unsafe impl Send for SlotPtr {}
+
+/// After the producer commits, flips the header's epoch field back and forth for a while: a header that
+/// changes under the host's feet after commit.
+fn toggle_header_later(frame: *mut u8) {
+    let ptr = SlotPtr(frame);
+    std::thread::spawn(move || {
+        let ptr = ptr;
+        let field = 40; // producer_epoch, inside the checksummed header
+        debug_assert_ne!(field, CHECKSUM_OFFSET);
+        let until = std::time::Instant::now() + Duration::from_millis(200);
+        while std::time::Instant::now() < until {
+            // SAFETY: byte `field` of the slot's frame area, inside the writable mapping (see `SlotPtr`).
+            unsafe {
+                let p = ptr.0.add(field);
+                std::ptr::write_volatile(p, std::ptr::read_volatile(p) ^ 1);
+            }
+            std::thread::yield_now();
+        }
+    });
+}
+
+fn die_kill() -> ! {
+    // SAFETY: signalling this process.
+    unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    unreachable!("SIGKILL cannot be caught")
+}
+
+fn die_abort() -> ! {
+    std::process::abort()
+}
+
+/// A real segmentation fault: a store to a page mapped with no access.
+fn die_segv() -> ! {
+    // SAFETY: maps one inaccessible page and stores to it; the kernel delivers SIGSEGV, whose default
+    // action (Rust's handler restores it for faults outside a stack guard) kills the process.
+    unsafe {
+        let p = libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS, -1, 0);
+        assert_ne!(p, libc::MAP_FAILED);
+        std::ptr::write_volatile(p.cast::<u8>(), 1);
+    }
+    std::process::abort()
+}
+
+fn die_exit0() -> ! {
+    std::process::exit(0)
+}
+
+/// Tries to resize or write the host's control segment and to resize the data segment, through every
+/// route a process holding the descriptors has. Returns the attempts that succeeded (none, if the host
+/// sealed its segments properly).
+fn attack_segments() -> Vec<String> {
+    let mut allowed = Vec::new();
+    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
+    for entry in fds {
+        let Ok(target) = std::fs::read_link(entry.path()) else { continue };
+        let target = target.to_string_lossy().into_owned();
+        let Ok(fd) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let control = target.starts_with("/memfd:") && target.contains(".control");
+        let data = target.starts_with("/memfd:") && target.contains(".data");
+        if !control && !data {
+            continue;
+        }
+        let mut try_it = |name: &str, ok: bool| {
+            if ok {
+                allowed.push(format!("{target} {name}"));
+            }
+        };
+        // SAFETY: system calls on a descriptor this process holds, with pointers to live locals; every
+        // mapping made is unmapped.
+        unsafe {
+            let mut st: libc::stat = std::mem::zeroed();
+            libc::fstat(fd, &mut st);
+            let len = st.st_size;
+            try_it("shrink", libc::ftruncate(fd, 0) == 0);
+            try_it("grow", libc::ftruncate(fd, len * 2) == 0);
+            try_it("fallocate", libc::fallocate(fd, 0, len, 4096) == 0);
+            try_it("add-seal", libc::fcntl(fd, libc::F_ADD_SEALS, libc::F_SEAL_WRITE) == 0);
+            if control {
+                try_it("pwrite", libc::pwrite(fd, b"x".as_ptr().cast(), 1, 64) == 1);
+                let rw = libc::PROT_READ | libc::PROT_WRITE;
+                let p = libc::mmap(std::ptr::null_mut(), len as usize, rw, libc::MAP_SHARED, fd, 0);
+                try_it("mmap-shared-rw", p != libc::MAP_FAILED);
+                if p != libc::MAP_FAILED {
+                    libc::munmap(p, len as usize);
+                }
+                let p = libc::mmap(std::ptr::null_mut(), len as usize, libc::PROT_READ, libc::MAP_SHARED, fd, 0);
+                if p != libc::MAP_FAILED {
+                    try_it("mprotect-rw", libc::mprotect(p, len as usize, rw) == 0);
+                    libc::munmap(p, len as usize);
+                }
+            }
+        }
+    }
+    allowed
+}
+
+pdhost_plugin_abi::export_backend!(Faulty, c"faulty");

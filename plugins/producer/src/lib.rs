@@ -1,0 +1,436 @@
+//! The producer: one process per vendor backend.
+//!
+//! It loads exactly one backend library (`RTLD_NOW | RTLD_LOCAL`), opens and describes it, maps the ring
+//! the host created (descriptors at [`protocol::PRODUCER_FDS`]), and then serves prefill requests from the
+//! control socket: for each, it reserves a ring slot, writes the frame header and manifest, lets the
+//! backend write K/V straight into the slot through the writer's regions, seals the checksum and commits.
+//! It dies with its parent (`PR_SET_PDEATHSIG`) and exits when the control socket closes.
+//!
+//! Everything the producer writes is untrusted by the host, which validates every frame; the producer
+//! itself trusts the host (it reads ring geometry from the host's control segment).
+
+pub mod protocol;
+
+use std::ffi::{c_char, c_void, CStr, OsString};
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use pdhost_plugin_abi::{
+    PdhostBackend, PdhostBackendV1, PdhostDescription, PdhostEntryFn, PdhostFrame, PdhostLayer, PdhostLayerKind,
+    PdhostLayout, PdhostPrefill, PdhostStatus, PdhostWriter, ENTRY_SYMBOL, PDHOST_ABI_MAJOR,
+};
+use protocol::{Described, FromProducer, LayerDesc, ToProducer, PRODUCER_FDS};
+use shm_format::{seal_frame, Dtype, Fingerprint, KvGeometry, LayerKv, Manifest};
+use shm_ring::segment::memfd::MemfdSegment;
+use shm_ring::RingWriter;
+
+/// Bytes of error text a backend may return.
+const ERR_CAP: usize = 1024;
+/// How long the producer waits for the host to hand a slot back.
+const SLOT_WAIT: Duration = Duration::from_secs(30);
+
+/// The producer's command line.
+#[derive(Debug)]
+struct Args {
+    backend: std::path::PathBuf,
+    config: String,
+    parent: Option<i32>,
+}
+
+const USAGE: &str = "usage: pdhost-producer --backend LIB.so [--config JSON] [--parent-pid PID]
+
+Started by the pdhost host with its ring at fds 3-6 and the control socket at fd 7; see docs/plugin-abi.md.";
+
+fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
+    let mut it = args.into_iter();
+    let (mut backend, mut config, mut parent) = (None, "{}".to_string(), None);
+    while let Some(flag) = it.next() {
+        let flag = flag.to_string_lossy().into_owned();
+        let mut value = || it.next().ok_or_else(|| format!("{flag}: expected a value, found the end of the arguments"));
+        match flag.as_str() {
+            "--backend" => backend = Some(std::path::PathBuf::from(value()?)),
+            "--config" => config = value()?.to_string_lossy().into_owned(),
+            "--parent-pid" => {
+                let v = value()?;
+                parent = Some(v.to_string_lossy().parse().map_err(|_| format!("--parent-pid: expected a pid, found {v:?}"))?)
+            }
+            "--help" | "-h" => return Err(USAGE.into()),
+            other => return Err(format!("unexpected argument {other:?}\n{USAGE}")),
+        }
+    }
+    let backend = backend.ok_or_else(|| format!("expected --backend LIB.so, found none\n{USAGE}"))?;
+    Ok(Args { backend, config, parent })
+}
+
+/// Runs a producer; `args` excludes the program name.
+pub fn main(args: Vec<OsString>) -> ExitCode {
+    let args = match parse_args(args) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("pdhost-producer: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    die_with_parent(args.parent);
+    // SAFETY: the host starts producers with these descriptors open and owned by nobody else here; each
+    // is taken exactly once, before anything else in the process opens a file.
+    let fds = PRODUCER_FDS.map(|fd| unsafe { OwnedFd::from_raw_fd(fd) });
+    let [control, data, to_host, from_host, socket] = fds;
+    let socket = UnixStream::from(socket);
+    match serve(&args, [control, data, to_host, from_host], &socket) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Fatal { stage, message }) => {
+            eprintln!("pdhost-producer: {stage}: {message}");
+            let _ = protocol::send(&socket, &FromProducer::StartFailed { stage: stage.into(), message });
+            ExitCode::from(3)
+        }
+    }
+}
+
+/// `PR_SET_PDEATHSIG`: the kernel kills this process when the thread that spawned it exits. If the parent
+/// already died before the call, exit now.
+fn die_with_parent(parent: Option<i32>) {
+    // SAFETY: plain prctl/getppid calls without pointers.
+    unsafe {
+        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
+        if parent.is_some_and(|p| libc::getppid() != p) {
+            std::process::exit(1);
+        }
+    }
+}
+
+struct Fatal {
+    stage: &'static str,
+    message: String,
+}
+
+fn fatal(stage: &'static str) -> impl Fn(String) -> Fatal {
+    move |message| Fatal { stage, message }
+}
+
+/// The loaded library and its vtable. The vtable is copied out: it is static in the library, which stays
+/// loaded as long as this value lives.
+struct Loaded {
+    table: PdhostBackendV1,
+    name: String,
+    _library: libloading::Library,
+}
+
+fn load(path: &std::path::Path) -> Result<Loaded, String> {
+    use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+    // SAFETY: loading a library runs its initialisers; that is the point of a producer, which exists so
+    // that whatever they do happens in this process, not the host.
+    let library = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }.map_err(|e| e.to_string())?;
+    // SAFETY: the symbol's type is fixed by the ABI (`PdhostEntryFn`).
+    let entry = unsafe { library.get::<PdhostEntryFn>(ENTRY_SYMBOL) }.map_err(|e| {
+        format!("expected the symbol {}, found none: {e}", String::from_utf8_lossy(&ENTRY_SYMBOL[..ENTRY_SYMBOL.len() - 1]))
+    })?;
+    // SAFETY: calling the entry function as the ABI defines it.
+    let table = unsafe { entry() };
+    if table.is_null() {
+        return Err("pdhost_backend_v1 returned null: expected a vtable".into());
+    }
+    // The header fields are read first, on their own, so that a short table is never over-read.
+    // SAFETY: every vtable starts with these three u32s.
+    let (major, size) = unsafe { ((*table).abi_major, (*table).struct_size) };
+    if major != PDHOST_ABI_MAJOR {
+        return Err(format!("ABI major version: expected {PDHOST_ABI_MAJOR}, found {major}"));
+    }
+    if (size as usize) < size_of::<PdhostBackendV1>() {
+        return Err(format!("vtable size: expected at least {} bytes, found {size}", size_of::<PdhostBackendV1>()));
+    }
+    // SAFETY: the table is at least as large as the v1 struct, and static in the library.
+    let table = unsafe { *table };
+    let name = if table.name.is_null() {
+        "unnamed".to_string()
+    } else {
+        // SAFETY: the ABI requires a NUL-terminated static string.
+        unsafe { CStr::from_ptr(table.name) }.to_string_lossy().into_owned()
+    };
+    Ok(Loaded { table, name, _library: library.into() })
+}
+
+/// Text a backend wrote into an error buffer.
+fn err_text(buf: &[u8]) -> String {
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    let text = String::from_utf8_lossy(&buf[..end]).replace('\n', " ");
+    if text.is_empty() {
+        "no reason given".into()
+    } else {
+        text
+    }
+}
+
+fn status_text(code: u32) -> String {
+    PdhostStatus::from_raw(code).map_or_else(|| format!("unknown status {code}"), |s| s.name().to_string())
+}
+
+fn geometry_of(layers: &[PdhostLayer]) -> Result<KvGeometry, String> {
+    let layer = |(i, l): (usize, &PdhostLayer)| match l.kind {
+        k if k == PdhostLayerKind::Full as u32 => Ok(LayerKv::Full { kv_heads: l.kv_heads, head_dim: l.head_dim }),
+        k if k == PdhostLayerKind::Sliding as u32 => {
+            Ok(LayerKv::Sliding { window: l.window, kv_heads: l.kv_heads, head_dim: l.head_dim })
+        }
+        k if k == PdhostLayerKind::Recurrent as u32 => Ok(LayerKv::Recurrent { state_elems: l.state_elems }),
+        k => Err(format!("layer {i} kind: expected 0 (full), 1 (sliding) or 2 (recurrent), found {k}")),
+    };
+    Ok(KvGeometry { layers: layers.iter().enumerate().map(layer).collect::<Result<_, _>>()? })
+}
+
+/// An open backend instance.
+struct Instance<'l> {
+    loaded: &'l Loaded,
+    handle: *mut PdhostBackend,
+}
+
+impl Drop for Instance<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from this table's `open` and is closed once.
+        unsafe { (self.loaded.table.close)(self.handle) };
+    }
+}
+
+/// What the producer needs to frame spans: the described geometry, layout and dtype.
+struct Framing {
+    geometry: KvGeometry,
+    layout: PdhostLayout,
+    dtype: Dtype,
+    fingerprint: Fingerprint,
+}
+
+fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(), Fatal> {
+    let loaded = load(&args.backend).map_err(|e| fatal("load")(format!("{}: {e}", args.backend.display())))?;
+    let table = loaded.table;
+    let mut err = [0u8; ERR_CAP];
+    let mut handle = std::ptr::null_mut();
+    // SAFETY: the ABI's `open`: config bytes and lengths, out-pointer and error buffer all valid.
+    let code = unsafe {
+        (table.open)(args.config.as_ptr(), args.config.len(), &mut handle, err.as_mut_ptr().cast::<c_char>(), ERR_CAP)
+    };
+    if code != PdhostStatus::Ok as u32 || handle.is_null() {
+        return Err(fatal("open")(format!("{}: {}", status_text(code), err_text(&err))));
+    }
+    let instance = Instance { loaded: &loaded, handle };
+    let (framing, described) = describe(&instance)?;
+    let mut ring = RingWriter::open(ring_fds).map_err(|e| fatal("ring")(e.to_string()))?;
+    protocol::send(socket, &FromProducer::Ready(described)).map_err(|e| fatal("socket")(e.to_string()))?;
+
+    loop {
+        let message = match protocol::recv::<ToProducer>(socket) {
+            Ok(Some(m)) => m,
+            Ok(None) | Err(_) => return Ok(()), // the host went away or hung up: nothing left to serve
+        };
+        let (request_id, start_pos, tokens) = match message {
+            ToProducer::Shutdown => return Ok(()),
+            ToProducer::Prefill { request_id, start_pos, tokens } => (request_id, start_pos, tokens),
+        };
+        let reply = prefill(&instance, &framing, &mut ring, request_id, start_pos, &tokens);
+        if protocol::send(socket, &reply).is_err() {
+            return Ok(());
+        }
+    }
+}
+
+fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
+    let mut err = [0u8; ERR_CAP];
+    let mut d = PdhostDescription {
+        struct_size: size_of::<PdhostDescription>() as u32,
+        layout: u32::MAX,
+        dtype: u32::MAX,
+        num_layers: 0,
+        layers: std::ptr::null(),
+        fingerprint: 0,
+    };
+    let table = instance.loaded.table;
+    // SAFETY: the ABI's `describe` on an open handle with a valid out-pointer and error buffer.
+    let code = unsafe { (table.describe)(instance.handle, &mut d, err.as_mut_ptr().cast::<c_char>(), ERR_CAP) };
+    let bad = fatal("describe");
+    if code != PdhostStatus::Ok as u32 {
+        return Err(bad(format!("{}: {}", status_text(code), err_text(&err))));
+    }
+    if d.num_layers == 0 || d.layers.is_null() || d.num_layers > 1 << 16 {
+        return Err(bad(format!("layers: expected 1..=65536 described layers, found {}", d.num_layers)));
+    }
+    // SAFETY: the backend promises `num_layers` layers at `layers`, valid until close.
+    let layers = unsafe { std::slice::from_raw_parts(d.layers, d.num_layers as usize) }.to_vec();
+    let geometry = geometry_of(&layers).map_err(&bad)?;
+    let layout = match d.layout {
+        0 => PdhostLayout::Dense,
+        1 => PdhostLayout::Grouped,
+        other => return Err(bad(format!("layout: expected 0 (dense) or 1 (grouped), found {other}"))),
+    };
+    if layout == PdhostLayout::Dense && geometry.uniform_heads().is_none() {
+        return Err(bad("dense layout: expected every layer to be attention with the same heads".into()));
+    }
+    let dtype = match d.dtype {
+        0 => Dtype::F32,
+        1 => Dtype::F16,
+        2 => Dtype::Bf16,
+        other => return Err(bad(format!("dtype: expected 0 (f32), 1 (f16) or 2 (bf16), found {other}"))),
+    };
+    let fingerprint = if d.fingerprint == 0 { geometry.fingerprint() } else { Fingerprint(d.fingerprint) };
+    let described = Described {
+        backend: instance.loaded.name.clone(),
+        abi_minor: table.abi_minor,
+        layout: d.layout,
+        dtype: d.dtype,
+        fingerprint: fingerprint.0,
+        layers: layers
+            .iter()
+            .map(|l| LayerDesc {
+                kind: l.kind,
+                kv_heads: l.kv_heads,
+                head_dim: l.head_dim,
+                window: l.window,
+                state_elems: l.state_elems,
+            })
+            .collect(),
+    };
+    Ok((Framing { geometry, layout, dtype, fingerprint }, described))
+}
+
+/// The writer's context during one `prefill` call.
+struct SlotCtx {
+    /// Start of the slot's frame area (writable mapping).
+    frame: *mut u8,
+    capacity: u64,
+    payload_offset: u64,
+    /// `(offset, len)` of each entry inside the payload.
+    entries: Vec<(u64, u64)>,
+    taken: Vec<bool>,
+    whole_frame: bool,
+    coords: shm_format::FrameCoords,
+}
+
+unsafe extern "C" fn region(ctx: *mut c_void, entry: u32, ptr: *mut *mut u8, len: *mut u64) -> u32 {
+    if ctx.is_null() || ptr.is_null() || len.is_null() {
+        return PdhostStatus::InvalidArgument as u32;
+    }
+    // SAFETY: `ctx` is the `SlotCtx` the producer passed for this call, alive for its duration; the
+    // backend calls back on the thread the producer called it on (docs/plugin-abi.md, threading).
+    let ctx = unsafe { &mut *ctx.cast::<SlotCtx>() };
+    let Some(&(offset, n)) = ctx.entries.get(entry as usize) else {
+        return PdhostStatus::InvalidArgument as u32;
+    };
+    if ctx.whole_frame || ctx.taken[entry as usize] {
+        return PdhostStatus::WriterRefused as u32;
+    }
+    ctx.taken[entry as usize] = true;
+    // SAFETY: `payload_offset + offset + n <= frame_len <= capacity`, checked when the prefix was written,
+    // so the region lies inside the slot's frame area; out-pointers were checked non-null.
+    unsafe {
+        *ptr = ctx.frame.add((ctx.payload_offset + offset) as usize);
+        *len = n;
+    }
+    PdhostStatus::Ok as u32
+}
+
+unsafe extern "C" fn whole_frame(ctx: *mut c_void, out: *mut PdhostFrame) -> u32 {
+    if ctx.is_null() || out.is_null() {
+        return PdhostStatus::InvalidArgument as u32;
+    }
+    // SAFETY: as in `region`.
+    let ctx = unsafe { &mut *ctx.cast::<SlotCtx>() };
+    if ctx.taken.iter().any(|&t| t) {
+        return PdhostStatus::WriterRefused as u32;
+    }
+    ctx.whole_frame = true;
+    // SAFETY: `out` was checked non-null; the frame area is `capacity` bytes of the writable slot.
+    unsafe {
+        *out = PdhostFrame {
+            ptr: ctx.frame,
+            capacity: ctx.capacity,
+            epoch: ctx.coords.epoch,
+            generation: ctx.coords.generation,
+            sequence: ctx.coords.sequence,
+        };
+    }
+    PdhostStatus::Ok as u32
+}
+
+fn prefill(
+    instance: &Instance<'_>,
+    framing: &Framing,
+    ring: &mut RingWriter<MemfdSegment, MemfdSegment>,
+    request_id: u64,
+    start_pos: u64,
+    tokens: &[u32],
+) -> FromProducer {
+    let failed = |status: PdhostStatus, message: String| FromProducer::Failed { request_id, status: status as u32, message };
+    if tokens.is_empty() {
+        return failed(PdhostStatus::InvalidArgument, "prefill: expected at least one token, found none".into());
+    }
+    let t0 = Instant::now();
+    let range = start_pos..start_pos + tokens.len() as u64;
+    let mut manifest = match framing.layout {
+        PdhostLayout::Dense => {
+            Manifest::dense(&framing.geometry, request_id, range, framing.dtype).expect("uniform heads checked")
+        }
+        PdhostLayout::Grouped => Manifest::grouped(&framing.geometry, request_id, range, framing.dtype),
+    };
+    manifest.fingerprint = framing.fingerprint;
+    let mut slot = match ring.reserve(Instant::now() + SLOT_WAIT) {
+        Ok(s) => s,
+        Err(e) => return failed(PdhostStatus::WriterRefused, format!("ring: {e}")),
+    };
+    let info = match slot.write_prefix(&manifest.encode(), manifest.payload_len()) {
+        Ok(info) => info,
+        Err(e) => return failed(PdhostStatus::WriterRefused, format!("span does not fit the ring slot: {e}")),
+    };
+    let coords = slot.coords();
+    let frame = slot.frame_mut();
+    let mut ctx = SlotCtx {
+        frame: frame.as_mut_ptr(),
+        capacity: frame.len() as u64,
+        payload_offset: info.payload_offset,
+        entries: manifest.entries.iter().map(|e| (e.offset, e.len)).collect(),
+        taken: vec![false; manifest.entries.len()],
+        whole_frame: false,
+        coords,
+    };
+    let writer = PdhostWriter {
+        struct_size: size_of::<PdhostWriter>() as u32,
+        num_entries: manifest.entries.len() as u32,
+        ctx: (&raw mut ctx).cast(),
+        region,
+        frame: whole_frame,
+    };
+    let request = PdhostPrefill {
+        struct_size: size_of::<PdhostPrefill>() as u32,
+        reserved: 0,
+        request_id,
+        start_pos,
+        n_tokens: tokens.len() as u64,
+        token_ids: tokens.as_ptr(),
+    };
+    let framed = t0.elapsed();
+    let mut err = [0u8; ERR_CAP];
+    let t1 = Instant::now();
+    // SAFETY: the ABI's `prefill`: open handle, request and writer valid for the call, error buffer.
+    let code = unsafe {
+        (instance.loaded.table.prefill)(instance.handle, &request, &writer, err.as_mut_ptr().cast::<c_char>(), ERR_CAP)
+    };
+    let backend_ns = t1.elapsed().as_nanos() as u64;
+    if code != PdhostStatus::Ok as u32 {
+        let status = PdhostStatus::from_raw(code).unwrap_or(PdhostStatus::BackendError);
+        return failed(status, format!("backend prefill: {}: {}", status_text(code), err_text(&err)));
+    }
+    let t2 = Instant::now();
+    if !ctx.whole_frame {
+        // A region never handed out still holds an older frame's bytes, which would pass every check as
+        // plausible K/V: refuse to commit.
+        if let Some(missing) = ctx.taken.iter().position(|&t| !t) {
+            return failed(
+                PdhostStatus::BackendError,
+                format!("backend returned OK without writing entry {missing} of {}", ctx.taken.len()),
+            );
+        }
+        let frame = slot.frame_mut();
+        seal_frame(&mut frame[..info.frame_len as usize]);
+    }
+    let sequence = coords.sequence;
+    slot.commit();
+    FromProducer::Done { request_id, sequence, backend_ns, frame_ns: (framed + t2.elapsed()).as_nanos() as u64 }
+}
