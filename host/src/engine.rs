@@ -48,6 +48,15 @@ pub enum EngineError {
     Producer(#[from] ProducerError),
 }
 
+/// What [`Engine::prefill_seq`] did.
+struct Prefilled {
+    forward: Duration,
+    ingest: Duration,
+    bytes: u64,
+    spans: usize,
+    report: PrefillReport,
+}
+
 /// How the prompt was prefilled.
 #[derive(Debug, Default)]
 pub struct PrefillReport {
@@ -240,15 +249,61 @@ impl Engine {
         result
     }
 
-    /// Adds a sequence holding `prompt`, prefilled locally, and keeps it (for tests that check other
-    /// sequences are untouched). Returns its id.
-    pub fn hold_sequence(&mut self, prompt: &[u32]) -> Result<SeqId, EngineError> {
+    /// Adds a sequence and prefills all of `prompt` into it (in spans of `chunk` tokens; 0: one span),
+    /// by `by`, and keeps it: for tests and tools that inspect the cache, or check that other sequences
+    /// are untouched. Release it with [`Engine::release`].
+    pub fn prefill(&mut self, prompt: &[u32], chunk: usize, by: PrefillBy<'_>) -> Result<(SeqId, PrefillReport), EngineError> {
         let seq = SeqId(self.next_seq);
         self.next_seq += 1;
         self.kv.add_sequence(seq, seq.0)?;
-        let out = self.model.forward(prompt, 0, &model::forward::NoPast, false);
-        self.ingest(seq, seq.0, &out.kv)?;
-        Ok(seq)
+        match self.prefill_seq(seq, seq.0, prompt, chunk, by) {
+            Ok(done) => Ok((seq, done.report)),
+            Err(e) => {
+                let _ = self.kv.remove_sequence(seq);
+                Err(e)
+            }
+        }
+    }
+
+    /// The request id (and sequence id) the next request will get.
+    pub fn next_request_id(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// Drops a sequence kept by [`Engine::prefill`].
+    pub fn release(&mut self, seq: SeqId) {
+        let _ = self.kv.remove_sequence(seq);
+    }
+
+    /// Prefills `prompt` into `seq`, remotely if `by` says so (falling back or failing as it says).
+    fn prefill_seq(
+        &mut self,
+        seq: SeqId,
+        request_id: u64,
+        prompt: &[u32],
+        chunk: usize,
+        by: PrefillBy<'_>,
+    ) -> Result<Prefilled, EngineError> {
+        let chunk = if chunk == 0 { prompt.len().max(1) } else { chunk };
+        let mut report = PrefillReport::default();
+        if let PrefillBy::Remote { producer, on_failure } = by {
+            report.producer = Some(producer.name().to_string());
+            if !prompt.is_empty() {
+                match self.prefill_remote(producer, seq, request_id, prompt, chunk) {
+                    Ok((times, spans)) => {
+                        report.remote = true;
+                        report.layout = producer.layout();
+                        report.remote_times = times;
+                        let forward = times.round_trip.saturating_sub(times.take);
+                        return Ok(Prefilled { forward, ingest: times.take, bytes: times.bytes, spans, report });
+                    }
+                    Err(e) if on_failure == OnFailure::Fail => return Err(e.into()),
+                    Err(e) => report.fallback = Some(e),
+                }
+            }
+        }
+        let (forward, ingest, bytes, spans) = self.prefill_local(seq, request_id, prompt, chunk)?;
+        Ok(Prefilled { forward, ingest, bytes, spans, report })
     }
 
     /// Prefills `prompt` into `seq` locally, chunk by chunk; returns (forward time, ingest time, bytes, spans).
@@ -316,29 +371,8 @@ impl Engine {
             Sampling::Greedy => 0,
         });
         let (&last, head) = req.prompt.split_last().expect("a prompt has at least one token");
-        let chunk = if req.prefill_chunk == 0 { head.len().max(1) } else { req.prefill_chunk };
-        let mut report = PrefillReport::default();
-        let (mut prefill, mut ingest, mut bytes, mut spans) = (Duration::ZERO, Duration::ZERO, 0, 0);
-        let mut local = true;
-        if let PrefillBy::Remote { producer, on_failure } = by {
-            report.producer = Some(producer.name().to_string());
-            if !head.is_empty() {
-                match self.prefill_remote(producer, seq, request_id, head, chunk) {
-                    Ok((times, n)) => {
-                        local = false;
-                        report.remote = true;
-                        (prefill, ingest, bytes, spans) = (times.round_trip - times.take, times.take, times.bytes, n);
-                        report.remote_times = times;
-                    }
-                    Err(e) if on_failure == OnFailure::Fail => return Err(e.into()),
-                    Err(e) => report.fallback = Some(e),
-                }
-            }
-            report.layout = producer.layout();
-        }
-        if local {
-            (prefill, ingest, bytes, spans) = self.prefill_local(seq, request_id, head, chunk)?;
-        }
+        let Prefilled { forward: mut prefill, ingest, bytes, spans, report } =
+            self.prefill_seq(seq, request_id, head, req.prefill_chunk, by)?;
         // The last prompt token, run by the host: its logits choose the first output token.
         let t = Instant::now();
         let out = self.model.forward(&[last], head.len() as u64, &PagedPast { kv: &self.kv, seq }, false);

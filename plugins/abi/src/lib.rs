@@ -201,8 +201,7 @@ pub struct PdhostFrame {
     pub sequence: u64,
 }
 
-/// An open backend instance, opaque to the producer.
-#[repr(C)]
+/// An open backend instance, opaque to the producer (an incomplete type in C).
 #[derive(Debug)]
 pub struct PdhostBackend {
     _private: [u8; 0],

@@ -215,7 +215,14 @@ impl Faulty {
         let layers = self.inner.geometry().layers.len() as u32;
         match mode {
             "wrong_layer_count" => match &mut manifest.layout {
-                Layout::Dense { num_layers, .. } => *num_layers += 4,
+                // Four layers more than the model has, each with its K and V (26 sent to a 22-layer model).
+                Layout::Dense { num_layers, .. } => {
+                    let first_extra = *num_layers;
+                    *num_layers += 4;
+                    for layer in first_extra..first_extra + 4 {
+                        push_layer(&mut manifest.entries, &mut payload, layer);
+                    }
+                }
                 // The incident: every model layer sent as one group, into the receiver's sliding group.
                 Layout::Grouped { groups } => {
                     let kind = groups[0].kind;
@@ -235,12 +242,7 @@ impl Faulty {
             "extra_group" | "duplicated_layer" => {
                 // New entries with their own payload bytes: an extra layer past the model's, or layer 0 again.
                 let layer = if mode == "extra_group" { layers } else { 0 };
-                let template = manifest.entries.iter().find(|e| e.layer == 0).expect("layer 0").clone();
-                for kind in [EntryKind::K, EntryKind::V] {
-                    let offset = payload.len() as u64;
-                    payload.extend(std::iter::repeat_n(0x3Cu8, template.len as usize));
-                    manifest.entries.push(Entry { layer, kind, offset, ..template.clone() });
-                }
+                push_layer(&mut manifest.entries, &mut payload, layer);
                 match &mut manifest.layout {
                     Layout::Dense { num_layers, .. } if mode == "extra_group" => *num_layers += 1,
                     Layout::Dense { .. } => {}
@@ -293,6 +295,16 @@ impl Faulty {
     }
 }
 
+/// Appends K and V entries for `layer`, shaped like the first entry, with their own payload bytes.
+fn push_layer(entries: &mut Vec<Entry>, payload: &mut Vec<u8>, layer: u32) {
+    let template = entries[0].clone();
+    for kind in [EntryKind::K, EntryKind::V] {
+        let offset = payload.len() as u64;
+        payload.extend(std::iter::repeat_n(0x3Cu8, template.len as usize));
+        entries.push(Entry { layer, kind, offset, ..template.clone() });
+    }
+}
+
 /// A raw pointer that may cross to the thread that rewrites the header.
 struct SlotPtr(*mut u8);
 // SAFETY: the pointer is only used to write bytes of this process's own writable mapping, which stays
@@ -300,21 +312,27 @@ struct SlotPtr(*mut u8);
 unsafe impl Send for SlotPtr {}
 
 /// After the producer commits, flips the header's epoch field back and forth for a while: a header that
-/// changes under the host's feet after commit.
+/// changes under the host's feet after commit. It stops early, restoring the byte, once the slot holds a
+/// later frame (its sequence field changed), so that only this frame is affected.
 fn toggle_header_later(frame: *mut u8) {
+    const EPOCH: usize = 40; // producer_epoch, inside the checksummed header
+    const SEQUENCE: usize = 56;
+    const _: () = assert!(EPOCH != CHECKSUM_OFFSET);
     let ptr = SlotPtr(frame);
     std::thread::spawn(move || {
         let ptr = ptr;
-        let field = 40; // producer_epoch, inside the checksummed header
-        debug_assert_ne!(field, CHECKSUM_OFFSET);
-        let until = std::time::Instant::now() + Duration::from_millis(200);
-        while std::time::Instant::now() < until {
-            // SAFETY: byte `field` of the slot's frame area, inside the writable mapping (see `SlotPtr`).
-            unsafe {
-                let p = ptr.0.add(field);
-                std::ptr::write_volatile(p, std::ptr::read_volatile(p) ^ 1);
-            }
+        // SAFETY (all accesses below): bytes of the slot's frame header, inside the writable mapping (see
+        // `SlotPtr`); volatile because the host and the producer's next frame race with them.
+        let read = |at: usize| unsafe { std::ptr::read_volatile(ptr.0.add(at)) };
+        let write = |at: usize, v: u8| unsafe { std::ptr::write_volatile(ptr.0.add(at), v) };
+        let (epoch, sequence) = (read(EPOCH), read(SEQUENCE));
+        let until = std::time::Instant::now() + Duration::from_millis(50);
+        while std::time::Instant::now() < until && read(SEQUENCE) == sequence {
+            write(EPOCH, read(EPOCH) ^ 1);
             std::thread::yield_now();
+        }
+        if read(SEQUENCE) == sequence {
+            write(EPOCH, epoch);
         }
     });
 }

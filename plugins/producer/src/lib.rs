@@ -22,7 +22,7 @@ use pdhost_plugin_abi::{
     PdhostLayout, PdhostPrefill, PdhostStatus, PdhostWriter, ENTRY_SYMBOL, PDHOST_ABI_MAJOR,
 };
 use protocol::{Described, FromProducer, LayerDesc, ToProducer, PRODUCER_FDS};
-use shm_format::{seal_frame, Dtype, Fingerprint, KvGeometry, LayerKv, Manifest};
+use shm_format::{seal_frame, write_prefix, Dtype, Fingerprint, FrameCoords, KvGeometry, LayerKv, Manifest};
 use shm_ring::segment::memfd::MemfdSegment;
 use shm_ring::RingWriter;
 
@@ -350,19 +350,21 @@ unsafe extern "C" fn whole_frame(ctx: *mut c_void, out: *mut PdhostFrame) -> u32
     PdhostStatus::Ok as u32
 }
 
-fn prefill(
+/// Builds one span in `frame` (a ring slot, or a private buffer in [`run_in_process`]): header and manifest
+/// first, then the backend's K/V through the writer's regions (or its own whole frame), then the checksum.
+/// Returns the frame's length and the time inside the backend.
+fn frame_span(
     instance: &Instance<'_>,
     framing: &Framing,
-    ring: &mut RingWriter<MemfdSegment, MemfdSegment>,
+    frame: &mut [u8],
+    coords: FrameCoords,
     request_id: u64,
     start_pos: u64,
     tokens: &[u32],
-) -> FromProducer {
-    let failed = |status: PdhostStatus, message: String| FromProducer::Failed { request_id, status: status as u32, message };
+) -> Result<(u64, Duration), (PdhostStatus, String)> {
     if tokens.is_empty() {
-        return failed(PdhostStatus::InvalidArgument, "prefill: expected at least one token, found none".into());
+        return Err((PdhostStatus::InvalidArgument, "prefill: expected at least one token, found none".into()));
     }
-    let t0 = Instant::now();
     let range = start_pos..start_pos + tokens.len() as u64;
     let mut manifest = match framing.layout {
         PdhostLayout::Dense => {
@@ -371,16 +373,13 @@ fn prefill(
         PdhostLayout::Grouped => Manifest::grouped(&framing.geometry, request_id, range, framing.dtype),
     };
     manifest.fingerprint = framing.fingerprint;
-    let mut slot = match ring.reserve(Instant::now() + SLOT_WAIT) {
-        Ok(s) => s,
-        Err(e) => return failed(PdhostStatus::WriterRefused, format!("ring: {e}")),
-    };
-    let info = match slot.write_prefix(&manifest.encode(), manifest.payload_len()) {
-        Ok(info) => info,
-        Err(e) => return failed(PdhostStatus::WriterRefused, format!("span does not fit the ring slot: {e}")),
-    };
-    let coords = slot.coords();
-    let frame = slot.frame_mut();
+    let info = write_prefix(frame, &manifest.encode(), manifest.payload_len(), coords)
+        .ok()
+        .filter(|info| info.frame_len <= frame.len() as u64)
+        .ok_or_else(|| {
+            let need = manifest.payload_len();
+            (PdhostStatus::WriterRefused, format!("span of {need} payload bytes does not fit a {}-byte ring slot", frame.len()))
+        })?;
     let mut ctx = SlotCtx {
         frame: frame.as_mut_ptr(),
         capacity: frame.len() as u64,
@@ -405,32 +404,92 @@ fn prefill(
         n_tokens: tokens.len() as u64,
         token_ids: tokens.as_ptr(),
     };
-    let framed = t0.elapsed();
     let mut err = [0u8; ERR_CAP];
-    let t1 = Instant::now();
-    // SAFETY: the ABI's `prefill`: open handle, request and writer valid for the call, error buffer.
+    let t = Instant::now();
+    // SAFETY: the ABI's `prefill`: open handle, request and writer valid for the call, error buffer. The
+    // regions the writer hands out lie inside `frame`, which is borrowed mutably for this whole function.
     let code = unsafe {
         (instance.loaded.table.prefill)(instance.handle, &request, &writer, err.as_mut_ptr().cast::<c_char>(), ERR_CAP)
     };
-    let backend_ns = t1.elapsed().as_nanos() as u64;
+    let backend = t.elapsed();
     if code != PdhostStatus::Ok as u32 {
         let status = PdhostStatus::from_raw(code).unwrap_or(PdhostStatus::BackendError);
-        return failed(status, format!("backend prefill: {}: {}", status_text(code), err_text(&err)));
+        return Err((status, format!("backend prefill: {}: {}", status_text(code), err_text(&err))));
     }
-    let t2 = Instant::now();
-    if !ctx.whole_frame {
-        // A region never handed out still holds an older frame's bytes, which would pass every check as
-        // plausible K/V: refuse to commit.
-        if let Some(missing) = ctx.taken.iter().position(|&t| !t) {
-            return failed(
-                PdhostStatus::BackendError,
-                format!("backend returned OK without writing entry {missing} of {}", ctx.taken.len()),
-            );
+    if ctx.whole_frame {
+        // The backend wrote the whole frame; whatever its header says is for the host to judge.
+        let mut header = [0u8; shm_format::HEADER_LEN];
+        header.copy_from_slice(&frame[..shm_format::HEADER_LEN]);
+        let len = shm_format::HeaderInfo::parse(&header).map_or(frame.len() as u64, |h| h.frame_len.min(frame.len() as u64));
+        return Ok((len, backend));
+    }
+    // A region never handed out still holds an older frame's bytes, which would pass every check as
+    // plausible K/V: refuse to commit.
+    if let Some(missing) = ctx.taken.iter().position(|&t| !t) {
+        return Err((
+            PdhostStatus::BackendError,
+            format!("backend returned OK without writing entry {missing} of {}", ctx.taken.len()),
+        ));
+    }
+    seal_frame(&mut frame[..info.frame_len as usize]);
+    Ok((info.frame_len, backend))
+}
+
+fn prefill(
+    instance: &Instance<'_>,
+    framing: &Framing,
+    ring: &mut RingWriter<MemfdSegment, MemfdSegment>,
+    request_id: u64,
+    start_pos: u64,
+    tokens: &[u32],
+) -> FromProducer {
+    let t = Instant::now();
+    let mut slot = match ring.reserve(Instant::now() + SLOT_WAIT) {
+        Ok(s) => s,
+        Err(e) => {
+            let message = format!("ring: {e}");
+            return FromProducer::Failed { request_id, status: PdhostStatus::WriterRefused as u32, message };
         }
-        let frame = slot.frame_mut();
-        seal_frame(&mut frame[..info.frame_len as usize]);
+    };
+    let coords = slot.coords();
+    match frame_span(instance, framing, slot.frame_mut(), coords, request_id, start_pos, tokens) {
+        Ok((_, backend)) => {
+            slot.commit();
+            let frame_ns = t.elapsed().saturating_sub(backend).as_nanos() as u64;
+            FromProducer::Done { request_id, sequence: coords.sequence, backend_ns: backend.as_nanos() as u64, frame_ns }
+        }
+        Err((status, message)) => FromProducer::Failed { request_id, status: status as u32, message },
     }
-    let sequence = coords.sequence;
-    slot.commit();
-    FromProducer::Done { request_id, sequence, backend_ns, frame_ns: (framed + t2.elapsed()).as_nanos() as u64 }
+}
+
+/// A backend run in this process against private buffers, for conformance tests: what it describes, and
+/// the sealed frame each `(request_id, start_pos, tokens)` call produces (coordinates all zero, as in a
+/// span file).
+pub fn run_in_process(
+    backend: &std::path::Path,
+    config: &str,
+    calls: &[(u64, u64, Vec<u32>)],
+    capacity: usize,
+) -> Result<(Described, Vec<Vec<u8>>), String> {
+    let loaded = load(backend)?;
+    let mut err = [0u8; ERR_CAP];
+    let mut handle = std::ptr::null_mut();
+    // SAFETY: as in `serve`.
+    let code = unsafe {
+        (loaded.table.open)(config.as_ptr(), config.len(), &mut handle, err.as_mut_ptr().cast::<c_char>(), ERR_CAP)
+    };
+    if code != PdhostStatus::Ok as u32 || handle.is_null() {
+        return Err(format!("open: {}: {}", status_text(code), err_text(&err)));
+    }
+    let instance = Instance { loaded: &loaded, handle };
+    let (framing, described) = describe(&instance).map_err(|f| format!("{}: {}", f.stage, f.message))?;
+    let mut frames = Vec::new();
+    for (request_id, start_pos, tokens) in calls {
+        let mut buf = vec![0u8; capacity];
+        let (len, _) = frame_span(&instance, &framing, &mut buf, FrameCoords::default(), *request_id, *start_pos, tokens)
+            .map_err(|(s, m)| format!("{}: {m}", s.name()))?;
+        buf.truncate(len as usize);
+        frames.push(buf);
+    }
+    Ok((described, frames))
 }

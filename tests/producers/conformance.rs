@@ -1,0 +1,150 @@
+//! The conformance suite every backend passes: it starts and describes itself through a real producer,
+//! prefills (whole and chunked) into spans the host accepts, and the K/V that lands in the cache equals
+//! the same backend run in-process (and, for the model-backed backends, the host's own local prefill).
+
+use std::path::Path;
+use std::time::Duration;
+
+use pdhost::engine::{OnFailure, PrefillBy};
+use pdhost::supervisor::ProducerError;
+use shm_format::{decode_frame, Dtype};
+
+use super::*;
+
+const PROMPT: [u32; 11] = [2, 100, 20, 30, 40, 7, 8, 9, 10, 77, 5];
+
+/// Runs the suite for one backend; `local` also compares with the host's local prefill.
+fn conform(model: &Path, backend: &str, library: PathBuf, config: serde_json::Value, dtype: Dtype, local: bool) {
+    let _serial = serial();
+    let mut e = engine(model, dtype);
+    let mut p = producer(&e, library.clone(), config.clone(), Duration::from_secs(30));
+    p.start().unwrap_or_else(|err| panic!("{backend}: start: {err}"));
+    let expected_layout = p.layout().expect("described");
+    for chunk in [0usize, 3, 4] {
+        let (remote, report) = e
+            .prefill(&PROMPT, chunk, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail })
+            .unwrap_or_else(|err| panic!("{backend} chunk {chunk}: {err}"));
+        assert!(report.remote && report.fallback.is_none(), "{backend}: prefilled remotely");
+        assert_eq!(report.layout, Some(expected_layout));
+
+        // The same calls, in this process, into private buffers: the frames must decode, and their K/V
+        // must be what the host's cache holds.
+        let step = if chunk == 0 { PROMPT.len() } else { chunk };
+        let calls: Vec<(u64, u64, Vec<u32>)> = PROMPT
+            .chunks(step)
+            .enumerate()
+            .map(|(i, part)| (e.next_request_id(), (i * step) as u64, part.to_vec()))
+            .collect();
+        let (described, frames) =
+            pdhost_producer::run_in_process(&library, &config.to_string(), &calls, 1 << 20).expect("in-process run");
+        assert_eq!(described.fingerprint, e.kv.fingerprint().0, "{backend}: described fingerprint");
+        let (inproc, _) = e.prefill(&[], 0, PrefillBy::Local).expect("empty sequence");
+        for frame in &frames {
+            let span = decode_frame(frame).unwrap_or_else(|err| panic!("{backend}: in-process frame: {err}"));
+            // The sequence ids differ; the request id in the frame is the one the remote run used.
+            let mut m = span.manifest.clone();
+            m.request_id = inproc.0;
+            let payload = &frame[frame.len() - span.payload.len()..];
+            let mut staged = e.kv.prepare(inproc, &m).unwrap_or_else(|err| panic!("{backend}: in-process span: {err}"));
+            e.kv.write_staged(&mut staged, 0, payload);
+            e.kv.commit(staged);
+        }
+        assert!(kv_bytes(&e, remote) == kv_bytes(&e, inproc), "{backend} chunk {chunk}: ring K/V != in-process K/V");
+        if local {
+            let (mine, _) = e.prefill(&PROMPT, chunk, PrefillBy::Local).unwrap();
+            assert!(kv_bytes(&e, remote) == kv_bytes(&e, mine), "{backend} chunk {chunk}: remote K/V != local K/V");
+            e.release(mine);
+        }
+        e.release(remote);
+        e.release(inproc);
+    }
+    assert_eq!(p.metrics().restarts, 0);
+    let spans: usize = [PROMPT.len(), 3, 4].iter().map(|&c| PROMPT.len().div_ceil(c)).sum();
+    assert_eq!(p.metrics().spans_accepted, spans as u64);
+}
+
+#[test]
+fn rngd_conforms_dense_and_matches_local_prefill() {
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        for model in [gemma(), tiny("tiny_llama_4l")] {
+            conform(&model, "rngd", builtin("rngd"), config(&model, dtype, serde_json::json!({})), dtype, true);
+        }
+    }
+}
+
+#[test]
+fn gpu_conforms_grouped_and_matches_local_prefill() {
+    for dtype in [Dtype::F32, Dtype::Bf16] {
+        for model in [gemma(), tiny("tiny_llama_4l")] {
+            conform(&model, "gpu", builtin("gpu"), config(&model, dtype, serde_json::json!({})), dtype, true);
+        }
+    }
+}
+
+#[test]
+fn example_c_conforms() {
+    let c = serde_json::json!({"layers": "SSSFSSSF", "kv_heads": 1, "head_dim": 16, "window": 8});
+    let lib = PathBuf::from(env!("EXAMPLE_C_BACKEND"));
+    conform(&gemma(), "example-c", lib, c, Dtype::F32, false);
+}
+
+#[test]
+fn start_failures_are_typed_and_leave_nothing_behind() {
+    let _serial = serial();
+    let e = engine(&gemma(), Dtype::F32);
+    let before = snapshot();
+    let cases: Vec<(PathBuf, serde_json::Value, &str, &str)> = vec![
+        (root().join("no-such-backend.so"), serde_json::json!({}), "start_failed", "load"),
+        (builtin("rngd"), serde_json::json!({"model": "/nonexistent/model.gguf"}), "start_failed", "open"),
+        (builtin("rngd"), config(&gemma(), Dtype::F32, serde_json::json!({"dtype": "f8"})), "start_failed", "dtype"),
+        // A backend describing another model: four layers where the host has eight.
+        (
+            PathBuf::from(env!("EXAMPLE_C_BACKEND")),
+            serde_json::json!({"layers": "SSSF", "kv_heads": 1, "head_dim": 16, "window": 8}),
+            "describe_mismatch",
+            "4 layers",
+        ),
+    ];
+    for (library, config, kind, text) in cases {
+        let mut p = producer(&e, library, config, Duration::from_secs(30));
+        let err = p.start().expect_err("start must fail");
+        assert_eq!(err.kind(), kind, "{err}");
+        let line = err.to_string();
+        assert!(line.contains(text) && !line.contains('\n'), "one line naming {text:?}: {line}");
+        drop(p);
+    }
+    assert_eq!(snapshot(), before, "a failed start leaks nothing");
+}
+
+#[test]
+fn a_backend_error_is_reported_and_the_producer_keeps_serving() {
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::F32);
+    let mut p = producer(&e, builtin("gpu"), config(&gemma(), Dtype::F32, serde_json::json!({})), Duration::from_secs(30));
+    p.start().unwrap();
+    let pid = p.pid();
+    // Token 999 is outside the 256-token vocabulary: the backend refuses, cleanly.
+    let err = e
+        .prefill(&[2, 999, 3], 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail })
+        .expect_err("the backend refuses the token");
+    let pdhost::engine::EngineError::Producer(err @ ProducerError::Backend { .. }) = err else { panic!("{err}") };
+    assert!(err.to_string().contains("invalid_argument") && err.to_string().contains("999"), "{err}");
+    assert_eq!(p.pid(), pid, "a backend error is not a protocol violation: no restart");
+    let (seq, report) =
+        e.prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail }).unwrap();
+    assert!(report.remote);
+    e.release(seq);
+    assert_eq!(p.metrics().spans_rejected.get("backend_error"), Some(&1));
+}
+
+#[test]
+fn producers_run_with_no_new_privs() {
+    let _serial = serial();
+    let e = engine(&gemma(), Dtype::Bf16);
+    let mut p = producer(&e, builtin("rngd"), config(&gemma(), Dtype::Bf16, serde_json::json!({})), Duration::from_secs(30));
+    p.start().unwrap();
+    let status = std::fs::read_to_string(format!("/proc/{}/status", p.pid().unwrap())).unwrap();
+    assert!(status.lines().any(|l| l.starts_with("NoNewPrivs:") && l.ends_with('1')), "producers run with no_new_privs");
+    let maps = std::fs::read_to_string(format!("/proc/{}/maps", p.pid().unwrap())).unwrap();
+    assert!(maps.contains("libpdhost_backend_rngd.so"), "the producer loaded its backend");
+}

@@ -1,0 +1,176 @@
+//! Every fault the `faulty` backend injects, with dense and grouped spans, under both policies: the host
+//! stays up and names the typed reason; `fallback` completes the request with exactly the local output and
+//! `fail` ends it with a one-line error; another live sequence's K/V is untouched; nothing leaks; and the
+//! next request, on a restarted producer, succeeds remotely.
+
+use std::time::Duration;
+
+use pdhost::engine::{EngineError, OnFailure, PrefillBy, Request, Sampling};
+
+use super::*;
+
+const PROMPT: [u32; 10] = [2, 100, 20, 30, 40, 7, 8, 9, 10, 11];
+const OTHER: [u32; 6] = [2, 61, 62, 63, 64, 65];
+/// Deadline per request: `hang` and `slow` (2 s) must time out.
+const TIMEOUT: Duration = Duration::from_millis(1000);
+
+/// The reason each mode must produce, by layout; `None`: the request succeeds remotely.
+fn expected(mode: &str, dense: bool) -> Option<&'static [&'static str]> {
+    Some(match mode {
+        m if m.starts_with("kill_") || m.starts_with("abort_") || m.starts_with("segv_") || m == "exit_mid" => {
+            &["producer_exited"]
+        }
+        "hang" | "slow" => &["timeout"],
+        "wrong_layer_count" if dense => &["layer_count_mismatch"],
+        "wrong_layer_count" => &["group_kind_mismatch"],
+        "missing_group" if dense => &["dense_payload_len"],
+        "missing_group" => &["missing_layer"],
+        "extra_group" if dense => &["layer_count_mismatch"],
+        "extra_group" => &["unexpected_layer"],
+        "duplicated_layer" if dense => &["duplicate_entry"],
+        "duplicated_layer" => &["duplicate_layer"],
+        "wrong_shape" if dense => &["dense_entry_misplaced"],
+        "wrong_shape" => &["head_geometry_mismatch"],
+        "wrong_dtype" => &["shape_len_mismatch"],
+        "wrong_token_range" => &["token_offset_mismatch"],
+        "wrong_fingerprint" => &["fingerprint_mismatch"],
+        "truncated_payload" | "oversize_lengths" => &["entry_out_of_bounds"],
+        "bad_checksum" => &["checksum_mismatch"],
+        "stale_generation" => &["stale_generation"],
+        "replayed_sequence" => &["unexpected_sequence"],
+        "write_outside_slot" => &["frame_exceeds_slot"],
+        // The header flips while the host may be reading it: whichever read sees the change rejects the
+        // frame; if both reads precede the first flip, the frame as committed was valid and is taken.
+        "double_fetch" => return Some(&["wrong_epoch", "header_changed_after_commit", "checksum_mismatch"]),
+        "attack_segments" => return None,
+        other => panic!("no expectation for mode {other}"),
+    })
+}
+
+fn request() -> Request {
+    Request { prompt: PROMPT.to_vec(), max_tokens: 6, prefill_chunk: 4, sampling: Sampling::Greedy }
+}
+
+/// What `--producer local` generates.
+fn local_output(dtype: Dtype) -> Vec<u32> {
+    engine(&gemma(), dtype).generate(&request(), |_| {}).expect("local generation").output
+}
+
+fn check(mode: &str) {
+    let _serial = serial();
+    let dtype = Dtype::Bf16;
+    let reference = local_output(dtype);
+    for layout in ["dense", "grouped"] {
+        let dense = layout == "dense";
+        let expect = expected(mode, dense);
+        let fault_config = |first: u64| {
+            config(
+                &gemma(),
+                dtype,
+                serde_json::json!({"fault": mode, "layout": layout, "on_requests": [first], "delay_ms": 2000}),
+            )
+        };
+
+        // Fallback: the request completes with the local output; the next one runs remotely again.
+        let mut e = engine(&gemma(), dtype);
+        let (other, _) = e.prefill(&OTHER, 0, PrefillBy::Local).unwrap();
+        let other_kv = kv_bytes(&e, other);
+        let before = snapshot();
+        let mut p = producer(&e, builtin("faulty"), fault_config(e.next_request_id()), TIMEOUT);
+        let gen = e
+            .generate_with(&request(), PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fallback }, |_| {})
+            .unwrap_or_else(|err| panic!("{mode} {layout}: fallback must complete the request: {err}"));
+        assert_eq!(gen.output, reference, "{mode} {layout}: output equals --producer local");
+        match (expect, &gen.report.fallback) {
+            (None, None) => assert!(gen.report.remote, "{mode} {layout}: prefilled remotely"),
+            (Some(kinds), Some(reason)) => {
+                assert!(kinds.contains(&reason.kind()), "{mode} {layout}: expected {kinds:?}, found {reason}");
+                assert!(!gen.report.remote);
+                assert!(!reason.to_string().contains('\n'), "one line: {reason}");
+            }
+            (Some(kinds), None) if mode == "double_fetch" => {
+                assert!(gen.report.remote, "{mode} {layout}: accepted as committed (not {kinds:?})")
+            }
+            (expect, found) => panic!("{mode} {layout}: expected {expect:?}, found {found:?}"),
+        }
+        assert!(kv_bytes(&e, other) == other_kv, "{mode} {layout}: another sequence's K/V changed");
+        let next = e
+            .generate_with(&request(), PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail }, |_| {})
+            .unwrap_or_else(|err| panic!("{mode} {layout}: the next request must succeed remotely: {err}"));
+        assert!(next.report.remote && next.output == reference, "{mode} {layout}: next request remote and equal");
+        let restarts = p.metrics().restarts;
+        if expect.is_some() && gen.report.fallback.is_some() {
+            assert_eq!(restarts, 1, "{mode} {layout}: the broken producer was replaced once");
+        }
+        drop(p);
+        assert_eq!(snapshot(), before, "{mode} {layout}: descriptors, mappings, /dev/shm or children leaked");
+
+        // Fail: the request ends with the typed error, the cache keeps everything else.
+        let mut p = producer(&e, builtin("faulty"), fault_config(e.next_request_id()), TIMEOUT);
+        let result =
+            e.generate_with(&request(), PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail }, |_| {});
+        match (expect, result) {
+            (None, Ok(gen)) => assert!(gen.report.remote && gen.output == reference),
+            (Some(_), Ok(gen)) if mode == "double_fetch" => assert!(gen.report.remote && gen.output == reference),
+            (Some(kinds), Err(EngineError::Producer(err))) => {
+                assert!(kinds.contains(&err.kind()), "{mode} {layout} fail: expected {kinds:?}, found {err}");
+                let line = EngineError::Producer(err).to_string();
+                assert!(!line.contains('\n') && line.contains("remote prefill failed"), "{line}");
+            }
+            (expect, result) => panic!("{mode} {layout} fail: expected {expect:?}, found {:?}", result.map(|g| g.output)),
+        }
+        assert!(kv_bytes(&e, other) == other_kv, "{mode} {layout}: another sequence's K/V changed under fail");
+        drop(p);
+        assert_eq!(snapshot(), before, "{mode} {layout}: leak under fail");
+    }
+}
+
+macro_rules! fault_tests {
+    ($($mode:ident),* $(,)?) => {
+        $(
+            #[test]
+            fn $mode() {
+                check(stringify!($mode));
+            }
+        )*
+
+        #[test]
+        fn every_mode_has_a_test() {
+            let tested = [$(stringify!($mode)),*];
+            for mode in pdhost_backend_faulty::MODES {
+                assert!(tested.contains(mode), "mode {mode} has no fault test");
+            }
+        }
+    };
+}
+
+fault_tests!(
+    kill_before,
+    kill_mid,
+    kill_after,
+    abort_before,
+    abort_mid,
+    abort_after,
+    segv_before,
+    segv_mid,
+    segv_after,
+    hang,
+    slow,
+    exit_mid,
+    wrong_layer_count,
+    missing_group,
+    extra_group,
+    duplicated_layer,
+    wrong_shape,
+    wrong_dtype,
+    wrong_token_range,
+    wrong_fingerprint,
+    truncated_payload,
+    bad_checksum,
+    stale_generation,
+    replayed_sequence,
+    double_fetch,
+    oversize_lengths,
+    write_outside_slot,
+    attack_segments,
+);
