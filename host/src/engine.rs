@@ -4,6 +4,7 @@
 //! a span (one tensor set per group) that is validated and committed like a producer's, and attention
 //! reads exactly the positions each layer sees through [`PagedKv::read`].
 
+use std::hash::Hasher;
 use std::time::{Duration, Instant};
 
 use model::arch::Model;
@@ -131,6 +132,9 @@ pub struct Generation {
     pub decode: Duration,
     /// Who prefilled, and what it cost.
     pub report: PrefillReport,
+    /// XXH3-64 of the bits of every logits vector a token was sampled from, in order: equal hashes mean
+    /// bit-identical logits (how tests prove remote and local prefill compute the same thing).
+    pub logits_hash: u64,
 }
 
 /// The engine for one model.
@@ -252,7 +256,12 @@ impl Engine {
     /// Adds a sequence and prefills all of `prompt` into it (in spans of `chunk` tokens; 0: one span),
     /// by `by`, and keeps it: for tests and tools that inspect the cache, or check that other sequences
     /// are untouched. Release it with [`Engine::release`].
-    pub fn prefill(&mut self, prompt: &[u32], chunk: usize, by: PrefillBy<'_>) -> Result<(SeqId, PrefillReport), EngineError> {
+    pub fn prefill(
+        &mut self,
+        prompt: &[u32],
+        chunk: usize,
+        by: PrefillBy<'_>,
+    ) -> Result<(SeqId, PrefillReport), EngineError> {
         let seq = SeqId(self.next_seq);
         self.next_seq += 1;
         self.kv.add_sequence(seq, seq.0)?;
@@ -379,8 +388,9 @@ impl Engine {
         prefill += t.elapsed();
         self.ingest(seq, request_id, &out.kv)?;
         let logits = out.logits;
+        let mut hasher = twox_hash::XxHash3_64::with_seed(0);
         let mut output = Vec::new();
-        let done = |output, finish, ttft, decode, report| Generation {
+        let done = |output, finish, ttft, decode, report, logits_hash| Generation {
             output,
             finish,
             spans,
@@ -390,10 +400,12 @@ impl Engine {
             ttft,
             decode,
             report,
+            logits_hash,
         };
         if req.max_tokens == 0 {
-            return Ok(done(output, Finish::Length, started.elapsed(), Duration::ZERO, report));
+            return Ok(done(output, Finish::Length, started.elapsed(), Duration::ZERO, report, hasher.finish()));
         }
+        hash_logits(&mut hasher, &logits);
         let mut next = sample(&logits, req.sampling, &mut rng);
         let ttft = started.elapsed();
         let decode_start = Instant::now();
@@ -410,10 +422,15 @@ impl Engine {
             let pos = (req.prompt.len() + output.len() - 1) as u64;
             let out = self.model.forward(&[next], pos, &PagedPast { kv: &self.kv, seq }, false);
             self.ingest(seq, request_id, &out.kv)?;
+            hash_logits(&mut hasher, &out.logits);
             next = sample(&out.logits, req.sampling, &mut rng);
         };
-        Ok(done(output, finish, ttft, decode_start.elapsed(), report))
+        Ok(done(output, finish, ttft, decode_start.elapsed(), report, hasher.finish()))
     }
+}
+
+fn hash_logits(hasher: &mut twox_hash::XxHash3_64, logits: &[f32]) {
+    hasher.write(zerocopy::IntoBytes::as_bytes(logits));
 }
 
 /// A small seeded generator (splitmix64) for sampling.

@@ -464,8 +464,11 @@ impl Producer {
             op: "ring geometry",
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
         })?;
-        let ring = create_ring(&format!("pdhost-{name}-e{epoch}"), geometry, epoch)
-            .map_err(|e| ProducerError::Io { name: name.clone(), op: "creating the ring", source: std::io::Error::other(e) })?;
+        let ring = create_ring(&format!("pdhost-{name}-e{epoch}"), geometry, epoch).map_err(|e| ProducerError::Io {
+            name: name.clone(),
+            op: "creating the ring",
+            source: std::io::Error::other(e),
+        })?;
         let (socket, child_socket) = UnixStream::pair().map_err(self.io("socketpair"))?;
         let [control, data, to_host, from_host] = ring.peer_fds();
         let mut cmd = Command::new(&self.spec.program);
@@ -497,8 +500,7 @@ impl Producer {
                 return Err(self.io("pidfd_open")(e.into()));
             }
         };
-        let mut running =
-            Running { child, pidfd, ring, socket, described: Described::default() };
+        let mut running = Running { child, pidfd, ring, socket, described: Described::default() };
         // Until Ready, the process counts as failed: a crash during start-up is a restart next time.
         self.failed = true;
         let deadline = Instant::now() + self.spec.start_timeout;
@@ -622,7 +624,8 @@ impl Producer {
         }
         self.failed = true;
         let policy = self.spec.restart;
-        self.backoff = if self.backoff.is_zero() { policy.initial_backoff } else { (self.backoff * 2).min(policy.max_backoff) };
+        self.backoff =
+            if self.backoff.is_zero() { policy.initial_backoff } else { (self.backoff * 2).min(policy.max_backoff) };
         self.not_before = Instant::now() + self.backoff;
         error
     }

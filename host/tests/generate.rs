@@ -1,4 +1,6 @@
-//! `pdhost generate` against transformers' references: every K/V byte goes through the paged cache.
+//! `pdhost generate` against transformers' references: every K/V byte goes through the paged cache, and
+//! prefill in the `rngd` (dense) and `gpu` (grouped) producer subprocesses gives exactly the output ids and
+//! the bit-identical logits of `--producer local`.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -25,8 +27,29 @@ fn generate(model: &str, prompt: &[u64], max: usize, extra: &[&str]) -> serde_js
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
+/// Runs one generation with each producer and checks that the remote runs equal the local one: the same
+/// output ids and bit-identical logits (the cache is f32 unless `extra` says otherwise), prefilled
+/// remotely with the producer's layout. Returns the local run.
+fn generate_everywhere(model: &str, prompt: &[u64], max: usize, extra: &[&str]) -> serde_json::Value {
+    let local = generate(model, prompt, max, &[extra, &["--producer", "local"]].concat());
+    assert_eq!(local["prefill"]["where"], "local");
+    for (producer, layout) in [("rngd", "dense"), ("gpu", "grouped")] {
+        let remote = generate(model, prompt, max, &[extra, &["--producer", producer]].concat());
+        let what = format!("{model} {producer} {extra:?}");
+        assert_eq!(remote["output_ids"], local["output_ids"], "{what}: output ids equal --producer local");
+        assert_eq!(remote["logits_xxh3"], local["logits_xxh3"], "{what}: logits bit-identical to local");
+        if prompt.len() > 1 {
+            assert_eq!(remote["prefill"]["where"], "remote", "{what}");
+            assert_eq!(remote["prefill"]["layout"], layout, "{what}");
+            assert_eq!(remote["prefill"]["fallback_reason"], serde_json::Value::Null, "{what}");
+        }
+    }
+    local
+}
+
 /// Checks output ids against a reference file up to each case's first near-tie, for several chunkings
-/// and page sizes: the answer may not depend on how prefill is split into spans.
+/// and page sizes, through every producer: the answer may not depend on how prefill is split into spans
+/// or who computes it.
 fn check(model: &str, reference: &str, cases: Option<&[&str]>, variants: &[&[&str]]) {
     let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(reference).unwrap()).unwrap();
     for case in reference["cases"].as_array().unwrap() {
@@ -37,10 +60,9 @@ fn check(model: &str, reference: &str, cases: Option<&[&str]>, variants: &[&[&st
         let margins: Vec<f64> = case["margins"].as_array().unwrap().iter().map(|m| m.as_f64().unwrap()).collect();
         let stop = margins.iter().position(|&m| m < 0.01).unwrap_or(want.len());
         for extra in variants {
-            let out = generate(model, &prompt, want.len(), extra);
+            let out = generate_everywhere(model, &prompt, want.len(), extra);
             let got = ids(&out["output_ids"]);
             assert_eq!(&got[..stop.min(got.len())], &want[..stop], "{model} {} {extra:?}", case["name"]);
-            assert_eq!(out["prefill"]["where"], "local");
             assert_eq!(ids(&out["prompt_ids"]), prompt);
         }
     }
@@ -61,7 +83,8 @@ fn tiny_checkpoints_match_transformers_through_the_paged_cache() {
 
 /// Both real models on every reference prompt, tokenized from text by pdhost (two prompts are longer than
 /// Gemma's 512-token window; Gemma's are prefilled in 200-token spans at nonzero offsets, so its sliding
-/// groups page through the window): output ids equal transformers' up to each case's first near-tie.
+/// groups page through the window): output ids equal transformers' up to each case's first near-tie, and
+/// the `rngd` and `gpu` producers give exactly the local output ids and logits.
 #[test]
 fn both_real_models_match_transformers_on_every_reference_prompt() {
     let prompts: serde_json::Value =
@@ -79,25 +102,32 @@ fn both_real_models_match_transformers_on_every_reference_prompt() {
             let want = ids(&case["output_ids"]);
             let margins: Vec<f64> = case["margins"].as_array().unwrap().iter().map(|m| m.as_f64().unwrap()).collect();
             let stop = margins.iter().position(|&m| m < 0.01).unwrap_or(want.len());
-            let out = Command::new(PDHOST)
-                .args([
-                    "generate",
-                    "--model",
-                    model,
-                    "--prompt",
-                    text,
-                    "--max-tokens",
-                    &want.len().to_string(),
-                    "--json",
-                ])
-                .args(extra)
-                .output()
-                .unwrap();
-            assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-            let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            let run = |producer: &str| {
+                let max = want.len().to_string();
+                let out = Command::new(PDHOST)
+                    .args(["generate", "--model", model, "--prompt", text, "--max-tokens", &max, "--json"])
+                    .args(["--producer", producer])
+                    .args(extra)
+                    .output()
+                    .unwrap();
+                assert!(out.status.success(), "{producer}: {}", String::from_utf8_lossy(&out.stderr));
+                serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+            };
+            let v = run("local");
             assert_eq!(ids(&v["prompt_ids"]), ids(&case["prompt_ids"]), "{model} {} prompt ids", case["name"]);
             let got = ids(&v["output_ids"]);
             assert_eq!(&got[..stop.min(got.len())], &want[..stop], "{model} {}", case["name"]);
+            for (producer, layout) in [("rngd", "dense"), ("gpu", "grouped")] {
+                let r = run(producer);
+                let what = format!("{model} {} {producer}", case["name"]);
+                assert_eq!(
+                    (&r["prefill"]["where"], &r["prefill"]["layout"]),
+                    (&"remote".into(), &layout.into()),
+                    "{what}"
+                );
+                assert_eq!(r["output_ids"], v["output_ids"], "{what}: output ids equal local");
+                assert_eq!(r["logits_xxh3"], v["logits_xxh3"], "{what}: logits bit-identical to local");
+            }
         }
     }
 }
@@ -115,16 +145,14 @@ fn a_prompt_without_a_tokenizer_or_with_bad_ids_gets_a_clear_error() {
         .output()
         .unwrap();
     assert!(String::from_utf8_lossy(&out.stderr).contains("prompt id 999: expected ids below the vocabulary size 256"));
-    let out = Command::new(PDHOST).args(["generate", "--prompt", "x", "--producer", "rngd"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(2), "not built yet: a usage error");
 }
 
 #[test]
 fn fast_precision_and_threads_run_and_report_the_same_prefill() {
     let dir = reference_dir().join("tiny_gemma3_8l");
     let dir = dir.to_str().unwrap();
-    let exact = generate(dir, &[2, 86, 171, 181], 8, &["--threads", "1"]);
-    let fast = generate(dir, &[2, 86, 171, 181], 8, &["--precision", "fast", "--threads", "2"]);
+    let exact = generate_everywhere(dir, &[2, 86, 171, 181], 8, &["--threads", "1"]);
+    let fast = generate_everywhere(dir, &[2, 86, 171, 181], 8, &["--precision", "fast", "--threads", "2"]);
     assert_eq!(ids(&fast["output_ids"]).len(), 8);
     // Prefill is f32 in both precisions: the first token (from the prefill logits) agrees.
     assert_eq!(ids(&fast["output_ids"])[0], ids(&exact["output_ids"])[0]);
@@ -194,12 +222,16 @@ fn narrower_kv_dtypes_and_zero_tokens_work() {
     let dir = reference_dir().join("tiny_gemma3_8l");
     let dir = dir.to_str().unwrap();
     for dtype in ["bf16", "f16"] {
-        let out =
-            generate(dir, &[2, 86, 171, 181], 6, &["--kv-dtype", dtype, "--prefill-chunk", "2", "--page-size", "3"]);
+        let out = generate_everywhere(
+            dir,
+            &[2, 86, 171, 181],
+            6,
+            &["--kv-dtype", dtype, "--prefill-chunk", "2", "--page-size", "3"],
+        );
         assert_eq!(ids(&out["output_ids"]).len(), 6, "{dtype}");
         assert!(out["prefill"]["bytes"].as_u64().unwrap() > 0);
     }
-    let out = generate(dir, &[2, 86], 0, &[]);
+    let out = generate_everywhere(dir, &[2, 86], 0, &[]);
     assert!(ids(&out["output_ids"]).is_empty());
     assert_eq!(out["finish_reason"], "length");
 }

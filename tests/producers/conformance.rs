@@ -120,7 +120,8 @@ fn start_failures_are_typed_and_leave_nothing_behind() {
 fn a_backend_error_is_reported_and_the_producer_keeps_serving() {
     let _serial = serial();
     let mut e = engine(&gemma(), Dtype::F32);
-    let mut p = producer(&e, builtin("gpu"), config(&gemma(), Dtype::F32, serde_json::json!({})), Duration::from_secs(30));
+    let mut p =
+        producer(&e, builtin("gpu"), config(&gemma(), Dtype::F32, serde_json::json!({})), Duration::from_secs(30));
     p.start().unwrap();
     let pid = p.pid();
     // Token 999 is outside the 256-token vocabulary: the backend refuses, cleanly.
@@ -141,10 +142,14 @@ fn a_backend_error_is_reported_and_the_producer_keeps_serving() {
 fn producers_run_with_no_new_privs() {
     let _serial = serial();
     let e = engine(&gemma(), Dtype::Bf16);
-    let mut p = producer(&e, builtin("rngd"), config(&gemma(), Dtype::Bf16, serde_json::json!({})), Duration::from_secs(30));
+    let mut p =
+        producer(&e, builtin("rngd"), config(&gemma(), Dtype::Bf16, serde_json::json!({})), Duration::from_secs(30));
     p.start().unwrap();
     let status = std::fs::read_to_string(format!("/proc/{}/status", p.pid().unwrap())).unwrap();
-    assert!(status.lines().any(|l| l.starts_with("NoNewPrivs:") && l.ends_with('1')), "producers run with no_new_privs");
+    assert!(
+        status.lines().any(|l| l.starts_with("NoNewPrivs:") && l.ends_with('1')),
+        "producers run with no_new_privs"
+    );
     let maps = std::fs::read_to_string(format!("/proc/{}/maps", p.pid().unwrap())).unwrap();
     assert!(maps.contains("libpdhost_backend_rngd.so"), "the producer loaded its backend");
 }

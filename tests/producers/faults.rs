@@ -117,7 +117,9 @@ fn check(mode: &str) {
                 let line = EngineError::Producer(err).to_string();
                 assert!(!line.contains('\n') && line.contains("remote prefill failed"), "{line}");
             }
-            (expect, result) => panic!("{mode} {layout} fail: expected {expect:?}, found {:?}", result.map(|g| g.output)),
+            (expect, result) => {
+                panic!("{mode} {layout} fail: expected {expect:?}, found {:?}", result.map(|g| g.output))
+            }
         }
         assert!(kv_bytes(&e, other) == other_kv, "{mode} {layout}: another sequence's K/V changed under fail");
         drop(p);

@@ -121,8 +121,12 @@ fn snapshot() -> Snapshot {
         .map(|t| t.display().to_string())
         .collect();
     fds.sort();
-    let memfd_maps =
-        std::fs::read_to_string("/proc/self/maps").unwrap().lines().filter(|l| l.contains("memfd:")).map(String::from).collect();
+    let memfd_maps = std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("memfd:"))
+        .map(String::from)
+        .collect();
     let mut dev_shm: Vec<String> = std::fs::read_dir("/dev/shm")
         .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
         .unwrap_or_default();

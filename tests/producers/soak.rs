@@ -25,7 +25,8 @@ fn soak_200_requests_with_random_faults() {
 
     let mut e = engine(&gemma(), dtype);
     let before = snapshot();
-    let faulty = config(&gemma(), dtype, serde_json::json!({"fault": "random", "seed": 7, "rate": 0.25, "delay_ms": 2000}));
+    let faulty =
+        config(&gemma(), dtype, serde_json::json!({"fault": "random", "seed": 7, "rate": 0.25, "delay_ms": 2000}));
     let mut p = producer(&e, builtin("faulty"), faulty, Duration::from_millis(1000));
     let (mut remote, mut fallbacks) = (0, 0);
     let (mut fds_warm, mut rss_warm) = (0, 0);

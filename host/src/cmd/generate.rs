@@ -195,6 +195,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
             "output_ids": gen.output,
             "text": text,
             "finish_reason": finish,
+            "logits_xxh3": format!("{:016x}", gen.logits_hash),
             "prefill": {"where": where_, "producer": report.producer.as_deref().unwrap_or("local"),
                         "layout": if report.remote { report.layout } else { None },
                         "spans": gen.spans, "bytes": gen.bytes,
@@ -220,7 +221,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
             eprintln!("warning: remote prefill failed, prefilled locally instead: {reason}");
         }
         let how = match (report.remote, report.layout) {
-            (true, Some(layout)) => format!("remote ({} producer, {layout} spans over shared memory)", where_producer(report)),
+            (true, Some(layout)) => {
+                format!("remote ({} producer, {layout} spans over shared memory)", where_producer(report))
+            }
             _ => "local (spans laid out by the host)".to_string(),
         };
         eprintln!(

@@ -599,7 +599,10 @@ macro_rules! export_backend {
                 abi_minor: $crate::PDHOST_ABI_MINOR,
                 struct_size: ::std::mem::size_of::<$crate::PdhostBackendV1>() as u32,
                 reserved: 0,
-                name: { let n: &'static ::std::ffi::CStr = $name; n.as_ptr() },
+                name: {
+                    let n: &'static ::std::ffi::CStr = $name;
+                    n.as_ptr()
+                },
                 open,
                 describe,
                 prefill,

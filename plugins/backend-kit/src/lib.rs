@@ -66,7 +66,9 @@ impl ModelBackend {
         let precision = match json.get("precision").and_then(|p| p.as_str()) {
             None | Some("exact") => Precision::Exact,
             Some("fast") => Precision::Fast,
-            Some(other) => return Err(bad_config(format!("config precision: expected exact or fast, found {other:?}"))),
+            Some(other) => {
+                return Err(bad_config(format!("config precision: expected exact or fast, found {other:?}")))
+            }
         };
         let threads = json
             .get("threads")
@@ -194,7 +196,11 @@ impl ModelBackend {
     pub fn payload(&self, manifest: &Manifest, chunk: &ChunkKv) -> Vec<u8> {
         let mut payload = vec![0u8; manifest.payload_len() as usize];
         for e in &manifest.entries {
-            encode_into(self.dtype, entry_values(chunk, e), &mut payload[e.offset as usize..(e.offset + e.len) as usize]);
+            encode_into(
+                self.dtype,
+                entry_values(chunk, e),
+                &mut payload[e.offset as usize..(e.offset + e.len) as usize],
+            );
         }
         payload
     }

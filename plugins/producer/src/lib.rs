@@ -54,7 +54,9 @@ fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
             "--config" => config = value()?.to_string_lossy().into_owned(),
             "--parent-pid" => {
                 let v = value()?;
-                parent = Some(v.to_string_lossy().parse().map_err(|_| format!("--parent-pid: expected a pid, found {v:?}"))?)
+                parent = Some(
+                    v.to_string_lossy().parse().map_err(|_| format!("--parent-pid: expected a pid, found {v:?}"))?,
+                )
             }
             "--help" | "-h" => return Err(USAGE.into()),
             other => return Err(format!("unexpected argument {other:?}\n{USAGE}")),
@@ -125,7 +127,10 @@ fn load(path: &std::path::Path) -> Result<Loaded, String> {
     let library = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }.map_err(|e| e.to_string())?;
     // SAFETY: the symbol's type is fixed by the ABI (`PdhostEntryFn`).
     let entry = unsafe { library.get::<PdhostEntryFn>(ENTRY_SYMBOL) }.map_err(|e| {
-        format!("expected the symbol {}, found none: {e}", String::from_utf8_lossy(&ENTRY_SYMBOL[..ENTRY_SYMBOL.len() - 1]))
+        format!(
+            "expected the symbol {}, found none: {e}",
+            String::from_utf8_lossy(&ENTRY_SYMBOL[..ENTRY_SYMBOL.len() - 1])
+        )
     })?;
     // SAFETY: calling the entry function as the ABI defines it.
     let table = unsafe { entry() };
@@ -378,7 +383,10 @@ fn frame_span(
         .filter(|info| info.frame_len <= frame.len() as u64)
         .ok_or_else(|| {
             let need = manifest.payload_len();
-            (PdhostStatus::WriterRefused, format!("span of {need} payload bytes does not fit a {}-byte ring slot", frame.len()))
+            (
+                PdhostStatus::WriterRefused,
+                format!("span of {need} payload bytes does not fit a {}-byte ring slot", frame.len()),
+            )
         })?;
     let mut ctx = SlotCtx {
         frame: frame.as_mut_ptr(),
@@ -420,7 +428,8 @@ fn frame_span(
         // The backend wrote the whole frame; whatever its header says is for the host to judge.
         let mut header = [0u8; shm_format::HEADER_LEN];
         header.copy_from_slice(&frame[..shm_format::HEADER_LEN]);
-        let len = shm_format::HeaderInfo::parse(&header).map_or(frame.len() as u64, |h| h.frame_len.min(frame.len() as u64));
+        let len =
+            shm_format::HeaderInfo::parse(&header).map_or(frame.len() as u64, |h| h.frame_len.min(frame.len() as u64));
         return Ok((len, backend));
     }
     // A region never handed out still holds an older frame's bytes, which would pass every check as
@@ -456,7 +465,12 @@ fn prefill(
         Ok((_, backend)) => {
             slot.commit();
             let frame_ns = t.elapsed().saturating_sub(backend).as_nanos() as u64;
-            FromProducer::Done { request_id, sequence: coords.sequence, backend_ns: backend.as_nanos() as u64, frame_ns }
+            FromProducer::Done {
+                request_id,
+                sequence: coords.sequence,
+                backend_ns: backend.as_nanos() as u64,
+                frame_ns,
+            }
         }
         Err((status, message)) => FromProducer::Failed { request_id, status: status as u32, message },
     }
@@ -486,8 +500,9 @@ pub fn run_in_process(
     let mut frames = Vec::new();
     for (request_id, start_pos, tokens) in calls {
         let mut buf = vec![0u8; capacity];
-        let (len, _) = frame_span(&instance, &framing, &mut buf, FrameCoords::default(), *request_id, *start_pos, tokens)
-            .map_err(|(s, m)| format!("{}: {m}", s.name()))?;
+        let (len, _) =
+            frame_span(&instance, &framing, &mut buf, FrameCoords::default(), *request_id, *start_pos, tokens)
+                .map_err(|(s, m)| format!("{}: {m}", s.name()))?;
         buf.truncate(len as usize);
         frames.push(buf);
     }
