@@ -42,7 +42,7 @@ pub enum Command {
 
 /// `pdhost generate`.
 #[derive(Debug, Args)]
-#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_ids"])))]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompt_ids"])))]
 pub struct GenerateArgs {
     /// A known model name (see `pdhost models list`; fetched on first use), a .gguf file, or a Hugging Face
     /// checkpoint directory (gemma3_text or llama).
@@ -51,6 +51,9 @@ pub struct GenerateArgs {
     /// The prompt text, tokenized as Hugging Face does (BOS added where the model's tokenizer adds it).
     #[arg(long)]
     pub prompt: Option<String>,
+    /// A file whose whole content (UTF-8, used verbatim) is the prompt, or `-` for standard input.
+    #[arg(long, value_name = "PATH")]
+    pub prompt_file: Option<PathBuf>,
     /// Prompt token ids, used verbatim: `--prompt-ids 2,818,5279`.
     #[arg(long, value_delimiter = ',')]
     pub prompt_ids: Option<Vec<u32>>,
@@ -161,6 +164,40 @@ pub enum Bench {
     /// Prefill and decode tokens/s of both real models with 1 and 2 threads in both precisions, beside
     /// llama.cpp (llama-cpp-python, built on first use into $PDHOST_HOME) on the same GGUF files.
     Model(ModelBenchArgs),
+    /// Time to first token with prefill in a warm producer subprocess against prefill in the host, on
+    /// the same model and prompts in the same run: the PD overhead in ms and %, where it goes (request
+    /// IPC, span write, transfer and ingest), and decode tokens/s after each. Checks that both give the
+    /// same output and logits.
+    Pd(PdBenchArgs),
+}
+
+/// `pdhost bench pd`.
+#[derive(Debug, Args)]
+pub struct PdBenchArgs {
+    /// The model (a name from `pdhost models list`).
+    #[arg(long, default_value = "gemma3-270m")]
+    pub model: String,
+    /// The producer to compare with local prefill.
+    #[arg(long, default_value = "rngd", value_parser = ["rngd", "gpu"])]
+    pub producer: String,
+    /// Prompt lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_values_t = [128usize, 512, 2048])]
+    pub tokens: Vec<usize>,
+    /// Tokens decoded after the first.
+    #[arg(long, default_value_t = 16)]
+    pub decode_tokens: usize,
+    /// Measured runs per length (after one warm-up run); medians are reported.
+    #[arg(long, default_value_t = 3)]
+    pub iters: u32,
+    /// Element type of the KV cache, and so of the spans (the RNGD contract is bf16).
+    #[arg(long, default_value = "bf16", value_parser = ["f32", "bf16", "f16"])]
+    pub kv_dtype: String,
+    /// Threads for the forward pass, in the host and in the producer (default: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `pdhost bench model`.

@@ -16,6 +16,7 @@ fn main() -> ExitCode {
     if args.nth(1).is_some_and(|a| a == PRODUCER_ARG) {
         return pdhost_producer::main(args.collect());
     }
+    pdhost_producer::keep_freed_memory();
     pdhost::supervisor::harden_host();
     let cli = cli::Cli::parse();
     let result = match cli.command {

@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use model::arch::Model;
@@ -11,7 +11,6 @@ use model::gguf::Gguf;
 use model::kernels::Precision;
 use model::tokenizer::Tokenizer;
 use pdhost::engine::{Engine, Finish, OnFailure, PrefillBy, PrefillReport, Request, Sampling};
-use pdhost::supervisor::{self, Producer, ProducerSpec, RestartPolicy};
 use serde_json::json;
 use shm_format::Dtype;
 
@@ -44,59 +43,13 @@ fn load(name: &str, quiet: bool) -> anyhow::Result<(Model, Option<Tokenizer>, St
     Ok((model, Some(tokenizer), name.to_string(), std::path::absolute(&file)?))
 }
 
-/// The producer `--producer` names, or `None` for `local`.
-fn producer_for(
-    args: &GenerateArgs,
-    model_path: &Path,
-    geometry: &shm_format::KvGeometry,
-    dtype: Dtype,
-    chunk_tokens: usize,
-) -> anyhow::Result<Option<Producer>> {
-    let (name, backend) = match args.producer.as_str() {
-        "local" => return Ok(None),
-        builtin @ ("rngd" | "gpu" | "faulty") => {
-            (builtin.to_string(), supervisor::builtin_backend(builtin).map_err(anyhow::Error::msg)?)
-        }
-        path if path.ends_with(".so") || path.contains('/') => {
-            let p = PathBuf::from(path);
-            anyhow::ensure!(p.is_file(), "--producer {path}: expected a backend library file, found none");
-            let name = p.file_stem().map_or_else(|| path.to_string(), |s| s.to_string_lossy().into_owned());
-            (name, std::path::absolute(p)?)
-        }
-        other => anyhow::bail!("--producer: expected local, rngd, gpu, faulty or a PATH.so, found {other:?}"),
-    };
-    let mut config = serde_json::json!({
-        "model": model_path,
-        "dtype": dtype.name(),
-        "precision": args.precision,
-        "threads": args.threads.unwrap_or_else(default_threads),
-    });
-    let extra: serde_json::Value = serde_json::from_str(&args.backend_config)
-        .with_context(|| format!("--backend-config: expected a JSON object, found {:?}", args.backend_config))?;
-    let serde_json::Value::Object(extra) = extra else {
-        anyhow::bail!("--backend-config: expected a JSON object, found {}", args.backend_config);
-    };
-    config.as_object_mut().expect("an object").extend(extra);
-    anyhow::ensure!(
-        args.producer_timeout.is_finite() && args.producer_timeout > 0.0,
-        "--producer-timeout: expected seconds above 0, found {}",
-        args.producer_timeout
-    );
-    let timeout = Duration::from_secs_f64(args.producer_timeout);
-    let spec = ProducerSpec {
-        name,
-        program: std::env::current_exe().context("locating the pdhost executable to run the producer")?,
-        program_args: vec![crate::PRODUCER_ARG.into()],
-        backend,
-        config: config.to_string(),
-        slots: 2,
-        // The widest wire dtype: a backend may send f32 whatever the cache holds.
-        slot_capacity: ProducerSpec::capacity_for(geometry, Dtype::F32, chunk_tokens as u64),
-        start_timeout: timeout,
-        request_timeout: timeout,
-        restart: RestartPolicy::default(),
-    };
-    Ok(Some(Producer::new(spec, geometry.clone())))
+/// The cache dtype a `--kv-dtype` value (already checked by clap) names.
+pub fn kv_dtype(name: &str) -> Dtype {
+    match name {
+        "bf16" => Dtype::Bf16,
+        "f16" => Dtype::F16,
+        _ => Dtype::F32,
+    }
 }
 
 /// All cores.
@@ -109,13 +62,27 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let (mut model, tokenizer, model_name, model_path) = load(&args.model, args.json)?;
     let precision = if args.precision == "fast" { Precision::Fast } else { Precision::Exact };
     model.configure(precision, args.threads.unwrap_or_else(default_threads));
-    let prompt = match (&args.prompt, &args.prompt_ids) {
+    let text = match (&args.prompt, &args.prompt_file) {
+        (Some(text), _) => Some(text.clone()),
+        (None, Some(path)) if path.as_os_str() == "-" => {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
+                .context("--prompt-file -: expected UTF-8 text on standard input")?;
+            Some(text)
+        }
+        (None, Some(path)) => Some(
+            std::fs::read_to_string(path)
+                .with_context(|| format!("--prompt-file {}: expected a readable UTF-8 text file", path.display()))?,
+        ),
+        (None, None) => None,
+    };
+    let prompt = match (text, &args.prompt_ids) {
         (_, Some(ids)) => ids.clone(),
         (Some(text), None) => {
             let tok = tokenizer.as_ref().with_context(|| {
-                format!("model {model_name} has no tokenizer: expected --prompt-ids instead of --prompt")
+                format!("model {model_name} has no tokenizer: expected --prompt-ids instead of a text prompt")
             })?;
-            tok.encode(text, tok.add_bos())
+            tok.encode(&text, tok.add_bos())
         }
         (None, None) => unreachable!("clap requires one"),
     };
@@ -123,15 +90,18 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     if let Some(&bad) = prompt.iter().find(|&&id| id as usize >= model.config.vocab) {
         anyhow::bail!("prompt id {bad}: expected ids below the vocabulary size {}", model.config.vocab);
     }
-    let dtype = match args.kv_dtype.as_str() {
-        "bf16" => Dtype::Bf16,
-        "f16" => Dtype::F16,
-        _ => Dtype::F32,
-    };
+    let dtype = kv_dtype(&args.kv_dtype);
     let max_len = (prompt.len() + args.max_tokens) as u64;
     let geometry = model.config.kv_geometry();
     let chunk_tokens = if args.prefill_chunk == 0 { prompt.len() } else { args.prefill_chunk.min(prompt.len()) };
-    let mut producer = producer_for(args, &model_path, &geometry, dtype, chunk_tokens)?;
+    let choice = super::producer::Choice {
+        producer: &args.producer,
+        backend_config: &args.backend_config,
+        precision: &args.precision,
+        threads: args.threads.unwrap_or_else(default_threads),
+        timeout_s: args.producer_timeout,
+    };
+    let mut producer = choice.producer(&model_path, &geometry, dtype, chunk_tokens)?;
     let mut engine = Engine::new(model, dtype, args.page_size, max_len, 1)?;
     if let Some(p) = producer.as_mut() {
         // Start the producer (load its model) before the clock of the request starts; a start-up failure

@@ -4,3 +4,4 @@ pub mod bench;
 pub mod generate;
 pub mod inspect;
 pub mod models;
+pub mod producer;

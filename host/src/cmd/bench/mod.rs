@@ -18,12 +18,14 @@ use shm_ring::HostRing;
 use crate::cli::{Bench, BenchArgs, IngestBenchArgs, RingBenchArgs};
 
 mod model_bench;
+mod pd_bench;
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     match &args.which {
         Bench::Ring(a) => ring(a),
         Bench::Ingest(a) => ingest(a),
         Bench::Model(a) => model_bench::run(a),
+        Bench::Pd(a) => pd_bench::run(a),
     }
 }
 

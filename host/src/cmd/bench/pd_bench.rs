@@ -1,0 +1,201 @@
+//! `pdhost bench pd`: time to first token with prefill in a warm producer subprocess against prefill in
+//! the host, on the same model, prompts and cache, in the same run; where PD's extra time goes; and
+//! decode tokens/s after each (the same cache, so it must not differ).
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use model::arch::Model;
+use model::gguf::Gguf;
+use model::kernels::Precision;
+use model::tokenizer::Tokenizer;
+use pdhost::engine::{Engine, Generation, OnFailure, PrefillBy, Request, Sampling};
+use serde_json::json;
+
+use crate::cli::PdBenchArgs;
+use crate::cmd::generate::{default_threads, kv_dtype};
+use crate::cmd::producer::Choice;
+
+const TEXT: &str = include_str!("../../../../fixtures/prompts/lgpl-650w.txt");
+
+/// Medians over the iterations of one prompt length.
+struct Row {
+    tokens: usize,
+    ttft_local: f64,
+    ttft_pd: f64,
+    local_forward: f64,
+    local_ingest: f64,
+    backend: f64,
+    frame: f64,
+    take: f64,
+    ipc: f64,
+    span_mib: f64,
+    decode_local: f64,
+    decode_pd: f64,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn decode_rate(g: &Generation) -> f64 {
+    g.output.len().saturating_sub(1) as f64 / g.decode.as_secs_f64().max(1e-9)
+}
+
+pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(args.iters > 0, "--iters: expected at least 1, found 0");
+    anyhow::ensure!(!args.tokens.is_empty() && !args.tokens.contains(&0), "--tokens: expected lengths above 0");
+    let path = {
+        let mut bar = crate::cmd::models::Bar::new(args.json);
+        let path = model::registry::fetch(&args.model, &mut bar)?;
+        bar.finish();
+        path
+    };
+    let gguf = Gguf::open(&path)?;
+    let tok = Tokenizer::from_gguf(&gguf)?;
+    let mut text_ids = tok.encode(TEXT, tok.add_bos());
+    let longest = *args.tokens.iter().max().expect("non-empty");
+    while text_ids.len() < longest {
+        text_ids.extend(tok.encode(TEXT, false));
+    }
+    let threads = args.threads.unwrap_or_else(default_threads);
+    let mut model = Model::from_gguf(&gguf).context("loading the weights")?;
+    model.configure(Precision::Exact, threads);
+    let dtype = kv_dtype(&args.kv_dtype);
+    let geometry = model.config.kv_geometry();
+    let choice =
+        Choice { producer: &args.producer, backend_config: "{}", precision: "exact", threads, timeout_s: 600.0 };
+    let absolute = std::path::absolute(&path)?;
+    let mut producer = choice
+        .producer(&absolute, &geometry, dtype, longest)?
+        .context("--producer: expected a remote producer to compare with local, found local")?;
+    let mut engine = Engine::new(model, dtype, 64, (longest + args.decode_tokens + 1) as u64, 1)?;
+    let bar = super::progress((args.tokens.len() * (args.iters as usize + 1)) as u64, args.json);
+    bar.set_message(format!("starting {}", producer.name()));
+    producer.start()?;
+    let layout = producer.layout().unwrap_or("?");
+
+    let mut rows = Vec::new();
+    for &n in &args.tokens {
+        let request = Request {
+            prompt: text_ids[..n].to_vec(),
+            max_tokens: args.decode_tokens + 1,
+            prefill_chunk: 0,
+            sampling: Sampling::Greedy,
+        };
+        let mut runs: Vec<(Generation, Generation)> = Vec::new();
+        // The first pair warms caches, pages and the producer's pools; it is not counted.
+        for i in 0..=args.iters {
+            bar.set_message(format!("{n} tokens"));
+            let local = engine.generate(&request, |_| {})?;
+            let pd = engine.generate_with(
+                &request,
+                PrefillBy::Remote { producer: &mut producer, on_failure: OnFailure::Fail },
+                |_| {},
+            )?;
+            anyhow::ensure!(
+                pd.output == local.output && pd.logits_hash == local.logits_hash,
+                "{n} tokens: PD output differs from local: expected {:?}, found {:?}",
+                local.output,
+                pd.output
+            );
+            if i > 0 {
+                runs.push((local, pd));
+            }
+            bar.inc(1);
+        }
+        let m = |f: &dyn Fn(&(Generation, Generation)) -> f64| median(runs.iter().map(f).collect());
+        rows.push(Row {
+            tokens: n,
+            ttft_local: m(&|r| ms(r.0.ttft)),
+            ttft_pd: m(&|r| ms(r.1.ttft)),
+            local_forward: m(&|r| ms(r.0.prefill)),
+            local_ingest: m(&|r| ms(r.0.ingest)),
+            backend: m(&|r| ms(r.1.report.remote_times.backend)),
+            frame: m(&|r| ms(r.1.report.remote_times.frame)),
+            take: m(&|r| ms(r.1.report.remote_times.take)),
+            ipc: m(&|r| ms(r.1.report.remote_times.ipc())),
+            span_mib: runs[0].1.bytes as f64 / (1 << 20) as f64,
+            decode_local: m(&|r| decode_rate(&r.0)),
+            decode_pd: m(&|r| decode_rate(&r.1)),
+        });
+    }
+    bar.finish_and_clear();
+    let name = producer.name().to_string();
+    drop(producer);
+
+    if args.json {
+        let results: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                let overhead = r.ttft_pd - r.ttft_local;
+                json!({"prompt_tokens": r.tokens, "ttft_local_ms": r.ttft_local, "ttft_pd_ms": r.ttft_pd,
+                       "overhead_ms": overhead, "overhead_pct": 100.0 * overhead / r.ttft_local,
+                       "local": {"forward_ms": r.local_forward, "ingest_ms": r.local_ingest},
+                       "pd": {"request_ipc_ms": r.ipc, "backend_ms": r.backend, "span_write_ms": r.frame,
+                              "transfer_ingest_ms": r.take, "span_mib": r.span_mib},
+                       "decode_tok_s_local": r.decode_local, "decode_tok_s_pd": r.decode_pd})
+            })
+            .collect();
+        println!(
+            "{}",
+            json!({"bench": "pd", "model": args.model, "producer": name, "layout": layout, "kv_dtype": dtype.name(),
+                   "threads": threads, "iters": args.iters, "decode_tokens": args.decode_tokens, "results": results})
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{} prefill in the warm `{name}` producer ({layout} {} spans over shared memory) vs in the host; {threads} \
+         thread(s); median of {}; the last prompt token and {} decoded tokens run in the host either way",
+        args.model,
+        dtype.name(),
+        args.iters,
+        args.decode_tokens
+    );
+    println!(
+        "{:>6} {:>10} {:>10} {:>9} {:>7} | {:>8} {:>9} {:>10} {:>11} {:>8} | {:>9} {:>9}",
+        "tokens",
+        "TTFT local",
+        "TTFT PD",
+        "overhead",
+        "%",
+        "IPC",
+        "backend",
+        "span write",
+        "xfer+ingest",
+        "span MiB",
+        "dec local",
+        "dec PD"
+    );
+    for r in &rows {
+        let overhead = r.ttft_pd - r.ttft_local;
+        println!(
+            "{:>6} {:>8.1}ms {:>8.1}ms {:>7.2}ms {:>6.2}% | {:>6.2}ms {:>7.1}ms {:>8.2}ms {:>9.2}ms {:>8.2} | {:>7.1}/s {:>7.1}/s",
+            r.tokens,
+            r.ttft_local,
+            r.ttft_pd,
+            overhead,
+            100.0 * overhead / r.ttft_local,
+            r.ipc,
+            r.backend,
+            r.frame,
+            r.take,
+            r.span_mib,
+            r.decode_local,
+            r.decode_pd
+        );
+    }
+    println!(
+        "backend: the producer's forward pass and its writes into the ring slot; span write: header, manifest, \
+         checksum and commit; xfer+ingest: the host's one pass that copies, checksums, validates and pages the \
+         span (local prefill's own ingest: {})",
+        rows.iter().map(|r| format!("{:.2}ms", r.local_ingest)).collect::<Vec<_>>().join(", ")
+    );
+    Ok(ExitCode::SUCCESS)
+}
