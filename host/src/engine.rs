@@ -46,7 +46,13 @@ pub enum EngineError {
     Ingest(#[from] IngestError),
     /// Remote prefill failed under [`OnFailure::Fail`].
     #[error("remote prefill failed ({kind}): {0}", kind = .0.kind())]
-    Producer(#[from] ProducerError),
+    Producer(Box<ProducerError>),
+}
+
+impl From<ProducerError> for EngineError {
+    fn from(e: ProducerError) -> Self {
+        EngineError::Producer(Box::new(e))
+    }
 }
 
 /// What [`Engine::prefill_seq`] did.

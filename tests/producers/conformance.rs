@@ -128,7 +128,8 @@ fn a_backend_error_is_reported_and_the_producer_keeps_serving() {
     let err = e
         .prefill(&[2, 999, 3], 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail })
         .expect_err("the backend refuses the token");
-    let pdhost::engine::EngineError::Producer(err @ ProducerError::Backend { .. }) = err else { panic!("{err}") };
+    let pdhost::engine::EngineError::Producer(err) = err else { panic!("{err}") };
+    assert!(matches!(*err, ProducerError::Backend { .. }), "{err}");
     assert!(err.to_string().contains("invalid_argument") && err.to_string().contains("999"), "{err}");
     assert_eq!(p.pid(), pid, "a backend error is not a protocol violation: no restart");
     let (seq, report) =

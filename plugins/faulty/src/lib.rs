@@ -321,9 +321,10 @@ fn toggle_header_later(frame: *mut u8) {
     let ptr = SlotPtr(frame);
     std::thread::spawn(move || {
         let ptr = ptr;
-        // SAFETY (all accesses below): bytes of the slot's frame header, inside the writable mapping (see
-        // `SlotPtr`); volatile because the host and the producer's next frame race with them.
+        // Volatile: the host and the producer's next frame race with these bytes.
+        // SAFETY: a byte of the slot's frame header, inside the writable mapping (see `SlotPtr`).
         let read = |at: usize| unsafe { std::ptr::read_volatile(ptr.0.add(at)) };
+        // SAFETY: as above.
         let write = |at: usize, v: u8| unsafe { std::ptr::write_volatile(ptr.0.add(at), v) };
         let (epoch, sequence) = (read(EPOCH), read(SEQUENCE));
         let until = std::time::Instant::now() + Duration::from_millis(50);
