@@ -284,6 +284,10 @@ struct Running {
 }
 
 /// One supervised producer.
+///
+/// Start and use a `Producer` from one long-lived thread: the kernel's parent-death signal fires when the
+/// *thread* that spawned the process exits, so a producer started from a short-lived thread would be
+/// killed with it.
 #[derive(Debug)]
 pub struct Producer {
     spec: ProducerSpec,
@@ -390,6 +394,11 @@ impl Producer {
             backoff: Duration::ZERO,
             not_before: Instant::now(),
         }
+    }
+
+    /// Replaces the restart policy (the restarts already counted stay counted).
+    pub fn set_restart_policy(&mut self, policy: RestartPolicy) {
+        self.spec.restart = policy;
     }
 
     /// The producer's name.

@@ -235,3 +235,30 @@ fn narrower_kv_dtypes_and_zero_tokens_work() {
     assert!(ids(&out["output_ids"]).is_empty());
     assert_eq!(out["finish_reason"], "length");
 }
+
+/// Checkpoints of other depths and sliding patterns (the tiny Gemma 3 weights, re-configured): 3 to 8
+/// layers, windows of 2 to 5 tokens, only sliding, only full, or mixed; prompts longer than the window,
+/// whole and chunked. Both producers give exactly the local output ids and logits.
+#[test]
+fn any_depth_and_sliding_pattern_gives_the_same_output_through_both_producers() {
+    let src = reference_dir().join("tiny_gemma3_8l");
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    for (pattern, window) in [("FSS", 3), ("SFSFS", 2), ("SSSSSSSS", 4), ("FFFFFF", 4), ("SSFSSSF", 5)] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(src.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
+        let mut c = config.clone();
+        let types: Vec<&str> =
+            pattern.chars().map(|l| if l == 'S' { "sliding_attention" } else { "full_attention" }).collect();
+        c["num_hidden_layers"] = pattern.len().into();
+        c["layer_types"] = types.into();
+        c["sliding_window"] = window.into();
+        std::fs::write(dir.path().join("config.json"), c.to_string()).unwrap();
+        let model = dir.path().to_str().unwrap();
+        let prompt = [2, 86, 171, 181, 9, 45, 200, 13, 77, 150, 3, 99];
+        for extra in [&[][..], &["--prefill-chunk", "3", "--page-size", "2"][..]] {
+            let out = generate_everywhere(model, &prompt, 6, extra);
+            assert_eq!(ids(&out["output_ids"]).len(), 6, "{pattern} {extra:?}");
+        }
+    }
+}

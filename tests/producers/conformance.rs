@@ -154,3 +154,34 @@ fn producers_run_with_no_new_privs() {
     let maps = std::fs::read_to_string(format!("/proc/{}/maps", p.pid().unwrap())).unwrap();
     assert!(maps.contains("libpdhost_backend_rngd.so"), "the producer loaded its backend");
 }
+
+#[test]
+fn restarts_back_off_and_stop_at_the_cap() {
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::F32);
+    let before = snapshot();
+    let crash = config(&gemma(), Dtype::F32, serde_json::json!({"fault": "kill_before"}));
+    let mut p = producer(&e, builtin("faulty"), crash, Duration::from_secs(30));
+    // Two restarts a minute.
+    p.set_restart_policy(pdhost::supervisor::RestartPolicy {
+        max_restarts: 2,
+        initial_backoff: Duration::from_millis(5),
+        ..Default::default()
+    });
+    let mut kinds = Vec::new();
+    for _ in 0..5 {
+        let err = e
+            .prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail })
+            .expect_err("every request crashes the producer");
+        kinds.push(err.to_string());
+    }
+    // First start, two restarts: three crashes; then the cap refuses to start another.
+    assert!(kinds[..3].iter().all(|k| k.contains("producer_exited") && k.contains("SIGKILL")), "{kinds:#?}");
+    assert!(kinds[3..].iter().all(|k| k.contains("restart_limit") && k.contains("2 restarts")), "{kinds:#?}");
+    let m = p.metrics();
+    assert_eq!((m.starts, m.restarts), (3, 2));
+    assert_eq!(m.spans_rejected.get("producer_exited"), Some(&3));
+    assert_eq!(m.spans_rejected.get("restart_limit"), Some(&2));
+    drop(p);
+    assert_eq!(snapshot(), before);
+}
