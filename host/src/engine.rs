@@ -73,6 +73,8 @@ pub struct PrefillReport {
     pub producer: Option<String>,
     /// `dense` or `grouped`: the producer's layout.
     pub layout: Option<&'static str>,
+    /// The element type of the producer's spans.
+    pub wire_dtype: Option<Dtype>,
     /// Why the producer's prefill was replaced by a local one.
     pub fallback: Option<ProducerError>,
     /// Remote costs, summed over the spans.
@@ -308,6 +310,7 @@ impl Engine {
                     Ok((times, spans)) => {
                         report.remote = true;
                         report.layout = producer.layout();
+                        report.wire_dtype = producer.wire_dtype();
                         report.remote_times = times;
                         let forward = times.round_trip.saturating_sub(times.take);
                         return Ok(Prefilled { forward, ingest: times.take, bytes: times.bytes, spans, report });

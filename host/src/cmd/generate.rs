@@ -168,6 +168,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
             "logits_xxh3": format!("{:016x}", gen.logits_hash),
             "prefill": {"where": where_, "producer": report.producer.as_deref().unwrap_or("local"),
                         "layout": if report.remote { report.layout } else { None },
+                        "wire_dtype": report.wire_dtype.filter(|_| report.remote).map(|d| d.name()),
                         "spans": gen.spans, "bytes": gen.bytes,
                         "fallback_reason": fallback,
                         "fallback_kind": report.fallback.as_ref().map(|e| e.kind()),
@@ -191,9 +192,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
             eprintln!("warning: remote prefill failed, prefilled locally instead: {reason}");
         }
         let how = match (report.remote, report.layout) {
-            (true, Some(layout)) => {
-                format!("remote ({} producer, {layout} spans over shared memory)", where_producer(report))
-            }
+            (true, Some(layout)) => format!(
+                "remote ({} producer, {layout} {} spans over shared memory)",
+                where_producer(report),
+                report.wire_dtype.map_or("?", |d| d.name())
+            ),
             _ => "local (spans laid out by the host)".to_string(),
         };
         eprintln!(

@@ -1,7 +1,7 @@
 //! The producer: one process per vendor backend.
 //!
 //! It loads exactly one backend library (`RTLD_NOW | RTLD_LOCAL`), opens and describes it, maps the ring
-//! the host created (descriptors at [`protocol::PRODUCER_FDS`]), and then serves prefill requests from the
+//! the host created (the descriptors named by `--fds`), and then serves prefill requests from the
 //! control socket: for each, it reserves a ring slot, writes the frame header and manifest, lets the
 //! backend write K/V straight into the slot through the writer's regions, seals the checksum and commits.
 //! It dies with its parent (`PR_SET_PDEATHSIG`) and exits when the control socket closes.
@@ -21,7 +21,7 @@ use pdhost_plugin_abi::{
     PdhostBackend, PdhostBackendV1, PdhostDescription, PdhostEntryFn, PdhostFrame, PdhostLayer, PdhostLayerKind,
     PdhostLayout, PdhostPrefill, PdhostStatus, PdhostWriter, ENTRY_SYMBOL, PDHOST_ABI_MAJOR,
 };
-use protocol::{Described, FromProducer, LayerDesc, ToProducer, PRODUCER_FDS};
+use protocol::{Described, FromProducer, LayerDesc, ToProducer};
 use shm_format::{seal_frame, write_prefix, Dtype, Fingerprint, FrameCoords, KvGeometry, LayerKv, Manifest};
 use shm_ring::segment::memfd::MemfdSegment;
 use shm_ring::RingWriter;
@@ -37,15 +37,19 @@ struct Args {
     backend: std::path::PathBuf,
     config: String,
     parent: Option<i32>,
+    /// Control segment, data segment, doorbell to the host, doorbell from the host, control socket.
+    fds: [i32; 5],
 }
 
-const USAGE: &str = "usage: pdhost-producer --backend LIB.so [--config JSON] [--parent-pid PID]
+const USAGE: &str = "usage: pdhost-producer --backend LIB.so --fds CONTROL,DATA,TO_HOST,FROM_HOST,SOCKET \
+[--config JSON] [--parent-pid PID]
 
-Started by the pdhost host with its ring at fds 3-6 and the control socket at fd 7; see docs/plugin-abi.md.";
+Started by the pdhost host, which passes its ring and control socket as the inherited descriptors --fds
+names; see docs/plugin-abi.md.";
 
 fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
     let mut it = args.into_iter();
-    let (mut backend, mut config, mut parent) = (None, "{}".to_string(), None);
+    let (mut backend, mut config, mut parent, mut fds) = (None, "{}".to_string(), None, None);
     while let Some(flag) = it.next() {
         let flag = flag.to_string_lossy().into_owned();
         let mut value = || it.next().ok_or_else(|| format!("{flag}: expected a value, found the end of the arguments"));
@@ -58,12 +62,22 @@ fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
                     v.to_string_lossy().parse().map_err(|_| format!("--parent-pid: expected a pid, found {v:?}"))?,
                 )
             }
+            "--fds" => {
+                let v = value()?.to_string_lossy().into_owned();
+                let numbers: Vec<i32> = v.split(',').filter_map(|n| n.parse().ok()).filter(|&n| n > 2).collect();
+                let distinct = numbers.iter().collect::<std::collections::BTreeSet<_>>().len() == numbers.len();
+                fds =
+                    Some(numbers.try_into().ok().filter(|_| distinct).ok_or_else(|| {
+                        format!("--fds: expected five distinct descriptor numbers above 2, found {v:?}")
+                    })?);
+            }
             "--help" | "-h" => return Err(USAGE.into()),
             other => return Err(format!("unexpected argument {other:?}\n{USAGE}")),
         }
     }
     let backend = backend.ok_or_else(|| format!("expected --backend LIB.so, found none\n{USAGE}"))?;
-    Ok(Args { backend, config, parent })
+    let fds = fds.ok_or_else(|| format!("expected --fds, found none\n{USAGE}"))?;
+    Ok(Args { backend, config, parent, fds })
 }
 
 /// Keeps freed heap memory in the process instead of returning it to the kernel (glibc's defaults trim the
@@ -88,10 +102,21 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    die_with_parent(args.parent);
-    // SAFETY: the host starts producers with these descriptors open and owned by nobody else here; each
-    // is taken exactly once, before anything else in the process opens a file.
-    let fds = PRODUCER_FDS.map(|fd| unsafe { OwnedFd::from_raw_fd(fd) });
+    confine(args.parent);
+    for fd in args.fds {
+        // SAFETY: fcntl on a descriptor number; F_GETFD only reads its flags.
+        if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+            eprintln!("pdhost-producer: --fds: expected descriptor {fd} open, found it closed");
+            return ExitCode::from(2);
+        }
+    }
+    // SAFETY: the host passed these descriptors open, distinct (checked when parsing) and for this process
+    // alone; each is taken exactly once, before anything else in the process opens a file.
+    let fds = args.fds.map(|fd| unsafe { OwnedFd::from_raw_fd(fd) });
+    for fd in &fds {
+        // The backend's own children, if it starts any, must not inherit the ring.
+        let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
+    }
     let [control, data, to_host, from_host, socket] = fds;
     let socket = UnixStream::from(socket);
     match serve(&args, [control, data, to_host, from_host], &socket) {
@@ -104,11 +129,16 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
     }
 }
 
-/// `PR_SET_PDEATHSIG`: the kernel kills this process when the thread that spawned it exits. If the parent
-/// already died before the call, exit now.
-fn die_with_parent(parent: Option<i32>) {
+/// Before any backend code runs: `PR_SET_NO_NEW_PRIVS` (no exec of this process or its children can gain
+/// privileges) and `PR_SET_PDEATHSIG` (the kernel kills this process when the thread that spawned it
+/// exits). If the parent already died before the call, exit now.
+fn confine(parent: Option<i32>) {
     // SAFETY: plain prctl/getppid calls without pointers.
     unsafe {
+        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+            eprintln!("pdhost-producer: PR_SET_NO_NEW_PRIVS failed: {}", std::io::Error::last_os_error());
+            std::process::exit(1);
+        }
         libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
         if parent.is_some_and(|p| libc::getppid() != p) {
             std::process::exit(1);

@@ -9,10 +9,6 @@ use serde::{Deserialize, Serialize};
 /// a few hundred bytes.
 pub const MAX_MESSAGE: u32 = 64 << 20;
 
-/// File descriptor numbers a producer finds its resources at: the ring's control segment, data segment,
-/// the doorbell it rings, the doorbell it waits on, and the control socket.
-pub const PRODUCER_FDS: [i32; 5] = [3, 4, 5, 6, 7];
-
 /// Host to producer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ToProducer {
