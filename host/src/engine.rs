@@ -15,6 +15,8 @@ use crate::kv::convert::{convert, to_f32};
 use crate::kv::{IngestError, KvConfig, PagedKv, SeqId};
 use crate::supervisor::{Producer, ProducerError, SpanTimes};
 
+const _: () = assert!(cfg!(target_endian = "little"), "spans are little-endian; the engine writes f32s as they lie");
+
 /// Who prefills a request.
 #[derive(Debug)]
 pub enum PrefillBy<'a> {
@@ -136,6 +138,8 @@ pub struct Generation {
     pub ingest: Duration,
     /// Time to the first generated token.
     pub ttft: Duration,
+    /// The host's forward step over the prompt's last token (part of `prefill` and `ttft`).
+    pub last_token: Duration,
     /// Time decoding after the first token.
     pub decode: Duration,
     /// Who prefilled, and what it cost.
@@ -227,8 +231,9 @@ impl Engine {
                 EntryKind::V => &chunk.v[e.layer as usize],
                 EntryKind::State => unreachable!("no recurrent layers in these models"),
             };
-            let bytes: Vec<u8> = src.iter().flat_map(|x| x.to_le_bytes()).collect();
-            convert(Dtype::F32, &bytes, dtype, &mut payload[e.offset as usize..(e.offset + e.len) as usize]);
+            // Spans are little-endian, as this host is (asserted below): the f32s' bytes as they lie.
+            let bytes = zerocopy::IntoBytes::as_bytes(src.as_slice());
+            convert(Dtype::F32, bytes, dtype, &mut payload[e.offset as usize..(e.offset + e.len) as usize]);
         }
         let mut staged = self.kv.prepare(seq, &manifest)?;
         self.kv.write_staged(&mut staged, 0, &payload);
@@ -394,7 +399,8 @@ impl Engine {
         // The last prompt token, run by the host: its logits choose the first output token.
         let t = Instant::now();
         let out = self.model.forward(&[last], head.len() as u64, &PagedPast { kv: &self.kv, seq }, false);
-        prefill += t.elapsed();
+        let last_token = t.elapsed();
+        prefill += last_token;
         self.ingest(seq, request_id, &out.kv)?;
         let logits = out.logits;
         let mut hasher = twox_hash::XxHash3_64::with_seed(0);
@@ -407,6 +413,7 @@ impl Engine {
             prefill,
             ingest,
             ttft,
+            last_token,
             decode,
             report,
             logits_hash,

@@ -218,6 +218,14 @@ pub enum ProducerError {
         /// Until the oldest restart leaves the window.
         wait: Duration,
     },
+    /// The producer failed recently; it is not restarted before its backoff has passed.
+    #[error("producer {name}: restarting after a failure in {wait:?}: not yet")]
+    BackingOff {
+        /// Producer.
+        name: String,
+        /// Time left.
+        wait: Duration,
+    },
     /// A system call on the host side failed.
     #[error("producer {name}: {op}: {source}")]
     Io {
@@ -246,6 +254,7 @@ impl ProducerError {
             ProducerError::Rejected { source, .. } => source.kind(),
             ProducerError::Protocol { .. } => "protocol",
             ProducerError::RestartLimit { .. } => "restart_limit",
+            ProducerError::BackingOff { .. } => "backing_off",
             ProducerError::Io { .. } => "io",
         }
     }
@@ -460,9 +469,10 @@ impl Producer {
                 });
             }
             if self.not_before > now {
-                std::thread::sleep(self.not_before - now);
+                // A request does not wait out the backoff: it is refused now (and falls back, or fails).
+                return Err(ProducerError::BackingOff { name, wait: self.not_before - now });
             }
-            self.recent_restarts.push_back(Instant::now());
+            self.recent_restarts.push_back(now);
             self.metrics.restarts += 1;
         }
         let epoch = self.next_epoch;
@@ -616,7 +626,7 @@ impl Producer {
             Ok(Some(s)) => match (s.code(), s.signal()) {
                 (Some(code), _) => format!("with status {code}"),
                 (None, Some(sig)) => format!("by {}", signal_name(sig)),
-                _ => "somehow".to_string(),
+                _ => "with an unknown status".to_string(),
             },
             _ => "(closed its control socket)".to_string(),
         };
@@ -625,6 +635,7 @@ impl Producer {
 
     /// Kills (if needed) and reaps a process, and drops its ring.
     fn reap(&self, mut running: Running) {
+        // SIGKILL, then wait: no zombie, and the ring (dropped with `running`) is unmapped and closed.
         let _ = running.child.kill();
         let _ = running.child.wait();
     }
@@ -657,8 +668,14 @@ impl Producer {
         tokens: &[u32],
     ) -> Result<SpanTimes, ProducerError> {
         let started = Instant::now();
-        if let Err(e) = self.ensure_running() {
-            return Err(self.fail(e));
+        match self.ensure_running() {
+            Ok(_) => {}
+            // No process was involved: count the refusal, but do not lengthen the backoff.
+            Err(e @ (ProducerError::BackingOff { .. } | ProducerError::RestartLimit { .. })) => {
+                *self.metrics.spans_rejected.entry(e.kind()).or_default() += 1;
+                return Err(e);
+            }
+            Err(e) => return Err(self.fail(e)),
         }
         let result = self.exchange(kv, seq, request_id, start_pos, tokens, started);
         match result {

@@ -170,6 +170,8 @@ fn restarts_back_off_and_stop_at_the_cap() {
     });
     let mut kinds = Vec::new();
     for _ in 0..5 {
+        // Past the backoff (5, 10, 20 ms), so that each request may start a producer.
+        std::thread::sleep(Duration::from_millis(50));
         let err = e
             .prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail })
             .expect_err("every request crashes the producer");
@@ -184,4 +186,30 @@ fn restarts_back_off_and_stop_at_the_cap() {
     assert_eq!(m.spans_rejected.get("restart_limit"), Some(&2));
     drop(p);
     assert_eq!(snapshot(), before);
+}
+
+#[test]
+fn a_request_during_the_backoff_is_refused_at_once() {
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::F32);
+    let crash = config(&gemma(), Dtype::F32, serde_json::json!({"fault": "kill_before", "on_requests": [1]}));
+    let mut p = producer(&e, builtin("faulty"), crash, Duration::from_secs(30));
+    p.set_restart_policy(pdhost::supervisor::RestartPolicy {
+        initial_backoff: Duration::from_secs(600),
+        ..Default::default()
+    });
+    fn by(producer: &mut pdhost::supervisor::Producer) -> PrefillBy<'_> {
+        PrefillBy::Remote { producer, on_failure: OnFailure::Fail }
+    }
+    let first = e.prefill(&PROMPT, 0, by(&mut p)).expect_err("request 1 crashes the producer");
+    assert!(first.to_string().contains("producer_exited"), "{first}");
+    // Request 2 would succeed, but the producer may not restart for ten minutes: refused now, no process.
+    let second = e.prefill(&PROMPT, 0, by(&mut p)).expect_err("backing off");
+    assert!(second.to_string().contains("backing_off"), "{second}");
+    assert_eq!((p.metrics().starts, p.pid()), (1, None));
+    // Fallback completes the same request locally instead.
+    let (seq, report) =
+        e.prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fallback }).unwrap();
+    assert_eq!(report.fallback.as_ref().map(|f| f.kind()), Some("backing_off"));
+    e.release(seq);
 }

@@ -44,8 +44,9 @@ fn engine(model: &std::path::Path, dtype: Dtype) -> Engine {
     Engine::new(m, dtype, 4, 96, 4).expect("engine")
 }
 
-/// A producer of a backend library, started by this package's `test-producer` binary, with a fast
-/// restart policy and `timeout` for start-up and each request.
+/// A producer of a backend library, started by this package's `test-producer` binary, restarted without
+/// backoff (so the request after a fault always finds a new producer) and `timeout` for start-up and each
+/// request.
 fn producer(engine: &Engine, backend: PathBuf, config: serde_json::Value, timeout: Duration) -> Producer {
     let name = backend.file_stem().unwrap().to_string_lossy().trim_start_matches("libpdhost_backend_").to_string();
     let spec = ProducerSpec {
@@ -59,8 +60,8 @@ fn producer(engine: &Engine, backend: PathBuf, config: serde_json::Value, timeou
         start_timeout: Duration::from_secs(30),
         request_timeout: timeout,
         restart: RestartPolicy {
-            initial_backoff: Duration::from_millis(1),
-            max_backoff: Duration::from_millis(20),
+            initial_backoff: Duration::ZERO,
+            max_backoff: Duration::ZERO,
             max_restarts: 1000,
             window: Duration::from_secs(60),
         },

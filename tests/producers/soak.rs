@@ -41,8 +41,13 @@ fn soak_200_requests_with_random_faults() {
             Some(reason) => {
                 fallbacks += 1;
                 assert!(!reason.to_string().is_empty() && !reason.to_string().contains('\n'));
+                // A request right after a failure may find the producer backing off; any other fallback
+                // must come from a fault injected into this very request.
                 let mode = pdhost_backend_faulty::random_mode(7, 0.25, id);
-                assert!(mode.is_some(), "request {i}: fell back ({reason}) without an injected fault");
+                assert!(
+                    mode.is_some() || reason.kind() == "backing_off",
+                    "request {i}: fell back ({reason}) without an injected fault"
+                );
             }
         }
         if i == 19 {

@@ -40,24 +40,28 @@ pub fn convert(from: Dtype, src: &[u8], to: Dtype, dst: &mut [u8]) {
         dst.copy_from_slice(src);
         return;
     }
-    let load = loader(from);
-    let (ss, ds) = (from.size() as usize, to.size() as usize);
-    match to {
-        Dtype::F32 => {
-            for (s, d) in src.chunks_exact(ss).zip(dst.chunks_exact_mut(ds)) {
-                d.copy_from_slice(&load(s).to_le_bytes());
-            }
-        }
+    // One monomorphised loop per (from, to) pair, so the element conversions inline (a local prefill's
+    // f32 chunk becomes a bf16 span at memory speed, not through a call per element).
+    match from {
+        Dtype::F32 => store(to, src.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])), dst),
         Dtype::F16 => {
-            for (s, d) in src.chunks_exact(ss).zip(dst.chunks_exact_mut(ds)) {
-                d.copy_from_slice(&f16::from_f32(load(s)).to_bits().to_le_bytes());
-            }
+            store(to, src.chunks_exact(2).map(|b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()), dst)
         }
         Dtype::Bf16 => {
-            for (s, d) in src.chunks_exact(ss).zip(dst.chunks_exact_mut(ds)) {
-                d.copy_from_slice(&bf16::from_f32(load(s)).to_bits().to_le_bytes());
-            }
+            store(to, src.chunks_exact(2).map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()), dst)
         }
+    }
+}
+
+fn store(to: Dtype, values: impl Iterator<Item = f32>, dst: &mut [u8]) {
+    match to {
+        Dtype::F32 => values.zip(dst.chunks_exact_mut(4)).for_each(|(v, d)| d.copy_from_slice(&v.to_le_bytes())),
+        Dtype::F16 => values
+            .zip(dst.chunks_exact_mut(2))
+            .for_each(|(v, d)| d.copy_from_slice(&f16::from_f32(v).to_bits().to_le_bytes())),
+        Dtype::Bf16 => values
+            .zip(dst.chunks_exact_mut(2))
+            .for_each(|(v, d)| d.copy_from_slice(&bf16::from_f32(v).to_bits().to_le_bytes())),
     }
 }
 

@@ -15,7 +15,7 @@
 use std::path::Path;
 
 use model::arch::Model;
-use model::forward::{ChunkKv, VecKv};
+use model::forward::VecKv;
 use model::gguf::Gguf;
 use model::kernels::Precision;
 use pdhost_plugin_abi::{
@@ -30,9 +30,24 @@ pub struct ModelBackend {
     geometry: KvGeometry,
     layout: PdhostLayout,
     dtype: Dtype,
-    /// The request being prefilled and its K/V so far, rounded through the wire dtype exactly as the host
-    /// will read it back, so that a chunk attends to what the host's cache holds.
-    past: Option<(u64, VecKv)>,
+    /// The request being prefilled and its K/V so far.
+    past: Option<Past>,
+}
+
+/// K/V of the request in progress. The newest chunk is kept exactly as computed (no copy: the forward
+/// pass's vectors are moved in) and is what the regions are written from; only when a later chunk needs
+/// it as past is it rounded through the wire dtype, in place, so that the chunk attends to exactly what
+/// the host's cache holds.
+#[derive(Debug)]
+struct Past {
+    request_id: u64,
+    kv: VecKv,
+    /// Positions held.
+    len: u64,
+    /// Positions already rounded through the wire dtype.
+    rounded: u64,
+    /// The newest chunk's positions.
+    newest: std::ops::Range<u64>,
 }
 
 fn bad_config(message: String) -> BackendError {
@@ -131,45 +146,66 @@ impl ModelBackend {
         }
     }
 
-    /// Runs the forward pass over the request's tokens and returns their K/V (already rounded through the
-    /// wire dtype). A request starting at 0 replaces any earlier one; a later chunk must continue the
-    /// request in progress exactly where it stopped.
-    pub fn compute(&mut self, request: &Prefill<'_>) -> Result<ChunkKv, BackendError> {
+    /// Runs the forward pass over the request's tokens and keeps their K/V as the newest chunk, which
+    /// [`ModelBackend::write_regions`] and [`ModelBackend::payload`] then write out. A request starting at
+    /// 0 replaces any earlier one; a later chunk must continue the request in progress where it stopped.
+    pub fn compute(&mut self, request: &Prefill<'_>) -> Result<(), BackendError> {
         if let Some(&bad) = request.tokens.iter().find(|&&t| t as usize >= self.model.config.vocab) {
             return Err(BackendError::new(
                 PdhostStatus::InvalidArgument,
                 format!("token id {bad}: expected ids below the vocabulary size {}", self.model.config.vocab),
             ));
         }
+        let end = request.start_pos + request.tokens.len() as u64;
         if request.start_pos == 0 {
-            self.past = Some((request.request_id, VecKv::default()));
+            let out = self.model.forward(request.tokens, 0, &model::forward::NoPast, false);
+            let row = self.model.config.kv_heads * self.model.config.head_dim;
+            let kv = VecKv { k: out.kv.k, v: out.kv.v, row };
+            self.past = Some(Past { request_id: request.request_id, kv, len: end, rounded: 0, newest: 0..end });
+            return Ok(());
         }
-        let held = match &self.past {
-            Some((id, past)) if *id == request.request_id => past.k.first().map_or(0, |k| k.len() / past.row.max(1)),
-            _ => usize::MAX,
+        let past = match &mut self.past {
+            Some(p) if p.request_id == request.request_id && p.len == request.start_pos => p,
+            _ => {
+                return Err(BackendError::new(
+                    PdhostStatus::InvalidArgument,
+                    format!(
+                        "request {} chunk at position {}: expected the request in progress to continue there",
+                        request.request_id, request.start_pos
+                    ),
+                ))
+            }
         };
-        if held as u64 != request.start_pos {
-            return Err(BackendError::new(
-                PdhostStatus::InvalidArgument,
-                format!(
-                    "request {} chunk at position {}: expected the request in progress to continue there",
-                    request.request_id, request.start_pos
-                ),
-            ));
+        let row = past.kv.row;
+        let from = past.rounded as usize * row;
+        for x in past.kv.k.iter_mut().chain(past.kv.v.iter_mut()).flat_map(|l| l[from..].iter_mut()) {
+            *x = round(self.dtype, *x);
         }
-        let (_, past) = self.past.as_mut().expect("checked above");
-        let mut out = self.model.forward(request.tokens, request.start_pos, past, false);
-        round_through(self.dtype, &mut out.kv);
-        past.append(&out.kv);
-        Ok(out.kv)
+        past.rounded = past.len;
+        let out = self.model.forward(request.tokens, request.start_pos, &past.kv, false);
+        past.kv.append(&out.kv);
+        past.len = end;
+        past.newest = request.start_pos..end;
+        Ok(())
     }
 
-    /// Writes `chunk` into the writer's regions, entry by entry in `manifest` order. With `limit`, stops
-    /// after that many entries (for fault injection).
+    /// The newest chunk's values of one entry.
+    fn newest<'a>(&'a self, e: &shm_format::Entry) -> &'a [f32] {
+        let past = self.past.as_ref().expect("compute ran");
+        let row = past.kv.row;
+        let layer = match e.kind {
+            EntryKind::K => &past.kv.k[e.layer as usize],
+            EntryKind::V => &past.kv.v[e.layer as usize],
+            EntryKind::State => unreachable!("these models have no recurrent layers"),
+        };
+        &layer[past.newest.start as usize * row..past.newest.end as usize * row]
+    }
+
+    /// Writes the newest chunk into the writer's regions, entry by entry in `manifest` order (encoding
+    /// rounds to the wire dtype). With `limit`, stops after that many entries (for fault injection).
     pub fn write_regions(
         &self,
         manifest: &Manifest,
-        chunk: &ChunkKv,
         writer: &mut Writer<'_>,
         limit: Option<usize>,
     ) -> Result<(), BackendError> {
@@ -187,30 +223,18 @@ impl ModelBackend {
                     format!("entry {i}: expected a region of {} bytes, found {}", e.len, region.len()),
                 ));
             }
-            encode_into(self.dtype, entry_values(chunk, e), region);
+            encode_into(self.dtype, self.newest(e), region);
         }
         Ok(())
     }
 
-    /// The whole payload of `chunk` for `manifest`, as bytes (for backends that write frames themselves).
-    pub fn payload(&self, manifest: &Manifest, chunk: &ChunkKv) -> Vec<u8> {
+    /// The newest chunk's whole payload for `manifest`, as bytes (for backends that write frames themselves).
+    pub fn payload(&self, manifest: &Manifest) -> Vec<u8> {
         let mut payload = vec![0u8; manifest.payload_len() as usize];
         for e in &manifest.entries {
-            encode_into(
-                self.dtype,
-                entry_values(chunk, e),
-                &mut payload[e.offset as usize..(e.offset + e.len) as usize],
-            );
+            encode_into(self.dtype, self.newest(e), &mut payload[e.offset as usize..(e.offset + e.len) as usize]);
         }
         payload
-    }
-}
-
-fn entry_values<'a>(chunk: &'a ChunkKv, e: &shm_format::Entry) -> &'a [f32] {
-    match e.kind {
-        EntryKind::K => &chunk.k[e.layer as usize],
-        EntryKind::V => &chunk.v[e.layer as usize],
-        EntryKind::State => unreachable!("these models have no recurrent layers"),
     }
 }
 
@@ -229,15 +253,12 @@ pub fn layer_desc(layer: LayerKv) -> PdhostLayer {
     }
 }
 
-/// Rounds every value to the nearest `dtype` value (ties to even), in place.
-pub fn round_through(dtype: Dtype, kv: &mut ChunkKv) {
-    let round: fn(f32) -> f32 = match dtype {
-        Dtype::F32 => return,
-        Dtype::F16 => |x| half::f16::from_f32(x).to_f32(),
-        Dtype::Bf16 => |x| half::bf16::from_f32(x).to_f32(),
-    };
-    for x in kv.k.iter_mut().chain(kv.v.iter_mut()).flatten() {
-        *x = round(*x);
+/// The nearest `dtype` value to `x` (ties to even), as f32.
+fn round(dtype: Dtype, x: f32) -> f32 {
+    match dtype {
+        Dtype::F32 => x,
+        Dtype::F16 => half::f16::from_f32(x).to_f32(),
+        Dtype::Bf16 => half::bf16::from_f32(x).to_f32(),
     }
 }
 

@@ -163,11 +163,11 @@ impl Backend for Faulty {
             if when == When::Before {
                 die();
             }
-            let kv = self.inner.compute(request)?;
+            self.inner.compute(request)?;
             let manifest = self.inner.manifest(request);
             let half = manifest.entries.len() / 2;
             let limit = if when == When::Mid { Some(half.max(1)) } else { None };
-            self.inner.write_regions(&manifest, &kv, writer, limit)?;
+            self.inner.write_regions(&manifest, writer, limit)?;
             if when == When::Mid {
                 // Scribble into part of the next region, as a device DMA cut off halfway would.
                 if let Ok(region) = writer.region(half as u32) {
@@ -200,15 +200,15 @@ impl Backend for Faulty {
 
 impl Faulty {
     fn behave(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
-        let kv = self.inner.compute(request)?;
-        self.inner.write_regions(&self.inner.manifest(request), &kv, writer, None)
+        self.inner.compute(request)?;
+        self.inner.write_regions(&self.inner.manifest(request), writer, None)
     }
 
     /// Writes a whole frame that is wrong in the way `mode` names.
     fn malformed(&mut self, mode: &str, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
-        let kv = self.inner.compute(request)?;
+        self.inner.compute(request)?;
         let mut manifest = self.inner.manifest(request);
-        let mut payload = self.inner.payload(&manifest, &kv);
+        let mut payload = self.inner.payload(&manifest);
         let frame = writer.frame()?;
         let mut coords = FrameCoords { epoch: frame.epoch, generation: frame.generation, sequence: frame.sequence };
         let mut declared_payload = None;

@@ -21,8 +21,8 @@ impl Backend for Gpu {
     }
 
     fn prefill(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
-        let kv = self.0.compute(request)?;
-        self.0.write_regions(&self.0.manifest(request), &kv, writer, None)
+        self.0.compute(request)?;
+        self.0.write_regions(&self.0.manifest(request), writer, None)
     }
 }
 

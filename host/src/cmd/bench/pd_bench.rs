@@ -31,6 +31,8 @@ struct Row {
     take: f64,
     ipc: f64,
     span_mib: f64,
+    last_local: f64,
+    last_pd: f64,
     decode_local: f64,
     decode_pd: f64,
 }
@@ -122,6 +124,8 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
             take: m(&|r| ms(r.1.report.remote_times.take)),
             ipc: m(&|r| ms(r.1.report.remote_times.ipc())),
             span_mib: runs[0].1.bytes as f64 / (1 << 20) as f64,
+            last_local: m(&|r| ms(r.0.last_token)),
+            last_pd: m(&|r| ms(r.1.last_token)),
             decode_local: m(&|r| decode_rate(&r.0)),
             decode_pd: m(&|r| decode_rate(&r.1)),
         });
@@ -137,9 +141,10 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
                 let overhead = r.ttft_pd - r.ttft_local;
                 json!({"prompt_tokens": r.tokens, "ttft_local_ms": r.ttft_local, "ttft_pd_ms": r.ttft_pd,
                        "overhead_ms": overhead, "overhead_pct": 100.0 * overhead / r.ttft_local,
-                       "local": {"forward_ms": r.local_forward, "ingest_ms": r.local_ingest},
+                       "local": {"forward_ms": r.local_forward, "ingest_ms": r.local_ingest,
+                                 "last_token_ms": r.last_local},
                        "pd": {"request_ipc_ms": r.ipc, "backend_ms": r.backend, "span_write_ms": r.frame,
-                              "transfer_ingest_ms": r.take, "span_mib": r.span_mib},
+                              "transfer_ingest_ms": r.take, "span_mib": r.span_mib, "last_token_ms": r.last_pd},
                        "decode_tok_s_local": r.decode_local, "decode_tok_s_pd": r.decode_pd})
             })
             .collect();
@@ -159,7 +164,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         args.decode_tokens
     );
     println!(
-        "{:>6} {:>10} {:>10} {:>9} {:>7} | {:>8} {:>9} {:>10} {:>11} {:>8} | {:>9} {:>9}",
+        "{:>6} {:>10} {:>10} {:>9} {:>7} | {:>8} {:>9} {:>10} {:>11} {:>8} | {:>15} | {:>9} {:>9}",
         "tokens",
         "TTFT local",
         "TTFT PD",
@@ -170,13 +175,14 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         "span write",
         "xfer+ingest",
         "span MiB",
+        "last tok loc/PD",
         "dec local",
         "dec PD"
     );
     for r in &rows {
         let overhead = r.ttft_pd - r.ttft_local;
         println!(
-            "{:>6} {:>8.1}ms {:>8.1}ms {:>7.2}ms {:>6.2}% | {:>6.2}ms {:>7.1}ms {:>8.2}ms {:>9.2}ms {:>8.2} | {:>7.1}/s {:>7.1}/s",
+            "{:>6} {:>8.1}ms {:>8.1}ms {:>7.2}ms {:>6.2}% | {:>6.2}ms {:>7.1}ms {:>8.2}ms {:>9.2}ms {:>8.2} | {:>6.1}/{:>6.1}ms | {:>7.1}/s {:>7.1}/s",
             r.tokens,
             r.ttft_local,
             r.ttft_pd,
@@ -187,6 +193,8 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
             r.frame,
             r.take,
             r.span_mib,
+            r.last_local,
+            r.last_pd,
             r.decode_local,
             r.decode_pd
         );
@@ -194,7 +202,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     println!(
         "backend: the producer's forward pass and its writes into the ring slot; span write: header, manifest, \
          checksum and commit; xfer+ingest: the host's one pass that copies, checksums, validates and pages the \
-         span (local prefill's own ingest: {})",
+         span (local prefill's own ingest: {}); last tok: the host's step over the last prompt token",
         rows.iter().map(|r| format!("{:.2}ms", r.local_ingest)).collect::<Vec<_>>().join(", ")
     );
     Ok(ExitCode::SUCCESS)
