@@ -60,7 +60,8 @@ pub struct GenerateArgs {
     /// Tokens to generate at most (EOS stops earlier and is included).
     #[arg(long, default_value_t = 64)]
     pub max_tokens: usize,
-    /// Who prefills: `rngd` (dense K/V, bf16 unless the cache is f32 or f16), `gpu` (grouped K/V),
+    /// Who prefills: `rngd` (dense K/V, the RNGD-NPU contract), `gpu` (grouped K/V, one tensor set per
+    /// attention group),
     /// `faulty` (fault injection, see --backend-config), a backend library `PATH.so`, or `local` (the host
     /// itself). Producers run as subprocesses; their spans are validated before they land in the cache.
     #[arg(long, default_value = "rngd")]
@@ -76,7 +77,8 @@ pub struct GenerateArgs {
     /// Seconds a producer may take to answer one prefill (and to start) before it is killed.
     #[arg(long, default_value_t = 120.0)]
     pub producer_timeout: f64,
-    /// Element type of the KV cache.
+    /// Element type of the KV cache, and of the producer's spans (`bf16` gives the RNGD contract's wire
+    /// format; `f32` matches transformers' fp32 exactly).
     #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
     pub kv_dtype: String,
     /// Tokens per KV page.
