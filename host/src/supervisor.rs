@@ -604,15 +604,17 @@ impl Producer {
         }
         let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
         running.socket.set_read_timeout(Some(left)).map_err(self.io("socket timeout"))?;
-        match protocol::recv::<FromProducer>(&mut running.socket) {
+        match protocol::recv::<FromProducer>(&mut running.socket, protocol::MAX_FROM_PRODUCER) {
             Ok(Some(m)) => Ok(m),
             Ok(None) => Err(self.exited(running, during)),
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
                 Err(ProducerError::Timeout { name, waited: started.elapsed(), during })
             }
-            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
-                Err(ProducerError::Protocol { name, expected: "a control message".into(), found: e.to_string() })
-            }
+            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => Err(ProducerError::Protocol {
+                name,
+                expected: "a well-formed control message".into(),
+                found: e.to_string(),
+            }),
             Err(_) => Err(self.exited(running, during)),
         }
     }

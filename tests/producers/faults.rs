@@ -43,6 +43,7 @@ fn expected(mode: &str, dense: bool) -> Option<&'static [&'static str]> {
         // frame; if both reads precede the first flip, the frame as committed was valid and is taken.
         "double_fetch" => return Some(&["wrong_epoch", "header_changed_after_commit", "checksum_mismatch"]),
         "attack_segments" => return None,
+        "garbage_reply" | "oversize_reply" => &["protocol"],
         other => panic!("no expectation for mode {other}"),
     })
 }
@@ -175,4 +176,6 @@ fault_tests!(
     oversize_lengths,
     write_outside_slot,
     attack_segments,
+    garbage_reply,
+    oversize_reply,
 );

@@ -13,7 +13,8 @@
 //! Everything a misbehaving vendor library could do from inside the producer process is fair: crash in
 //! three ways at three points, hang, stall, exit cleanly mid-request, emit spans whose manifest lies about
 //! layers, groups, shapes, dtype, tokens or model, emit frames whose header lies about lengths and ring
-//! coordinates or changes after commit, and attack the host's segments.
+//! coordinates or changes after commit, attack the host's segments, and write garbage on the control
+//! socket.
 
 use std::time::Duration;
 
@@ -53,6 +54,8 @@ pub const MODES: &[&str] = &[
     "oversize_lengths",
     "write_outside_slot",
     "attack_segments",
+    "garbage_reply",
+    "oversize_reply",
 ];
 
 /// When a crash happens relative to writing the regions.
@@ -183,6 +186,20 @@ impl Backend for Faulty {
             },
             "slow" => {
                 std::thread::sleep(self.delay);
+                self.behave(request, writer)
+            }
+            "garbage_reply" | "oversize_reply" => {
+                // Speak on the producer's control socket before it does: a message that does not decode,
+                // or a length prefix far past what the host accepts.
+                let message: &[u8] = if mode == "garbage_reply" {
+                    &[4, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]
+                } else {
+                    &[0xff, 0xff, 0xff, 0x7f]
+                };
+                control_sockets().iter().for_each(|&fd| {
+                    // SAFETY: writing a local buffer to a descriptor this process holds.
+                    unsafe { libc::write(fd, message.as_ptr().cast(), message.len()) };
+                });
                 self.behave(request, writer)
             }
             "attack_segments" => {
@@ -362,6 +379,15 @@ fn die_segv() -> ! {
 
 fn die_exit0() -> ! {
     std::process::exit(0)
+}
+
+/// Descriptors of this process that are Unix sockets: the producer's control socket.
+fn control_sockets() -> Vec<i32> {
+    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
+    fds.iter()
+        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().starts_with("socket:")))
+        .filter_map(|e| e.file_name().to_string_lossy().parse().ok())
+        .collect()
 }
 
 /// Tries to resize or write the host's control segment and to resize the data segment, through every

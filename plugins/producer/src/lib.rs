@@ -266,7 +266,7 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(),
     protocol::send(socket, &FromProducer::Ready(described)).map_err(|e| fatal("socket")(e.to_string()))?;
 
     loop {
-        let message = match protocol::recv::<ToProducer>(socket) {
+        let message = match protocol::recv::<ToProducer>(socket, protocol::MAX_TO_PRODUCER) {
             Ok(Some(m)) => m,
             Ok(None) | Err(_) => return Ok(()), // the host went away or hung up: nothing left to serve
         };

@@ -5,9 +5,11 @@ use std::io::{Read, Write};
 
 use serde::{Deserialize, Serialize};
 
-/// The largest message either side accepts. Prefill requests carry token ids (4 bytes each); replies are
-/// a few hundred bytes.
-pub const MAX_MESSAGE: u32 = 64 << 20;
+/// The largest host-to-producer message: a prefill request carries token ids (4 bytes each).
+pub const MAX_TO_PRODUCER: u32 = 64 << 20;
+/// The largest producer-to-host message the host accepts before allocating: a `Ready` for a model of tens
+/// of thousands of layers, or a one-line error; anything larger is a protocol violation.
+pub const MAX_FROM_PRODUCER: u32 = 4 << 20;
 
 /// Host to producer.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -100,8 +102,8 @@ pub fn send<T: Serialize>(mut to: impl Write, message: &T) -> std::io::Result<()
     to.write_all(&buf)
 }
 
-/// Reads one message: `Ok(None)` at a clean end of stream.
-pub fn recv<T: for<'de> Deserialize<'de>>(mut from: impl Read) -> std::io::Result<Option<T>> {
+/// Reads one message of at most `max` bytes: `Ok(None)` at a clean end of stream.
+pub fn recv<T: for<'de> Deserialize<'de>>(mut from: impl Read, max: u32) -> std::io::Result<Option<T>> {
     let mut len = [0u8; 4];
     match from.read_exact(&mut len) {
         Ok(()) => {}
@@ -109,17 +111,17 @@ pub fn recv<T: for<'de> Deserialize<'de>>(mut from: impl Read) -> std::io::Resul
         Err(e) => return Err(e),
     }
     let len = u32::from_le_bytes(len);
-    if len > MAX_MESSAGE {
+    if len > max {
         return Err(std::io::Error::new(
             std::io::ErrorKind::InvalidData,
-            format!("control message of {len} bytes: expected at most {MAX_MESSAGE}"),
+            format!("a message of {len} bytes (the limit is {max})"),
         ));
     }
     let mut bytes = vec![0u8; len as usize];
     from.read_exact(&mut bytes)?;
     postcard::from_bytes(&bytes)
         .map(Some)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("control message: {e}")))
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("undecodable bytes ({e})")))
 }
 
 #[cfg(test)]
@@ -131,11 +133,12 @@ mod tests {
         let m = ToProducer::Prefill { request_id: 7, start_pos: 3, tokens: vec![1, 2, 3] };
         let mut buf = Vec::new();
         send(&mut buf, &m).unwrap();
-        assert_eq!(recv::<ToProducer>(&buf[..]).unwrap(), Some(m));
-        assert_eq!(recv::<ToProducer>(&[][..]).unwrap(), None);
-        let huge = (MAX_MESSAGE + 1).to_le_bytes();
-        assert_eq!(recv::<ToProducer>(&huge[..]).unwrap_err().kind(), std::io::ErrorKind::InvalidData);
+        assert_eq!(recv::<ToProducer>(&buf[..], MAX_TO_PRODUCER).unwrap(), Some(m));
+        assert_eq!(recv::<ToProducer>(&[][..], MAX_TO_PRODUCER).unwrap(), None);
+        let huge = (MAX_FROM_PRODUCER + 1).to_le_bytes();
+        let err = recv::<FromProducer>(&huge[..], MAX_FROM_PRODUCER).unwrap_err();
+        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
         let garbage = [3u8, 0, 0, 0, 0xff, 0xff, 0xff];
-        assert!(recv::<FromProducer>(&garbage[..]).is_err());
+        assert!(recv::<FromProducer>(&garbage[..], MAX_FROM_PRODUCER).is_err());
     }
 }
