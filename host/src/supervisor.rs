@@ -642,9 +642,16 @@ impl Producer {
         let _ = running.child.wait();
     }
 
-    /// Records a failure: the process is killed, and the next start is a restart after the backoff.
-    fn fail(&mut self, error: ProducerError) -> ProducerError {
+    /// Counts a refused request by its reason.
+    fn refuse(&mut self, error: ProducerError) -> ProducerError {
         *self.metrics.spans_rejected.entry(error.kind()).or_default() += 1;
+        error
+    }
+
+    /// Records a failure: the request is counted as refused, the process is killed, and the next start is a
+    /// restart after the backoff.
+    fn fail(&mut self, error: ProducerError) -> ProducerError {
+        let error = self.refuse(error);
         if let Some(running) = self.running.take() {
             self.reap(running);
         }
@@ -674,8 +681,7 @@ impl Producer {
             Ok(_) => {}
             // No process was involved: count the refusal, but do not lengthen the backoff.
             Err(e @ (ProducerError::BackingOff { .. } | ProducerError::RestartLimit { .. })) => {
-                *self.metrics.spans_rejected.entry(e.kind()).or_default() += 1;
-                return Err(e);
+                return Err(self.refuse(e))
             }
             Err(e) => return Err(self.fail(e)),
         }
@@ -689,10 +695,7 @@ impl Producer {
                 Ok(times)
             }
             // A backend that says it failed broke no rule: it keeps running.
-            Err(e @ ProducerError::Backend { .. }) => {
-                *self.metrics.spans_rejected.entry(e.kind()).or_default() += 1;
-                Err(e)
-            }
+            Err(e @ ProducerError::Backend { .. }) => Err(self.refuse(e)),
             Err(e) => Err(self.fail(e)),
         }
     }
