@@ -429,11 +429,6 @@ impl Producer {
         self.running.as_ref().map(|r| dtype_code(r.described.dtype))
     }
 
-    /// The running backend's description.
-    pub fn described(&self) -> Option<&Described> {
-        self.running.as_ref().map(|r| &r.described)
-    }
-
     /// Starts the producer now if it is not running (warm-up before the first request).
     pub fn start(&mut self) -> Result<(), ProducerError> {
         self.ensure_running().map(|_| ())
