@@ -5,7 +5,9 @@
 //! reads exactly the positions each layer sees through [`PagedKv::read`].
 
 use std::hash::Hasher;
+
 use std::time::{Duration, Instant};
+use zerocopy::FromBytes;
 
 use model::arch::Model;
 use model::forward::{ChunkKv, PastKv, RunSink};
@@ -179,6 +181,7 @@ impl PastKv for PagedPast<'_> {
         let dtype = read.dtype();
         let (heads, dim) = read.heads();
         let row = heads as usize * dim as usize;
+        let bytes = row * dtype.size() as usize;
         let (mut k, mut v) = (Vec::new(), Vec::new());
         for run in read.runs() {
             let a = run.start.max(positions.start);
@@ -186,12 +189,20 @@ impl PastKv for PagedPast<'_> {
             if a >= b {
                 continue;
             }
-            let bytes = row * dtype.size() as usize;
             let (from, to) = ((a - run.start) as usize * bytes, (b - run.start) as usize * bytes);
+            let (run_k, run_v) = (&run.k[from..to], &run.v[from..to]);
+            // An f32 cache is read in place (page pools are 4-byte aligned, so this always succeeds); other
+            // dtypes are widened into buffers reused across this layer's runs.
+            if dtype == Dtype::F32 {
+                if let (Ok(k), Ok(v)) = (<[f32]>::ref_from_bytes(run_k), <[f32]>::ref_from_bytes(run_v)) {
+                    f(a, k, v);
+                    continue;
+                }
+            }
             k.resize((b - a) as usize * row, 0.0);
             v.resize((b - a) as usize * row, 0.0);
-            to_f32(dtype, &run.k[from..to], &mut k);
-            to_f32(dtype, &run.v[from..to], &mut v);
+            to_f32(dtype, run_k, &mut k);
+            to_f32(dtype, run_v, &mut v);
             f(a, &k, &v);
         }
     }

@@ -14,22 +14,44 @@ pub fn converted_len(from: Dtype, to: Dtype, src_len: usize) -> usize {
     src_len / from.size() as usize * to.size() as usize
 }
 
-/// Reads one little-endian element of `from` as f32.
-fn loader(from: Dtype) -> fn(&[u8]) -> f32 {
-    match from {
-        Dtype::F32 => |b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]),
-        Dtype::F16 => |b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-        Dtype::Bf16 => |b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32(),
-    }
+fn f32_le(b: &[u8]) -> f32 {
+    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
 
-/// Widens little-endian elements of `from` in `src` into `dst` (exact: every dtype here fits in f32).
+fn f16_le(b: &[u8]) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+}
+
+fn bf16_le(b: &[u8]) -> f32 {
+    bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+}
+
+/// Runs `$body` with `$values` bound to an iterator over the little-endian elements of `$from` in `$src`,
+/// widened to f32 (exact: every dtype here fits in f32). One expansion per dtype, so the loops are
+/// monomorphised and the element conversions inline instead of costing a call each.
+macro_rules! widened {
+    ($from:expr, $src:expr, |$values:ident| $body:expr) => {
+        match $from {
+            Dtype::F32 => {
+                let $values = $src.chunks_exact(4).map(f32_le);
+                $body
+            }
+            Dtype::F16 => {
+                let $values = $src.chunks_exact(2).map(f16_le);
+                $body
+            }
+            Dtype::Bf16 => {
+                let $values = $src.chunks_exact(2).map(bf16_le);
+                $body
+            }
+        }
+    };
+}
+
+/// Widens little-endian elements of `from` in `src` into `dst` (decode widens every past row each step).
 pub fn to_f32(from: Dtype, src: &[u8], dst: &mut [f32]) {
     debug_assert_eq!(src.len(), dst.len() * from.size() as usize);
-    let load = loader(from);
-    for (d, s) in dst.iter_mut().zip(src.chunks_exact(from.size() as usize)) {
-        *d = load(s);
-    }
+    widened!(from, src, |values| dst.iter_mut().zip(values).for_each(|(d, v)| *d = v))
 }
 
 /// Converts little-endian elements of `from` in `src` into `to` in `dst` (exactly `converted_len` bytes).
@@ -40,17 +62,7 @@ pub fn convert(from: Dtype, src: &[u8], to: Dtype, dst: &mut [u8]) {
         dst.copy_from_slice(src);
         return;
     }
-    // One monomorphised loop per (from, to) pair, so the element conversions inline (a local prefill's
-    // f32 chunk becomes a bf16 span at memory speed, not through a call per element).
-    match from {
-        Dtype::F32 => store(to, src.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])), dst),
-        Dtype::F16 => {
-            store(to, src.chunks_exact(2).map(|b| f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()), dst)
-        }
-        Dtype::Bf16 => {
-            store(to, src.chunks_exact(2).map(|b| bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()), dst)
-        }
-    }
+    widened!(from, src, |values| store(to, values, dst))
 }
 
 fn store(to: Dtype, values: impl Iterator<Item = f32>, dst: &mut [u8]) {
