@@ -312,15 +312,6 @@ pub struct Producer {
     not_before: Instant,
 }
 
-/// The dtype a described code names (checked at the handshake to be 0, 1 or 2).
-fn dtype_code(code: u32) -> Dtype {
-    match code {
-        0 => Dtype::F32,
-        1 => Dtype::F16,
-        _ => Dtype::Bf16,
-    }
-}
-
 /// Makes this process non-dumpable: no core dumps of host memory, and no ptrace attach or
 /// `/proc/<pid>/mem` reads by other processes of the same user (producers included).
 pub fn harden_host() {
@@ -421,12 +412,12 @@ impl Producer {
 
     /// `"dense"` or `"grouped"`: what the running backend described.
     pub fn layout(&self) -> Option<&'static str> {
-        self.running.as_ref().map(|r| if r.described.layout == 0 { "dense" } else { "grouped" })
+        self.running.as_ref().map(|r| r.described.layout_name().expect("checked at the handshake"))
     }
 
     /// The element type of the running backend's spans.
     pub fn wire_dtype(&self) -> Option<Dtype> {
-        self.running.as_ref().map(|r| dtype_code(r.described.dtype))
+        self.running.as_ref().map(|r| r.described.wire_dtype().expect("checked at the handshake"))
     }
 
     /// Starts the producer now if it is not running (warm-up before the first request).
@@ -555,29 +546,17 @@ impl Producer {
             expected,
             found,
         };
-        let layers: Vec<LayerKv> = d
-            .layers
-            .iter()
-            .map(|l| match l.kind {
-                0 => LayerKv::Full { kv_heads: l.kv_heads, head_dim: l.head_dim },
-                1 => LayerKv::Sliding { window: l.window, kv_heads: l.kv_heads, head_dim: l.head_dim },
-                _ => LayerKv::Recurrent { state_elems: l.state_elems },
-            })
-            .collect();
-        let theirs = KvGeometry { layers };
+        let ours = |g: &KvGeometry| format!("{} layers {:?}", g.layers.len(), g.groups());
+        let theirs = d.geometry().map_err(|e| mismatch(ours(&self.geometry), e))?;
         if theirs != self.geometry {
-            return Err(mismatch(
-                format!("{} layers {:?}", self.geometry.layers.len(), self.geometry.groups()),
-                format!("{} layers {:?}", theirs.layers.len(), theirs.groups()),
-            ));
+            return Err(mismatch(ours(&self.geometry), ours(&theirs)));
         }
         let ours = self.geometry.fingerprint().0;
         if d.fingerprint != ours {
             return Err(mismatch(format!("fingerprint {ours:016x}"), format!("{:016x}", d.fingerprint)));
         }
-        if d.layout > 1 || d.dtype > 2 {
-            return Err(mismatch("layout 0..=1 and dtype 0..=2".into(), format!("{} and {}", d.layout, d.dtype)));
-        }
+        d.layout_name().map_err(|e| mismatch("a dense or grouped layout".into(), e))?;
+        d.wire_dtype().map_err(|e| mismatch("f32, f16 or bf16 spans".into(), e))?;
         Ok(())
     }
 
@@ -753,7 +732,7 @@ impl Producer {
                 Err(TakeError::Ring(source)) => return Err(ProducerError::Ring { name: name.clone(), source }),
                 Err(TakeError::Sink(source)) => return Err(ProducerError::Rejected { name: name.clone(), source }),
             }
-            let wire = dtype_code(running.described.dtype);
+            let wire = running.described.wire_dtype().expect("checked at the handshake");
             let bytes = span_bytes(&self.geometry, wire, kv.seq_len(seq).unwrap_or(0) - before);
             Ok(SpanTimes {
                 backend: Duration::from_nanos(backend_ns),

@@ -18,11 +18,11 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use pdhost_plugin_abi::{
-    PdhostBackend, PdhostBackendV1, PdhostDescription, PdhostEntryFn, PdhostFrame, PdhostLayer, PdhostLayerKind,
-    PdhostLayout, PdhostPrefill, PdhostStatus, PdhostWriter, ENTRY_SYMBOL, PDHOST_ABI_MAJOR,
+    PdhostBackend, PdhostBackendV1, PdhostDescription, PdhostEntryFn, PdhostFrame, PdhostLayout, PdhostPrefill,
+    PdhostStatus, PdhostWriter, ENTRY_SYMBOL, PDHOST_ABI_MAJOR,
 };
 use protocol::{Described, FromProducer, LayerDesc, ToProducer};
-use shm_format::{seal_frame, write_prefix, Dtype, Fingerprint, FrameCoords, KvGeometry, LayerKv, Manifest};
+use shm_format::{seal_frame, write_prefix, Dtype, Fingerprint, FrameCoords, KvGeometry, Manifest};
 use shm_ring::segment::memfd::MemfdSegment;
 use shm_ring::RingWriter;
 
@@ -215,18 +215,6 @@ fn status_text(code: u32) -> String {
     PdhostStatus::from_raw(code).map_or_else(|| format!("unknown status {code}"), |s| s.name().to_string())
 }
 
-fn geometry_of(layers: &[PdhostLayer]) -> Result<KvGeometry, String> {
-    let layer = |(i, l): (usize, &PdhostLayer)| match l.kind {
-        k if k == PdhostLayerKind::Full as u32 => Ok(LayerKv::Full { kv_heads: l.kv_heads, head_dim: l.head_dim }),
-        k if k == PdhostLayerKind::Sliding as u32 => {
-            Ok(LayerKv::Sliding { window: l.window, kv_heads: l.kv_heads, head_dim: l.head_dim })
-        }
-        k if k == PdhostLayerKind::Recurrent as u32 => Ok(LayerKv::Recurrent { state_elems: l.state_elems }),
-        k => Err(format!("layer {i} kind: expected 0 (full), 1 (sliding) or 2 (recurrent), found {k}")),
-    };
-    Ok(KvGeometry { layers: layers.iter().enumerate().map(layer).collect::<Result<_, _>>()? })
-}
-
 /// An open backend instance.
 struct Instance<'l> {
     loaded: &'l Loaded,
@@ -302,29 +290,13 @@ fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
         return Err(bad(format!("layers: expected 1..=65536 described layers, found {}", d.num_layers)));
     }
     // SAFETY: the backend promises `num_layers` layers at `layers`, valid until close.
-    let layers = unsafe { std::slice::from_raw_parts(d.layers, d.num_layers as usize) }.to_vec();
-    let geometry = geometry_of(&layers).map_err(&bad)?;
-    let layout = match d.layout {
-        0 => PdhostLayout::Dense,
-        1 => PdhostLayout::Grouped,
-        other => return Err(bad(format!("layout: expected 0 (dense) or 1 (grouped), found {other}"))),
-    };
-    if layout == PdhostLayout::Dense && geometry.uniform_heads().is_none() {
-        return Err(bad("dense layout: expected every layer to be attention with the same heads".into()));
-    }
-    let dtype = match d.dtype {
-        0 => Dtype::F32,
-        1 => Dtype::F16,
-        2 => Dtype::Bf16,
-        other => return Err(bad(format!("dtype: expected 0 (f32), 1 (f16) or 2 (bf16), found {other}"))),
-    };
-    let fingerprint = if d.fingerprint == 0 { geometry.fingerprint() } else { Fingerprint(d.fingerprint) };
-    let described = Described {
+    let layers = unsafe { std::slice::from_raw_parts(d.layers, d.num_layers as usize) };
+    let mut described = Described {
         backend: instance.loaded.name.clone(),
         abi_minor: table.abi_minor,
         layout: d.layout,
         dtype: d.dtype,
-        fingerprint: fingerprint.0,
+        fingerprint: d.fingerprint,
         layers: layers
             .iter()
             .map(|l| LayerDesc {
@@ -336,6 +308,17 @@ fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
             })
             .collect(),
     };
+    let geometry = described.geometry().map_err(&bad)?;
+    let dtype = described.wire_dtype().map_err(&bad)?;
+    let layout =
+        if described.layout_name().map_err(&bad)? == "dense" { PdhostLayout::Dense } else { PdhostLayout::Grouped };
+    if layout == PdhostLayout::Dense && geometry.uniform_heads().is_none() {
+        return Err(bad("dense layout: expected every layer to be attention with the same heads".into()));
+    }
+    if described.fingerprint == 0 {
+        described.fingerprint = geometry.fingerprint().0;
+    }
+    let fingerprint = Fingerprint(described.fingerprint);
     Ok((Framing { geometry, layout, dtype, fingerprint }, described))
 }
 

@@ -3,7 +3,9 @@
 
 use std::io::{Read, Write};
 
+use pdhost_plugin_abi::{PdhostDtype, PdhostLayerKind, PdhostLayout};
 use serde::{Deserialize, Serialize};
+use shm_format::{Dtype, KvGeometry, LayerKv};
 
 /// The largest host-to-producer message: a prefill request carries token ids (4 bytes each).
 pub const MAX_TO_PRODUCER: u32 = 64 << 20;
@@ -57,6 +59,40 @@ pub struct Described {
     pub fingerprint: u64,
     /// Per model layer.
     pub layers: Vec<LayerDesc>,
+}
+
+impl Described {
+    /// The KV geometry the backend described: one layer per entry, every kind checked.
+    pub fn geometry(&self) -> Result<KvGeometry, String> {
+        let layer = |(i, l): (usize, &LayerDesc)| match l.kind {
+            k if k == PdhostLayerKind::Full as u32 => Ok(LayerKv::Full { kv_heads: l.kv_heads, head_dim: l.head_dim }),
+            k if k == PdhostLayerKind::Sliding as u32 => {
+                Ok(LayerKv::Sliding { window: l.window, kv_heads: l.kv_heads, head_dim: l.head_dim })
+            }
+            k if k == PdhostLayerKind::Recurrent as u32 => Ok(LayerKv::Recurrent { state_elems: l.state_elems }),
+            k => Err(format!("layer {i} kind: expected 0 (full), 1 (sliding) or 2 (recurrent), found {k}")),
+        };
+        Ok(KvGeometry { layers: self.layers.iter().enumerate().map(layer).collect::<Result<_, _>>()? })
+    }
+
+    /// The element type of the backend's spans.
+    pub fn wire_dtype(&self) -> Result<Dtype, String> {
+        match self.dtype {
+            d if d == PdhostDtype::F32 as u32 => Ok(Dtype::F32),
+            d if d == PdhostDtype::F16 as u32 => Ok(Dtype::F16),
+            d if d == PdhostDtype::Bf16 as u32 => Ok(Dtype::Bf16),
+            other => Err(format!("dtype: expected 0 (f32), 1 (f16) or 2 (bf16), found {other}")),
+        }
+    }
+
+    /// `"dense"` or `"grouped"`.
+    pub fn layout_name(&self) -> Result<&'static str, String> {
+        match self.layout {
+            l if l == PdhostLayout::Dense as u32 => Ok("dense"),
+            l if l == PdhostLayout::Grouped as u32 => Ok("grouped"),
+            other => Err(format!("layout: expected 0 (dense) or 1 (grouped), found {other}")),
+        }
+    }
 }
 
 /// Producer to host.
