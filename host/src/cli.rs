@@ -2,7 +2,8 @@
 
 use std::path::PathBuf;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use shm_format::Dtype;
 
 /// pdhost: a host for prefill/decode disaggregated LLM inference on one machine.
 ///
@@ -55,57 +56,113 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "PATH")]
     pub prompt_file: Option<PathBuf>,
     /// Prompt token ids, used verbatim: `--prompt-ids 2,818,5279`.
-    #[arg(long, value_delimiter = ',')]
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
     pub prompt_ids: Option<Vec<u32>>,
-    /// Tokens to generate at most (EOS stops earlier and is included).
-    #[arg(long, default_value_t = 64)]
-    pub max_tokens: usize,
+    /// Tokens to generate at most (EOS stops earlier and is included). Prompt plus output must fit the
+    /// model's context (or --context).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
+    pub max_tokens: u64,
+    /// Prompt plus output tokens at most (default: the model's context, from its metadata).
+    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
+    pub context: Option<u64>,
     /// Who prefills: `rngd` (dense K/V, the RNGD-NPU contract), `gpu` (grouped K/V, one tensor set per
     /// attention group),
     /// `faulty` (fault injection, see --backend-config), a backend library `PATH.so`, or `local` (the host
     /// itself). Producers run as subprocesses; their spans are validated before they land in the cache.
     #[arg(long, default_value = "rngd")]
     pub producer: String,
-    /// JSON merged into the backend's configuration, e.g. `{"fault":"kill_mid","layout":"grouped"}` for
-    /// `faulty`. The host sets `model`, `dtype`, `precision` and `threads` unless given here.
-    #[arg(long, default_value = "{}")]
-    pub backend_config: String,
+    /// JSON object merged into the backend's configuration (at most 64 KiB, nested at most 16 deep), e.g.
+    /// `{"fault":"kill_mid","layout":"grouped"}` for `faulty`. The host sets `model`, `dtype`,
+    /// `precision` and `threads` unless given here. Refused with `--producer local`.
+    #[arg(long, value_name = "JSON")]
+    pub backend_config: Option<String>,
     /// What a failed remote prefill does: `fallback` prefills locally (the reason is reported), `fail`
     /// ends the request with the producer's error.
-    #[arg(long, default_value = "fallback", value_parser = ["fallback", "fail"])]
-    pub on_producer_failure: String,
-    /// Seconds a producer may take to answer one prefill (and to start) before it is killed.
-    #[arg(long, default_value_t = 120.0)]
+    #[arg(long, value_enum, default_value_t = OnFailureArg::Fallback)]
+    pub on_producer_failure: OnFailureArg,
+    /// Seconds a producer may take to answer one prefill (and to start) before it is killed (at most
+    /// 3600).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 120.0, value_name = "SECONDS")]
     pub producer_timeout: f64,
     /// Element type of the KV cache, and of the producer's spans (`bf16` gives the RNGD contract's wire
     /// format; `f32` matches transformers' fp32 exactly).
-    #[arg(long, default_value = "f32", value_parser = ["f32", "bf16", "f16"])]
-    pub kv_dtype: String,
-    /// Tokens per KV page.
-    #[arg(long, default_value_t = 64)]
-    pub page_size: u32,
+    #[arg(long, value_enum, default_value_t = KvDtype::F32)]
+    pub kv_dtype: KvDtype,
+    /// Tokens per KV page (1 to 4096, and at most the context).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
+    pub page_size: u64,
     /// Prompt tokens per prefill span (0: the whole prompt as one span).
-    #[arg(long, default_value_t = 0)]
-    pub prefill_chunk: usize,
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
+    pub prefill_chunk: u64,
     /// Arithmetic: `exact` is f32 on dequantized weights (matches transformers' fp32); `fast` decodes with
     /// Q8_0 weights and integer dot products.
-    #[arg(long, default_value = "exact", value_parser = ["exact", "fast"])]
-    pub precision: String,
-    /// Threads for the forward pass (default: all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
-    /// Sample with this temperature instead of greedy decoding.
-    #[arg(long)]
-    pub temperature: Option<f32>,
-    /// Nucleus mass when sampling.
-    #[arg(long, default_value_t = 1.0, requires = "temperature")]
-    pub top_p: f32,
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]
+    pub precision: PrecisionArg,
+    /// Threads for the forward pass: 1 to 4 per core (default: one per core).
+    #[arg(long, allow_negative_numbers = true)]
+    pub threads: Option<u64>,
+    /// Sample with this temperature (0 to 100; 0 is greedy) instead of greedy decoding.
+    #[arg(long, allow_negative_numbers = true)]
+    pub temperature: Option<f64>,
+    /// Nucleus mass when sampling: above 0, at most 1.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0, requires = "temperature")]
+    pub top_p: f64,
     /// Sampling seed.
-    #[arg(long, default_value_t = 0, requires = "temperature")]
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0, requires = "temperature")]
     pub seed: u64,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
+}
+
+/// Element type of the KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum KvDtype {
+    /// 32-bit float.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+}
+
+impl KvDtype {
+    /// The wire and cache dtype.
+    pub fn dtype(self) -> Dtype {
+        match self {
+            KvDtype::F32 => Dtype::F32,
+            KvDtype::Bf16 => Dtype::Bf16,
+            KvDtype::F16 => Dtype::F16,
+        }
+    }
+}
+
+/// `--precision`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum PrecisionArg {
+    /// f32 on dequantized weights.
+    Exact,
+    /// Q8_0 weights and integer dot products at decode.
+    Fast,
+}
+
+impl PrecisionArg {
+    /// The model's precision.
+    pub fn precision(self) -> model::kernels::Precision {
+        match self {
+            PrecisionArg::Exact => model::kernels::Precision::Exact,
+            PrecisionArg::Fast => model::kernels::Precision::Fast,
+        }
+    }
+}
+
+/// `--on-producer-failure`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnFailureArg {
+    /// Prefill locally and report why.
+    Fallback,
+    /// End the request with the producer's error.
+    Fail,
 }
 
 /// `pdhost models`.
@@ -125,7 +182,17 @@ pub enum ModelsAction {
         #[arg(long)]
         json: bool,
     },
-    /// Fetch a model into the cache (a no-op when it is there) and print its path.
+    /// Check every cached model file (size and content hash) and say which are intact, corrupt or missing.
+    ///
+    /// Exit status: 0 when every cached file is intact, 1 when one is corrupt.
+    Verify {
+        /// Only this model (see `pdhost models list`).
+        name: Option<String>,
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Fetch a model into the cache (a no-op when it is there and intact) and print its path.
     Fetch {
         /// The model's name (see `pdhost models list`).
         name: String,
@@ -182,21 +249,22 @@ pub struct PdBenchArgs {
     /// The producer to compare with local prefill.
     #[arg(long, default_value = "rngd", value_parser = ["rngd", "gpu"])]
     pub producer: String,
-    /// Prompt lengths in tokens.
-    #[arg(long, value_delimiter = ',', default_values_t = [128usize, 512, 2048])]
-    pub tokens: Vec<usize>,
-    /// Tokens decoded after the first.
-    #[arg(long, default_value_t = 16)]
-    pub decode_tokens: usize,
-    /// Measured runs per length (after one warm-up run); medians are reported.
-    #[arg(long, default_value_t = 3)]
-    pub iters: u32,
+    /// Prompt lengths in tokens (each from 1 to the model's context, less the decoded tokens).
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 512, 2048])]
+    pub tokens: Vec<u64>,
+    /// Tokens decoded after the first (at most 4096).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16)]
+    pub decode_tokens: u64,
+    /// Measured runs per length (after one warm-up run), 1 to 1000; medians are reported.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 3)]
+    pub iters: u64,
     /// Element type of the KV cache, and so of the spans (the RNGD contract is bf16).
-    #[arg(long, default_value = "bf16", value_parser = ["f32", "bf16", "f16"])]
-    pub kv_dtype: String,
-    /// Threads for the forward pass, in the host and in the producer (default: all cores).
-    #[arg(long)]
-    pub threads: Option<usize>,
+    #[arg(long, value_enum, default_value_t = KvDtype::Bf16)]
+    pub kv_dtype: KvDtype,
+    /// Threads for the forward pass, in the host and in the producer: 1 to 4 per core (default: one
+    /// per core).
+    #[arg(long, allow_negative_numbers = true)]
+    pub threads: Option<u64>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -205,12 +273,12 @@ pub struct PdBenchArgs {
 /// `pdhost bench model`.
 #[derive(Debug, Args)]
 pub struct ModelBenchArgs {
-    /// Prompt length in tokens.
-    #[arg(long, default_value_t = 128)]
-    pub prompt_tokens: usize,
-    /// Tokens to decode.
-    #[arg(long, default_value_t = 32)]
-    pub decode_tokens: usize,
+    /// Prompt length in tokens (1 to the smaller model's context, less the decoded tokens).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 128)]
+    pub prompt_tokens: u64,
+    /// Tokens to decode (1 to 4096).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 32)]
+    pub decode_tokens: u64,
     /// Skip llama.cpp (no reference column).
     #[arg(long)]
     pub no_llama_cpp: bool,
@@ -222,12 +290,12 @@ pub struct ModelBenchArgs {
 /// `pdhost bench ingest`.
 #[derive(Debug, Args)]
 pub struct IngestBenchArgs {
-    /// Span lengths in tokens.
-    #[arg(long, value_delimiter = ',', default_values_t = [512u64, 2048, 8192])]
+    /// Span lengths in tokens (1 to 65536).
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [512u64, 2048, 8192])]
     pub tokens: Vec<u64>,
-    /// Repetitions per case (default: enough for about 1 GiB moved, at least 3).
-    #[arg(long)]
-    pub iters: Option<u32>,
+    /// Repetitions per case, 1 to 1000 (default: enough for about 1 GiB moved, at least 3).
+    #[arg(long, allow_negative_numbers = true)]
+    pub iters: Option<u64>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -236,12 +304,12 @@ pub struct IngestBenchArgs {
 /// `pdhost bench ring`.
 #[derive(Debug, Args)]
 pub struct RingBenchArgs {
-    /// Span payload sizes in MiB.
-    #[arg(long, value_delimiter = ',', default_values_t = [1u64, 16, 256])]
+    /// Span payload sizes in MiB (1 to 4096).
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 16, 256])]
     pub sizes: Vec<u64>,
-    /// Repetitions per size (default: enough for about 2 GiB moved, at least 5).
-    #[arg(long)]
-    pub iters: Option<u32>,
+    /// Repetitions per size, 1 to 10000 (default: enough for about 2 GiB moved, at least 5).
+    #[arg(long, allow_negative_numbers = true)]
+    pub iters: Option<u64>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

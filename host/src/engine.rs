@@ -218,11 +218,8 @@ impl Engine {
         max_seqs: u32,
     ) -> Result<Self, crate::kv::ConfigError> {
         let geometry = model.config.kv_geometry();
-        let row = (model.config.kv_heads * model.config.head_dim) as u64 * dtype.size();
-        // Every layer at full length is an upper bound on what the groups need; add the bounded groups' share.
-        let budget =
-            u64::from(max_seqs) * geometry.layers.len() as u64 * 2 * row * (max_tokens + 2 * u64::from(page_size))
-                + (64 << 20);
+        let budget = crate::request::kv_budget(&geometry, dtype, page_size, max_tokens, max_seqs)
+            .ok_or(crate::kv::ConfigError::TooLarge { max_tokens, max_seqs })?;
         let mut config = KvConfig::new(geometry, dtype, budget);
         config.page_size = page_size;
         config.max_seqs = max_seqs;

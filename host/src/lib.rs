@@ -2,12 +2,14 @@
 //!
 //! - [`kv`]: the grouped paged KV cache and strict span ingest.
 //! - [`engine`]: prefill, ingest and decode through the cache.
+//! - [`request`]: every parameter a user or client gives, checked once, with typed refusals.
 //!
 //! The wire format and the ring are re-exported as [`format`] and [`ring`]. The supervisor, models and
 //! engine arrive with their issues (see `docs/ARCHITECTURE.md`).
 
 pub mod engine;
 pub mod kv;
+pub mod request;
 pub mod supervisor;
 
 pub use shm_format as format;

@@ -18,7 +18,31 @@ fn main() -> ExitCode {
     }
     pdhost_producer::keep_freed_memory();
     pdhost::supervisor::harden_host();
-    let cli = cli::Cli::parse();
+    let cli = match cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        // `pdhost` or `pdhost models` alone: the help, as clap shows it, is the useful answer.
+        Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            let _ = e.print();
+            return ExitCode::from(2);
+        }
+        Err(e) if !e.use_stderr() => {
+            // --help and --version: clap prints them; a closed stdout is not worth a panic.
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            // One line, like every other refusal: clap's first line names the flag, the value and why.
+            let text = e.render().to_string();
+            let line: Vec<&str> = text
+                .lines()
+                .map(str::trim)
+                .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+                .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+                .collect();
+            cmd::errln!("{} (see --help)", line.join(" "));
+            return ExitCode::from(2);
+        }
+    };
     let result = match cli.command {
         cli::Command::InspectSpan(args) => cmd::inspect::run(&args),
         cli::Command::Bench(args) => cmd::bench::run(&args),
@@ -27,8 +51,17 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(code) => code,
+        // The reader of our output went away (`| head`): nothing is wrong, and nothing is left to say.
+        Err(err) if err.downcast_ref::<cmd::StdoutError>().is_some_and(cmd::StdoutError::is_closed) => {
+            ExitCode::SUCCESS
+        }
+        // A parameter out of bounds is a usage error, as clap's own are.
+        Err(err) if err.downcast_ref::<pdhost::request::Invalid>().is_some() => {
+            cmd::errln!("error: {}", one_line(&err));
+            ExitCode::from(2)
+        }
         Err(err) => {
-            eprintln!("error: {}", one_line(&err));
+            cmd::errln!("error: {}", one_line(&err));
             ExitCode::FAILURE
         }
     }

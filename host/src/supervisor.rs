@@ -16,10 +16,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use pdhost_producer::protocol::{self, Described, FromProducer, ToProducer};
+use pdhost_producer::protocol::{self, BadDescription, Described, FromProducer, RecvError, ToProducer};
 use rustix::event::{PollFd, PollFlags};
 use shm_format::ring::RingGeometry;
-use shm_format::{Dtype, KvGeometry, LayerKv};
+use shm_format::{words, Dtype, Fingerprint, KvGeometry, LayerKv};
 use shm_ring::{create_ring, HostRing, RingError, TakeError};
 
 use crate::kv::{IngestError, IntoSequence, PagedKv, SeqId};
@@ -139,10 +139,12 @@ pub enum ProducerError {
         message: String,
     },
     /// The backend describes a model the host does not run.
-    #[error("producer {name}: describe: expected {expected}, found {found}")]
+    #[error("producer {name}: describe: {what}: expected {expected}, found {found}")]
     DescribeMismatch {
         /// Producer.
         name: String,
+        /// What differs: `layer 5`, `KV geometry`, `fingerprint`, `layout`, `dtype`.
+        what: String,
         /// What the host runs.
         expected: String,
         /// What the backend described.
@@ -159,7 +161,7 @@ pub enum ProducerError {
         during: &'static str,
     },
     /// No answer before the deadline; the producer was killed.
-    #[error("producer {name}: no answer within {waited:?} while {during}; killed it")]
+    #[error("producer {name}: no answer within {} while {during}; killed it", words::duration(*waited))]
     Timeout {
         /// Producer.
         name: String,
@@ -207,7 +209,11 @@ pub enum ProducerError {
         found: String,
     },
     /// Too many restarts in the window; the producer stays down for now.
-    #[error("producer {name}: {restarts} restarts within {window:?}: not restarting before {wait:?} from now")]
+    #[error(
+        "producer {name}: {restarts} restarts within {}: not restarting before {} from now",
+        words::duration(*window),
+        words::duration(*wait)
+    )]
     RestartLimit {
         /// Producer.
         name: String,
@@ -219,7 +225,7 @@ pub enum ProducerError {
         wait: Duration,
     },
     /// The producer failed recently; it is not restarted before its backoff has passed.
-    #[error("producer {name}: restarting after a failure in {wait:?}: not yet")]
+    #[error("producer {name}: restarting after a failure in {}: not yet", words::duration(*wait))]
     BackingOff {
         /// Producer.
         name: String,
@@ -528,7 +534,11 @@ impl Producer {
             }
             other => {
                 self.reap(running);
-                return Err(ProducerError::Protocol { name, expected: "Ready".into(), found: format!("{other:?}") });
+                return Err(ProducerError::Protocol {
+                    name,
+                    expected: "a Ready or StartFailed message".into(),
+                    found: other.summary(),
+                });
             }
         };
         if let Err(e) = self.check_described(&described) {
@@ -539,24 +549,27 @@ impl Producer {
         Ok(running)
     }
 
-    /// The backend must describe exactly the model the host's cache holds.
+    /// The backend must describe exactly the model the host's cache holds. A mismatch names the first thing
+    /// that differs in words: the layer and both its shapes, or both whole geometries when the layer counts
+    /// differ.
     fn check_described(&self, d: &Described) -> Result<(), ProducerError> {
-        let mismatch = |expected: String, found: String| ProducerError::DescribeMismatch {
+        let mismatch = |what: String, expected: String, found: String| ProducerError::DescribeMismatch {
             name: self.spec.name.clone(),
+            what,
             expected,
             found,
         };
-        let ours = |g: &KvGeometry| format!("{} layers {:?}", g.layers.len(), g.groups());
-        let theirs = d.geometry().map_err(|e| mismatch(ours(&self.geometry), e))?;
-        if theirs != self.geometry {
-            return Err(mismatch(ours(&self.geometry), ours(&theirs)));
+        let described = |e: BadDescription| mismatch(e.what, e.expected.into(), e.found.to_string());
+        let theirs = d.geometry().map_err(described)?;
+        if let Some(m) = self.geometry.mismatch(&theirs) {
+            return Err(mismatch(m.what, m.expected, m.found));
         }
-        let ours = self.geometry.fingerprint().0;
-        if d.fingerprint != ours {
-            return Err(mismatch(format!("fingerprint {ours:016x}"), format!("{:016x}", d.fingerprint)));
+        let ours = self.geometry.fingerprint();
+        if d.fingerprint != ours.0 {
+            return Err(mismatch("fingerprint".into(), ours.to_string(), Fingerprint(d.fingerprint).to_string()));
         }
-        d.layout_name().map_err(|e| mismatch("a dense or grouped layout".into(), e))?;
-        d.wire_dtype().map_err(|e| mismatch("f32, f16 or bf16 spans".into(), e))?;
+        d.layout_name().map_err(described)?;
+        d.wire_dtype().map_err(described)?;
         Ok(())
     }
 
@@ -581,14 +594,14 @@ impl Producer {
         match protocol::recv::<FromProducer>(&mut running.socket, protocol::MAX_FROM_PRODUCER) {
             Ok(Some(m)) => Ok(m),
             Ok(None) => Err(self.exited(running, during)),
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            Err(RecvError::Io(e))
+                if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
+            {
                 Err(ProducerError::Timeout { name, waited: started.elapsed(), during })
             }
-            Err(e) if e.kind() == std::io::ErrorKind::InvalidData => Err(ProducerError::Protocol {
-                name,
-                expected: "a well-formed control message".into(),
-                found: e.to_string(),
-            }),
+            Err(RecvError::Message(e)) => {
+                Err(ProducerError::Protocol { name, expected: e.expected(), found: e.found() })
+            }
             Err(_) => Err(self.exited(running, during)),
         }
     }
@@ -704,8 +717,8 @@ impl Producer {
                 other => {
                     return Err(ProducerError::Protocol {
                         name: name.clone(),
-                        expected: format!("Done or Failed for request {request_id}"),
-                        found: format!("{other:?}"),
+                        expected: format!("a Done or Failed reply for request {request_id}"),
+                        found: other.summary(),
                     })
                 }
             };
@@ -788,4 +801,129 @@ pub fn builtin_backend(name: &str) -> Result<PathBuf, String> {
             looked.join(", ")
         )
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use pdhost_producer::protocol::LayerDesc;
+
+    use super::*;
+
+    fn gemma3_270m(head_dim: u32) -> KvGeometry {
+        shm_format::testing::interleaved(18, 6, 512, 1, head_dim)
+    }
+
+    /// What a backend describing `geometry` sends in its `Ready`.
+    fn described(geometry: &KvGeometry) -> Described {
+        let layers = geometry
+            .layers
+            .iter()
+            .map(|l| match *l {
+                LayerKv::Full { kv_heads, head_dim } => {
+                    LayerDesc { kind: 0, kv_heads, head_dim, window: 0, state_elems: 0 }
+                }
+                LayerKv::Sliding { window, kv_heads, head_dim } => {
+                    LayerDesc { kind: 1, kv_heads, head_dim, window, state_elems: 0 }
+                }
+                LayerKv::Recurrent { state_elems } => {
+                    LayerDesc { kind: 2, kv_heads: 0, head_dim: 0, window: 0, state_elems }
+                }
+            })
+            .collect();
+        Described { layout: 1, dtype: 0, fingerprint: geometry.fingerprint().0, layers, ..Described::default() }
+    }
+
+    fn producer(geometry: KvGeometry) -> Producer {
+        let spec = ProducerSpec {
+            name: "faulty".into(),
+            program: PathBuf::from("/nonexistent"),
+            program_args: Vec::new(),
+            backend: PathBuf::from("/nonexistent.so"),
+            config: "{}".into(),
+            slots: 2,
+            slot_capacity: 1 << 20,
+            start_timeout: Duration::from_secs(1),
+            request_timeout: Duration::from_secs(1),
+            restart: RestartPolicy::default(),
+        };
+        Producer::new(spec, geometry)
+    }
+
+    fn mismatch(ours: KvGeometry, d: &Described) -> String {
+        let err = producer(ours).check_described(d).unwrap_err();
+        assert_eq!(err.kind(), "describe_mismatch");
+        err.to_string()
+    }
+
+    #[test]
+    fn a_describe_mismatch_names_what_differs_in_words() {
+        let ours = gemma3_270m(256);
+        assert!(producer(ours.clone()).check_described(&described(&ours)).is_ok());
+
+        // A wrong head size alone: expected and found no longer read the same.
+        assert_eq!(
+            mismatch(ours.clone(), &described(&gemma3_270m(128))),
+            "producer faulty: describe: layer 0: expected sliding window 512 with 1 KV head of size 256, \
+             found sliding window 512 with 1 KV head of size 128 (17 more layers differ: 1-17)"
+        );
+
+        let fewer = shm_format::testing::interleaved(17, 6, 512, 1, 256);
+        assert_eq!(
+            mismatch(ours.clone(), &described(&fewer)),
+            "producer faulty: describe: KV geometry: expected 18 layers: sliding window 512 (15 layers: 0-4, 6-10, \
+             12-16; 1 KV head of size 256), full attention (3 layers: 5, 11, 17; 1 KV head of size 256), found 17 \
+             layers: sliding window 512 (15 layers: 0-4, 6-10, 12-16; 1 KV head of size 256), full attention (2 \
+             layers: 5, 11; 1 KV head of size 256)"
+        );
+
+        let mut kind = described(&ours);
+        kind.layers[3].kind = 7;
+        assert_eq!(
+            mismatch(ours.clone(), &kind),
+            "producer faulty: describe: layer 3 kind: expected 0 (full attention), 1 (sliding window) or 2 \
+             (recurrent), found 7"
+        );
+
+        let mut fingerprint = described(&ours);
+        fingerprint.fingerprint ^= 1;
+        let text = mismatch(ours.clone(), &fingerprint);
+        assert!(text.starts_with("producer faulty: describe: fingerprint: expected "), "{text}");
+
+        let mut dtype = described(&ours);
+        dtype.dtype = 9;
+        assert_eq!(
+            mismatch(ours, &dtype),
+            "producer faulty: describe: dtype: expected 0 (f32), 1 (f16) or 2 (bf16), found 9"
+        );
+    }
+
+    #[test]
+    fn waits_and_unexpected_replies_read_as_words() {
+        let timeout = ProducerError::Timeout {
+            name: "gpu".into(),
+            waited: Duration::from_secs(120),
+            during: "awaiting a prefill",
+        };
+        assert_eq!(timeout.to_string(), "producer gpu: no answer within 120 s while awaiting a prefill; killed it");
+        let limit = ProducerError::RestartLimit {
+            name: "gpu".into(),
+            restarts: 10,
+            window: Duration::from_secs(60),
+            wait: Duration::from_millis(1500),
+        };
+        assert_eq!(limit.to_string(), "producer gpu: 10 restarts within 60 s: not restarting before 1.5 s from now");
+        let backing_off = ProducerError::BackingOff { name: "gpu".into(), wait: Duration::from_millis(50) };
+        assert_eq!(backing_off.to_string(), "producer gpu: restarting after a failure in 50 ms: not yet");
+        let reply = FromProducer::Done { request_id: 6, sequence: 0, backend_ns: 0, frame_ns: 0 };
+        let protocol = ProducerError::Protocol {
+            name: "gpu".into(),
+            expected: "a Done or Failed reply for request 7".into(),
+            found: reply.summary(),
+        };
+        assert_eq!(
+            protocol.to_string(),
+            "producer gpu: control channel: expected a Done or Failed reply for request 7, found a Done reply for \
+             request 6 (frame 0)"
+        );
+    }
 }

@@ -214,9 +214,9 @@ fn model_errors_are_one_line_naming_the_file_once() {
     let missing = dir.path().join("missing.gguf");
     let bad = dir.path().join("bad.gguf");
     std::fs::write(&bad, b"not a model").unwrap();
-    for (path, want) in [(&missing, "No such file"), (&bad, "expected the GGUF magic")] {
+    for (path, want) in [(&missing, "nothing there"), (&bad, "a file starting with \"not \"")] {
         let out = pdhost(&["generate", "--model", path.to_str().unwrap(), "--prompt", "hi"]);
-        assert_eq!(out.status.code(), Some(1));
+        assert_eq!(out.status.code(), Some(2));
         let err = String::from_utf8(out.stderr).unwrap();
         assert_eq!(err.lines().count(), 1, "{err}");
         assert!(err.contains(want), "{err}");

@@ -64,13 +64,16 @@ fn fail_policy_ends_the_request_with_one_line() {
 fn bad_producer_flags_get_clear_errors() {
     for (args, text) in [
         (&["--producer", "nosuch"][..], "--producer: expected local, rngd, gpu, faulty or a PATH.so, found \"nosuch\""),
-        (&["--producer", "/nonexistent/lib.so"][..], "expected a backend library file, found none"),
+        (
+            &["--producer", "/nonexistent/lib.so"][..],
+            "expected a backend library file, found /nonexistent/lib.so: nothing there",
+        ),
         (&["--backend-config", "{not json"][..], "--backend-config: expected a JSON object"),
-        (&["--backend-config", "[1]"][..], "--backend-config: expected a JSON object, found [1]"),
-        (&["--producer-timeout", "0"][..], "--producer-timeout: expected seconds above 0, found 0"),
+        (&["--backend-config", "[1]"][..], "--backend-config: expected a JSON object, found an array"),
+        (&["--producer-timeout", "0"][..], "--producer-timeout: expected seconds above 0 and at most 3600, found 0"),
     ] {
         let out = generate(args);
-        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains(text) && err.lines().count() == 1, "{args:?}: {err}");
     }

@@ -67,7 +67,13 @@ pub struct Config {
     pub bos: Option<u32>,
     /// EOS ids.
     pub eos: Vec<u32>,
+    /// Positions the model was trained for (`context_length`, `max_position_embeddings`): prompt plus
+    /// output tokens of one sequence may not exceed it.
+    pub context: usize,
 }
+
+/// The context of a model whose metadata does not say (llama.cpp's default for such files).
+pub const DEFAULT_CONTEXT: usize = 2048;
 
 impl Config {
     /// The KV geometry (what the span fingerprint hashes).
@@ -177,6 +183,191 @@ pub enum LoadError {
     },
 }
 
+impl Config {
+    /// The configuration of a GGUF file (`gemma3` or `llama` architecture), from its metadata alone: cheap,
+    /// so requests can be checked against the model's limits before any weight is read.
+    pub fn from_gguf(g: &Gguf) -> Result<Self, LoadError> {
+        let arch_name = g.get_str("general.architecture")?.to_string();
+        let arch = match arch_name.as_str() {
+            "gemma3" => Arch::Gemma3,
+            "llama" => Arch::Llama,
+            other => {
+                return Err(GgufError::Invalid {
+                    path: g.path().into(),
+                    what: "general.architecture".into(),
+                    expected: "gemma3 or llama".into(),
+                    found: other.into(),
+                }
+                .into())
+            }
+        };
+        let key = |k: &str| format!("{arch_name}.{k}");
+        let n_layers = g.get_u64(&key("block_count"))? as usize;
+        let hidden = g.get_u64(&key("embedding_length"))? as usize;
+        let heads = g.get_u64(&key("attention.head_count"))? as usize;
+        let kv_heads = g.get_u64(&key("attention.head_count_kv"))? as usize;
+        let head_dim = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden / heads.max(1));
+        let embed_info = g.tensor("token_embd.weight")?;
+        let vocab = embed_info.dims[1] as usize;
+        let rope_global = g.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0) as f32;
+        let (layers, rope_local, query_scale) = match arch {
+            Arch::Gemma3 => {
+                // llama.cpp's Gemma 3 conventions: every sixth layer is global, local layers use base 10000,
+                // and queries are scaled by head_dim^-1/2 (query_pre_attn_scalar = head_dim in Gemma 3).
+                let window = g.get_u64(&key("attention.sliding_window"))? as u32;
+                let layers = (0..n_layers)
+                    .map(|l| if l % 6 == 5 { Attention::Full } else { Attention::Sliding(window) })
+                    .collect();
+                (layers, 10_000.0, (head_dim as f32).powf(-0.5))
+            }
+            Arch::Llama => (vec![Attention::Full; n_layers], rope_global, (head_dim as f32).powf(-0.5)),
+        };
+        let config = Config {
+            arch,
+            vocab,
+            hidden,
+            ffn: g.get_u64(&key("feed_forward_length"))? as usize,
+            heads,
+            kv_heads,
+            head_dim,
+            layers,
+            eps: g.get_f64(&key("attention.layer_norm_rms_epsilon"))? as f32,
+            rope_global,
+            rope_local,
+            rope_adjacent: arch == Arch::Llama,
+            query_scale,
+            context: g.get_u64(&key("context_length")).map(|v| v as usize).unwrap_or(DEFAULT_CONTEXT),
+            bos: g.get_u64("tokenizer.ggml.bos_token_id").ok().map(|v| v as u32),
+            eos: g.get_u64("tokenizer.ggml.eos_token_id").ok().map(|v| vec![v as u32]).unwrap_or_default(),
+        };
+        config.checked(g.path())
+    }
+
+    /// The configuration of a Hugging Face checkpoint directory (its `config.json`, model type
+    /// `gemma3_text` or `llama`), without reading any weight.
+    pub fn from_hf_dir(dir: &Path) -> Result<Self, LoadError> {
+        let config_path = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_path)
+            .map_err(|source| LoadError::Io { path: config_path.clone(), source })?;
+        let bad = |what: &str, expected: &str, found: String| LoadError::Checkpoint {
+            path: config_path.clone(),
+            what: what.into(),
+            expected: expected.into(),
+            found,
+        };
+        let c: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| bad("config.json", "JSON", e.to_string()))?;
+        let u =
+            |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| bad(k, "an unsigned integer", c[k].to_string()));
+        let arch = match c["model_type"].as_str() {
+            Some("gemma3_text") => Arch::Gemma3,
+            Some("llama") => Arch::Llama,
+            _ => return Err(bad("model_type", "gemma3_text or llama", c["model_type"].to_string())),
+        };
+        let (hidden, heads, n_layers) = (u("hidden_size")?, u("num_attention_heads")?, u("num_hidden_layers")?);
+        let head_dim = c["head_dim"].as_u64().map(|v| v as usize).unwrap_or(hidden / heads.max(1));
+        let rope = |kind: &str| -> Option<f32> {
+            c["rope_parameters"][kind]["rope_theta"]
+                .as_f64()
+                .or_else(|| c["rope_parameters"]["rope_theta"].as_f64())
+                .or_else(|| c["rope_theta"].as_f64())
+                .map(|v| v as f32)
+        };
+        let (layers, rope_global, rope_local, query_scale) = match arch {
+            Arch::Gemma3 => {
+                let window = u("sliding_window")? as u32;
+                let types = c["layer_types"]
+                    .as_array()
+                    .ok_or_else(|| bad("layer_types", "a list", c["layer_types"].to_string()))?;
+                let layers = types
+                    .iter()
+                    .map(|t| match t.as_str() {
+                        Some("full_attention") => Ok(Attention::Full),
+                        Some("sliding_attention") => Ok(Attention::Sliding(window)),
+                        _ => Err(bad("layer_types", "full_attention or sliding_attention", t.to_string())),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                if layers.len() != n_layers {
+                    return Err(bad("layer_types", &format!("{n_layers} entries"), layers.len().to_string()));
+                }
+                let scalar = c["query_pre_attn_scalar"].as_f64().unwrap_or(head_dim as f64) as f32;
+                (
+                    layers,
+                    rope("full_attention").unwrap_or(1_000_000.0),
+                    rope("sliding_attention").unwrap_or(10_000.0),
+                    scalar.powf(-0.5),
+                )
+            }
+            Arch::Llama => {
+                let base = rope("default").unwrap_or(10_000.0);
+                (vec![Attention::Full; n_layers], base, base, (head_dim as f32).powf(-0.5))
+            }
+        };
+        let ids = |v: &serde_json::Value| -> Vec<u32> {
+            match v {
+                serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
+                v => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+            }
+        };
+        let config = Config {
+            arch,
+            vocab: u("vocab_size")?,
+            hidden,
+            ffn: u("intermediate_size")?,
+            heads,
+            kv_heads: c["num_key_value_heads"].as_u64().map(|v| v as usize).unwrap_or(heads),
+            head_dim,
+            layers,
+            eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
+            rope_global,
+            rope_local,
+            rope_adjacent: false,
+            query_scale,
+            context: c["max_position_embeddings"].as_u64().map_or(DEFAULT_CONTEXT, |v| v as usize),
+            bos: c["bos_token_id"].as_u64().map(|v| v as u32),
+            eos: ids(&c["eos_token_id"]),
+        };
+        config.checked(&config_path)
+    }
+
+    /// Refuses a configuration the forward pass cannot run (zero or mismatched heads, an odd head size,
+    /// no layers, no vocabulary or context), before anything divides by it.
+    fn checked(self, path: &Path) -> Result<Self, LoadError> {
+        let bad = |what: &str, expected: &str, found: String| LoadError::Checkpoint {
+            path: path.into(),
+            what: what.into(),
+            expected: expected.into(),
+            found,
+        };
+        if self.heads == 0
+            || self.kv_heads == 0
+            || self.heads % self.kv_heads != 0
+            || self.head_dim % 2 != 0
+            || self.head_dim == 0
+        {
+            return Err(bad(
+                "attention heads",
+                "query heads a nonzero multiple of KV heads, an even nonzero head size",
+                format!("{} heads, {} KV heads, head size {}", self.heads, self.kv_heads, self.head_dim),
+            ));
+        }
+        if self.layers.is_empty() || self.vocab == 0 || self.hidden == 0 || self.context == 0 {
+            return Err(bad(
+                "model size",
+                "at least one layer, token, hidden unit and context position",
+                format!(
+                    "{} layers, vocabulary {}, width {}, context {}",
+                    self.layers.len(),
+                    self.vocab,
+                    self.hidden,
+                    self.context
+                ),
+            ));
+        }
+        Ok(self)
+    }
+}
+
 impl Model {
     /// Checks every weight's size against the configuration, so that a checkpoint whose tensors do not
     /// fit its config is an error naming the tensor, not a panic in the middle of a forward pass.
@@ -269,58 +460,8 @@ impl Model {
 
     /// Loads a GGUF file (`gemma3` or `llama` architecture), dequantizing every weight to f32.
     pub fn from_gguf(g: &Gguf) -> Result<Self, LoadError> {
-        let arch_name = g.get_str("general.architecture")?.to_string();
-        let arch = match arch_name.as_str() {
-            "gemma3" => Arch::Gemma3,
-            "llama" => Arch::Llama,
-            other => {
-                return Err(GgufError::Invalid {
-                    path: g.path().into(),
-                    what: "general.architecture".into(),
-                    expected: "gemma3 or llama".into(),
-                    found: other.into(),
-                }
-                .into())
-            }
-        };
-        let key = |k: &str| format!("{arch_name}.{k}");
-        let n_layers = g.get_u64(&key("block_count"))? as usize;
-        let hidden = g.get_u64(&key("embedding_length"))? as usize;
-        let heads = g.get_u64(&key("attention.head_count"))? as usize;
-        let kv_heads = g.get_u64(&key("attention.head_count_kv"))? as usize;
-        let head_dim = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden / heads);
-        let embed_info = g.tensor("token_embd.weight")?;
-        let vocab = embed_info.dims[1] as usize;
-        let rope_global = g.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0) as f32;
-        let (layers, rope_local, query_scale) = match arch {
-            Arch::Gemma3 => {
-                // llama.cpp's Gemma 3 conventions: every sixth layer is global, local layers use base 10000,
-                // and queries are scaled by head_dim^-1/2 (query_pre_attn_scalar = head_dim in Gemma 3).
-                let window = g.get_u64(&key("attention.sliding_window"))? as u32;
-                let layers = (0..n_layers)
-                    .map(|l| if l % 6 == 5 { Attention::Full } else { Attention::Sliding(window) })
-                    .collect();
-                (layers, 10_000.0, (head_dim as f32).powf(-0.5))
-            }
-            Arch::Llama => (vec![Attention::Full; n_layers], rope_global, (head_dim as f32).powf(-0.5)),
-        };
-        let config = Config {
-            arch,
-            vocab,
-            hidden,
-            ffn: g.get_u64(&key("feed_forward_length"))? as usize,
-            heads,
-            kv_heads,
-            head_dim,
-            layers,
-            eps: g.get_f64(&key("attention.layer_norm_rms_epsilon"))? as f32,
-            rope_global,
-            rope_local,
-            rope_adjacent: arch == Arch::Llama,
-            query_scale,
-            bos: g.get_u64("tokenizer.ggml.bos_token_id").ok().map(|v| v as u32),
-            eos: g.get_u64("tokenizer.ggml.eos_token_id").ok().map(|v| vec![v as u32]).unwrap_or_default(),
-        };
+        let config = Config::from_gguf(g)?;
+        let n_layers = config.layers.len();
         let t = |name: &str| g.tensor_f32(name);
         let opt = |name: &str| g.tensors.contains_key(name).then(|| g.tensor_f32(name)).transpose();
         let mut layer_weights = Vec::with_capacity(n_layers);
@@ -358,86 +499,8 @@ impl Model {
     /// Loads a Hugging Face checkpoint directory (`config.json` and `*.safetensors`) of model type
     /// `gemma3_text` or `llama`.
     pub fn from_hf_dir(dir: &Path) -> Result<Self, LoadError> {
-        let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path)
-            .map_err(|source| LoadError::Io { path: config_path.clone(), source })?;
-        let bad = |what: &str, expected: &str, found: String| LoadError::Checkpoint {
-            path: config_path.clone(),
-            what: what.into(),
-            expected: expected.into(),
-            found,
-        };
-        let c: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| bad("config.json", "JSON", e.to_string()))?;
-        let u =
-            |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| bad(k, "an unsigned integer", c[k].to_string()));
-        let arch = match c["model_type"].as_str() {
-            Some("gemma3_text") => Arch::Gemma3,
-            Some("llama") => Arch::Llama,
-            _ => return Err(bad("model_type", "gemma3_text or llama", c["model_type"].to_string())),
-        };
-        let (hidden, heads, n_layers) = (u("hidden_size")?, u("num_attention_heads")?, u("num_hidden_layers")?);
-        let head_dim = c["head_dim"].as_u64().map(|v| v as usize).unwrap_or(hidden / heads);
-        let rope = |kind: &str| -> Option<f32> {
-            c["rope_parameters"][kind]["rope_theta"]
-                .as_f64()
-                .or_else(|| c["rope_parameters"]["rope_theta"].as_f64())
-                .or_else(|| c["rope_theta"].as_f64())
-                .map(|v| v as f32)
-        };
-        let (layers, rope_global, rope_local, query_scale) = match arch {
-            Arch::Gemma3 => {
-                let window = u("sliding_window")? as u32;
-                let types = c["layer_types"]
-                    .as_array()
-                    .ok_or_else(|| bad("layer_types", "a list", c["layer_types"].to_string()))?;
-                let layers = types
-                    .iter()
-                    .map(|t| match t.as_str() {
-                        Some("full_attention") => Ok(Attention::Full),
-                        Some("sliding_attention") => Ok(Attention::Sliding(window)),
-                        _ => Err(bad("layer_types", "full_attention or sliding_attention", t.to_string())),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
-                if layers.len() != n_layers {
-                    return Err(bad("layer_types", &format!("{n_layers} entries"), layers.len().to_string()));
-                }
-                let scalar = c["query_pre_attn_scalar"].as_f64().unwrap_or(head_dim as f64) as f32;
-                (
-                    layers,
-                    rope("full_attention").unwrap_or(1_000_000.0),
-                    rope("sliding_attention").unwrap_or(10_000.0),
-                    scalar.powf(-0.5),
-                )
-            }
-            Arch::Llama => {
-                let base = rope("default").unwrap_or(10_000.0);
-                (vec![Attention::Full; n_layers], base, base, (head_dim as f32).powf(-0.5))
-            }
-        };
-        let ids = |v: &serde_json::Value| -> Vec<u32> {
-            match v {
-                serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
-                v => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-            }
-        };
-        let config = Config {
-            arch,
-            vocab: u("vocab_size")?,
-            hidden,
-            ffn: u("intermediate_size")?,
-            heads,
-            kv_heads: c["num_key_value_heads"].as_u64().map(|v| v as usize).unwrap_or(heads),
-            head_dim,
-            layers,
-            eps: c["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
-            rope_global,
-            rope_local,
-            rope_adjacent: false,
-            query_scale,
-            bos: c["bos_token_id"].as_u64().map(|v| v as u32),
-            eos: ids(&c["eos_token_id"]),
-        };
+        let config = Config::from_hf_dir(dir)?;
+        let (arch, n_layers) = (config.arch, config.layers.len());
         let tensors = load_safetensors(dir)?;
         let get = |name: &str| -> Result<Vec<f32>, LoadError> {
             tensors.get(name).cloned().ok_or_else(|| LoadError::Checkpoint {
@@ -543,7 +606,7 @@ fn load_safetensors(dir: &Path) -> Result<HashMap<String, Vec<f32>>, LoadError> 
                         path: path.clone(),
                         what: format!("tensor {name}"),
                         expected: "F32, BF16 or F16".into(),
-                        found: format!("{other:?}"),
+                        found: other.to_string(),
                     })
                 }
             };

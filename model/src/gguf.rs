@@ -8,6 +8,8 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+use shm_format::words;
+
 use crate::quant::{dequantize, GgmlType};
 
 /// Most key/value pairs and tensors a file may declare.
@@ -33,7 +35,10 @@ pub enum GgufError {
         source: std::io::Error,
     },
     /// Not a GGUF file.
-    #[error("{path}: expected the GGUF magic \"GGUF\", found {found:?}")]
+    #[error(
+        "{path}: expected the GGUF magic \"GGUF\" at the start of a GGUF file, found a file starting with {}",
+        words::bytes(found)
+    )]
     BadMagic {
         /// The file.
         path: PathBuf,
@@ -114,6 +119,31 @@ impl Value {
             Value::Bool(_) => "a bool",
             Value::Str(_) => "a string",
             Value::Array(_) => "an array",
+        }
+    }
+
+    /// The value in words for messages, never its whole contents (a vocabulary is a quarter million
+    /// strings): `the unsigned integer 7`, `a string of 12 bytes`, `an array of 3 floats`.
+    pub fn describe(&self) -> String {
+        match self {
+            Value::U64(v) => format!("the unsigned integer {v}"),
+            Value::I64(v) => format!("the signed integer {v}"),
+            Value::F64(v) => format!("the float {v}"),
+            Value::Bool(v) => format!("the bool {v}"),
+            Value::Str(s) if s.len() == 1 => "a string of 1 byte".to_string(),
+            Value::Str(s) => format!("a string of {} bytes", s.len()),
+            Value::Array(items) => {
+                let elements = match items.first() {
+                    None => return "an empty array".to_string(),
+                    Some(Value::U64(_)) => "unsigned integers",
+                    Some(Value::I64(_)) => "signed integers",
+                    Some(Value::F64(_)) => "floats",
+                    Some(Value::Bool(_)) => "bools",
+                    Some(Value::Str(_)) => "strings",
+                    Some(Value::Array(_)) => "arrays",
+                };
+                format!("an array of {} {elements}", items.len())
+            }
         }
     }
 }
@@ -293,7 +323,7 @@ impl Gguf {
                     path: path.into(),
                     what: "general.alignment".into(),
                     expected: "a power of two up to 65536".into(),
-                    found: format!("{v:?}"),
+                    found: v.describe(),
                 })
             }
         };
@@ -313,10 +343,9 @@ impl Gguf {
                     format!("ggml type {ty_id}"),
                 )
             })?;
-            let elems = dims
-                .iter()
-                .try_fold(1u64, |acc, &d| acc.checked_mul(d))
-                .ok_or_else(|| invalid("dimensions whose product fits 64 bits".into(), format!("{dims:?}")))?;
+            let elems = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).ok_or_else(|| {
+                invalid("dimensions whose product fits 64 bits".into(), format!("dimensions {}", words::shape(&dims)))
+            })?;
             let len = ty.bytes_for(elems).ok_or_else(|| {
                 invalid(
                     format!("whole {}-weight blocks of {}", ty.block_elems(), ty.name()),
@@ -407,5 +436,54 @@ impl Gguf {
         let mut out = vec![0f32; t.elems() as usize];
         dequantize(t.ty, self.tensor_bytes(name)?, &mut out);
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open(name: &str, bytes: &[u8]) -> String {
+        let path = std::env::temp_dir().join(format!("pdhost-gguf-test-{}-{name}", std::process::id()));
+        std::fs::write(&path, bytes).unwrap();
+        let err = Gguf::open(&path).unwrap_err().to_string();
+        std::fs::remove_file(&path).unwrap();
+        err.replace(&path.display().to_string(), "FILE")
+    }
+
+    #[test]
+    fn a_file_that_is_not_gguf_is_named_by_its_first_bytes() {
+        assert_eq!(
+            open("readme", b"# pdhost\n\nA host"),
+            "FILE: expected the GGUF magic \"GGUF\" at the start of a GGUF file, found a file starting with \"# pd\""
+        );
+        assert_eq!(
+            open("elf", b"\x7fELF\x02\x01\x01\x00"),
+            "FILE: expected the GGUF magic \"GGUF\" at the start of a GGUF file, found a file starting with bytes \
+             7f 45 4c 46 (\".ELF\")"
+        );
+    }
+
+    #[test]
+    fn a_bad_metadata_value_is_named_by_its_type_not_its_contents() {
+        // Version 3, no tensors, one key: general.alignment = "x" (a string, not a power of two).
+        let mut file = b"GGUF".to_vec();
+        file.extend(3u32.to_le_bytes());
+        file.extend(0u64.to_le_bytes());
+        file.extend(1u64.to_le_bytes());
+        let key = b"general.alignment";
+        file.extend((key.len() as u64).to_le_bytes());
+        file.extend(key);
+        file.extend(8u32.to_le_bytes());
+        file.extend(1u64.to_le_bytes());
+        file.push(b'x');
+        assert_eq!(
+            open("alignment", &file),
+            "FILE: general.alignment: expected a power of two up to 65536, found a string of 1 byte"
+        );
+        let array = Value::Array(vec![Value::U64(1), Value::U64(7)]);
+        assert_eq!(array.describe(), "an array of 2 unsigned integers");
+        assert_eq!(Value::U64(7).describe(), "the unsigned integer 7");
+        assert_eq!(Value::Array(Vec::new()).describe(), "an empty array");
     }
 }

@@ -124,6 +124,18 @@ unsafe fn dot_q8_avx2(xq: &[i8], xs: &[f32], wq: &[i8], ws: &[f32]) -> f32 {
     sum
 }
 
+/// The cores this process may run on (at least 1).
+pub fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The most forward-pass threads anyone may ask for: four per core. More only adds contention, and a
+/// pool of 100000 threads takes a minute to spawn before it aborts; the host checks requests against
+/// this, and so does every built-in backend's configuration.
+pub fn max_threads() -> usize {
+    4 * available_cores()
+}
+
 /// Where the kernels run.
 #[derive(Debug)]
 pub struct Exec {

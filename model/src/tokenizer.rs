@@ -130,22 +130,24 @@ impl GgufTokenizer {
         let tokens: Vec<String> = g
             .get_array("tokenizer.ggml.tokens")?
             .iter()
-            .map(|v| match v {
+            .enumerate()
+            .map(|(i, v)| match v {
                 Value::Str(s) => Ok(s.clone()),
-                v => Err(bad("tokenizer.ggml.tokens", "strings", format!("{v:?}"))),
+                v => Err(bad("tokenizer.ggml.tokens", "strings", format!("{} at entry {i}", v.describe()))),
             })
             .collect::<Result<_, _>>()?;
         let kinds: Vec<Kind> = match g.get_array("tokenizer.ggml.token_type") {
             Ok(types) => types
                 .iter()
-                .map(|v| match v {
+                .enumerate()
+                .map(|(i, v)| match v {
                     Value::I64(1) | Value::U64(1) => Ok(Kind::Normal),
                     Value::I64(2) | Value::U64(2) => Ok(Kind::Unknown),
                     Value::I64(3) | Value::U64(3) => Ok(Kind::Control),
                     Value::I64(4) | Value::U64(4) => Ok(Kind::UserDefined),
                     Value::I64(5) | Value::U64(5) => Ok(Kind::Unused),
                     Value::I64(6) | Value::U64(6) => Ok(Kind::Byte),
-                    v => Err(bad("tokenizer.ggml.token_type", "types 1..=6", format!("{v:?}"))),
+                    v => Err(bad("tokenizer.ggml.token_type", "types 1..=6", format!("{} at entry {i}", v.describe()))),
                 })
                 .collect::<Result<_, _>>()?,
             Err(_) => vec![Kind::Normal; tokens.len()],
@@ -181,9 +183,10 @@ impl GgufTokenizer {
                 let scores = g
                     .get_array("tokenizer.ggml.scores")?
                     .iter()
-                    .map(|v| match v {
+                    .enumerate()
+                    .map(|(i, v)| match v {
                         Value::F64(x) => Ok(*x as f32),
-                        v => Err(bad("tokenizer.ggml.scores", "floats", format!("{v:?}"))),
+                        v => Err(bad("tokenizer.ggml.scores", "floats", format!("{} at entry {i}", v.describe()))),
                     })
                     .collect::<Result<Vec<_>, _>>()?;
                 Algorithm::Spm { scores }
@@ -192,7 +195,11 @@ impl GgufTokenizer {
                 let mut ranks = HashMap::new();
                 for (rank, v) in g.get_array("tokenizer.ggml.merges")?.iter().enumerate() {
                     let Value::Str(m) = v else {
-                        return Err(bad("tokenizer.ggml.merges", "strings", format!("{v:?}")));
+                        return Err(bad(
+                            "tokenizer.ggml.merges",
+                            "strings",
+                            format!("{} at entry {rank}", v.describe()),
+                        ));
                     };
                     let (l, r) =
                         m.split_once(' ').ok_or_else(|| bad("tokenizer.ggml.merges", "\"left right\"", m.clone()))?;

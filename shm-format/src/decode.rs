@@ -5,7 +5,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::checksum::frame_checksum;
 use crate::error::SpanError;
 use crate::header::{HeaderInfo, HEADER_LEN};
-use crate::manifest::{wire, Entry, EntryKind, GroupKind, Layout, Manifest, MAX_ENTRIES, MAX_RANK};
+use crate::manifest::{wire, Entry, EntryKind, Layout, Manifest, MAX_ENTRIES, MAX_RANK};
+use crate::words;
 
 /// A decoded, validated span whose bytes the reader owns.
 #[derive(Clone, Debug)]
@@ -76,7 +77,7 @@ pub fn verify_prefix(header: &HeaderInfo, prefix: &[u8], computed_checksum: u64)
 /// Decodes a postcard manifest that must use every byte, then validates it against the payload length.
 pub fn decode_manifest(bytes: &[u8], payload_len: u64) -> Result<Manifest, SpanError> {
     let (wire, rest) = postcard::take_from_bytes::<wire::Manifest>(bytes)
-        .map_err(|e| SpanError::ManifestDecode { reason: e.to_string() })?;
+        .map_err(|e| SpanError::ManifestDecode { len: bytes.len() as u64, reason: words::postcard_failure(&e) })?;
     if !rest.is_empty() {
         return Err(SpanError::ManifestTrailingBytes {
             expected: (bytes.len() - rest.len()) as u64,
@@ -268,14 +269,7 @@ fn describe(layout: &Layout) -> String {
         Layout::Grouped { groups } => {
             let ids: Vec<String> = groups
                 .iter()
-                .map(|g| {
-                    let kind = match g.kind {
-                        GroupKind::Full => "full".to_string(),
-                        GroupKind::Sliding { window } => format!("sliding {window}"),
-                        GroupKind::Recurrent => "recurrent".to_string(),
-                    };
-                    format!("group {} ({kind}): {:?}", g.id, g.layers)
-                })
+                .map(|g| format!("group {} ({}): layers {}", g.id, g.kind, words::layers(&g.layers)))
                 .collect();
             ids.join("; ")
         }

@@ -1,6 +1,7 @@
 //! Every way a span can be rejected. Each variant names what was expected and what was found.
 
 use crate::manifest::EntryKind;
+use crate::words;
 
 /// Why a span was rejected.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -15,7 +16,7 @@ pub enum SpanError {
         found: u64,
     },
     /// The first 8 bytes are not the frame magic.
-    #[error("bad magic: expected {:?}, found {:?}", String::from_utf8_lossy(expected), String::from_utf8_lossy(found))]
+    #[error("bad magic: expected {}, found {}", words::bytes(expected), words::bytes(found))]
     BadMagic {
         /// `PDKVSPAN`.
         expected: [u8; 8],
@@ -99,10 +100,14 @@ pub enum SpanError {
         found: u64,
     },
     /// The manifest is not valid postcard for this version.
-    #[error("manifest does not decode: expected a v1 postcard manifest, found {reason}")]
+    #[error(
+        "manifest does not decode: expected a v1 postcard manifest, found {len} bytes that do not decode as one ({reason})"
+    )]
     ManifestDecode {
-        /// postcard's reason.
-        reason: String,
+        /// `manifest_len`.
+        len: u64,
+        /// Why, in words (see [`crate::words::postcard_failure`]).
+        reason: &'static str,
     },
     /// The manifest decodes but leaves bytes unread.
     #[error("manifest has trailing bytes: expected {expected} bytes, found {found}")]
@@ -223,7 +228,7 @@ pub enum SpanError {
         kind: EntryKind,
     },
     /// Shape rank is wrong.
-    #[error("layer {layer} {kind}: expected rank {expected}, found shape {found:?}")]
+    #[error("layer {layer} {kind}: expected rank {expected}, found shape {}", words::shape(found))]
     BadRank {
         /// Layer.
         layer: u32,
@@ -247,7 +252,7 @@ pub enum SpanError {
         found: u64,
     },
     /// A shape with a zero dimension.
-    #[error("layer {layer} {kind}: expected every dimension >= 1, found shape {shape:?}")]
+    #[error("layer {layer} {kind}: expected every dimension >= 1, found shape {}", words::shape(shape))]
     ZeroDimension {
         /// Layer.
         layer: u32,
@@ -257,7 +262,10 @@ pub enum SpanError {
         shape: Vec<u64>,
     },
     /// Shape does not multiply to the entry's byte length.
-    #[error("layer {layer} {kind}: expected {expected} bytes for shape {shape:?} in {dtype}, found len {found}")]
+    #[error(
+        "layer {layer} {kind}: expected {expected} bytes for shape {} in {dtype}, found len {found}",
+        words::shape(shape)
+    )]
     ShapeLenMismatch {
         /// Layer.
         layer: u32,
@@ -305,7 +313,11 @@ pub enum SpanError {
         second_start: u64,
     },
     /// A dense entry that is not where the dense layout puts it.
-    #[error("dense layer {layer} {kind}: expected shape {expected_shape:?} at offset {expected_offset}, found {found_shape:?} at {found_offset}")]
+    #[error(
+        "dense layer {layer} {kind}: expected shape {} at offset {expected_offset}, found {} at {found_offset}",
+        words::shape(expected_shape),
+        words::shape(found_shape)
+    )]
     DenseEntryMisplaced {
         /// Layer.
         layer: u32,

@@ -31,6 +31,7 @@ pub mod ring;
 pub mod testing;
 #[cfg(test)]
 mod tests;
+pub mod words;
 
 pub use checksum::{frame_checksum, seal_frame, FrameHasher};
 pub use decode::{
@@ -38,7 +39,7 @@ pub use decode::{
 };
 pub use encode::{encode_frame, encode_raw, write_prefix, FrameCoords};
 pub use error::{SpanError, ALL_KINDS};
-pub use geometry::{KvGeometry, LayerKv};
+pub use geometry::{GeometryMismatch, KvGeometry, LayerKv};
 pub use header::{
     FrameHeader, HeaderInfo, RingExpectation, CHECKSUM_OFFSET, FORMAT_MAJOR, FORMAT_MINOR, FRAME_MAGIC, HEADER_LEN,
     KNOWN_FLAGS, MAX_HEADER_LEN, MAX_MANIFEST_LEN, MAX_PAYLOAD_LEN, PAYLOAD_ALIGN,

@@ -114,6 +114,17 @@ impl GroupKind {
     }
 }
 
+/// In words, for messages: `full attention`, `sliding window 512`, `recurrent`.
+impl std::fmt::Display for GroupKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GroupKind::Full => f.write_str("full attention"),
+            GroupKind::Sliding { window } => write!(f, "sliding window {window}"),
+            GroupKind::Recurrent => f.write_str("recurrent"),
+        }
+    }
+}
+
 /// One group of a grouped layout: the model layers whose tensors form one tensor set.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Group {

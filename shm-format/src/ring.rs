@@ -22,6 +22,8 @@
 use zerocopy::little_endian::{U16, U32, U64};
 use zerocopy::{FromBytes, Immutable, IntoBytes, KnownLayout, Unaligned};
 
+use crate::words;
+
 /// Magic of the control segment.
 pub const CONTROL_MAGIC: [u8; 8] = *b"PDRINGCT";
 /// Ring layout major version; only goes up.
@@ -64,7 +66,7 @@ const _: () = assert!(size_of::<ControlHeader>() == 64);
 #[non_exhaustive]
 pub enum RingLayoutError {
     /// Bad control magic.
-    #[error("control segment magic: expected {:?}, found {:?}", String::from_utf8_lossy(&CONTROL_MAGIC), String::from_utf8_lossy(found))]
+    #[error("control segment magic: expected {}, found {}", words::bytes(&CONTROL_MAGIC), words::bytes(found))]
     BadMagic {
         /// What the segment holds.
         found: [u8; 8],

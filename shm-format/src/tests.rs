@@ -220,3 +220,33 @@ proptest! {
         fuzzing::decode(&bytes);
     }
 }
+
+/// Messages show no `Debug` structures and no decoder internals: magics as text (or hex), shapes as
+/// `[3 x 2 x 4]`, postcard failures in words.
+#[test]
+fn errors_read_as_words() {
+    for f in fixtures() {
+        if let Err(e) = decode_frame(&f.bytes) {
+            let msg = e.to_string();
+            for debug in ["{", "Some(", "Hit the end", ", 2, 4]"] {
+                assert!(!msg.contains(debug), "{}: {msg}", f.name);
+            }
+        }
+    }
+    let text = |name: &str| {
+        let f = fixtures().into_iter().find(|f| f.name.starts_with(name)).unwrap();
+        decode_frame(&f.bytes).unwrap_err().to_string()
+    };
+    assert_eq!(text("bad-magic"), "bad magic: expected \"PDKVSPAN\", found \"PDKVSPAM\"");
+    assert_eq!(
+        text("garbage-manifest"),
+        "manifest does not decode: expected a v1 postcard manifest, found 10 bytes that do not decode as one \
+         (an integer longer than its type)"
+    );
+    assert_eq!(text("rank-2-k"), "layer 0 k: expected rank 3, found shape [3 x 8]");
+    let unprintable = SpanError::BadMagic { expected: *b"PDKVSPAN", found: [0x7f, b'E', b'L', b'F', 2, 1, 1, 0] };
+    assert_eq!(
+        unprintable.to_string(),
+        "bad magic: expected \"PDKVSPAN\", found bytes 7f 45 4c 46 02 01 01 00 (\".ELF....\")"
+    );
+}

@@ -4,6 +4,7 @@ use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 use shm_format::ring::RingGeometry;
+use shm_format::words;
 use shm_format::{
     decode_body, decode_manifest, verify_prefix, HeaderInfo, Manifest, RingExpectation, SpanError, SpanView, HEADER_LEN,
 };
@@ -22,7 +23,7 @@ use crate::segment::{Segment, SharedWord};
 #[non_exhaustive]
 pub enum RingError {
     /// No frame was committed before the deadline.
-    #[error("no span committed within {waited:?}: expected frame {sequence} in slot {slot}, found none")]
+    #[error("no span committed within {}: expected frame {sequence} in slot {slot}, found none", words::duration(*waited))]
     Timeout {
         /// How long the host waited.
         waited: Duration,

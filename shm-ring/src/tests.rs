@@ -86,6 +86,12 @@ fn nothing_committed_times_out_with_the_awaited_frame() {
     assert!(reader.try_take().unwrap().is_none());
     let err = reader.take(Instant::now() + Duration::from_millis(20), None).unwrap_err();
     assert!(matches!(err, RingError::Timeout { sequence: 0, slot: 0, .. }), "{err}");
+    let text = err.to_string();
+    assert!(
+        text.starts_with("no span committed within ")
+            && [" ms: ", " s: "].iter().any(|unit| text.contains(&format!("{unit}expected frame 0"))),
+        "{text}"
+    );
 }
 
 /// Writes a frame with `edit` applied to the sealed bytes, commits it, and returns the reader's verdict.

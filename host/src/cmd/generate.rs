@@ -1,108 +1,149 @@
 //! `pdhost generate`.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
 
 use anyhow::Context;
-use model::arch::Model;
+use model::arch::{Config, Model};
 use model::gguf::Gguf;
-use model::kernels::Precision;
 use model::tokenizer::Tokenizer;
-use pdhost::engine::{Engine, Finish, OnFailure, PrefillBy, PrefillReport, Request, Sampling};
+use pdhost::engine::{Engine, Finish, OnFailure, PrefillBy, PrefillReport};
+use pdhost::request::input::{self, ModelSource};
+use pdhost::request::{self, Field, Invalid, Limits, RawRequest};
 use serde_json::json;
-use shm_format::Dtype;
 
-use crate::cli::GenerateArgs;
+use super::{errln, StdoutError};
+use crate::cli::{GenerateArgs, OnFailureArg};
 
-/// A loaded model, its tokenizer if it has one, its display name and the path a producer loads it from.
-fn load(name: &str, quiet: bool) -> anyhow::Result<(Model, Option<Tokenizer>, String, PathBuf)> {
-    let path = Path::new(name);
-    if path.is_dir() {
-        let model = Model::from_hf_dir(path)?;
-        let json = path.join("tokenizer.json");
-        let tokenizer = if json.is_file() { Some(Tokenizer::from_file(&json)?) } else { None };
-        return Ok((model, tokenizer, path.display().to_string(), std::path::absolute(path)?));
-    }
-    let file = if path.extension().is_some_and(|e| e == "gguf") || path.is_file() {
-        path.to_path_buf()
-    } else {
-        model::registry::spec(name)?;
-        let mut bar = super::models::Bar::new(quiet);
-        let file = model::registry::fetch(name, &mut bar)?;
-        bar.finish();
-        file
-    };
-    let spinner = super::models::Bar::new(quiet);
-    spinner.spin(&format!("loading {}", file.display()));
-    let gguf = Gguf::open(&file)?;
-    let tokenizer = Tokenizer::from_gguf(&gguf).context("building the tokenizer")?;
-    let model = Model::from_gguf(&gguf).context("loading the weights")?;
-    spinner.finish();
-    Ok((model, Some(tokenizer), name.to_string(), std::path::absolute(&file)?))
+/// A model whose metadata and tokenizer are read and whose weights are not yet: requests are checked
+/// against its limits before the slow part.
+pub struct Opened {
+    /// Its configuration, from metadata.
+    pub config: Config,
+    /// Its tokenizer, if it has one.
+    pub tokenizer: Option<Tokenizer>,
+    /// The name to show.
+    pub name: String,
+    /// The absolute path a producer loads it from.
+    pub path: PathBuf,
+    gguf: Option<Gguf>,
 }
 
-/// The cache dtype a `--kv-dtype` value (already checked by clap) names.
-pub fn kv_dtype(name: &str) -> Dtype {
-    match name {
-        "bf16" => Dtype::Bf16,
-        "f16" => Dtype::F16,
-        _ => Dtype::F32,
+impl Opened {
+    /// Opens a model from where `--model` says it is, fetching a known model on first use.
+    pub fn open(source: &ModelSource, quiet: bool) -> anyhow::Result<Self> {
+        let (file, name) = match source {
+            ModelSource::HfDir(dir) => {
+                let config = Config::from_hf_dir(dir)?;
+                let json = dir.join("tokenizer.json");
+                let tokenizer = if json.is_file() { Some(Tokenizer::from_file(&json)?) } else { None };
+                let name = dir.display().to_string();
+                return Ok(Opened { config, tokenizer, name, path: std::path::absolute(dir)?, gguf: None });
+            }
+            ModelSource::Gguf(file) => (file.clone(), file.display().to_string()),
+            ModelSource::Known(name) => {
+                let mut bar = super::models::Bar::new(quiet);
+                let file = model::registry::fetch(name, &mut bar)?;
+                bar.finish();
+                (file, name.clone())
+            }
+        };
+        let gguf = Gguf::open(&file)?;
+        let config = Config::from_gguf(&gguf)?;
+        let tokenizer = Tokenizer::from_gguf(&gguf).context("building the tokenizer")?;
+        Ok(Opened { config, tokenizer: Some(tokenizer), name, path: std::path::absolute(&file)?, gguf: Some(gguf) })
+    }
+
+    /// Reads the weights (the slow part, with a spinner).
+    pub fn load(&self, quiet: bool) -> anyhow::Result<Model> {
+        let spinner = super::models::Bar::new(quiet);
+        spinner.spin(&format!("loading {}", self.path.display()));
+        let model = match &self.gguf {
+            Some(gguf) => Model::from_gguf(gguf).context("loading the weights")?,
+            None => Model::from_hf_dir(&self.path)?,
+        };
+        spinner.finish();
+        Ok(model)
     }
 }
 
-/// All cores.
-pub fn default_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+/// The prompt text of `--prompt` or `--prompt-file`, checked (bounded, UTF-8, not empty); `None` with
+/// `--prompt-ids`.
+fn prompt_text(args: &GenerateArgs) -> Result<Option<(String, Field)>, Invalid> {
+    match (&args.prompt, &args.prompt_file) {
+        (Some(text), _) => {
+            input::check_prompt_text(Field::Prompt, text)?;
+            Ok(Some((text.clone(), Field::Prompt)))
+        }
+        (None, Some(path)) => Ok(Some((input::read_prompt_file(path)?, Field::PromptFile))),
+        (None, None) => Ok(None),
+    }
 }
 
 pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
-    let (mut model, tokenizer, model_name, model_path) = load(&args.model, args.json)?;
-    let precision = if args.precision == "fast" { Precision::Fast } else { Precision::Exact };
-    model.configure(precision, args.threads.unwrap_or_else(default_threads));
-    let text = match (&args.prompt, &args.prompt_file) {
-        (Some(text), _) => Some(text.clone()),
-        (None, Some(path)) if path.as_os_str() == "-" => {
-            let mut text = String::new();
-            std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)
-                .context("--prompt-file -: expected UTF-8 text on standard input")?;
-            Some(text)
-        }
-        (None, Some(path)) => Some(
-            std::fs::read_to_string(path)
-                .with_context(|| format!("--prompt-file {}: expected a readable UTF-8 text file", path.display()))?,
-        ),
-        (None, None) => None,
-    };
-    let prompt = match (text, &args.prompt_ids) {
-        (_, Some(ids)) => ids.clone(),
-        (Some(text), None) => {
-            let tok = tokenizer.as_ref().with_context(|| {
-                format!("model {model_name} has no tokenizer: expected --prompt-ids instead of a text prompt")
+    // Everything that needs no model first, so a bad flag is refused at once.
+    let threads = request::check_threads(args.threads)?;
+    let timeout = request::check_timeout(Field::ProducerTimeout, args.producer_timeout)?;
+    let backend_config = input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
+    request::check_sampling(args.temperature, Some(args.top_p), args.seed)?;
+    let source = input::model_source(&args.model)?;
+    let text = prompt_text(args)?;
+
+    // The model's metadata: its limits, then the request checked against them.
+    let opened = Opened::open(&source, args.json)?;
+    let limits = Limits::new(&opened.name, &opened.config, args.context)?;
+    let page_size = request::check_page_size(args.page_size, &limits)?;
+    let (prompt, prompt_field) = match (text, &args.prompt_ids) {
+        (_, Some(ids)) => (ids.clone(), Field::PromptIds),
+        (Some((text, field)), None) => {
+            let tok = opened.tokenizer.as_ref().ok_or_else(|| {
+                Invalid::new(
+                    field,
+                    "--prompt-ids (this model has no tokenizer)",
+                    format_args!("a text prompt for {}", opened.name),
+                )
             })?;
-            tok.encode(&text, tok.add_bos())
+            (tok.encode(&text, tok.add_bos()), field)
         }
         (None, None) => unreachable!("clap requires one"),
     };
-    anyhow::ensure!(!prompt.is_empty(), "prompt: expected at least one token, found none");
-    if let Some(&bad) = prompt.iter().find(|&&id| id as usize >= model.config.vocab) {
-        anyhow::bail!("prompt id {bad}: expected ids below the vocabulary size {}", model.config.vocab);
-    }
-    let dtype = kv_dtype(&args.kv_dtype);
-    let max_len = (prompt.len() + args.max_tokens) as u64;
-    let geometry = model.config.kv_geometry();
-    let chunk_tokens = if args.prefill_chunk == 0 { prompt.len() } else { args.prefill_chunk.min(prompt.len()) };
+    let raw = RawRequest {
+        prompt,
+        prompt_field: Some(prompt_field),
+        max_tokens: args.max_tokens,
+        min_max_tokens: 0,
+        temperature: args.temperature,
+        top_p: Some(args.top_p),
+        seed: args.seed,
+        prefill_chunk: args.prefill_chunk,
+    };
+    let request = request::check_request(&raw, &limits)?;
+    let prompt = request.prompt.clone();
+    let dtype = args.kv_dtype.dtype();
+    // Checked: prompt + max_tokens <= context.
+    let max_len = prompt.len() as u64 + args.max_tokens;
+    let geometry = opened.config.kv_geometry();
+    let budget = request::kv_budget(&geometry, dtype, page_size, max_len, 1)
+        .ok_or_else(|| Invalid::new(Field::PageSize, "a KV cache whose size fits in 64 bits", page_size))?;
+    request::check_memory(Field::MaxTokens, &format!("the KV cache for {max_len} tokens in {}", dtype.name()), budget)?;
+
+    let mut model = opened.load(args.json)?;
+    model.configure(args.precision.precision(), threads);
+    let tokenizer = opened.tokenizer;
+    let model_name = opened.name;
+    let chunk_tokens = if request.prefill_chunk == 0 { prompt.len() } else { request.prefill_chunk.min(prompt.len()) };
     let choice = super::producer::Choice {
         producer: &args.producer,
-        backend_config: &args.backend_config,
-        precision: &args.precision,
-        threads: args.threads.unwrap_or_else(default_threads),
-        timeout_s: args.producer_timeout,
+        backend_config,
+        precision: args.precision,
+        threads,
+        timeout,
     };
-    let mut producer = choice.producer(&model_path, &geometry, dtype, chunk_tokens)?;
-    let mut engine = Engine::new(model, dtype, args.page_size, max_len, 1)?;
+    let mut producer = choice.producer(&opened.path, &geometry, dtype, chunk_tokens)?;
+    let mut engine = Engine::new(model, dtype, page_size, max_len, 1)?;
     if let Some(p) = producer.as_mut() {
         // Start the producer (load its model) before the clock of the request starts; a start-up failure
         // is handled like any other on the request itself.
@@ -112,17 +153,16 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         spinner.finish();
     }
     let load_ms = t0.elapsed();
-    let sampling = match args.temperature {
-        Some(temperature) if temperature > 0.0 => Sampling::TopP { temperature, top_p: args.top_p, seed: args.seed },
-        _ => Sampling::Greedy,
-    };
-    let request =
-        Request { prompt: prompt.clone(), max_tokens: args.max_tokens, prefill_chunk: args.prefill_chunk, sampling };
 
     let mut stdout = std::io::stdout().lock();
     let mut shown = String::new();
     let mut so_far = Vec::new();
-    let on_failure = if args.on_producer_failure == "fail" { OnFailure::Fail } else { OnFailure::Fallback };
+    // A closed stdout stops the printing, not the request; it is reported (quietly) at the end.
+    let mut write_error: Option<std::io::Error> = None;
+    let on_failure = match args.on_producer_failure {
+        OnFailureArg::Fail => OnFailure::Fail,
+        OnFailureArg::Fallback => OnFailure::Fallback,
+    };
     let by = match producer.as_mut() {
         Some(producer) => PrefillBy::Remote { producer, on_failure },
         None => PrefillBy::Local,
@@ -131,19 +171,23 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         if args.json {
             return;
         }
-        if let Some(tok) = &tokenizer {
+        if let (Some(tok), None) = (&tokenizer, &write_error) {
             so_far.push(id);
             let text = tok.decode(&so_far, true);
             // Print only what is new and complete (a multi-byte character may still be partial).
             if let Some(new) = text.strip_prefix(shown.as_str()) {
                 if !new.ends_with('\u{FFFD}') {
-                    let _ = write!(stdout, "{new}");
-                    let _ = stdout.flush();
-                    shown = text;
+                    match write!(stdout, "{new}").and_then(|()| stdout.flush()) {
+                        Ok(()) => shown = text,
+                        Err(e) => write_error = Some(e),
+                    }
                 }
             }
         }
     })?;
+    if let Some(e) = write_error {
+        return Err(StdoutError(e).into());
+    }
     let text = tokenizer.as_ref().map(|t| t.decode(&gen.output, true));
     let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
     let finish = match gen.finish {
@@ -178,18 +222,18 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
                            "remote": {"backend": ms(report.remote_times.backend), "frame": ms(report.remote_times.frame),
                                       "take": ms(report.remote_times.take), "ipc": ms(report.remote_times.ipc())}},
         });
-        writeln!(stdout, "{out}")?;
+        writeln!(stdout, "{out}").map_err(StdoutError)?;
     } else {
         if tokenizer.is_none() {
-            writeln!(stdout, "{:?}", gen.output)?;
+            writeln!(stdout, "{:?}", gen.output).map_err(StdoutError)?;
         } else {
-            writeln!(stdout)?;
+            writeln!(stdout).map_err(StdoutError)?;
         }
-        stdout.flush()?;
+        stdout.flush().map_err(StdoutError)?;
         let decode_tps = (gen.output.len().saturating_sub(1)) as f64 / gen.decode.as_secs_f64().max(1e-9);
         let ingest_gbps = gen.bytes as f64 / gen.ingest.as_secs_f64().max(1e-9) / 1e9;
         if let Some(reason) = &fallback {
-            eprintln!("warning: remote prefill failed, prefilled locally instead: {reason}");
+            errln!("warning: remote prefill failed, prefilled locally instead: {reason}");
         }
         let how = match (report.remote, report.layout) {
             (true, Some(layout)) => format!(
@@ -199,7 +243,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
             ),
             _ => "local (spans laid out by the host)".to_string(),
         };
-        eprintln!(
+        errln!(
             "prefill {how}: {} span(s), {:.1} MiB KV, ingest {ingest_gbps:.2} GB/s, TTFT {:.0} ms, decode {decode_tps:.1} tok/s, {} tokens ({finish})",
             gen.spans,
             gen.bytes as f64 / (1 << 20) as f64,

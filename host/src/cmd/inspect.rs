@@ -7,6 +7,7 @@ use anyhow::Context;
 use serde_json::{json, Value};
 use shm_format::{decode_frame, parse_header_prefix, Layout, SpanError, SpanView, HEADER_LEN};
 
+use super::{errln, outln, StdoutError};
 use crate::cli::InspectArgs;
 
 /// Exit status of a rejected span.
@@ -17,13 +18,13 @@ const USAGE: u8 = 2;
 pub fn run(args: &InspectArgs) -> anyhow::Result<ExitCode> {
     let bytes = match read_span_file(args) {
         Ok(Ok(bytes)) => bytes,
-        Ok(Err(rejection)) => return Ok(report(args, Err(rejection))),
+        Ok(Err(rejection)) => return report(args, Err(rejection)),
         Err(usage) => {
-            eprintln!("error: {usage:#}");
+            errln!("error: {usage:#}");
             return Ok(ExitCode::from(USAGE));
         }
     };
-    Ok(report(args, decode_frame(&bytes)))
+    report(args, decode_frame(&bytes))
 }
 
 /// Reads the file, bounded: the header is parsed first, and no more than the frame length it declares
@@ -37,22 +38,27 @@ fn read_span_file(args: &InspectArgs) -> anyhow::Result<Result<Vec<u8>, SpanErro
         anyhow::bail!("{}: expected a regular file, found {}", path.display(), describe_type(&meta));
     }
     let mut file = std::fs::File::open(path).with_context(|| format!("cannot open span file {}", path.display()))?;
-    let size = meta.len();
-    let mut prefix = vec![0u8; HEADER_LEN.min(size as usize)];
-    file.read_exact(&mut prefix).with_context(|| format!("cannot read {}", path.display()))?;
-    let header = match parse_header_prefix(&prefix) {
+    // The size the file system reports is not trusted (`/proc` files say 0): read what is there, never
+    // more than the header, then never more than the frame it declares plus one byte.
+    let read = |file: &mut std::fs::File, limit: u64, into: &mut Vec<u8>| {
+        file.take(limit).read_to_end(into).with_context(|| format!("cannot read {}", path.display()))
+    };
+    let mut bytes = Vec::new();
+    read(&mut file, HEADER_LEN as u64, &mut bytes)?;
+    let header = match parse_header_prefix(&bytes) {
         Ok(h) => h,
         Err(e) => return Ok(Err(e)),
     };
+    read(&mut file, header.frame_len - HEADER_LEN as u64 + 1, &mut bytes)?;
+    let size = bytes.len() as u64;
     if size < header.frame_len {
         return Ok(Err(SpanError::Truncated { expected: header.frame_len, found: size }));
     }
     if size > header.frame_len {
-        return Ok(Err(SpanError::TrailingBytes { expected: header.frame_len, found: size }));
+        // At least one byte more than the frame; say how many the file holds when it can tell.
+        let found = meta.len().max(size);
+        return Ok(Err(SpanError::TrailingBytes { expected: header.frame_len, found }));
     }
-    let mut bytes = prefix;
-    bytes.resize(size as usize, 0);
-    file.read_exact(&mut bytes[HEADER_LEN..]).with_context(|| format!("cannot read {}", path.display()))?;
     Ok(Ok(bytes))
 }
 
@@ -72,23 +78,23 @@ fn describe_type(meta: &std::fs::Metadata) -> &'static str {
     }
 }
 
-fn report(args: &InspectArgs, verdict: Result<SpanView<'_>, SpanError>) -> ExitCode {
+fn report(args: &InspectArgs, verdict: Result<SpanView<'_>, SpanError>) -> anyhow::Result<ExitCode> {
     let name = args.file.display();
     match (&verdict, args.json) {
         (Ok(span), true) => {
-            println!("{}", json!({"file": name.to_string(), "verdict": "valid", "span": span_json(span)}))
+            outln!("{}", json!({"file": name.to_string(), "verdict": "valid", "span": span_json(span)}))?
         }
-        (Ok(span), false) => print_span(&name.to_string(), span),
-        (Err(e), true) => println!(
+        (Ok(span), false) => print_span(&name.to_string(), span)?,
+        (Err(e), true) => outln!(
             "{}",
             json!({"file": name.to_string(), "verdict": "rejected", "error": {"kind": e.kind(), "message": e.to_string()}})
-        ),
-        (Err(e), false) => println!("{name}: rejected ({}): {e}", e.kind()),
+        )?,
+        (Err(e), false) => outln!("{name}: rejected ({}): {e}", e.kind())?,
     }
-    match verdict {
+    Ok(match verdict {
         Ok(_) => ExitCode::SUCCESS,
         Err(_) => ExitCode::from(REJECTED),
-    }
+    })
 }
 
 fn span_json(span: &SpanView<'_>) -> Value {
@@ -137,11 +143,11 @@ fn span_json(span: &SpanView<'_>) -> Value {
     })
 }
 
-fn print_span(name: &str, span: &SpanView<'_>) {
+fn print_span(name: &str, span: &SpanView<'_>) -> Result<(), StdoutError> {
     let h = &span.header;
     let m = &span.manifest;
-    println!("{name}: valid span, {} bytes", h.frame_len);
-    println!(
+    outln!("{name}: valid span, {} bytes", h.frame_len)?;
+    outln!(
         "  format       v{}.{}, header {} B, manifest {} B, payload {} B at offset {}, checksum {:#018x}",
         shm_format::FORMAT_MAJOR,
         h.version_minor,
@@ -150,40 +156,49 @@ fn print_span(name: &str, span: &SpanView<'_>) {
         h.payload_len,
         h.payload_offset,
         h.checksum
-    );
-    println!(
+    )?;
+    outln!(
         "  ring         epoch {}, slot generation {}, sequence {}",
-        h.producer_epoch, h.slot_generation, h.sequence
-    );
-    println!(
+        h.producer_epoch,
+        h.slot_generation,
+        h.sequence
+    )?;
+    outln!(
         "  request      {}, tokens [{}, {}) ({} tokens), dtype {}",
         m.request_id,
         m.token_start,
         m.token_end,
         m.tokens(),
         m.dtype.name()
-    );
-    println!("  fingerprint  {}", m.fingerprint);
+    )?;
+    outln!("  fingerprint  {}", m.fingerprint)?;
     match &m.layout {
         Layout::Dense { num_layers, kv_heads, head_dim } => {
-            println!("  layout       dense: {num_layers} layers x {kv_heads} kv heads x {head_dim} head dim")
+            outln!("  layout       dense: {num_layers} layers x {kv_heads} kv heads x {head_dim} head dim")?
         }
         Layout::Grouped { groups } => {
-            println!("  layout       grouped: {} groups", groups.len());
+            outln!("  layout       grouped: {} groups", groups.len())?;
             for g in groups {
-                println!("    group {:<3} {:<20} layers {:?}", g.id, format!("{:?}", g.kind).to_lowercase(), g.layers);
+                let kind = match g.kind {
+                    shm_format::GroupKind::Full => "full attention".to_string(),
+                    shm_format::GroupKind::Sliding { window } => format!("sliding window {window}"),
+                    shm_format::GroupKind::Recurrent => "recurrent".to_string(),
+                };
+                let layers = g.layers.iter().map(u32::to_string).collect::<Vec<_>>().join(", ");
+                outln!("    group {:<3} {kind:<20} layers {layers}", g.id)?;
             }
         }
     }
-    println!("  entries      {}", m.entries.len());
+    outln!("  entries      {}", m.entries.len())?;
     for e in &m.entries {
-        println!(
+        outln!(
             "    layer {:>4} {:<5} shape {:<18} offset {:>12} len {:>12}",
             e.layer,
             e.kind.name(),
-            format!("{:?}", e.shape),
+            e.shape.iter().map(u64::to_string).collect::<Vec<_>>().join(" x "),
             e.offset,
             e.len
-        );
+        )?;
     }
+    Ok(())
 }

@@ -1,54 +1,110 @@
-//! `pdhost models list|fetch NAME`.
+//! `pdhost models list|verify [NAME]|fetch NAME`.
 
 use std::process::ExitCode;
 
 use indicatif::{ProgressBar, ProgressStyle};
-use model::registry::{self, Progress};
+use model::registry::{self, Cached, ModelSpec, OnCorrupt, Progress};
 use serde_json::json;
 
+use super::{errln, outln};
 use crate::cli::{ModelsAction, ModelsArgs};
 
 pub fn run(args: &ModelsArgs) -> anyhow::Result<ExitCode> {
     match &args.action {
         ModelsAction::List { json } => list(*json),
+        ModelsAction::Verify { name, json } => verify(name.as_deref(), *json),
         ModelsAction::Fetch { name, json } => {
             if let Err(e) = registry::spec(name) {
-                eprintln!("error: {e}");
+                errln!("error: {e}");
                 return Ok(ExitCode::from(2));
             }
             let mut bar = Bar::new(*json);
-            let path = registry::fetch(name, &mut bar)?;
+            // A corrupt cached file is what `models fetch` is for: fetch it again.
+            let path = registry::fetch_with(name, OnCorrupt::Replace, &mut bar)?;
             bar.finish();
             if *json {
-                println!("{}", json!({"name": name, "path": path.display().to_string()}));
+                outln!("{}", json!({"name": name, "path": path.display().to_string()}))?;
             } else {
-                println!("{}", path.display());
+                outln!("{}", path.display())?;
             }
             Ok(ExitCode::SUCCESS)
         }
     }
 }
 
+/// Every known model and what the cache holds for it (verified).
 fn list(json: bool) -> anyhow::Result<ExitCode> {
-    let rows: Vec<_> = registry::MODELS.iter().map(|m| (m, registry::cached(m))).collect();
+    registry::remove_stale();
+    let rows: Vec<_> = registry::MODELS.iter().map(|m| (m, registry::state(m))).collect();
     if json {
         let models: Vec<_> = rows
             .iter()
-            .map(|(m, path)| {
+            .map(|(m, state)| {
                 json!({"name": m.name, "description": m.description, "file": m.file, "sha256": m.sha256,
-                       "bytes": m.size, "cached": path.as_ref().map(|p| p.display().to_string())})
+                       "bytes": m.size, "state": state.label(),
+                       "cached": state.intact().map(|p| p.display().to_string())})
             })
             .collect();
-        println!("{}", json!({"cache": registry::models_dir().display().to_string(), "models": models}));
+        outln!("{}", json!({"cache": registry::models_dir().display().to_string(), "models": models}))?;
     } else {
-        println!("{:<14} {:>8}  {:<8} description", "name", "MiB", "cached");
-        for (m, path) in &rows {
-            let cached = if path.is_some() { "yes" } else { "no" };
-            println!("{:<14} {:>8.1}  {cached:<8} {}", m.name, m.size as f64 / (1 << 20) as f64, m.description);
+        outln!("{:<14} {:>8}  {:<8} description", "name", "MiB", "cached")?;
+        for (m, state) in &rows {
+            let cached = match state {
+                Cached::Intact(_) => "yes",
+                Cached::Missing => "no",
+                Cached::Corrupt(_) => "corrupt",
+            };
+            outln!("{:<14} {:>8.1}  {cached:<8} {}", m.name, m.size as f64 / (1 << 20) as f64, m.description)?;
         }
-        println!("cache: {}", registry::models_dir().display());
+        outln!("cache: {}", registry::models_dir().display())?;
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Verifies every known model's cached file, or `name`'s: exit status 0 when none is corrupt, 1 when one
+/// is, 2 for an unknown name.
+fn verify(name: Option<&str>, json: bool) -> anyhow::Result<ExitCode> {
+    let specs: Vec<&ModelSpec> = match name {
+        Some(name) => match registry::spec(name) {
+            Ok(spec) => vec![spec],
+            Err(e) => {
+                errln!("error: {e}");
+                return Ok(ExitCode::from(2));
+            }
+        },
+        None => registry::MODELS.iter().collect(),
+    };
+    registry::remove_stale();
+    let dir = registry::models_dir();
+    let rows: Vec<_> = specs.iter().map(|m| (m, registry::state(m))).collect();
+    let corrupt = rows.iter().filter(|(_, state)| matches!(state, Cached::Corrupt(_))).count();
+    if json {
+        let models: Vec<_> = rows
+            .iter()
+            .map(|(m, state)| {
+                let mut row = json!({"name": m.name, "state": state.label(),
+                                     "path": dir.join(m.file).display().to_string()});
+                if let Cached::Corrupt(c) = state {
+                    row["expected"] = json!(c.expected);
+                    row["found"] = json!(c.found);
+                    row["error"] = json!(c.to_string());
+                }
+                row
+            })
+            .collect();
+        outln!("{}", json!({"cache": dir.display().to_string(), "corrupt": corrupt, "models": models}))?;
+    } else {
+        outln!("{:<14} {:<8} path", "name", "state")?;
+        for (m, state) in &rows {
+            outln!("{:<14} {:<8} {}", m.name, state.label(), dir.join(m.file).display())?;
+        }
+        for (_, state) in &rows {
+            if let Cached::Corrupt(c) = state {
+                errln!("error: {c}");
+            }
+        }
+    }
+    Ok(if corrupt == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
 }
 
 /// Progress on stderr when it is a terminal.

@@ -4,22 +4,25 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
+use pdhost::request::{Field, Invalid};
 use pdhost::supervisor::{self, Producer, ProducerSpec, RestartPolicy};
 use shm_format::{Dtype, KvGeometry};
+
+use crate::cli::PrecisionArg;
 
 /// The flags that pick and configure a producer.
 #[derive(Debug)]
 pub struct Choice<'a> {
     /// `local`, `rngd`, `gpu`, `faulty` or a library path.
     pub producer: &'a str,
-    /// JSON merged into the backend's configuration.
-    pub backend_config: &'a str,
-    /// `exact` or `fast`.
-    pub precision: &'a str,
-    /// Forward-pass threads.
+    /// Merged into the backend's configuration (checked by `request::input::check_backend_config`).
+    pub backend_config: serde_json::Map<String, serde_json::Value>,
+    /// Arithmetic.
+    pub precision: PrecisionArg,
+    /// Forward-pass threads (checked).
     pub threads: usize,
-    /// Deadline for start-up and for each request, in seconds.
-    pub timeout_s: f64,
+    /// Deadline for start-up and for each request (checked).
+    pub timeout: Duration,
 }
 
 impl Choice<'_> {
@@ -40,30 +43,36 @@ impl Choice<'_> {
             }
             path if path.ends_with(".so") || path.contains('/') => {
                 let p = PathBuf::from(path);
-                anyhow::ensure!(p.is_file(), "--producer {path}: expected a backend library file, found none");
+                if !p.is_file() {
+                    let found = match std::fs::metadata(&p) {
+                        Ok(meta) => format!("{path}: {}", pdhost::request::input::describe(&meta)),
+                        Err(_) => format!("{path}: nothing there"),
+                    };
+                    return Err(Invalid::new(Field::Producer, "a backend library file", found).into());
+                }
                 let name = p.file_stem().map_or_else(|| path.to_string(), |s| s.to_string_lossy().into_owned());
                 (name, std::path::absolute(p)?)
             }
-            other => anyhow::bail!("--producer: expected local, rngd, gpu, faulty or a PATH.so, found {other:?}"),
+            other => {
+                return Err(Invalid::new(
+                    Field::Producer,
+                    "local, rngd, gpu, faulty or a PATH.so",
+                    format_args!("{other:?}"),
+                )
+                .into())
+            }
         };
         let mut config = serde_json::json!({
             "model": model_path,
             "dtype": dtype.name(),
-            "precision": self.precision,
+            "precision": match self.precision {
+                PrecisionArg::Exact => "exact",
+                PrecisionArg::Fast => "fast",
+            },
             "threads": self.threads,
         });
-        let extra: serde_json::Value = serde_json::from_str(self.backend_config)
-            .with_context(|| format!("--backend-config: expected a JSON object, found {:?}", self.backend_config))?;
-        let serde_json::Value::Object(extra) = extra else {
-            anyhow::bail!("--backend-config: expected a JSON object, found {}", self.backend_config);
-        };
-        config.as_object_mut().expect("an object").extend(extra);
-        anyhow::ensure!(
-            self.timeout_s.is_finite() && self.timeout_s > 0.0,
-            "--producer-timeout: expected seconds above 0, found {}",
-            self.timeout_s
-        );
-        let timeout = Duration::from_secs_f64(self.timeout_s);
+        config.as_object_mut().expect("an object").extend(self.backend_config.clone());
+        let timeout = self.timeout;
         let spec = ProducerSpec {
             name,
             program: std::env::current_exe().context("locating the pdhost executable to run the producer")?,

@@ -7,7 +7,7 @@
 //! sequence's last page, and [`PagedKv::commit`] links the pages into the block tables in one step.
 //! [`PagedKv::abort`] returns the reservation.
 
-use shm_format::{Dtype, EntryKind, Fingerprint, GroupKind, Layout, Manifest, SpanView};
+use shm_format::{words, Dtype, EntryKind, Fingerprint, GroupKind, Layout, Manifest, SpanView};
 use shm_ring::SpanSink;
 
 use super::convert::{convert, converted_len, convertible};
@@ -70,7 +70,7 @@ pub enum IngestError {
         layers: u32,
     },
     /// A layer the producer groups with another attention kind.
-    #[error("layer {layer}: expected group kind {expected:?}, found {found:?}")]
+    #[error("layer {layer}: expected a {expected} group (the receiver's), found a {found} group (the span's)")]
     GroupKindMismatch {
         /// Layer.
         layer: u32,
@@ -90,7 +90,7 @@ pub enum IngestError {
         found: EntryKind,
     },
     /// A receiver layer the span does not carry.
-    #[error("layer {layer} (group {group}, {kind:?}): expected its {entry} entry, found none")]
+    #[error("layer {layer} (group {group}, {kind}): expected its {entry} entry, found none")]
     MissingLayer {
         /// Layer.
         layer: u32,
@@ -102,7 +102,11 @@ pub enum IngestError {
         entry: EntryKind,
     },
     /// K/V heads differ from the receiver's group.
-    #[error("layer {layer} {entry}: expected kv_heads x head_dim {expected:?}, found {found:?}")]
+    #[error(
+        "layer {layer} {entry}: expected {}, found {}",
+        words::kv_heads(expected.0, expected.1),
+        words::kv_heads(found.0, found.1)
+    )]
     HeadGeometryMismatch {
         /// Layer.
         layer: u32,
@@ -114,7 +118,7 @@ pub enum IngestError {
         found: (u64, u64),
     },
     /// A recurrent state of the wrong size.
-    #[error("layer {layer} state: expected {expected} elements, found shape {found:?}")]
+    #[error("layer {layer} state: expected {expected} elements, found shape {}", words::shape(found))]
     StateSizeMismatch {
         /// Layer.
         layer: u32,
@@ -132,7 +136,10 @@ pub enum IngestError {
         to: &'static str,
     },
     /// Not enough free pages.
-    #[error("group {group} ({kind:?}) capacity: expected {needed} free pages, found {free}")]
+    #[error(
+        "group {group} ({kind}) capacity: expected {needed} free page{}, found {free}",
+        if *needed == 1 { "" } else { "s" }
+    )]
     CapacityExhausted {
         /// Group.
         group: usize,

@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::hash::Hasher;
 use std::ops::Range;
 
-use shm_format::{Dtype, Fingerprint, GroupKind, KvGeometry, LayerKv};
+use shm_format::{words, Dtype, Fingerprint, GroupKind, KvGeometry, LayerKv};
 
 pub use ingest::{IngestError, IntoSequence, Staged};
 
@@ -75,7 +75,9 @@ pub enum ConfigError {
     },
     /// Layers of one group with different head geometry.
     #[error(
-        "group {group}: expected every layer with kv_heads x head_dim {expected:?}, found layer {layer} with {found:?}"
+        "group {group}: expected every layer with {}, found layer {layer} with {}",
+        words::kv_heads(expected.0.into(), expected.1.into()),
+        words::kv_heads(found.0.into(), found.1.into())
     )]
     MixedHeads {
         /// Group.
@@ -98,6 +100,14 @@ pub enum ConfigError {
         max_seqs: u32,
         /// Budget given.
         budget: u64,
+    },
+    /// The pools for these sequences would not fit in 64 bits of bytes.
+    #[error("KV cache size: expected at most 2^64 bytes, found more for {max_seqs} sequences of {max_tokens} tokens")]
+    TooLarge {
+        /// Tokens per sequence.
+        max_tokens: u64,
+        /// Sequences.
+        max_seqs: u32,
     },
 }
 

@@ -206,6 +206,56 @@ fn dtype_conversion_widens_and_refuses_lossy_narrowing_when_disabled() {
     assert_eq!(rejected(&mut kv16, SeqId(1), &m32, &payload_for(&m32, 0)), "dtype_not_convertible");
 }
 
+/// Rejections name kinds, heads and sizes in words, never as `Debug` tuples or enums.
+#[test]
+fn receiver_mismatches_read_as_words() {
+    let g = gemma3_1b();
+    let mut kv = cache(g.clone(), Dtype::Bf16, 64, 64 << 20);
+    kv.add_sequence(SeqId(1), 7).unwrap();
+    let m = Manifest::grouped(&g, 7, 0..10, Dtype::Bf16);
+    let text = |kv: &mut PagedKv, m: &Manifest| ingest(kv, SeqId(1), m, &payload_for(m, 0)).unwrap_err().to_string();
+
+    let mut heads = m.clone();
+    let mut offset = 0;
+    for e in &mut heads.entries {
+        if e.layer % 6 == 5 {
+            e.shape = vec![10, 2, 128];
+            e.len = 10 * 2 * 128 * 2;
+        }
+        e.offset = offset;
+        offset += e.len;
+    }
+    assert_eq!(text(&mut kv, &heads), "layer 5 k: expected 1 KV head of size 256, found 2 KV heads of size 128");
+
+    let mut kind = m.clone();
+    if let shm_format::Layout::Grouped { groups } = &mut kind.layout {
+        groups[1].kind = GroupKind::Sliding { window: 512 };
+    }
+    assert_eq!(
+        text(&mut kv, &kind),
+        "layer 5: expected a full attention group (the receiver's), found a sliding window 512 group (the span's)"
+    );
+
+    let mut missing = m.clone();
+    if let shm_format::Layout::Grouped { groups } = &mut missing.layout {
+        groups.retain(|g| g.kind != GroupKind::Full);
+    }
+    missing.entries.retain(|e| e.layer % 6 != 5);
+    assert_eq!(text(&mut kv, &missing), "layer 5 (group 1, full attention): expected its k entry, found none");
+
+    let small = KvGeometry { layers: vec![LayerKv::Full { kv_heads: 1, head_dim: 8 }] };
+    let mut kv = cache(small.clone(), Dtype::F32, 4, 2 * 256);
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    let long = Manifest::grouped(&small, 1, 0..9, Dtype::F32);
+    assert_eq!(text(&mut kv, &long), "group 0 (full attention) capacity: expected 3 free pages, found 2");
+
+    let mixed = KvGeometry {
+        layers: vec![LayerKv::Full { kv_heads: 1, head_dim: 8 }, LayerKv::Full { kv_heads: 2, head_dim: 8 }],
+    };
+    let err = PagedKv::new(KvConfig::new(mixed, Dtype::F32, 1 << 20)).unwrap_err().to_string();
+    assert_eq!(err, "group 0: expected every layer with 1 KV head of size 8, found layer 1 with 2 KV heads of size 8");
+}
+
 #[test]
 fn capacity_exhaustion_is_rejected_and_release_returns_every_page() {
     let g = KvGeometry { layers: vec![LayerKv::Full { kv_heads: 1, head_dim: 8 }; 2] };

@@ -8,7 +8,7 @@
 //! | `model`     | a `.gguf` file or a Hugging Face checkpoint directory       | required         |
 //! | `dtype`     | element type on the wire: `bf16`, `f16` or `f32`           | the backend's    |
 //! | `precision` | `exact` or `fast` (see `pdhost generate --help`)           | `exact`          |
-//! | `threads`   | threads for the forward pass                               | all cores        |
+//! | `threads`   | threads for the forward pass, 1 to 4 per core              | all cores        |
 //!
 //! Unknown keys are ignored, so a backend can add its own (the faulty backend's `fault`).
 
@@ -85,10 +85,18 @@ impl ModelBackend {
                 return Err(bad_config(format!("config precision: expected exact or fast, found {other:?}")))
             }
         };
-        let threads = json
-            .get("threads")
-            .and_then(|t| t.as_u64())
-            .map_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()), |t| t.max(1) as usize);
+        let max_threads = model::kernels::max_threads();
+        let threads = match json.get("threads") {
+            None => model::kernels::available_cores(),
+            Some(t) => {
+                t.as_u64().filter(|t| (1..=max_threads as u64).contains(t)).map(|t| t as usize).ok_or_else(|| {
+                    bad_config(format!(
+                        "config threads: expected an integer from 1 to {max_threads} (4 per core), found {}",
+                        short_json(t)
+                    ))
+                })?
+            }
+        };
         let path = Path::new(path);
         let load_error = |e: &dyn std::fmt::Display| {
             BackendError::new(PdhostStatus::BackendError, format!("loading {}: {e}", path.display()))
@@ -282,5 +290,16 @@ pub fn encode_into(dtype: Dtype, values: &[f32], dst: &mut [u8]) {
                 d.copy_from_slice(&half::bf16::from_f32(*v).to_bits().to_le_bytes());
             }
         }
+    }
+}
+
+/// A JSON value for an error message: whole when short, cut (on a character boundary) when long, so a
+/// hostile config is never echoed back in full.
+fn short_json(v: &serde_json::Value) -> String {
+    const MAX: usize = 40;
+    let text = v.to_string();
+    match text.char_indices().nth(MAX) {
+        Some((cut, _)) => format!("{}... ({} bytes)", &text[..cut], text.len()),
+        None => text,
     }
 }

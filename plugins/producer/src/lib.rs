@@ -122,8 +122,11 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
     match serve(&args, [control, data, to_host, from_host], &socket) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Fatal { stage, message }) => {
-            eprintln!("pdhost-producer: {stage}: {message}");
-            let _ = protocol::send(&socket, &FromProducer::StartFailed { stage: stage.into(), message });
+            // The host reports the failure it receives; say it here only when the host cannot hear it.
+            let failed = FromProducer::StartFailed { stage: stage.into(), message: message.clone() };
+            if protocol::send(&socket, &failed).is_err() {
+                eprintln!("pdhost-producer: {stage}: {message}");
+            }
             ExitCode::from(3)
         }
     }
@@ -308,10 +311,14 @@ fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
             })
             .collect(),
     };
-    let geometry = described.geometry().map_err(&bad)?;
-    let dtype = described.wire_dtype().map_err(&bad)?;
-    let layout =
-        if described.layout_name().map_err(&bad)? == "dense" { PdhostLayout::Dense } else { PdhostLayout::Grouped };
+    let described_wrong = |e: protocol::BadDescription| bad(e.to_string());
+    let geometry = described.geometry().map_err(described_wrong)?;
+    let dtype = described.wire_dtype().map_err(described_wrong)?;
+    let layout = if described.layout_name().map_err(described_wrong)? == "dense" {
+        PdhostLayout::Dense
+    } else {
+        PdhostLayout::Grouped
+    };
     if layout == PdhostLayout::Dense && geometry.uniform_heads().is_none() {
         return Err(bad("dense layout: expected every layer to be attention with the same heads".into()));
     }

@@ -1,11 +1,12 @@
 //! Control messages between the host and a producer, over a Unix socket pair: a little-endian `u32`
 //! length, then that many bytes of postcard. K/V never travels here; it goes through the ring.
 
+use std::fmt;
 use std::io::{Read, Write};
 
 use pdhost_plugin_abi::{PdhostDtype, PdhostLayerKind, PdhostLayout};
 use serde::{Deserialize, Serialize};
-use shm_format::{Dtype, KvGeometry, LayerKv};
+use shm_format::{words, Dtype, KvGeometry, LayerKv};
 
 /// The largest host-to-producer message: a prefill request carries token ids (4 bytes each).
 pub const MAX_TO_PRODUCER: u32 = 64 << 20;
@@ -61,36 +62,59 @@ pub struct Described {
     pub layers: Vec<LayerDesc>,
 }
 
+/// A field of a [`Described`] that names no known value: which field, what it may be, and what it holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadDescription {
+    /// The field: `layer 3 kind`, `dtype` or `layout`.
+    pub what: String,
+    /// The values it may hold.
+    pub expected: &'static str,
+    /// The value it holds.
+    pub found: u32,
+}
+
+impl fmt::Display for BadDescription {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: expected {}, found {}", self.what, self.expected, self.found)
+    }
+}
+
+impl std::error::Error for BadDescription {}
+
 impl Described {
     /// The KV geometry the backend described: one layer per entry, every kind checked.
-    pub fn geometry(&self) -> Result<KvGeometry, String> {
+    pub fn geometry(&self) -> Result<KvGeometry, BadDescription> {
         let layer = |(i, l): (usize, &LayerDesc)| match l.kind {
             k if k == PdhostLayerKind::Full as u32 => Ok(LayerKv::Full { kv_heads: l.kv_heads, head_dim: l.head_dim }),
             k if k == PdhostLayerKind::Sliding as u32 => {
                 Ok(LayerKv::Sliding { window: l.window, kv_heads: l.kv_heads, head_dim: l.head_dim })
             }
             k if k == PdhostLayerKind::Recurrent as u32 => Ok(LayerKv::Recurrent { state_elems: l.state_elems }),
-            k => Err(format!("layer {i} kind: expected 0 (full), 1 (sliding) or 2 (recurrent), found {k}")),
+            found => Err(BadDescription {
+                what: format!("layer {i} kind"),
+                expected: "0 (full attention), 1 (sliding window) or 2 (recurrent)",
+                found,
+            }),
         };
         Ok(KvGeometry { layers: self.layers.iter().enumerate().map(layer).collect::<Result<_, _>>()? })
     }
 
     /// The element type of the backend's spans.
-    pub fn wire_dtype(&self) -> Result<Dtype, String> {
+    pub fn wire_dtype(&self) -> Result<Dtype, BadDescription> {
         match self.dtype {
             d if d == PdhostDtype::F32 as u32 => Ok(Dtype::F32),
             d if d == PdhostDtype::F16 as u32 => Ok(Dtype::F16),
             d if d == PdhostDtype::Bf16 as u32 => Ok(Dtype::Bf16),
-            other => Err(format!("dtype: expected 0 (f32), 1 (f16) or 2 (bf16), found {other}")),
+            found => Err(BadDescription { what: "dtype".into(), expected: "0 (f32), 1 (f16) or 2 (bf16)", found }),
         }
     }
 
     /// `"dense"` or `"grouped"`.
-    pub fn layout_name(&self) -> Result<&'static str, String> {
+    pub fn layout_name(&self) -> Result<&'static str, BadDescription> {
         match self.layout {
             l if l == PdhostLayout::Dense as u32 => Ok("dense"),
             l if l == PdhostLayout::Grouped as u32 => Ok("grouped"),
-            other => Err(format!("layout: expected 0 (dense) or 1 (grouped), found {other}")),
+            found => Err(BadDescription { what: "layout".into(), expected: "0 (dense) or 1 (grouped)", found }),
         }
     }
 }
@@ -129,6 +153,137 @@ pub enum FromProducer {
     },
 }
 
+impl FromProducer {
+    /// What this message is, in words, for protocol errors: `a Ready message`, `a Done reply for request
+    /// 7 (frame 3)`. Only its kind and numbers: never a string the producer chose, which could be long or
+    /// span lines.
+    pub fn summary(&self) -> String {
+        match self {
+            FromProducer::Ready(_) => "a Ready message".to_string(),
+            FromProducer::StartFailed { .. } => "a StartFailed message".to_string(),
+            FromProducer::Done { request_id, sequence, .. } => {
+                format!("a Done reply for request {request_id} (frame {sequence})")
+            }
+            FromProducer::Failed { request_id, status, .. } => {
+                format!("a Failed reply for request {request_id} (status {status})")
+            }
+        }
+    }
+}
+
+/// A control message type: what [`recv`] calls it when its bytes do not decode.
+pub trait Message: Serialize + for<'de> Deserialize<'de> {
+    /// In words: `host request`, `producer message`.
+    const NAME: &'static str;
+}
+
+impl Message for ToProducer {
+    const NAME: &'static str = "host request";
+}
+
+impl Message for FromProducer {
+    const NAME: &'static str = "producer message";
+}
+
+/// A control message that breaks the framing: too long, not postcard of the expected type, or with bytes
+/// after it. The channel is unusable after one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MessageError {
+    /// The length prefix is past the receiver's limit; nothing was allocated.
+    TooLarge {
+        /// The prefix.
+        len: u32,
+        /// The limit.
+        max: u32,
+    },
+    /// The bytes do not decode as the expected message type.
+    Malformed {
+        /// The message's length.
+        len: u32,
+        /// The type's [`Message::NAME`].
+        message: &'static str,
+        /// Why, in words (see [`shm_format::words::postcard_failure`]).
+        reason: &'static str,
+    },
+    /// A message decodes from the start of the bytes, but bytes follow it.
+    TrailingBytes {
+        /// The message's length.
+        len: u32,
+        /// Bytes the decoded message used.
+        used: u32,
+        /// The type's [`Message::NAME`].
+        message: &'static str,
+    },
+}
+
+impl MessageError {
+    /// What a well-formed message would have been.
+    pub fn expected(&self) -> String {
+        match self {
+            MessageError::TooLarge { max, .. } => format!("a control message of at most {max} bytes"),
+            MessageError::Malformed { message, .. } => format!("a postcard-encoded {message}"),
+            MessageError::TrailingBytes { message, .. } => format!("a postcard-encoded {message} and nothing after it"),
+        }
+    }
+
+    /// What arrived instead.
+    pub fn found(&self) -> String {
+        match self {
+            MessageError::TooLarge { len, .. } => format!("a length prefix of {len} bytes"),
+            MessageError::Malformed { len, reason, .. } => {
+                let s = if *len == 1 { "" } else { "s" };
+                format!("{len} byte{s} that do not decode as one ({reason})")
+            }
+            MessageError::TrailingBytes { len, used, .. } => {
+                format!("{len} bytes, of which {} follow a {used}-byte message", len - used)
+            }
+        }
+    }
+}
+
+impl fmt::Display for MessageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "malformed control message: expected {}, found {}", self.expected(), self.found())
+    }
+}
+
+impl std::error::Error for MessageError {}
+
+/// Why [`recv`] returned no message.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum RecvError {
+    /// Reading the socket failed, or it ended inside a message.
+    Io(std::io::Error),
+    /// The bytes broke the framing.
+    Message(MessageError),
+}
+
+impl fmt::Display for RecvError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RecvError::Io(e) => write!(f, "reading a control message: {e}"),
+            RecvError::Message(e) => e.fmt(f),
+        }
+    }
+}
+
+impl std::error::Error for RecvError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            RecvError::Io(e) => Some(e),
+            RecvError::Message(e) => Some(e),
+        }
+    }
+}
+
+impl From<std::io::Error> for RecvError {
+    fn from(e: std::io::Error) -> Self {
+        RecvError::Io(e)
+    }
+}
+
 /// Writes one message.
 pub fn send<T: Serialize>(mut to: impl Write, message: &T) -> std::io::Result<()> {
     let bytes = postcard::to_allocvec(message).map_err(std::io::Error::other)?;
@@ -138,31 +293,45 @@ pub fn send<T: Serialize>(mut to: impl Write, message: &T) -> std::io::Result<()
     to.write_all(&buf)
 }
 
-/// Reads one message of at most `max` bytes: `Ok(None)` at a clean end of stream.
-pub fn recv<T: for<'de> Deserialize<'de>>(mut from: impl Read, max: u32) -> std::io::Result<Option<T>> {
+/// Reads one message of at most `max` bytes: `Ok(None)` at a clean end of stream. The message's bytes must
+/// decode as exactly one `T`, with nothing left over.
+pub fn recv<T: Message>(mut from: impl Read, max: u32) -> Result<Option<T>, RecvError> {
     let mut len = [0u8; 4];
     match from.read_exact(&mut len) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(e) => return Err(e),
+        Err(e) => return Err(e.into()),
     }
     let len = u32::from_le_bytes(len);
     if len > max {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("a message of {len} bytes (the limit is {max})"),
-        ));
+        return Err(RecvError::Message(MessageError::TooLarge { len, max }));
     }
     let mut bytes = vec![0u8; len as usize];
     from.read_exact(&mut bytes)?;
-    postcard::from_bytes(&bytes)
-        .map(Some)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, format!("undecodable bytes ({e})")))
+    decode(&bytes).map(Some).map_err(RecvError::Message)
+}
+
+/// Decodes exactly one `T` from all of `bytes`.
+fn decode<T: Message>(bytes: &[u8]) -> Result<T, MessageError> {
+    let len = bytes.len() as u32;
+    let (message, rest) = postcard::take_from_bytes::<T>(bytes).map_err(|e| MessageError::Malformed {
+        len,
+        message: T::NAME,
+        reason: words::postcard_failure(&e),
+    })?;
+    if !rest.is_empty() {
+        return Err(MessageError::TrailingBytes { len, used: len - rest.len() as u32, message: T::NAME });
+    }
+    Ok(message)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn framed(body: &[u8]) -> Vec<u8> {
+        [&(body.len() as u32).to_le_bytes()[..], body].concat()
+    }
 
     #[test]
     fn messages_round_trip_and_oversize_is_refused() {
@@ -173,8 +342,70 @@ mod tests {
         assert_eq!(recv::<ToProducer>(&[][..], MAX_TO_PRODUCER).unwrap(), None);
         let huge = (MAX_FROM_PRODUCER + 1).to_le_bytes();
         let err = recv::<FromProducer>(&huge[..], MAX_FROM_PRODUCER).unwrap_err();
-        assert_eq!(err.kind(), std::io::ErrorKind::InvalidData);
-        let garbage = [3u8, 0, 0, 0, 0xff, 0xff, 0xff];
-        assert!(recv::<FromProducer>(&garbage[..], MAX_FROM_PRODUCER).is_err());
+        assert_eq!(
+            err.to_string(),
+            format!(
+                "malformed control message: expected a control message of at most {MAX_FROM_PRODUCER} bytes, \
+                 found a length prefix of {} bytes",
+                MAX_FROM_PRODUCER + 1
+            )
+        );
+        // The socket ends inside a message: an I/O error, not a malformed message.
+        assert!(matches!(recv::<FromProducer>(&framed(&[0, 1])[..5], MAX_FROM_PRODUCER), Err(RecvError::Io(_))));
+    }
+
+    /// What the faulty backend's `garbage_reply` writes: postcard's own wording never reaches a message.
+    #[test]
+    fn garbage_is_named_in_words() {
+        let err = recv::<FromProducer>(&framed(&[0xff; 4])[..], MAX_FROM_PRODUCER).unwrap_err();
+        let RecvError::Message(e) = &err else { panic!("{err}") };
+        assert_eq!(e.expected(), "a postcard-encoded producer message");
+        assert_eq!(e.found(), "4 bytes that do not decode as one (they end inside a value)");
+        assert_eq!(
+            err.to_string(),
+            "malformed control message: expected a postcard-encoded producer message, \
+             found 4 bytes that do not decode as one (they end inside a value)"
+        );
+        // A variant index past the enum's: serde's check, in words too.
+        let err = recv::<ToProducer>(&framed(&[9])[..], MAX_TO_PRODUCER).unwrap_err().to_string();
+        assert!(
+            err.ends_with("found 1 byte that do not decode as one (a value the message type does not allow)"),
+            "{err}"
+        );
+        assert!(!err.contains("Hit the end") && !err.contains("{"), "{err}");
+    }
+
+    #[test]
+    fn bytes_after_a_message_are_refused() {
+        let mut body = postcard::to_allocvec(&ToProducer::Shutdown).unwrap();
+        assert_eq!(recv::<ToProducer>(&framed(&body)[..], MAX_TO_PRODUCER).unwrap(), Some(ToProducer::Shutdown));
+        body.extend_from_slice(&[0, 0]);
+        let err = recv::<ToProducer>(&framed(&body)[..], MAX_TO_PRODUCER).unwrap_err();
+        let RecvError::Message(e) = &err else { panic!("{err}") };
+        assert_eq!(*e, MessageError::TrailingBytes { len: 3, used: 1, message: "host request" });
+        assert_eq!(
+            err.to_string(),
+            "malformed control message: expected a postcard-encoded host request and nothing after it, \
+             found 3 bytes, of which 2 follow a 1-byte message"
+        );
+    }
+
+    #[test]
+    fn replies_and_descriptions_are_named_in_words() {
+        let done = FromProducer::Done { request_id: 7, sequence: 3, backend_ns: 1, frame_ns: 2 };
+        assert_eq!(done.summary(), "a Done reply for request 7 (frame 3)");
+        assert_eq!(FromProducer::Ready(Described::default()).summary(), "a Ready message");
+        let bad = Described {
+            layers: vec![LayerDesc { kind: 7, kv_heads: 1, head_dim: 4, window: 0, state_elems: 0 }],
+            dtype: 9,
+            layout: 5,
+            ..Described::default()
+        };
+        assert_eq!(
+            bad.geometry().unwrap_err().to_string(),
+            "layer 0 kind: expected 0 (full attention), 1 (sliding window) or 2 (recurrent), found 7"
+        );
+        assert_eq!(bad.wire_dtype().unwrap_err().to_string(), "dtype: expected 0 (f32), 1 (f16) or 2 (bf16), found 9");
+        assert_eq!(bad.layout_name().unwrap_err().to_string(), "layout: expected 0 (dense) or 1 (grouped), found 5");
     }
 }

@@ -20,7 +20,7 @@ use super::Segment;
 #[non_exhaustive]
 pub enum SegmentError {
     /// A system call failed.
-    #[error("{op} for segment {name:?} failed: {source}")]
+    #[error("{op} for segment {name} failed: {source}")]
     Os {
         /// What was being done.
         op: &'static str,
@@ -31,7 +31,7 @@ pub enum SegmentError {
         source: std::io::Error,
     },
     /// A received descriptor has the wrong size.
-    #[error("segment {name:?}: expected {expected} bytes, found {found}")]
+    #[error("segment {name}: expected {expected} bytes, found {found}")]
     SizeMismatch {
         /// The segment's name.
         name: String,
@@ -41,7 +41,7 @@ pub enum SegmentError {
         found: u64,
     },
     /// A received descriptor lacks a seal it must have.
-    #[error("segment {name:?}: expected seals {expected:?}, found {found:?}")]
+    #[error("segment {name}: expected seals {}, found {}", seal_names(*expected), seal_names(*found))]
     MissingSeals {
         /// The segment's name.
         name: String,
@@ -50,6 +50,29 @@ pub enum SegmentError {
         /// Seals present.
         found: SealFlags,
     },
+}
+
+/// Seals by their `fcntl` names, for messages: `F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW`, or `none`.
+fn seal_names(seals: SealFlags) -> String {
+    const NAMES: [(SealFlags, &str); 5] = [
+        (SealFlags::SEAL, "F_SEAL_SEAL"),
+        (SealFlags::SHRINK, "F_SEAL_SHRINK"),
+        (SealFlags::GROW, "F_SEAL_GROW"),
+        (SealFlags::WRITE, "F_SEAL_WRITE"),
+        (SealFlags::FUTURE_WRITE, "F_SEAL_FUTURE_WRITE"),
+    ];
+    let mut names: Vec<String> =
+        NAMES.iter().filter(|(flag, _)| seals.contains(*flag)).map(|(_, name)| (*name).to_string()).collect();
+    let known = NAMES.iter().fold(SealFlags::empty(), |all, (flag, _)| all | *flag);
+    let other = seals.bits() & !known.bits();
+    if other != 0 {
+        names.push(format!("unknown bits {other:#x}"));
+    }
+    if names.is_empty() {
+        "none".to_string()
+    } else {
+        names.join(" | ")
+    }
 }
 
 /// Which side may write a segment.
@@ -156,5 +179,25 @@ unsafe impl Segment for MemfdSegment {
     }
     fn writable(&self) -> bool {
         self.writable
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn seals_are_named_as_fcntl_names_them() {
+        assert_eq!(seal_names(BASE_SEALS), "F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW");
+        assert_eq!(seal_names(SealFlags::empty()), "none");
+        let e = SegmentError::MissingSeals {
+            name: "pdhost-x-e1-data".into(),
+            expected: BASE_SEALS,
+            found: SealFlags::GROW,
+        };
+        assert_eq!(
+            e.to_string(),
+            "segment pdhost-x-e1-data: expected seals F_SEAL_SEAL | F_SEAL_SHRINK | F_SEAL_GROW, found F_SEAL_GROW"
+        );
     }
 }

@@ -16,6 +16,8 @@ use pdhost::kv::{IntoSequence, KvConfig, PagedKv, SeqId};
 use shm_ring::HostRing;
 
 use crate::cli::{Bench, BenchArgs, IngestBenchArgs, RingBenchArgs};
+use crate::cmd::outln;
+use pdhost::request::{self, Field, Invalid};
 
 mod model_bench;
 mod pd_bench;
@@ -95,13 +97,33 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
+/// Repetitions: 1 to `max`, or `default` when not given.
+fn iters(given: Option<u64>, max: u64, default: impl FnOnce() -> u64) -> Result<u64, Invalid> {
+    given.map_or_else(|| Ok(default()), |n| request::check_count(Field::Iters, n, 1, max))
+}
+
+/// The largest ring bench span.
+const MAX_RING_MIB: u64 = 4096;
+
+/// The longest ingest bench span.
+const MAX_INGEST_TOKENS: u64 = 65536;
+
 fn ring(args: &RingBenchArgs) -> anyhow::Result<ExitCode> {
+    if args.sizes.is_empty() {
+        return Err(Invalid::new(Field::Sizes, "at least one size", "none").into());
+    }
+    iters(args.iters, 10_000, || 5)?;
+    for &mib in &args.sizes {
+        request::check_count(Field::Sizes, mib, 1, MAX_RING_MIB)?;
+        // The ring slot, the memcpy reference's buffer, and the checksum bench's 256 MiB.
+        request::check_memory(Field::Sizes, &format!("a {mib} MiB ring and its copy"), (2 * mib + 256) << 20)?;
+    }
     let mut rows = Vec::new();
     for &mib in &args.sizes {
-        let bytes = mib.checked_mul(1 << 20).context("size overflows")?;
+        let bytes = mib << 20;
         let manifest = span_of(bytes)?;
-        let iters = args.iters.unwrap_or_else(|| ((2u64 << 30) / bytes).clamp(5, 200) as u32);
-        let bar = progress(u64::from(iters), args.json);
+        let iters = iters(args.iters, 10_000, || ((2u64 << 30) / bytes).clamp(5, 200))?;
+        let bar = progress(iters, args.json);
         bar.set_message(format!("ring {mib} MiB"));
 
         let mut b = Bench1::new(bytes + (64 << 10))?;
@@ -146,22 +168,22 @@ fn ring(args: &RingBenchArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|(name, cached, mem)| json!({"algo": name, "l2_gbps": cached, "memory_gbps": mem}))
             .collect();
-        println!("{}", json!({"bench": "ring", "results": results, "checksum": sums}));
+        outln!("{}", json!({"bench": "ring", "results": results, "checksum": sums}))?;
     } else {
-        println!(
+        outln!(
             "ring -> private buffer: header check, copy with the xxh3 checksum fused into it, re-check, manifest validation"
-        );
-        println!(
+        )?;
+        outln!(
             "memcpy: the same frame bytes from the same shared mapping into a prefaulted buffer, same run (median)"
-        );
-        println!("{:>10} {:>12} {:>12} {:>8} {:>6}", "span", "ring GB/s", "memcpy GB/s", "ratio", "iters");
+        )?;
+        outln!("{:>10} {:>12} {:>12} {:>8} {:>6}", "span", "ring GB/s", "memcpy GB/s", "ratio", "iters")?;
         for (span, _, iters, ring, copy) in &rows {
-            println!("{:>6} MiB {ring:>12.2} {copy:>12.2} {:>7.2}x {iters:>6}", span >> 20, ring / copy);
+            outln!("{:>6} MiB {ring:>12.2} {copy:>12.2} {:>7.2}x {iters:>6}", span >> 20, ring / copy)?;
         }
-        println!();
-        println!("checksum alone, single thread:  {:>14} {:>16}", "in L2 (128 KiB)", "from memory (256 MiB)");
+        outln!()?;
+        outln!("checksum alone, single thread:  {:>14} {:>16}", "in L2 (128 KiB)", "from memory (256 MiB)")?;
         for (name, cached, mem) in &checksums {
-            println!("  {name:<30} {cached:>10.2} GB/s {mem:>11.2} GB/s");
+            outln!("  {name:<30} {cached:>10.2} GB/s {mem:>11.2} GB/s")?;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -205,7 +227,17 @@ fn ingest(args: &IngestBenchArgs) -> anyhow::Result<ExitCode> {
     let gemma3 = |layers| shm_format::testing::interleaved(layers, 6, 512, 1, 256);
     let models = [("gemma3-270m", gemma3(18)), ("gemma3-1b", gemma3(26))];
     let dtypes = [Dtype::Bf16, Dtype::F32];
-    let max_tokens = *args.tokens.iter().max().context("--tokens needs at least one length")?;
+    if args.tokens.is_empty() {
+        return Err(Invalid::new(Field::Tokens, "at least one span length", "none").into());
+    }
+    iters(args.iters, 1000, || 3)?;
+    for &tokens in &args.tokens {
+        request::check_count(Field::Tokens, tokens, 1, MAX_INGEST_TOKENS)?;
+    }
+    let max_tokens = *args.tokens.iter().max().expect("not empty");
+    // The biggest span (Gemma3-1B, f32) in the ring, its memcpy copy, and the cache holding it.
+    let biggest = Manifest::grouped(&models[1].1, 1, 0..max_tokens, Dtype::F32).payload_len();
+    request::check_memory(Field::Tokens, &format!("{max_tokens}-token spans, their copies and a cache"), 3 * biggest)?;
     let cases = (models.len() * dtypes.len() * 2 * args.tokens.len()) as u64;
     let bar = progress(cases, args.json);
     let mut rows = Vec::new();
@@ -228,7 +260,7 @@ fn ingest(args: &IngestBenchArgs) -> anyhow::Result<ExitCode> {
                         Manifest::grouped(geometry, 1, 0..tokens, dtype)
                     };
                     let bytes = manifest.payload_len();
-                    let iters = args.iters.unwrap_or_else(|| ((1u64 << 30) / bytes).clamp(3, 50) as u32);
+                    let iters = iters(args.iters, 1000, || ((1u64 << 30) / bytes).clamp(3, 50))?;
                     let (mut ingest_t, mut copy_t) = (Vec::new(), Vec::new());
                     let mut frame_len = 0;
                     for i in 0..iters {
@@ -276,25 +308,28 @@ fn ingest(args: &IngestBenchArgs) -> anyhow::Result<ExitCode> {
                        "iters": iters, "ingest_gbps": ing, "memcpy_gbps": copy, "ratio": ing / copy})
             })
             .collect();
-        println!("{}", json!({"bench": "ingest", "threads": 1, "results": results}));
+        outln!("{}", json!({"bench": "ingest", "threads": 1, "results": results}))?;
     } else {
-        println!(
-            "ring -> paged KV, one thread: header check, fused copy + checksum, manifest and receiver validation,"
-        );
-        println!(
-            "scatter into pages (sliding groups keep the window's tail), re-check, commit; memcpy: the same frame"
-        );
-        println!("bytes from the same shared mapping into a prefaulted buffer, same run (medians)");
-        println!(
+        outln!("ring -> paged KV, one thread: header check, fused copy + checksum, manifest and receiver validation,")?;
+        outln!("scatter into pages (sliding groups keep the window's tail), re-check, commit; memcpy: the same frame")?;
+        outln!("bytes from the same shared mapping into a prefaulted buffer, same run (medians)")?;
+        outln!(
             "{:<12} {:<8} {:<5} {:>6} {:>10} {:>11} {:>12} {:>7}",
-            "model", "layout", "dtype", "tokens", "span MiB", "ingest GB/s", "memcpy GB/s", "ratio"
-        );
+            "model",
+            "layout",
+            "dtype",
+            "tokens",
+            "span MiB",
+            "ingest GB/s",
+            "memcpy GB/s",
+            "ratio"
+        )?;
         for (model, layout, dtype, tokens, frame, _, ing, copy) in &rows {
-            println!(
+            outln!(
                 "{model:<12} {layout:<8} {dtype:<5} {tokens:>6} {:>10.1} {ing:>11.2} {copy:>12.2} {:>6.2}x",
                 *frame as f64 / (1 << 20) as f64,
                 ing / copy
-            );
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -4,15 +4,17 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 use anyhow::Context;
-use model::arch::Model;
+use model::arch::{Config, Model};
 use model::gguf::Gguf;
 use model::kernels::Precision;
 use model::tokenizer::Tokenizer;
-use pdhost::engine::{Engine, Request, Sampling};
+use pdhost::engine::{Engine, Request};
+use pdhost::request::{self, Field, Invalid, Limits, RawRequest};
 use serde_json::json;
 use shm_format::Dtype;
 
 use crate::cli::ModelBenchArgs;
+use crate::cmd::outln;
 
 const SCRIPT: &str = include_str!("llama_cpp.py");
 const TEXT: &str = "The history of the printing press begins in the fifteenth century, when movable type changed how \
@@ -27,33 +29,65 @@ struct Row {
     llama: Option<(f64, f64)>,
 }
 
-pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
-    let llama_site = if args.no_llama_cpp { None } else { Some(llama_cpp_python(args.json)?) };
-    let bar = super::progress(8, args.json);
-    let mut rows = Vec::new();
+/// One bench model, opened and with its prompt checked against its limits.
+struct Case {
+    name: &'static str,
+    path: PathBuf,
+    gguf: Gguf,
+    request: Request,
+}
+
+/// Every model's request, checked before anything slow runs.
+fn cases(args: &ModelBenchArgs) -> anyhow::Result<Vec<Case>> {
+    let decode = request::check_count(Field::DecodeTokens, args.decode_tokens, 1, MAX_DECODE)?;
+    let mut cases = Vec::new();
     for name in ["gemma3-270m", "smollm2-135m"] {
         let path = model::registry::fetch(name, &mut model::registry::Quiet)?;
         let gguf = Gguf::open(&path)?;
+        let config = Config::from_gguf(&gguf)?;
+        let limits = Limits::new(name, &config, None)?;
+        let max_prompt = limits.context as u64 - decode - 1;
+        let prompt_tokens =
+            request::check_count(Field::PromptTokens, args.prompt_tokens, 1, max_prompt).map_err(|e| Invalid {
+                expected: format!("{} ({name}'s context less the decoded tokens)", e.expected),
+                ..e
+            })?;
         let tok = Tokenizer::from_gguf(&gguf)?;
-        let mut prompt = tok.encode(&TEXT.repeat(1 + args.prompt_tokens / 20), tok.add_bos());
-        prompt.truncate(args.prompt_tokens);
-        let mut model = Model::from_gguf(&gguf)?;
+        let mut prompt = tok.encode(&TEXT.repeat(1 + prompt_tokens as usize / 20), tok.add_bos());
+        prompt.truncate(prompt_tokens as usize);
+        let raw = RawRequest {
+            prompt,
+            prompt_field: Some(Field::PromptTokens),
+            max_tokens: decode + 1,
+            ..RawRequest::default()
+        };
+        cases.push(Case { name, path, request: request::check_request(&raw, &limits)?, gguf });
+    }
+    Ok(cases)
+}
+
+/// The most tokens a bench decodes.
+pub(super) const MAX_DECODE: u64 = 4096;
+
+pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
+    let cases = cases(args)?;
+    let llama_site = if args.no_llama_cpp { None } else { Some(llama_cpp_python(args.json)?) };
+    let bar = super::progress(8, args.json);
+    let mut rows = Vec::new();
+    for case in &cases {
+        let (name, prompt) = (case.name, &case.request.prompt);
+        let mut model = Model::from_gguf(&case.gguf)?;
         for threads in [1, 2] {
             let llama = match &llama_site {
-                Some(site) => Some(llama_cpp(site, &path, threads, args.decode_tokens, &prompt)?),
+                Some(site) => Some(llama_cpp(site, &case.path, threads, args.decode_tokens, prompt)?),
                 None => None,
             };
             for precision in [Precision::Exact, Precision::Fast] {
                 bar.set_message(format!("{name} {} {threads}t", precision.name()));
                 model.configure(precision, threads);
-                let mut engine = Engine::new(model, Dtype::F32, 64, (prompt.len() + args.decode_tokens) as u64, 1)?;
-                let req = Request {
-                    prompt: prompt.clone(),
-                    max_tokens: args.decode_tokens + 1,
-                    prefill_chunk: 0,
-                    sampling: Sampling::Greedy,
-                };
-                let g = engine.generate(&req, |_| {})?;
+                let max_len = (prompt.len() + case.request.max_tokens) as u64;
+                let mut engine = Engine::new(model, Dtype::F32, 64, max_len, 1)?;
+                let g = engine.generate(&case.request, |_| {})?;
                 model = engine.model;
                 let decoded = g.output.len().saturating_sub(1) as f64;
                 rows.push(Row {
@@ -78,33 +112,42 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
                        "llama_cpp_decode_tok_s": r.llama.map(|l| l.1)})
             })
             .collect();
-        println!(
+        outln!(
             "{}",
             json!({"bench": "model", "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "results": out})
-        );
+        )?;
     } else {
-        println!(
+        outln!(
             "prefill of a {}-token prompt and greedy decode of {} tokens through the paged KV cache (f32 KV); llama.cpp on the same GGUF, same threads, same run",
             args.prompt_tokens, args.decode_tokens
-        );
-        println!(
+        )?;
+        outln!(
             "{:<13} {:<6} {:>3} {:>12} {:>12} {:>14} {:>14} {:>8} {:>8}",
-            "model", "prec", "thr", "prefill t/s", "decode t/s", "llama.cpp pre", "llama.cpp dec", "pre x", "dec x"
-        );
+            "model",
+            "prec",
+            "thr",
+            "prefill t/s",
+            "decode t/s",
+            "llama.cpp pre",
+            "llama.cpp dec",
+            "pre x",
+            "dec x"
+        )?;
         for r in &rows {
-            let (lp, ld) = r.llama.unwrap_or((f64::NAN, f64::NAN));
-            println!(
-                "{:<13} {:<6} {:>3} {:>12.1} {:>12.1} {:>14.1} {:>14.1} {:>7.2}x {:>7.2}x",
+            // A skipped peer (--no-llama-cpp) shows `-`, never NaN.
+            let cell = |f: &dyn Fn((f64, f64)) -> String| r.llama.map_or_else(|| "-".to_string(), f);
+            outln!(
+                "{:<13} {:<6} {:>3} {:>12.1} {:>12.1} {:>14} {:>14} {:>8} {:>8}",
                 r.model,
                 r.precision,
                 r.threads,
                 r.prefill,
                 r.decode,
-                lp,
-                ld,
-                r.prefill / lp,
-                r.decode / ld
-            );
+                cell(&|(lp, _)| format!("{lp:.1}")),
+                cell(&|(_, ld)| format!("{ld:.1}")),
+                cell(&|(lp, _)| format!("{:.2}x", r.prefill / lp)),
+                cell(&|(_, ld)| format!("{:.2}x", r.decode / ld)),
+            )?;
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -134,7 +177,7 @@ fn llama_cpp_python(quiet: bool) -> anyhow::Result<PathBuf> {
     Ok(site)
 }
 
-fn llama_cpp(site: &Path, gguf: &Path, threads: usize, decode: usize, prompt: &[u32]) -> anyhow::Result<(f64, f64)> {
+fn llama_cpp(site: &Path, gguf: &Path, threads: usize, decode: u64, prompt: &[u32]) -> anyhow::Result<(f64, f64)> {
     let ids = prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
     let out = Command::new("python3")
         .args(["-c", SCRIPT])

@@ -6,22 +6,23 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use model::arch::Model;
+use model::arch::{Config, Model};
 use model::gguf::Gguf;
 use model::kernels::Precision;
 use model::tokenizer::Tokenizer;
-use pdhost::engine::{Engine, Generation, OnFailure, PrefillBy, Request, Sampling};
+use pdhost::engine::{Engine, Generation, OnFailure, PrefillBy};
+use pdhost::request::{self, Field, Invalid, Limits, RawRequest};
 use serde_json::json;
 
-use crate::cli::PdBenchArgs;
-use crate::cmd::generate::{default_threads, kv_dtype};
+use crate::cli::{PdBenchArgs, PrecisionArg};
+use crate::cmd::outln;
 use crate::cmd::producer::Choice;
 
 const TEXT: &str = include_str!("../../../../fixtures/prompts/lgpl-650w.txt");
 
 /// Medians over the iterations of one prompt length.
 struct Row {
-    tokens: usize,
+    tokens: u64,
     ttft_local: f64,
     ttft_pd: f64,
     local_forward: f64,
@@ -51,8 +52,9 @@ fn decode_rate(g: &Generation) -> f64 {
 }
 
 pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
-    anyhow::ensure!(args.iters > 0, "--iters: expected at least 1, found 0");
-    anyhow::ensure!(!args.tokens.is_empty() && !args.tokens.contains(&0), "--tokens: expected lengths above 0");
+    let iters = request::check_count(Field::Iters, args.iters, 1, 1000)?;
+    let decode = request::check_count(Field::DecodeTokens, args.decode_tokens, 1, super::model_bench::MAX_DECODE)?;
+    let threads = request::check_threads(args.threads)?;
     let path = {
         let mut bar = crate::cmd::models::Bar::new(args.json);
         let path = model::registry::fetch(&args.model, &mut bar)?;
@@ -60,40 +62,56 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         path
     };
     let gguf = Gguf::open(&path)?;
+    let limits = Limits::new(&args.model, &Config::from_gguf(&gguf)?, None)?;
+    let max_prompt = limits.context as u64 - decode - 1;
+    if args.tokens.is_empty() {
+        return Err(Invalid::new(Field::Tokens, "at least one prompt length", "none").into());
+    }
+    for &n in &args.tokens {
+        request::check_count(Field::Tokens, n, 1, max_prompt).map_err(|e| Invalid {
+            expected: format!("{} ({}'s context less the decoded tokens)", e.expected, args.model),
+            ..e
+        })?;
+    }
     let tok = Tokenizer::from_gguf(&gguf)?;
     let mut text_ids = tok.encode(TEXT, tok.add_bos());
-    let longest = *args.tokens.iter().max().expect("non-empty");
+    let longest = *args.tokens.iter().max().expect("non-empty") as usize;
     while text_ids.len() < longest {
         text_ids.extend(tok.encode(TEXT, false));
     }
-    let threads = args.threads.unwrap_or_else(default_threads);
     let mut model = Model::from_gguf(&gguf).context("loading the weights")?;
     model.configure(Precision::Exact, threads);
-    let dtype = kv_dtype(&args.kv_dtype);
+    let dtype = args.kv_dtype.dtype();
     let geometry = model.config.kv_geometry();
-    let choice =
-        Choice { producer: &args.producer, backend_config: "{}", precision: "exact", threads, timeout_s: 600.0 };
+    let choice = Choice {
+        producer: &args.producer,
+        backend_config: serde_json::Map::new(),
+        precision: PrecisionArg::Exact,
+        threads,
+        timeout: Duration::from_secs(600),
+    };
     let absolute = std::path::absolute(&path)?;
     let mut producer = choice
         .producer(&absolute, &geometry, dtype, longest)?
         .context("--producer: expected a remote producer to compare with local, found local")?;
-    let mut engine = Engine::new(model, dtype, 64, (longest + args.decode_tokens + 1) as u64, 1)?;
-    let bar = super::progress((args.tokens.len() * (args.iters as usize + 1)) as u64, args.json);
+    let mut engine = Engine::new(model, dtype, 64, longest as u64 + decode + 1, 1)?;
+    let bar = super::progress(args.tokens.len() as u64 * (iters + 1), args.json);
     bar.set_message(format!("starting {}", producer.name()));
     producer.start()?;
     let layout = producer.layout().unwrap_or("?");
 
     let mut rows = Vec::new();
     for &n in &args.tokens {
-        let request = Request {
-            prompt: text_ids[..n].to_vec(),
-            max_tokens: args.decode_tokens + 1,
-            prefill_chunk: 0,
-            sampling: Sampling::Greedy,
+        let raw = RawRequest {
+            prompt: text_ids[..n as usize].to_vec(),
+            prompt_field: Some(Field::Tokens),
+            max_tokens: decode + 1,
+            ..RawRequest::default()
         };
+        let request = request::check_request(&raw, &limits)?;
         let mut runs: Vec<(Generation, Generation)> = Vec::new();
         // The first pair warms caches, pages and the producer's pools; it is not counted.
-        for i in 0..=args.iters {
+        for i in 0..=iters {
             bar.set_message(format!("{n} tokens"));
             let local = engine.generate(&request, |_| {})?;
             let pd = engine.generate_with(
@@ -148,22 +166,22 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
                        "decode_tok_s_local": r.decode_local, "decode_tok_s_pd": r.decode_pd})
             })
             .collect();
-        println!(
+        outln!(
             "{}",
             json!({"bench": "pd", "model": args.model, "producer": name, "layout": layout, "kv_dtype": dtype.name(),
                    "threads": threads, "iters": args.iters, "decode_tokens": args.decode_tokens, "results": results})
-        );
+        )?;
         return Ok(ExitCode::SUCCESS);
     }
-    println!(
+    outln!(
         "{} prefill in the warm `{name}` producer ({layout} {} spans over shared memory) vs in the host; {threads} \
          thread(s); median of {}; the last prompt token and {} decoded tokens run in the host either way",
         args.model,
         dtype.name(),
         args.iters,
         args.decode_tokens
-    );
-    println!(
+    )?;
+    outln!(
         "{:>6} {:>10} {:>10} {:>9} {:>7} | {:>8} {:>9} {:>10} {:>11} {:>8} | {:>15} | {:>9} {:>9}",
         "tokens",
         "TTFT local",
@@ -178,10 +196,10 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         "last tok loc/PD",
         "dec local",
         "dec PD"
-    );
+    )?;
     for r in &rows {
         let overhead = r.ttft_pd - r.ttft_local;
-        println!(
+        outln!(
             "{:>6} {:>8.1}ms {:>8.1}ms {:>7.2}ms {:>6.2}% | {:>6.2}ms {:>7.1}ms {:>8.2}ms {:>9.2}ms {:>8.2} | {:>6.1}/{:>6.1}ms | {:>7.1}/s {:>7.1}/s",
             r.tokens,
             r.ttft_local,
@@ -197,13 +215,13 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
             r.last_pd,
             r.decode_local,
             r.decode_pd
-        );
+        )?;
     }
-    println!(
+    outln!(
         "backend: the producer's forward pass and its writes into the ring slot; span write: header, manifest, \
          checksum and commit; xfer+ingest: the host's one pass that copies, checksums, validates and pages the \
          span (local prefill's own ingest: {}); last tok: the host's step over the last prompt token",
         rows.iter().map(|r| format!("{:.2}ms", r.local_ingest)).collect::<Vec<_>>().join(", ")
-    );
+    )?;
     Ok(ExitCode::SUCCESS)
 }

@@ -1,0 +1,429 @@
+//! One checked request: every parameter a user or a client gives is turned into a checked value here, or
+//! into an [`Invalid`] that names the parameter, what was expected and what was found.
+//!
+//! `pdhost generate`, the benches and the server all go through these functions, so a bound exists once.
+//! In the spirit of TGI's `validation.rs`: nothing downstream re-checks, and nothing downstream may be
+//! reached with a value these functions did not pass.
+//!
+//! - [`Limits`]: what the model (and the operator's `--context`) allows, from metadata alone, before any
+//!   weight is read.
+//! - [`check_request`]: prompt ids, output length and sampling into an [`engine::Request`].
+//! - [`check_threads`], [`check_page_size`], [`check_timeout`], [`check_count`]: the scalar flags.
+//! - [`kv_budget`] and [`check_memory`]: the KV pool is sized from the checked request, and refused with
+//!   the number of bytes when memory cannot hold it.
+//! - [`input`]: the files and texts a request arrives in (prompt files, `--model` paths,
+//!   `--backend-config`).
+//!
+//! Names: each [`Field`] has its command-line flag and its HTTP parameter name; an [`Invalid`] displays
+//! with the flag, and [`Invalid::for_api`] gives the parameter's wording.
+
+use std::fmt;
+use std::time::Duration;
+
+use model::arch::Config;
+use shm_format::{Dtype, KvGeometry, LayerKv};
+
+use crate::engine::{self, Sampling};
+
+pub mod input;
+
+/// A parameter of a request or of the command line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Field {
+    /// The model.
+    Model,
+    /// Prompt text.
+    Prompt,
+    /// A file holding the prompt.
+    PromptFile,
+    /// Prompt token ids.
+    PromptIds,
+    /// Tokens to generate.
+    MaxTokens,
+    /// Sampling temperature.
+    Temperature,
+    /// Nucleus mass.
+    TopP,
+    /// Forward-pass threads.
+    Threads,
+    /// Tokens per KV page.
+    PageSize,
+    /// Prompt tokens per prefill span.
+    PrefillChunk,
+    /// Seconds a producer may take.
+    ProducerTimeout,
+    /// JSON for the backend.
+    BackendConfig,
+    /// The producer.
+    Producer,
+    /// Prompt plus output tokens per sequence.
+    Context,
+    /// Element type of the KV cache.
+    KvDtype,
+    /// Bench: prompt lengths.
+    Tokens,
+    /// Bench: repetitions.
+    Iters,
+    /// Bench: span sizes.
+    Sizes,
+    /// Bench: prompt length.
+    PromptTokens,
+    /// Bench: tokens decoded.
+    DecodeTokens,
+}
+
+impl Field {
+    /// The command-line flag.
+    pub fn flag(self) -> &'static str {
+        match self {
+            Field::Model => "--model",
+            Field::Prompt => "--prompt",
+            Field::PromptFile => "--prompt-file",
+            Field::PromptIds => "--prompt-ids",
+            Field::MaxTokens => "--max-tokens",
+            Field::Temperature => "--temperature",
+            Field::TopP => "--top-p",
+            Field::Threads => "--threads",
+            Field::PageSize => "--page-size",
+            Field::PrefillChunk => "--prefill-chunk",
+            Field::ProducerTimeout => "--producer-timeout",
+            Field::BackendConfig => "--backend-config",
+            Field::Producer => "--producer",
+            Field::Context => "--context",
+            Field::KvDtype => "--kv-dtype",
+            Field::Tokens => "--tokens",
+            Field::Iters => "--iters",
+            Field::Sizes => "--sizes",
+            Field::PromptTokens => "--prompt-tokens",
+            Field::DecodeTokens => "--decode-tokens",
+        }
+    }
+
+    /// The name of the parameter in an HTTP request body (OpenAI's where it has one).
+    pub fn param(self) -> &'static str {
+        match self {
+            Field::Prompt | Field::PromptFile | Field::PromptIds => "prompt",
+            Field::MaxTokens => "max_tokens",
+            Field::TopP => "top_p",
+            other => other.flag().trim_start_matches("--"),
+        }
+    }
+}
+
+/// A parameter outside its bounds: which one, what was expected and what was found.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{}: expected {expected}, found {found}", field.flag())]
+pub struct Invalid {
+    /// The parameter.
+    pub field: Field,
+    /// What it must be.
+    pub expected: String,
+    /// What it was (cut short when long: nothing a user sent is echoed whole).
+    pub found: String,
+}
+
+impl Invalid {
+    /// A refusal of `field`.
+    pub fn new(field: Field, expected: impl Into<String>, found: impl fmt::Display) -> Self {
+        Invalid { field, expected: expected.into(), found: shorten(&found.to_string()) }
+    }
+
+    /// The same refusal worded for an HTTP client: the body's parameter name instead of the flag.
+    pub fn for_api(&self) -> String {
+        format!("{}: expected {}, found {}", self.field.param(), self.expected, self.found)
+    }
+}
+
+/// At most 80 characters of `text`, cut on a character boundary, with its full length when cut.
+pub fn shorten(text: &str) -> String {
+    const MAX: usize = 80;
+    match text.char_indices().nth(MAX) {
+        Some((cut, _)) => format!("{}... ({} bytes)", &text[..cut], text.len()),
+        None => text.to_string(),
+    }
+}
+
+/// A float for a message: plain when short, in scientific notation when huge or tiny.
+fn number(x: f64) -> String {
+    if x.is_finite() && x != 0.0 && !(1e-4..1e9).contains(&x.abs()) {
+        format!("{x:e}")
+    } else {
+        x.to_string()
+    }
+}
+
+/// The longest page, in tokens: beyond it a page is larger than any useful sharing unit, and its pool a
+/// waste of memory.
+pub const MAX_PAGE_SIZE: u32 = 4096;
+
+/// The longest a producer may take to start or to answer one prefill.
+pub const MAX_PRODUCER_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// What a model and its operator allow a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The model's name, for messages.
+    pub model: String,
+    /// Token ids are below this.
+    pub vocab: usize,
+    /// Prompt plus output tokens of one sequence: the model's context, or the operator's smaller
+    /// `--context`.
+    pub context: usize,
+    /// Whether the context is the operator's (`--context`) rather than the model's.
+    pub operator_context: bool,
+    /// The model's own context (what bounds page sizes, whatever `--context` says).
+    pub model_context: usize,
+}
+
+impl Limits {
+    /// The limits of a model with configuration `config`, optionally narrowed by an operator's
+    /// `--context` (which may not exceed the model's).
+    pub fn new(model: &str, config: &Config, context: Option<u64>) -> Result<Self, Invalid> {
+        let mut limits = Limits {
+            model: model.to_string(),
+            vocab: config.vocab,
+            context: config.context,
+            operator_context: false,
+            model_context: config.context,
+        };
+        if let Some(c) = context {
+            if c == 0 || c > config.context as u64 {
+                return Err(Invalid::new(
+                    Field::Context,
+                    format!("1 to {} tokens ({}'s context)", config.context, model),
+                    c,
+                ));
+            }
+            limits.context = c as usize;
+            limits.operator_context = true;
+        }
+        Ok(limits)
+    }
+
+    fn context_name(&self) -> String {
+        if self.operator_context {
+            format!("the {}-token --context", self.context)
+        } else {
+            format!("{}'s {}-token context", self.model, self.context)
+        }
+    }
+}
+
+/// A request as given: ids already tokenized, everything else unchecked.
+#[derive(Clone, Debug, Default)]
+pub struct RawRequest {
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Which parameter the ids came from (for messages).
+    pub prompt_field: Option<Field>,
+    /// Tokens to generate at most.
+    pub max_tokens: u64,
+    /// The least `max_tokens` may be (0 for the command line, where it generates nothing; 1 for the API).
+    pub min_max_tokens: u64,
+    /// Sampling temperature (`None` or 0: greedy).
+    pub temperature: Option<f64>,
+    /// Nucleus mass (`None`: 1).
+    pub top_p: Option<f64>,
+    /// Sampling seed.
+    pub seed: u64,
+    /// Prompt tokens per prefill span (0: the whole prompt).
+    pub prefill_chunk: u64,
+}
+
+/// Checks a request against the model's limits: a non-empty prompt of ids inside the vocabulary, prompt
+/// plus output inside the context (checked arithmetic), sampling parameters that mean something.
+pub fn check_request(raw: &RawRequest, limits: &Limits) -> Result<engine::Request, Invalid> {
+    let prompt_field = raw.prompt_field.unwrap_or(Field::Prompt);
+    if raw.prompt.is_empty() {
+        return Err(Invalid::new(prompt_field, "at least one token", "an empty prompt"));
+    }
+    if let Some((i, &id)) = raw.prompt.iter().enumerate().find(|&(_, &id)| id as usize >= limits.vocab) {
+        return Err(Invalid::new(
+            prompt_field,
+            format!("token ids below {}'s vocabulary size {}", limits.model, limits.vocab),
+            format_args!("{id} at position {i}"),
+        ));
+    }
+    let prompt_len = raw.prompt.len() as u64;
+    let context = limits.context as u64;
+    // The prompt must leave room for its own last position; output tokens come after it.
+    if prompt_len > context {
+        return Err(Invalid::new(
+            prompt_field,
+            format!("at most {} tokens ({})", context, limits.context_name()),
+            format_args!("{prompt_len} tokens"),
+        ));
+    }
+    if raw.max_tokens < raw.min_max_tokens {
+        return Err(Invalid::new(Field::MaxTokens, format!("at least {}", raw.min_max_tokens), raw.max_tokens));
+    }
+    let room = context - prompt_len;
+    match prompt_len.checked_add(raw.max_tokens) {
+        Some(total) if total <= context => {}
+        _ => {
+            return Err(Invalid::new(
+                Field::MaxTokens,
+                format!("at most {room} after a {prompt_len}-token prompt ({})", limits.context_name()),
+                raw.max_tokens,
+            ))
+        }
+    }
+    if raw.prefill_chunk > context {
+        return Err(Invalid::new(
+            Field::PrefillChunk,
+            format!("0 (the whole prompt) or 1 to {context} tokens"),
+            raw.prefill_chunk,
+        ));
+    }
+    let sampling = check_sampling(raw.temperature, raw.top_p, raw.seed)?;
+    Ok(engine::Request {
+        prompt: raw.prompt.clone(),
+        max_tokens: raw.max_tokens as usize,
+        prefill_chunk: raw.prefill_chunk as usize,
+        sampling,
+    })
+}
+
+/// Temperature finite and at least 0 (0 is greedy), top-p in (0, 1].
+pub fn check_sampling(temperature: Option<f64>, top_p: Option<f64>, seed: u64) -> Result<Sampling, Invalid> {
+    // Above this, softmax of f32 logits is uniform to the last bit: sampling ignores the model.
+    const MAX_TEMPERATURE: f64 = 100.0;
+    if let Some(t) = temperature {
+        if !(t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&t)) {
+            return Err(Invalid::new(
+                Field::Temperature,
+                format!("a number from 0 (greedy) to {MAX_TEMPERATURE}"),
+                number(t),
+            ));
+        }
+    }
+    if let Some(p) = top_p {
+        if !(p.is_finite() && p > 0.0 && p <= 1.0) {
+            return Err(Invalid::new(Field::TopP, "a number above 0 and at most 1", number(p)));
+        }
+    }
+    Ok(match temperature {
+        Some(t) if t > 0.0 => Sampling::TopP { temperature: t as f32, top_p: top_p.unwrap_or(1.0) as f32, seed },
+        _ => Sampling::Greedy,
+    })
+}
+
+/// Forward-pass threads: 1 to four per core (`None`: one per core).
+pub fn check_threads(threads: Option<u64>) -> Result<usize, Invalid> {
+    let max = model::kernels::max_threads();
+    match threads {
+        None => Ok(model::kernels::available_cores()),
+        Some(t) if (1..=max as u64).contains(&t) => Ok(t as usize),
+        Some(t) => Err(Invalid::new(
+            Field::Threads,
+            format!("1 to {max} (4 per core; {} cores here)", model::kernels::available_cores()),
+            t,
+        )),
+    }
+}
+
+/// Tokens per KV page: 1 to the smaller of [`MAX_PAGE_SIZE`] and the model's context.
+pub fn check_page_size(page_size: u64, limits: &Limits) -> Result<u32, Invalid> {
+    let max = MAX_PAGE_SIZE.min(limits.model_context.min(u32::MAX as usize) as u32);
+    if (1..=u64::from(max)).contains(&page_size) {
+        Ok(page_size as u32)
+    } else {
+        Err(Invalid::new(Field::PageSize, format!("1 to {max} tokens"), page_size))
+    }
+}
+
+/// Seconds as a deadline: finite, above 0 and at most [`MAX_PRODUCER_TIMEOUT`].
+pub fn check_timeout(field: Field, seconds: f64) -> Result<Duration, Invalid> {
+    let max = MAX_PRODUCER_TIMEOUT.as_secs_f64();
+    if seconds.is_finite() && seconds > 0.0 && seconds <= max {
+        Ok(Duration::from_secs_f64(seconds))
+    } else {
+        Err(Invalid::new(field, format!("seconds above 0 and at most {max}"), number(seconds)))
+    }
+}
+
+/// A count inside `min..=max`.
+pub fn check_count(field: Field, value: u64, min: u64, max: u64) -> Result<u64, Invalid> {
+    if (min..=max).contains(&value) {
+        Ok(value)
+    } else {
+        Err(Invalid::new(field, format!("{min} to {max}"), value))
+    }
+}
+
+/// Bytes the paged KV cache preallocates for `max_seqs` sequences of up to `max_len` tokens, laid out as
+/// [`crate::kv::PagedKv::new`] lays its pools out: the sliding groups' bounded pools, then a page per
+/// `page_size` tokens (plus one) of every full-attention layer. `None` when it does not fit in 64 bits.
+pub fn kv_budget(geometry: &KvGeometry, dtype: Dtype, page_size: u32, max_len: u64, max_seqs: u32) -> Option<u64> {
+    let page = u64::from(page_size.max(1));
+    let seqs = u64::from(max_seqs);
+    let mut bytes = 0u64;
+    for layer in &geometry.layers {
+        let row = match *layer {
+            LayerKv::Full { kv_heads, head_dim } | LayerKv::Sliding { kv_heads, head_dim, .. } => {
+                2 * u64::from(kv_heads).checked_mul(u64::from(head_dim))?.checked_mul(dtype.size())?
+            }
+            LayerKv::Recurrent { state_elems } => state_elems.checked_mul(dtype.size())?,
+        };
+        let pages = match *layer {
+            LayerKv::Full { .. } => max_len.div_ceil(page).checked_add(1)?.checked_mul(seqs)?,
+            LayerKv::Sliding { window, .. } => seqs.checked_mul(2 * (u64::from(window).div_ceil(page) + 1))?,
+            LayerKv::Recurrent { .. } => {
+                bytes = bytes.checked_add(row.checked_mul(2 * seqs)?)?;
+                continue;
+            }
+        };
+        bytes = bytes.checked_add(pages.checked_mul(page)?.checked_mul(row)?)?;
+    }
+    Some(bytes)
+}
+
+/// Memory that a new allocation may take now: the smaller of what the kernel calls available and what
+/// is left under this process's address-space limit (`ulimit -v`).
+pub fn memory_headroom() -> (u64, &'static str) {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let available = kib_field(&meminfo, "MemAvailable:").map_or(u64::MAX, |k| k.saturating_mul(1024));
+    let mut headroom = (available, "available memory");
+    let limit = rustix::process::getrlimit(rustix::process::Resource::As).current;
+    if let Some(limit) = limit {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let used = kib_field(&status, "VmSize:").map_or(0, |k| k.saturating_mul(1024));
+        let left = limit.saturating_sub(used);
+        if left < headroom.0 {
+            headroom = (left, "address space left under the process's limit");
+        }
+    }
+    headroom
+}
+
+fn kib_field(text: &str, key: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+}
+
+/// Refuses to preallocate `bytes` for `what` when memory cannot hold them, saying how much and why;
+/// `field` is the parameter that made it that large.
+pub fn check_memory(field: Field, what: &str, bytes: u64) -> Result<(), Invalid> {
+    let (headroom, which) = memory_headroom();
+    // Leave a quarter for everything else the process still allocates (activations, buffers).
+    let allowed = headroom / 4 * 3;
+    if bytes <= allowed {
+        return Ok(());
+    }
+    Err(Invalid::new(
+        field,
+        format!("{what} to fit in {} ({which})", gib(allowed)),
+        format_args!("it needs {}", gib(bytes)),
+    ))
+}
+
+/// Bytes in GiB for messages.
+pub fn gib(bytes: u64) -> String {
+    format!("{:.2} GiB", bytes as f64 / f64::from(1u32 << 30))
+}
+
+#[cfg(test)]
+mod tests;
