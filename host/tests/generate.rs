@@ -137,14 +137,19 @@ fn a_prompt_without_a_tokenizer_or_with_bad_ids_gets_a_clear_error() {
     let dir = reference_dir().join("tiny_llama_4l");
     let out =
         Command::new(PDHOST).args(["generate", "--model", dir.to_str().unwrap(), "--prompt", "hi"]).output().unwrap();
-    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("has no tokenizer: expected --prompt-ids"), "{err}");
+    assert!(err.contains("--prompt: expected --prompt-ids (this model has no tokenizer)"), "{err}");
     let out = Command::new(PDHOST)
         .args(["generate", "--model", dir.to_str().unwrap(), "--prompt-ids", "1,999"])
         .output()
         .unwrap();
-    assert!(String::from_utf8_lossy(&out.stderr).contains("prompt id 999: expected ids below the vocabulary size 256"));
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--prompt-ids: expected token ids below") && err.contains("vocabulary size 256, found 999"),
+        "{err}"
+    );
 }
 
 #[test]

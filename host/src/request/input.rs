@@ -182,24 +182,17 @@ pub fn model_source(arg: &str) -> Result<ModelSource, Invalid> {
     });
     match read {
         Ok(4) if &magic == b"GGUF" => Ok(ModelSource::Gguf(path.to_path_buf())),
+        Ok(0) => Err(Invalid::new(
+            field,
+            "a GGUF file or a checkpoint directory",
+            format_args!("{}: an empty file", path.display()),
+        )),
         Ok(n) => Err(Invalid::new(
             field,
             "a GGUF file (starting with \"GGUF\") or a checkpoint directory",
-            format_args!("{}: a file starting with {}", path.display(), printable(&magic[..n])),
+            format_args!("{}: a file starting with {}", path.display(), shm_format::words::bytes(&magic[..n])),
         )),
         Err(e) => Err(Invalid::new(field, "a readable model file", format_args!("{}: {e}", path.display()))),
-    }
-}
-
-/// Bytes as `"text"` when they are printable ASCII, as hex otherwise; "nothing" for none.
-pub fn printable(bytes: &[u8]) -> String {
-    if bytes.is_empty() {
-        "nothing (an empty file)".to_string()
-    } else if bytes.iter().all(|b| b.is_ascii_graphic() || *b == b' ') {
-        format!("{:?}", String::from_utf8_lossy(bytes))
-    } else {
-        let hex: Vec<String> = bytes.iter().map(|b| format!("{b:02x}")).collect();
-        format!("bytes {}", hex.join(" "))
     }
 }
 

@@ -303,3 +303,24 @@ fn short_json(v: &serde_json::Value) -> String {
         None => text,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_thread_count_out_of_bounds_is_refused_before_the_model_loads() {
+        let max = model::kernels::max_threads();
+        for threads in
+            ["0".to_string(), (max + 1).to_string(), "100000".into(), "-1".into(), "1.5".into(), "\"2\"".into()]
+        {
+            let config = format!(r#"{{"model":"/nonexistent","threads":{threads}}}"#);
+            let err = ModelBackend::open(&config, PdhostLayout::Grouped, Dtype::F32).unwrap_err();
+            assert!(err.message.contains(&format!("config threads: expected an integer from 1 to {max}")), "{threads}");
+        }
+        // In bounds, the next thing to fail is the missing model.
+        let err = ModelBackend::open(r#"{"model":"/nonexistent","threads":1}"#, PdhostLayout::Grouped, Dtype::F32)
+            .unwrap_err();
+        assert!(err.message.contains("/nonexistent"), "{}", err.message);
+    }
+}
