@@ -103,6 +103,8 @@ pub struct GgufTokenizer {
     ids: HashMap<String, u32>,
     /// Special tokens matched in raw text, longest first.
     specials: Vec<(String, u32)>,
+    /// Finds `specials` in a text (`None` when there are none).
+    special_finder: Option<aho_corasick::AhoCorasick>,
     algorithm: Algorithm,
     /// BOS id, and whether `encode` adds it.
     pub bos: Option<u32>,
@@ -168,6 +170,15 @@ impl GgufTokenizer {
             .map(|(i, (t, _))| (t.clone(), i as u32))
             .collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let special_finder = if specials.is_empty() {
+            None
+        } else {
+            let finder = aho_corasick::AhoCorasick::builder()
+                .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                .build(specials.iter().map(|(s, _)| s))
+                .map_err(|e| bad("tokenizer special tokens", "a set small enough to search", e.to_string()))?;
+            Some(finder)
+        };
         let mut byte_ids = [None; 256];
         for (i, (t, k)) in tokens.iter().zip(&kinds).enumerate() {
             if *k == Kind::Byte {
@@ -222,6 +233,7 @@ impl GgufTokenizer {
             kinds,
             ids,
             specials,
+            special_finder,
             algorithm,
             byte_ids,
         })
@@ -238,22 +250,18 @@ impl GgufTokenizer {
         if with_bos {
             out.extend(self.bos);
         }
-        let mut rest = text;
+        // Split out special tokens: the leftmost match, and at it the longest special token (ties to the
+        // lowest id: the patterns are sorted that way). One pass over the text, whatever the number of
+        // specials.
         let mut plain_start = 0;
-        let mut i = 0;
-        // Split out special tokens: at each position, the longest special token that starts there.
-        while i < rest.len() {
-            if let Some((s, id)) = self.specials.iter().find(|(s, _)| rest[i..].starts_with(s.as_str())) {
-                self.encode_plain(&rest[plain_start..i], &mut out);
-                out.push(*id);
-                rest = &rest[i + s.len()..];
-                i = 0;
-                plain_start = 0;
-                continue;
+        if let Some(finder) = &self.special_finder {
+            for m in finder.find_iter(text) {
+                self.encode_plain(&text[plain_start..m.start()], &mut out);
+                out.push(self.specials[m.pattern().as_usize()].1);
+                plain_start = m.end();
             }
-            i += rest[i..].chars().next().map_or(1, char::len_utf8);
         }
-        self.encode_plain(&rest[plain_start..], &mut out);
+        self.encode_plain(&text[plain_start..], &mut out);
         out
     }
 
