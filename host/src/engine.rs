@@ -5,6 +5,7 @@
 //! reads exactly the positions each layer sees through [`PagedKv::read`].
 
 use std::hash::Hasher;
+use std::ops::ControlFlow;
 
 use std::time::{Duration, Instant};
 use zerocopy::FromBytes;
@@ -121,6 +122,8 @@ pub enum Finish {
     Eos,
     /// `max_tokens` reached.
     Length,
+    /// The caller's `on_token` ended it (see [`Engine::generate_until`]).
+    Stopped,
 }
 
 /// What generation produced and how long it took.
@@ -265,6 +268,21 @@ impl Engine {
         by: PrefillBy<'_>,
         mut on_token: impl FnMut(u32),
     ) -> Result<Generation, EngineError> {
+        self.generate_until(req, by, |id| {
+            on_token(id);
+            ControlFlow::Continue(())
+        })
+    }
+
+    /// [`Engine::generate_with`], where `on_token` may end the request after any token (a stop string
+    /// matched, the client went away): generation then ends with [`Finish::Stopped`] and the sequence's
+    /// pages are freed at once.
+    pub fn generate_until(
+        &mut self,
+        req: &Request,
+        by: PrefillBy<'_>,
+        mut on_token: impl FnMut(u32) -> ControlFlow<()>,
+    ) -> Result<Generation, EngineError> {
         let seq = SeqId(self.next_seq);
         self.next_seq += 1;
         let request_id = seq.0;
@@ -394,7 +412,7 @@ impl Engine {
         request_id: u64,
         req: &Request,
         by: PrefillBy<'_>,
-        on_token: &mut dyn FnMut(u32),
+        on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Generation, EngineError> {
         let started = Instant::now();
         let mut rng = Rng(match req.sampling {
@@ -436,7 +454,9 @@ impl Engine {
         let eos = self.model.config.eos.clone();
         let finish = loop {
             output.push(next);
-            on_token(next);
+            if on_token(next).is_break() {
+                break Finish::Stopped;
+            }
             if eos.contains(&next) {
                 break Finish::Eos;
             }

@@ -3,6 +3,7 @@
 //! - [`kv`]: the grouped paged KV cache and strict span ingest.
 //! - [`engine`]: prefill, ingest and decode through the cache.
 //! - [`request`]: every parameter a user or client gives, checked once, with typed refusals.
+//! - [`server`]: `pdhost serve`, the OpenAI-compatible HTTP server (HTTP and JSON live only there).
 //!
 //! The wire format and the ring are re-exported as [`format`] and [`ring`]. The supervisor, models and
 //! engine arrive with their issues (see `docs/ARCHITECTURE.md`).
@@ -10,7 +11,9 @@
 pub mod engine;
 pub mod kv;
 pub mod request;
+pub mod server;
 pub mod supervisor;
+pub mod text;
 
 pub use shm_format as format;
 pub use shm_ring as ring;

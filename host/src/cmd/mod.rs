@@ -5,6 +5,7 @@ pub mod generate;
 pub mod inspect;
 pub mod models;
 pub mod producer;
+pub mod serve;
 
 /// A failed write to standard output. `main` turns a closed stdout (`pdhost ... | head`) into a quiet exit
 /// instead of an error, and never confuses it with a broken pipe elsewhere (a producer's socket).

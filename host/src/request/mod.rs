@@ -71,6 +71,10 @@ pub enum Field {
     PromptTokens,
     /// Bench: tokens decoded.
     DecodeTokens,
+    /// Serve: requests waiting.
+    Queue,
+    /// Serve: seconds to finish in-flight requests.
+    DrainTimeout,
 }
 
 impl Field {
@@ -97,6 +101,8 @@ impl Field {
             Field::Sizes => "--sizes",
             Field::PromptTokens => "--prompt-tokens",
             Field::DecodeTokens => "--decode-tokens",
+            Field::Queue => "--queue",
+            Field::DrainTimeout => "--drain-timeout",
         }
     }
 

@@ -1,0 +1,112 @@
+//! `pdhost serve`.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::Context;
+use pdhost::engine::{Engine, OnFailure};
+use pdhost::request::input;
+use pdhost::request::{self, Field, Limits};
+use pdhost::server::worker::Loaded;
+use pdhost::server::{ServeConfig, Server};
+
+use super::generate::Opened;
+use crate::cli::{OnFailureArg, ServeArgs};
+
+/// The context a server gives each request unless told otherwise (the incident's deployment).
+const DEFAULT_CONTEXT: u64 = 9216;
+
+/// The most requests that may wait.
+const MAX_QUEUE: u64 = 4096;
+
+pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
+    // Everything that needs no model first.
+    let threads = request::check_threads(args.threads)?;
+    let timeout = request::check_timeout(Field::ProducerTimeout, args.producer_timeout)?;
+    let drain_timeout = request::check_timeout(Field::DrainTimeout, args.drain_timeout)?;
+    let queue = request::check_count(Field::Queue, args.queue, 1, MAX_QUEUE)? as usize;
+    let backend_config = input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
+    let source = input::model_source(&args.model)?;
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+
+    let mut opened = Opened::open(&source, true)?;
+    let context = args.context.unwrap_or(DEFAULT_CONTEXT.min(opened.config.context as u64));
+    let limits = Limits::new(&opened.name, &opened.config, Some(context))?;
+    let page_size = request::check_page_size(args.page_size, &limits)?;
+    let dtype = args.kv_dtype.dtype();
+    let geometry = opened.config.kv_geometry();
+    let max_len = limits.context as u64;
+    let budget = request::kv_budget(&geometry, dtype, page_size, max_len, 1)
+        .context("the KV cache's size does not fit in 64 bits")?;
+    request::check_memory(Field::Context, &format!("the KV cache for {max_len} tokens in {}", dtype.name()), budget)?;
+    let tokenizer = Arc::new(opened.tokenizer.take().ok_or_else(|| {
+        request::Invalid::new(Field::Model, "a model with a tokenizer (requests carry text)", &opened.name)
+    })?);
+    let prefill_chunk = request::check_count(Field::PrefillChunk, args.prefill_chunk, 0, max_len)? as usize;
+    let choice = super::producer::Choice {
+        producer: &args.producer,
+        backend_config,
+        precision: args.precision,
+        threads,
+        timeout,
+    };
+    let chunk_tokens = if prefill_chunk == 0 { max_len as usize } else { prefill_chunk };
+    let producer = choice.producer(&opened.path, &geometry, dtype, chunk_tokens)?;
+    let on_failure = match args.on_producer_failure {
+        OnFailureArg::Fail => OnFailure::Fail,
+        OnFailureArg::Fallback => OnFailure::Fallback,
+    };
+    let config =
+        ServeConfig { model: opened.name.clone(), limits, queue, api_key: args.api_key.clone(), drain_timeout };
+    let addr = SocketAddr::new(args.host, args.port);
+    let precision = args.precision.precision();
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let (printed_tx, printed_rx) = std::sync::mpsc::channel::<SocketAddr>();
+        let start: pdhost::server::worker::Start = Box::new(move || {
+            let mut model = opened.load(true)?;
+            model.configure(precision, threads);
+            let engine = Engine::new(model, dtype, page_size, max_len, 1)?;
+            let on_ready = Box::new(move || {
+                if let Ok(addr) = printed_rx.recv() {
+                    super::outln!("listening on http://{addr}").ok();
+                }
+            });
+            Ok(Loaded { engine, producer, on_failure, on_ready })
+        });
+        let server = Server::bind(addr, config, tokenizer, start)
+            .await
+            .with_context(|| format!("--host/--port: cannot listen on {addr}"))?;
+        let local = server.local_addr()?;
+        let _ = printed_tx.send(local);
+        if !server.ready().await {
+            anyhow::bail!("the engine did not start (see the log above)");
+        }
+        server.run(shutdown_signal()).await?;
+        Ok::<_, anyhow::Error>(())
+    })?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// SIGTERM or SIGINT.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = int.recv() => {}
+    }
+}

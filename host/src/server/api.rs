@@ -1,0 +1,280 @@
+//! The OpenAI-compatible request bodies, read field by field so that every refusal names the field,
+//! what was expected and what was found, and the error objects sent back.
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::{json, Map, Value};
+
+use crate::request::{self, Field, Invalid, RawRequest};
+
+/// An error as OpenAI's API returns it: `{"error": {"message", "type", "param", "code"}}`.
+#[derive(Debug)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// One line: what was expected and what was found.
+    pub message: String,
+    /// `invalid_request_error`, `authentication_error`, `server_error`, ...
+    pub kind: &'static str,
+    /// The body field at fault.
+    pub param: Option<&'static str>,
+    /// A stable code (`model_not_found`, `queue_full`, ...).
+    pub code: Option<&'static str>,
+    /// Seconds after which a retry may succeed.
+    pub retry_after: Option<u32>,
+}
+
+impl ApiError {
+    /// A 400 about `param`.
+    pub fn invalid(param: &'static str, expected: impl std::fmt::Display, found: impl std::fmt::Display) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: format!("{param}: expected {expected}, found {}", request::shorten(&found.to_string())),
+            kind: "invalid_request_error",
+            param: Some(param),
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// Any other status.
+    pub fn new(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError { status, message: message.into(), kind, param: None, code: Some(code), retry_after: None }
+    }
+}
+
+impl From<Invalid> for ApiError {
+    fn from(e: Invalid) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: e.for_api(),
+            kind: "invalid_request_error",
+            param: Some(e.field.param()),
+            code: None,
+            retry_after: None,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let body =
+            json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}});
+        let mut response = (self.status, axum::Json(body)).into_response();
+        if let Some(s) = self.retry_after {
+            response.headers_mut().insert("retry-after", HeaderValue::from(s));
+        }
+        response
+    }
+}
+
+/// What a JSON value is, in words.
+fn kind(v: &Value) -> String {
+    match v {
+        Value::Null => "null".into(),
+        Value::Bool(b) => format!("the boolean {b}"),
+        Value::Number(n) => format!("the number {n}"),
+        Value::String(s) => format!("a string of {} bytes", s.len()),
+        Value::Array(a) => format!("an array of {} items", a.len()),
+        Value::Object(_) => "an object".into(),
+    }
+}
+
+/// The prompt of a completion: text to tokenize, or ids.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// Token ids.
+    Ids(Vec<u32>),
+}
+
+/// A `POST /v1/completions` body, its fields typed and checked for type (bounds come from
+/// [`request::check_request`] once the prompt is tokenized).
+#[derive(Debug, Clone)]
+pub struct Completion {
+    /// The model asked for, if any.
+    pub model: Option<String>,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Everything but the prompt ids.
+    pub raw: RawRequest,
+    /// Stop strings (at most 4).
+    pub stop: Vec<String>,
+    /// Server-sent events instead of one body.
+    pub stream: bool,
+    /// With `stream`: a last chunk carrying `usage`.
+    pub include_usage: bool,
+}
+
+/// The most stop strings, as OpenAI allows.
+pub const MAX_STOP: usize = 4;
+
+/// OpenAI's default `max_tokens` for completions.
+pub const DEFAULT_MAX_TOKENS: u64 = 16;
+
+fn obj(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let value: Value = serde_json::from_slice(body).map_err(|e| {
+        ApiError::invalid(
+            "body",
+            "a JSON object",
+            format_args!("invalid JSON at line {} column {}", e.line(), e.column()),
+        )
+    })?;
+    match value {
+        Value::Object(map) => Ok(map),
+        other => Err(ApiError::invalid("body", "a JSON object", kind(&other))),
+    }
+}
+
+fn opt_u64(m: &Map<String, Value>, key: &'static str, field: Field) -> Result<Option<u64>, ApiError> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) if n.as_u64().is_some() => Ok(n.as_u64()),
+        Some(Value::Number(n)) if n.as_i64().is_some() => Err(Invalid::new(field, "a positive integer", n).into()),
+        Some(v) => Err(ApiError::invalid(key, "an integer", kind(v))),
+    }
+}
+
+fn opt_f64(m: &Map<String, Value>, key: &'static str) -> Result<Option<f64>, ApiError> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Number(n)) => Ok(n.as_f64()),
+        Some(v) => Err(ApiError::invalid(key, "a number", kind(v))),
+    }
+}
+
+fn opt_bool(m: &Map<String, Value>, key: &'static str) -> Result<bool, ApiError> {
+    match m.get(key) {
+        None | Some(Value::Null) => Ok(false),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(v) => Err(ApiError::invalid(key, "a boolean", kind(v))),
+    }
+}
+
+impl Completion {
+    /// Reads a completion body. Unknown fields are ignored, as OpenAI's clients send extras.
+    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let m = obj(body)?;
+        let model = match m.get("model") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(v) => return Err(ApiError::invalid("model", "a string", kind(v))),
+        };
+        let prompt = match m.get("prompt") {
+            Some(Value::String(s)) if s.is_empty() => {
+                return Err(ApiError::invalid("prompt", "a non-empty prompt", "an empty string"))
+            }
+            Some(Value::String(s)) => Prompt::Text(s.clone()),
+            Some(Value::Array(a)) if a.iter().all(|v| v.is_number()) => {
+                let ids = a
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| {
+                        v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
+                            ApiError::invalid(
+                                "prompt",
+                                "token ids from 0 to 4294967295",
+                                format_args!("{v} at position {i}"),
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<u32>, _>>()?;
+                Prompt::Ids(ids)
+            }
+            Some(v @ Value::Array(_)) => {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    "a string or an array of token ids (one prompt per request)",
+                    kind(v),
+                ))
+            }
+            None => return Err(ApiError::invalid("prompt", "a string or an array of token ids", "none")),
+            Some(v) => return Err(ApiError::invalid("prompt", "a string or an array of token ids", kind(v))),
+        };
+        if let Some(n) = opt_u64(&m, "n", Field::MaxTokens)? {
+            if n != 1 {
+                return Err(ApiError::invalid("n", "1 (one completion per request)", n));
+            }
+        }
+        let stop = match m.get("stop") {
+            None | Some(Value::Null) => Vec::new(),
+            Some(Value::String(s)) => vec![s.clone()],
+            Some(Value::Array(a)) if a.len() <= MAX_STOP && a.iter().all(Value::is_string) => {
+                a.iter().filter_map(|v| v.as_str().map(str::to_string)).collect()
+            }
+            Some(v) => return Err(ApiError::invalid("stop", format!("a string or up to {MAX_STOP} strings"), kind(v))),
+        };
+        if stop.iter().any(String::is_empty) {
+            return Err(ApiError::invalid("stop", "non-empty strings", "an empty string"));
+        }
+        if stop.iter().any(|s| s.len() > 256) {
+            return Err(ApiError::invalid("stop", "strings of at most 256 bytes", "a longer one"));
+        }
+        let stream = opt_bool(&m, "stream")?;
+        let include_usage = match m.get("stream_options") {
+            None | Some(Value::Null) => false,
+            Some(Value::Object(o)) => opt_bool(o, "include_usage")?,
+            Some(v) => return Err(ApiError::invalid("stream_options", "an object", kind(v))),
+        };
+        let raw = RawRequest {
+            prompt: Vec::new(),
+            prompt_field: Some(Field::Prompt),
+            max_tokens: opt_u64(&m, "max_tokens", Field::MaxTokens)?.unwrap_or(DEFAULT_MAX_TOKENS),
+            min_max_tokens: 1,
+            // OpenAI's defaults: temperature 1, top_p 1.
+            temperature: Some(opt_f64(&m, "temperature")?.unwrap_or(1.0)),
+            top_p: Some(opt_f64(&m, "top_p")?.unwrap_or(1.0)),
+            seed: match m.get("seed") {
+                None | Some(Value::Null) => 0,
+                Some(Value::Number(n)) if n.as_i64().is_some() => n.as_i64().unwrap_or(0) as u64,
+                Some(Value::Number(n)) if n.as_u64().is_some() => n.as_u64().unwrap_or(0),
+                Some(v) => return Err(ApiError::invalid("seed", "an integer", kind(v))),
+            },
+            prefill_chunk: 0,
+        };
+        Ok(Completion { model, prompt, raw, stop, stream, include_usage })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(body: &str) -> String {
+        Completion::parse(body.as_bytes()).unwrap_err().message
+    }
+
+    #[test]
+    fn fields_are_read_with_their_types_and_named_when_wrong() {
+        let c = Completion::parse(br#"{"prompt":"hi","max_tokens":3,"stop":["\n"],"stream":true,"stream_options":{"include_usage":true},"user":"x"}"#).unwrap();
+        assert_eq!(c.prompt, Prompt::Text("hi".into()));
+        assert_eq!((c.raw.max_tokens, c.stream, c.include_usage), (3, true, true));
+        assert_eq!(c.stop, vec!["\n".to_string()]);
+        let c = Completion::parse(br#"{"prompt":[1,2,3]}"#).unwrap();
+        assert_eq!(c.prompt, Prompt::Ids(vec![1, 2, 3]));
+        assert_eq!(c.raw.max_tokens, DEFAULT_MAX_TOKENS);
+
+        assert_eq!(err("{"), "body: expected a JSON object, found invalid JSON at line 1 column 1");
+        assert_eq!(err("[1]"), "body: expected a JSON object, found an array of 1 items");
+        assert_eq!(err(r#"{"prompt":""}"#), "prompt: expected a non-empty prompt, found an empty string");
+        assert_eq!(err(r#"{}"#), "prompt: expected a string or an array of token ids, found none");
+        assert!(err(r#"{"prompt":["a","b"]}"#).contains("one prompt per request"));
+        assert_eq!(
+            err(r#"{"prompt":[1,-2]}"#),
+            "prompt: expected token ids from 0 to 4294967295, found -2 at position 1"
+        );
+        assert_eq!(
+            err(r#"{"prompt":"x","max_tokens":"3"}"#),
+            "max_tokens: expected an integer, found a string of 1 bytes"
+        );
+        assert_eq!(err(r#"{"prompt":"x","max_tokens":-1}"#), "max_tokens: expected a positive integer, found -1");
+        assert_eq!(err(r#"{"prompt":"x","n":2}"#), "n: expected 1 (one completion per request), found 2");
+        assert!(err(r#"{"prompt":"x","stop":["a","b","c","d","e"]}"#).starts_with("stop: expected a string or up to 4"));
+        assert_eq!(
+            err(r#"{"prompt":"x","temperature":"hot"}"#),
+            "temperature: expected a number, found a string of 3 bytes"
+        );
+        assert_eq!(err(r#"{"prompt":"x","stream":1}"#), "stream: expected a boolean, found the number 1");
+    }
+}

@@ -1,0 +1,355 @@
+//! `pdhost serve`: an OpenAI-compatible HTTP server over the engine. HTTP and JSON live here and nowhere
+//! else (as rust-analyzer keeps LSP in one crate).
+//!
+//! - Requests are read field by field ([`api`]) and checked by [`crate::request`], the same checks the CLI
+//!   uses; a refusal is a 4xx with an OpenAI error object naming the field.
+//! - One long-lived engine thread ([`worker`]) owns the engine, its KV cache and the producer (spawned from
+//!   that thread, whose lifetime its parent-death signal follows). Today it runs one sequence at a time;
+//!   accepted requests wait in a FIFO queue of `--queue` places, and past that the answer is 503 with
+//!   `Retry-After`.
+//! - A client that goes away (a dropped connection, a closed stream) cancels its request: the engine stops
+//!   after the next token and frees the sequence's pages.
+//! - SIGTERM or SIGINT stops accepting (503), lets in-flight requests finish within the drain timeout,
+//!   then stops the engine thread and its producer.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use model::tokenizer::Tokenizer;
+use serde_json::{json, Value};
+
+use crate::request::{self, Limits};
+
+pub mod api;
+pub mod worker;
+
+use api::{ApiError, Completion, Prompt};
+use worker::{Event, Job};
+
+/// The largest request body.
+pub const MAX_BODY: usize = 4 << 20;
+
+/// What the server is told at start.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// The model's name, as `/v1/models` lists it and requests may name it.
+    pub model: String,
+    /// What requests may ask for.
+    pub limits: Limits,
+    /// Requests waiting beyond the one being generated.
+    pub queue: usize,
+    /// A Bearer token every `/v1/` request must carry.
+    pub api_key: Option<String>,
+    /// How long in-flight requests may take to finish after SIGTERM or SIGINT.
+    pub drain_timeout: Duration,
+}
+
+/// Shared by every handler.
+#[derive(Debug)]
+struct App {
+    config: ServeConfig,
+    tokenizer: Arc<Tokenizer>,
+    jobs: crossbeam_channel::Sender<Job>,
+    ready: Arc<AtomicBool>,
+    draining: AtomicBool,
+    next_id: AtomicU64,
+}
+
+impl App {
+    fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let Some(key) = &self.config.api_key else { return Ok(()) };
+        let given = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        if given == Some(key.as_str()) {
+            return Ok(());
+        }
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "authentication_error",
+            "invalid_api_key",
+            format!(
+                "authorization: expected `Bearer` and the server's API key, found {}",
+                if given.is_some() { "another key" } else { "none" }
+            ),
+        ))
+    }
+
+    fn unavailable(&self) -> Option<ApiError> {
+        let why = if self.draining.load(Ordering::Acquire) {
+            "the server is shutting down"
+        } else if !self.ready.load(Ordering::Acquire) {
+            "the model is still loading"
+        } else {
+            return None;
+        };
+        let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "unavailable", why);
+        e.retry_after = Some(1);
+        Some(e)
+    }
+}
+
+/// A server bound to its address, with its engine thread running.
+#[derive(Debug)]
+pub struct Server {
+    app: Arc<App>,
+    listener: tokio::net::TcpListener,
+    worker: std::thread::JoinHandle<()>,
+}
+
+impl Server {
+    /// Binds `addr` (port 0: any free port) and starts the engine thread with `start`, which loads the
+    /// model and the producer there; `/health` answers 503 until it is done.
+    pub async fn bind(
+        addr: SocketAddr,
+        config: ServeConfig,
+        tokenizer: Arc<Tokenizer>,
+        start: worker::Start,
+    ) -> std::io::Result<Server> {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        let (jobs, queue) = crossbeam_channel::bounded(config.queue);
+        let ready = Arc::new(AtomicBool::new(false));
+        let worker = worker::spawn(start, queue, Arc::clone(&tokenizer), Arc::clone(&ready))?;
+        let app = Arc::new(App {
+            config,
+            tokenizer,
+            jobs,
+            ready,
+            draining: AtomicBool::new(false),
+            next_id: AtomicU64::new(1),
+        });
+        Ok(Server { app, listener, worker })
+    }
+
+    /// The address it listens on.
+    pub fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+
+    /// Waits until the engine thread has loaded everything (or died trying).
+    pub async fn ready(&self) -> bool {
+        while !self.app.ready.load(Ordering::Acquire) {
+            if self.worker.is_finished() {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
+    }
+
+    /// Serves until `shutdown` resolves, then drains: new requests get 503, in-flight ones get up to the
+    /// drain timeout, and the engine thread and its producer are stopped.
+    pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
+        let Server { app, listener, worker } = self;
+        let router = Router::new()
+            .route("/health", get(health))
+            .route("/v1/models", get(models))
+            .route("/v1/completions", post(completions))
+            .layer(DefaultBodyLimit::max(MAX_BODY))
+            .with_state(Arc::clone(&app));
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let signalled = {
+            let app = Arc::clone(&app);
+            async move {
+                shutdown.await;
+                app.draining.store(true, Ordering::Release);
+                tracing::info!("draining: new requests get 503");
+                let _ = stop_tx.send(true);
+            }
+        };
+        let mut stop_wait = stop_rx.clone();
+        let graceful = async move {
+            let _ = stop_wait.wait_for(|s| *s).await;
+        };
+        let serve = axum::serve(listener, router).with_graceful_shutdown(graceful);
+        let drain = app.config.drain_timeout;
+        let mut deadline_rx = stop_rx;
+        let deadline = async move {
+            let _ = deadline_rx.wait_for(|s| *s).await;
+            tokio::time::sleep(drain).await;
+        };
+        tokio::spawn(signalled);
+        tokio::select! {
+            r = serve => r?,
+            () = deadline => tracing::warn!("drain timeout: ending in-flight requests"),
+        }
+        // No more jobs: the engine thread ends after the current one (whose client may be gone, which
+        // cancels it), and drops the producer, which kills and reaps it.
+        drop(app);
+        let _ = tokio::task::spawn_blocking(move || worker.join()).await;
+        Ok(())
+    }
+}
+
+async fn health(State(app): State<Arc<App>>) -> Response {
+    match app.unavailable() {
+        Some(e) => (e.status, Json(json!({"status": e.message}))).into_response(),
+        None => Json(json!({"status": "ok"})).into_response(),
+    }
+}
+
+async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
+    if let Err(e) = app.authorize(&headers) {
+        return e.into_response();
+    }
+    Json(json!({"object": "list", "data": [{
+        "id": app.config.model, "object": "model", "created": 0, "owned_by": "pdhost",
+        "max_model_len": app.config.limits.context,
+    }]}))
+    .into_response()
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+    match completion(app, headers, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completion(
+    app: Arc<App>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Response, ApiError> {
+    app.authorize(&headers)?;
+    if let Some(e) = app.unavailable() {
+        return Err(e);
+    }
+    let body = body.map_err(|e| {
+        let status = e.status();
+        let found = if status == StatusCode::PAYLOAD_TOO_LARGE { "more".to_string() } else { e.body_text() };
+        ApiError { status, ..ApiError::invalid("body", format_args!("at most {} MiB of JSON", MAX_BODY >> 20), found) }
+    })?;
+    let mut c = Completion::parse(&body)?;
+    if let Some(m) = &c.model {
+        if *m != app.config.model {
+            let mut e = ApiError::invalid("model", format_args!("{:?}", app.config.model), format_args!("{m:?}"));
+            e.status = StatusCode::NOT_FOUND;
+            e.code = Some("model_not_found");
+            return Err(e);
+        }
+    }
+    // Tokenizing a few MiB takes a while: not on the async threads.
+    let tokenizer = Arc::clone(&app.tokenizer);
+    let prompt = std::mem::replace(&mut c.prompt, Prompt::Ids(Vec::new()));
+    c.raw.prompt = match prompt {
+        Prompt::Ids(ids) => ids,
+        Prompt::Text(text) => {
+            tokio::task::spawn_blocking(move || tokenizer.encode(&text, tokenizer.add_bos())).await.map_err(|e| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "tokenizer", e.to_string())
+            })?
+        }
+    };
+    let checked = request::check_request(&c.raw, &app.config.limits)?;
+    let id = app.next_id.fetch_add(1, Ordering::Relaxed);
+    let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let prompt_tokens = checked.prompt.len();
+    let job = Job { id, request: checked, stop: c.stop.clone(), events };
+    if let Err(e) = app.jobs.try_send(job) {
+        let (why, code) = match e {
+            crossbeam_channel::TrySendError::Full(_) => {
+                (format!("queue: expected at most {} waiting requests, found it full", app.config.queue), "queue_full")
+            }
+            crossbeam_channel::TrySendError::Disconnected(_) => {
+                ("the engine has stopped".to_string(), "engine_stopped")
+            }
+        };
+        let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", code, why);
+        e.retry_after = Some(1);
+        return Err(e);
+    }
+    let cmpl = format!("cmpl-{id}");
+    let created = unix_now();
+    let model = app.config.model.clone();
+    if !c.stream {
+        let mut text = String::new();
+        while let Some(event) = rx.recv().await {
+            match event {
+                Event::Text(t) => text.push_str(&t),
+                Event::Done(done) => {
+                    return Ok(Json(json!({
+                        "id": cmpl, "object": "text_completion", "created": created, "model": model,
+                        "choices": [{"index": 0, "text": text, "finish_reason": done.finish, "logprobs": null}],
+                        "usage": usage(prompt_tokens, done.completion_tokens),
+                        "pdhost": done.pdhost,
+                    }))
+                    .into_response())
+                }
+                Event::Failed(message) => {
+                    return Err(ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "server_error",
+                        "generation_failed",
+                        message,
+                    ))
+                }
+            }
+        }
+        return Err(ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "server_error",
+            "engine_stopped",
+            "the engine stopped",
+        ));
+    }
+    // Streaming: a task turns engine events into SSE chunks. When the client goes away, the SSE stream
+    // and its channel are dropped, the task's send fails, it drops `rx`, and the engine stops.
+    let (sse_tx, sse_rx) = tokio::sync::mpsc::channel::<Result<SseEvent, Infallible>>(64);
+    let include_usage = c.include_usage;
+    tokio::spawn(async move {
+        let chunk = |text: &str, finish: Option<&str>, usage: Option<Value>| {
+            let mut v = json!({"id": cmpl, "object": "text_completion", "created": created, "model": model,
+                               "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": null}]});
+            if let Some(u) = usage {
+                v["choices"] = json!([]);
+                v["usage"] = u;
+            }
+            SseEvent::default().data(v.to_string())
+        };
+        while let Some(event) = rx.recv().await {
+            let sent = match event {
+                Event::Text(t) => sse_tx.send(Ok(chunk(&t, None, None))).await,
+                Event::Done(done) => {
+                    let last = json!({"id": cmpl, "object": "text_completion", "created": created,
+                        "model": model, "choices": [{"index": 0, "text": "", "finish_reason": done.finish,
+                        "logprobs": null}], "pdhost": done.pdhost});
+                    let last = SseEvent::default().data(last.to_string());
+                    let _ = sse_tx.send(Ok(last)).await;
+                    if include_usage {
+                        let _ =
+                            sse_tx.send(Ok(chunk("", None, Some(usage(prompt_tokens, done.completion_tokens))))).await;
+                    }
+                    let _ = sse_tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+                    break;
+                }
+                Event::Failed(message) => {
+                    let e = json!({"error": {"message": message, "type": "server_error", "param": null, "code": "generation_failed"}});
+                    let _ = sse_tx.send(Ok(SseEvent::default().data(e.to_string()))).await;
+                    let _ = sse_tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+                    break;
+                }
+            };
+            if sent.is_err() {
+                break;
+            }
+        }
+    });
+    Ok(Sse::new(tokio_stream::wrappers::ReceiverStream::new(sse_rx)).keep_alive(KeepAlive::default()).into_response())
+}
+
+fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}

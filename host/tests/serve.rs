@@ -1,0 +1,299 @@
+//! `pdhost serve` against a real HTTP client on loopback: the OpenAI API, outputs equal to `generate`,
+//! every bad input a 4xx error object (and the server still serving), the queue, an API key, a client
+//! that disconnects, and a SIGTERM drain that leaves no producer behind.
+
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const PDHOST: &str = env!("CARGO_BIN_EXE_pdhost");
+const MODEL: &str = "smollm2-135m";
+
+/// A running `pdhost serve`, killed if a test panics.
+struct Served {
+    child: Child,
+    url: String,
+    log: Arc<Mutex<String>>,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn fetched(name: &str) {
+    let out = Command::new(PDHOST).args(["models", "fetch", name]).stdin(Stdio::null()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn serve(extra: &[&str]) -> Served {
+    fetched(MODEL);
+    let mut child = Command::new(PDHOST)
+        .args(["serve", "--model", MODEL, "--port", "0", "--context", "1024", "--threads", "2"])
+        .args(extra)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let log = Arc::new(Mutex::new(String::new()));
+    let mut stderr = child.stderr.take().unwrap();
+    let sink = Arc::clone(&log);
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stderr.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            sink.lock().unwrap().push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let url = line
+        .trim()
+        .strip_prefix("listening on ")
+        .unwrap_or_else(|| panic!("first line {line:?}, log {}", log.lock().unwrap()))
+        .to_string();
+    Served { child, url, log }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(120)))
+        .build()
+        .into()
+}
+
+fn post(s: &Served, path: &str, body: &str) -> (u16, Value) {
+    let mut r =
+        agent().post(&format!("{}{path}", s.url)).header("content-type", "application/json").send(body).unwrap();
+    let status = r.status().as_u16();
+    let text = r.body_mut().read_to_string().unwrap();
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+fn get(s: &Served, path: &str) -> (u16, Value) {
+    let mut r = agent().get(&format!("{}{path}", s.url)).call().unwrap();
+    let status = r.status().as_u16();
+    (status, r.body_mut().read_json().unwrap())
+}
+
+/// `pdhost generate --json` for the same request.
+fn generate(prompt: &str, max_tokens: u32, extra: &[&str]) -> Value {
+    let out = Command::new(PDHOST)
+        .args(["generate", "--model", MODEL, "--prompt", prompt, "--max-tokens", &max_tokens.to_string(), "--json"])
+        .args(["--threads", "2"])
+        .args(extra)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// The `data:` payloads of a server-sent event stream, up to `[DONE]`.
+fn sse(s: &Served, body: &Value) -> Vec<String> {
+    let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(body).unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let mut out = Vec::new();
+    for line in BufReader::new(r.into_body().into_reader()).lines() {
+        let line = line.unwrap();
+        if let Some(data) = line.strip_prefix("data: ") {
+            out.push(data.to_string());
+            if data == "[DONE]" {
+                break;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object() {
+    let s = serve(&["--producer", "rngd"]);
+    assert_eq!(get(&s, "/health"), (200, json!({"status": "ok"})));
+    let (status, models) = get(&s, "/v1/models");
+    assert_eq!(status, 200);
+    assert_eq!(models["data"][0]["id"], MODEL);
+    assert_eq!(models["data"][0]["max_model_len"], 1024);
+
+    let prompt = "The three primary colours are";
+    let reference = generate(prompt, 12, &[]);
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 12, "temperature": 0});
+    let (status, v) = post(&s, "/v1/completions", &body.to_string());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["text"], reference["text"]);
+    assert_eq!(v["pdhost"]["output_ids"], reference["output_ids"]);
+    assert_eq!(v["pdhost"]["logits_xxh3"], reference["logits_xxh3"], "logits bit-identical to generate");
+    assert_eq!(v["pdhost"]["prefill"], "remote");
+    assert_eq!(v["pdhost"]["producer"], "rngd");
+    let prompt_tokens = reference["prompt_ids"].as_array().unwrap().len();
+    assert_eq!(
+        v["usage"],
+        json!({"prompt_tokens": prompt_tokens, "completion_tokens": 12, "total_tokens": prompt_tokens + 12})
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+
+    // The same as a stream, with usage: the pieces add up to the same text.
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["stream_options"] = json!({"include_usage": true});
+    let events = sse(&s, &streamed);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(e).unwrap()).collect();
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(text, reference["text"].as_str().unwrap());
+    let finish: Vec<&Value> =
+        chunks.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
+    assert_eq!(finish, vec![&json!("length")]);
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 12);
+    assert_eq!(
+        chunks.iter().find(|c| !c["pdhost"].is_null()).unwrap()["pdhost"]["logits_xxh3"],
+        reference["logits_xxh3"]
+    );
+
+    // Token ids as the prompt, and a stop string that ends the text before it.
+    let ids = reference["prompt_ids"].clone();
+    let (status, v) =
+        post(&s, "/v1/completions", &json!({"prompt": ids, "max_tokens": 12, "temperature": 0}).to_string());
+    assert_eq!((status, &v["pdhost"]["output_ids"]), (200, &reference["output_ids"]));
+    let full = reference["text"].as_str().unwrap();
+    let cut = full.char_indices().nth(full.chars().count() / 2).map_or(0, |(i, _)| i);
+    let stop = &full[cut..(cut + 3).min(full.len())];
+    let (_, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [stop]}).to_string(),
+    );
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    assert!(full.starts_with(text) && !text.contains(stop), "{text:?} / {stop:?}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    // Every bad input: 4xx, an error object naming what was expected and found, and still serving.
+    let big = format!("{{\"prompt\":\"{}\"}}", "a".repeat(5 << 20));
+    let vocab = 49152;
+    for (body, status, says) in [
+        ("{", 400, "body: expected a JSON object, found invalid JSON"),
+        ("[]", 400, "body: expected a JSON object, found an array"),
+        (r#"{"prompt":"hi","model":"gpt-4"}"#, 404, "model: expected \"smollm2-135m\", found \"gpt-4\""),
+        (r#"{"prompt":""}"#, 400, "prompt: expected a non-empty prompt"),
+        (r#"{"prompt":42}"#, 400, "prompt: expected a string or an array of token ids, found the number 42"),
+        (
+            &format!(r#"{{"prompt":[1,{vocab}]}}"#),
+            400,
+            "prompt: expected token ids below smollm2-135m's vocabulary size 49152, found 49152 at position 1",
+        ),
+        (
+            r#"{"prompt":"hi","max_tokens":5000}"#,
+            400,
+            "max_tokens: expected at most 1023 after a 1-token prompt (the 1024-token --context), found 5000",
+        ),
+        (r#"{"prompt":"hi","max_tokens":0}"#, 400, "max_tokens: expected at least 1, found 0"),
+        (r#"{"prompt":"hi","max_tokens":-3}"#, 400, "max_tokens: expected a positive integer, found -3"),
+        (r#"{"prompt":"hi","n":2}"#, 400, "n: expected 1"),
+        (r#"{"prompt":"hi","temperature":-1}"#, 400, "temperature: expected a number from 0"),
+        (r#"{"prompt":"hi","top_p":2}"#, 400, "top_p: expected a number above 0 and at most 1, found 2"),
+        (&big, 413, "body: expected at most 4 MiB of JSON"),
+    ] {
+        let (got, v) = post(&s, "/v1/completions", body);
+        assert_eq!(got, status, "{v}");
+        let message = v["error"]["message"].as_str().unwrap_or_else(|| panic!("no error object: {v}"));
+        assert!(message.contains(says), "{message}");
+        assert!(v["error"]["type"].is_string(), "{v}");
+        assert_eq!(get(&s, "/health").0, 200);
+    }
+}
+
+#[test]
+fn the_queue_refuses_past_its_size_and_a_client_that_leaves_cancels_its_request() {
+    let s = serve(&["--producer", "local", "--queue", "1"]);
+    // A long stream holds the engine; read its first chunk so it is surely running.
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "stream": true});
+    let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&long).unwrap();
+    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
+    assert!(lines.next().unwrap().unwrap().starts_with("data: "));
+    // Two more: one waits in the queue's one place, the other is refused with Retry-After.
+    let send = |s: &Served| {
+        let url = format!("{}/v1/completions", s.url);
+        std::thread::spawn(move || {
+            let r = agent().post(&url).send_json(json!({"prompt": "Hi", "max_tokens": 2, "temperature": 0})).unwrap();
+            (r.status().as_u16(), r.headers().get("retry-after").map(|v| v.to_str().unwrap().to_string()))
+        })
+    };
+    let (a, b) = (send(&s), send(&s));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    // The refused one answers at once; the queued one only once the long stream is gone.
+    while !a.is_finished() && !b.is_finished() {
+        assert!(Instant::now() < deadline, "neither request was answered");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let (first, queued) = if a.is_finished() { (a, b) } else { (b, a) };
+    let refused = first.join().unwrap();
+    assert_eq!(refused, (503, Some("1".to_string())));
+    // The client of the long stream leaves: its request is cancelled and the queued one runs.
+    drop(lines);
+    assert_eq!(queued.join().unwrap().0, 200);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !s.log.lock().unwrap().contains("cancelled by its client") {
+        assert!(Instant::now() < deadline, "no cancellation logged: {}", s.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+fn producers_of(pid: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
+        let Some((head, rest)) = stat.rsplit_once(')') else { continue };
+        if rest.split_whitespace().nth(1) == Some(&pid.to_string()) {
+            out.push(head.split_whitespace().next().unwrap().parse().unwrap());
+        }
+    }
+    out
+}
+
+#[test]
+fn an_api_key_is_required_when_set_and_sigterm_drains_leaving_nothing() {
+    let mut s = serve(&["--producer", "rngd", "--api-key", "sesame"]);
+    let url = format!("{}/v1/completions", s.url);
+    let body = json!({"prompt": "Hi", "max_tokens": 2, "temperature": 0});
+    let r = agent().post(&url).send_json(&body).unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let r = agent().post(&url).header("authorization", "Bearer wrong").send_json(&body).unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let r = agent().post(&url).header("authorization", "Bearer sesame").send_json(&body).unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(get(&s, "/health").0, 200, "health needs no key");
+
+    let pid = s.child.id();
+    let kids = producers_of(pid);
+    assert_eq!(kids.len(), 1, "one producer while serving");
+    // SAFETY: signals the child this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let status = loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "no exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(status.code(), Some(0), "{}", s.log.lock().unwrap());
+    for kid in kids {
+        assert!(!std::path::Path::new(&format!("/proc/{kid}")).exists(), "producer {kid} outlived the server");
+    }
+    let leftovers: Vec<_> = std::fs::read_dir("/dev/shm")
+        .unwrap()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().contains("pdhost"))
+        .collect();
+    assert!(leftovers.is_empty(), "{leftovers:?}");
+}
