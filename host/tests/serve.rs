@@ -297,3 +297,72 @@ fn an_api_key_is_required_when_set_and_sigterm_drains_leaving_nothing() {
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
+
+/// Chat completions render the messages with the model's own template to exactly transformers' ids
+/// (the fixture made with `apply_chat_template`), and decode the same as `generate` on those ids.
+#[test]
+fn chat_completions_use_the_models_template_and_equal_generate() {
+    let fixture: Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/chat/chat_templates.json")).unwrap(),
+    )
+    .unwrap();
+    let smol = fixture["models"].as_array().unwrap().iter().find(|m| m["model"] == MODEL).expect("smollm2 cases");
+    let case = smol["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["add_generation_prompt"] == true && c["messages"].as_array().unwrap().len() >= 2)
+        .expect("a conversation with a generation prompt");
+    let ids: Vec<String> = case["ids"].as_array().unwrap().iter().map(|i| i.to_string()).collect();
+    let out = Command::new(PDHOST)
+        .args(["generate", "--model", MODEL, "--prompt-ids", &ids.join(","), "--max-tokens", "10", "--json"])
+        .args(["--threads", "2"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let reference: Value = serde_json::from_slice(&out.stdout).unwrap();
+
+    let s = serve(&["--producer", "gpu"]);
+    assert_eq!(get(&s, "/v1/models").1["data"][0]["chat_template"], "metadata");
+    let body = json!({"model": MODEL, "messages": case["messages"], "max_tokens": 10, "temperature": 0});
+    let (status, v) = post(&s, "/v1/chat/completions", &body.to_string());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["usage"]["prompt_tokens"], case["ids"].as_array().unwrap().len(), "the template's ids");
+    assert_eq!(v["pdhost"]["output_ids"], reference["output_ids"]);
+    assert_eq!(v["pdhost"]["logits_xxh3"], reference["logits_xxh3"]);
+    assert_eq!(v["choices"][0]["message"]["role"], "assistant");
+    assert_eq!(v["choices"][0]["message"]["content"], reference["text"]);
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let r = agent().post(&format!("{}/v1/chat/completions", s.url)).send_json(&streamed).unwrap();
+    let mut chunks = Vec::new();
+    for line in BufReader::new(r.into_body().into_reader()).lines() {
+        let line = line.unwrap();
+        match line.strip_prefix("data: ") {
+            Some("[DONE]") => break,
+            Some(data) => chunks.push(serde_json::from_str::<Value>(data).unwrap()),
+            None => {}
+        }
+    }
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(text, reference["text"].as_str().unwrap());
+
+    // A conversation the template refuses, and malformed messages: 400s naming `messages`.
+    for body in [r#"{"messages":[]}"#, r#"{"messages":[{"role":"user"}],"n":3}"#, r#"{"messages":"hi"}"#] {
+        let (status, v) = post(&s, "/v1/chat/completions", body);
+        assert_eq!(status, 400, "{v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().starts_with(if body.contains("\"n\"") {
+                "n:"
+            } else {
+                "messages:"
+            }),
+            "{v}"
+        );
+    }
+}

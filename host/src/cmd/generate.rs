@@ -56,6 +56,12 @@ impl Opened {
         Ok(Opened { config, tokenizer: Some(tokenizer), name, path: std::path::absolute(&file)?, gguf: Some(gguf) })
     }
 
+    /// The model's chat template (from its GGUF metadata, or built in for its architecture); `None` for
+    /// a checkpoint directory.
+    pub fn chat_template(&self) -> Option<Result<model::chat::ChatTemplate, model::chat::ChatError>> {
+        self.gguf.as_ref().map(model::chat::ChatTemplate::from_gguf)
+    }
+
     /// Reads the weights (the slow part, with a spinner).
     pub fn load(&self, quiet: bool) -> anyhow::Result<Model> {
         let spinner = super::models::Bar::new(quiet);

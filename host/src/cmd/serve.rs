@@ -62,8 +62,16 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         OnFailureArg::Fail => OnFailure::Fail,
         OnFailureArg::Fallback => OnFailure::Fallback,
     };
+    let chat = match opened.chat_template() {
+        Some(Ok(t)) => Some(Arc::new(t)),
+        Some(Err(e)) => {
+            tracing::warn!("no chat completions: {e}");
+            None
+        }
+        None => None,
+    };
     let config =
-        ServeConfig { model: opened.name.clone(), limits, queue, api_key: args.api_key.clone(), drain_timeout };
+        ServeConfig { model: opened.name.clone(), limits, queue, api_key: args.api_key.clone(), drain_timeout, chat };
     let addr = SocketAddr::new(args.host, args.port);
     let precision = args.precision.precision();
 

@@ -80,13 +80,15 @@ fn kind(v: &Value) -> String {
     }
 }
 
-/// The prompt of a completion: text to tokenize, or ids.
+/// The prompt of a completion: text to tokenize, ids, or a conversation to render with the chat template.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Prompt {
     /// Text.
     Text(String),
     /// Token ids.
     Ids(Vec<u32>),
+    /// Chat messages.
+    Messages(Vec<model::chat::Message>),
 }
 
 /// A `POST /v1/completions` body, its fields typed and checked for type (bounds come from
@@ -152,45 +154,101 @@ fn opt_bool(m: &Map<String, Value>, key: &'static str) -> Result<bool, ApiError>
     }
 }
 
+/// One chat message: `{"role": "...", "content": "..."}`, the content a string or text parts.
+fn message(i: usize, v: &Value) -> Result<model::chat::Message, ApiError> {
+    let Value::Object(m) = v else {
+        return Err(ApiError::invalid(
+            "messages",
+            "objects with a role and a content",
+            format_args!("{} at {i}", kind(v)),
+        ));
+    };
+    let role = match m.get("role") {
+        Some(Value::String(r)) if !r.is_empty() => r.clone(),
+        other => {
+            let found = other.map_or("none".to_string(), kind);
+            return Err(ApiError::invalid(
+                "messages",
+                "a role string in every message",
+                format_args!("{found} at {i}"),
+            ));
+        }
+    };
+    let content = match m.get("content") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(c)) => c.clone(),
+        // OpenAI's content parts: only text ones here.
+        Some(Value::Array(parts)) => {
+            let mut text = String::new();
+            for part in parts {
+                match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(t)) => text.push_str(t),
+                    _ => {
+                        return Err(ApiError::invalid(
+                            "messages",
+                            "content as a string or text parts ({\"type\": \"text\", \"text\": ...})",
+                            format_args!("another part in message {i}"),
+                        ))
+                    }
+                }
+            }
+            text
+        }
+        Some(v) => {
+            return Err(ApiError::invalid(
+                "messages",
+                "content as a string or text parts",
+                format_args!("{} at {i}", kind(v)),
+            ))
+        }
+    };
+    Ok(model::chat::Message::new(role, content))
+}
+
 impl Completion {
+    /// Reads a `POST /v1/chat/completions` body: `messages` instead of `prompt`, the rest as a completion.
+    pub fn parse_chat(body: &[u8]) -> Result<Self, ApiError> {
+        let mut m = obj(body)?;
+        let messages = match m.remove("messages") {
+            Some(Value::Array(a)) if !a.is_empty() => {
+                if a.len() > model::chat::MAX_MESSAGES {
+                    return Err(ApiError::invalid(
+                        "messages",
+                        format_args!("1 to {} messages", model::chat::MAX_MESSAGES),
+                        a.len(),
+                    ));
+                }
+                a.iter().enumerate().map(|(i, v)| message(i, v)).collect::<Result<Vec<_>, _>>()?
+            }
+            Some(Value::Array(_)) => return Err(ApiError::invalid("messages", "at least one message", "none")),
+            None => return Err(ApiError::invalid("messages", "an array of messages", "none")),
+            Some(v) => return Err(ApiError::invalid("messages", "an array of messages", kind(&v))),
+        };
+        if m.contains_key("prompt") {
+            return Err(ApiError::invalid("prompt", "no prompt in a chat request (messages carry it)", "one"));
+        }
+        // `max_completion_tokens` is the newer name of `max_tokens`.
+        if let Some(v) = m.remove("max_completion_tokens") {
+            m.entry("max_tokens").or_insert(v);
+        }
+        Completion::from_map(m, Some(Prompt::Messages(messages)))
+    }
+
     /// Reads a completion body. Unknown fields are ignored, as OpenAI's clients send extras.
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
-        let m = obj(body)?;
+        Completion::from_map(obj(body)?, None)
+    }
+
+    /// The fields both endpoints share; `prompt` from the body unless the caller has it already.
+    fn from_map(m: Map<String, Value>, prompt: Option<Prompt>) -> Result<Self, ApiError> {
         let model = match m.get("model") {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s.clone()),
             Some(v) => return Err(ApiError::invalid("model", "a string", kind(v))),
         };
-        let prompt = match m.get("prompt") {
-            Some(Value::String(s)) if s.is_empty() => {
-                return Err(ApiError::invalid("prompt", "a non-empty prompt", "an empty string"))
-            }
-            Some(Value::String(s)) => Prompt::Text(s.clone()),
-            Some(Value::Array(a)) if a.iter().all(|v| v.is_number()) => {
-                let ids = a
-                    .iter()
-                    .enumerate()
-                    .map(|(i, v)| {
-                        v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
-                            ApiError::invalid(
-                                "prompt",
-                                "token ids from 0 to 4294967295",
-                                format_args!("{v} at position {i}"),
-                            )
-                        })
-                    })
-                    .collect::<Result<Vec<u32>, _>>()?;
-                Prompt::Ids(ids)
-            }
-            Some(v @ Value::Array(_)) => {
-                return Err(ApiError::invalid(
-                    "prompt",
-                    "a string or an array of token ids (one prompt per request)",
-                    kind(v),
-                ))
-            }
-            None => return Err(ApiError::invalid("prompt", "a string or an array of token ids", "none")),
-            Some(v) => return Err(ApiError::invalid("prompt", "a string or an array of token ids", kind(v))),
+        let prompt = match prompt {
+            Some(p) => p,
+            None => Self::prompt(&m)?,
         };
         if let Some(n) = opt_u64(&m, "n", Field::MaxTokens)? {
             if n != 1 {
@@ -235,6 +293,40 @@ impl Completion {
         };
         Ok(Completion { model, prompt, raw, stop, stream, include_usage })
     }
+
+    fn prompt(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
+        Ok(match m.get("prompt") {
+            Some(Value::String(s)) if s.is_empty() => {
+                return Err(ApiError::invalid("prompt", "a non-empty prompt", "an empty string"))
+            }
+            Some(Value::String(s)) => Prompt::Text(s.clone()),
+            Some(Value::Array(a)) if a.iter().all(|v| v.is_number()) => {
+                let ids = a
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| {
+                        v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
+                            ApiError::invalid(
+                                "prompt",
+                                "token ids from 0 to 4294967295",
+                                format_args!("{v} at position {i}"),
+                            )
+                        })
+                    })
+                    .collect::<Result<Vec<u32>, _>>()?;
+                Prompt::Ids(ids)
+            }
+            Some(v @ Value::Array(_)) => {
+                return Err(ApiError::invalid(
+                    "prompt",
+                    "a string or an array of token ids (one prompt per request)",
+                    kind(v),
+                ))
+            }
+            None => return Err(ApiError::invalid("prompt", "a string or an array of token ids", "none")),
+            Some(v) => return Err(ApiError::invalid("prompt", "a string or an array of token ids", kind(v))),
+        })
+    }
 }
 
 #[cfg(test)]
@@ -276,5 +368,27 @@ mod tests {
             "temperature: expected a number, found a string of 3 bytes"
         );
         assert_eq!(err(r#"{"prompt":"x","stream":1}"#), "stream: expected a boolean, found the number 1");
+    }
+
+    #[test]
+    fn chat_messages_are_read_with_text_parts_and_named_when_wrong() {
+        let c = Completion::parse_chat(
+            br#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi"},{"type":"text","text":"!"}]}],"max_completion_tokens":5}"#,
+        )
+        .unwrap();
+        let Prompt::Messages(m) = &c.prompt else { panic!("messages") };
+        assert_eq!((m[0].role.as_str(), m[1].content.as_str(), c.raw.max_tokens), ("system", "Hi!", 5));
+        let chat_err = |b: &str| Completion::parse_chat(b.as_bytes()).unwrap_err().message;
+        assert_eq!(chat_err(r#"{"messages":[]}"#), "messages: expected at least one message, found none");
+        assert_eq!(chat_err(r#"{}"#), "messages: expected an array of messages, found none");
+        assert_eq!(
+            chat_err(r#"{"messages":[{"content":"x"}]}"#),
+            "messages: expected a role string in every message, found none at 0"
+        );
+        assert!(chat_err(r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#).contains("text parts"));
+        assert_eq!(
+            chat_err(r#"{"messages":["hi"]}"#),
+            "messages: expected objects with a role and a content, found a string of 2 bytes at 0"
+        );
     }
 }

@@ -26,6 +26,7 @@ use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use model::chat::ChatTemplate;
 use model::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
@@ -53,6 +54,8 @@ pub struct ServeConfig {
     pub api_key: Option<String>,
     /// How long in-flight requests may take to finish after SIGTERM or SIGINT.
     pub drain_timeout: Duration,
+    /// The model's chat template (`None`: `/v1/chat/completions` answers that there is none).
+    pub chat: Option<Arc<ChatTemplate>>,
 }
 
 /// Shared by every handler.
@@ -154,6 +157,7 @@ impl Server {
             .route("/health", get(health))
             .route("/v1/models", get(models))
             .route("/v1/completions", post(completions))
+            .route("/v1/chat/completions", post(chat_completions))
             .layer(DefaultBodyLimit::max(MAX_BODY))
             .with_state(Arc::clone(&app));
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -201,9 +205,10 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(e) = app.authorize(&headers) {
         return e.into_response();
     }
+    let template = app.config.chat.as_ref().map(|t| t.source().name());
     Json(json!({"object": "list", "data": [{
         "id": app.config.model, "object": "model", "created": 0, "owned_by": "pdhost",
-        "max_model_len": app.config.limits.context,
+        "max_model_len": app.config.limits.context, "chat_template": template,
     }]}))
     .into_response()
 }
@@ -213,9 +218,64 @@ fn unix_now() -> u64 {
 }
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
-    match completion(app, headers, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
+    completion(app, headers, body, Endpoint::Text).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat_completions(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    completion(app, headers, body, Endpoint::Chat).await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// Which API a request came in through: the shapes of its responses differ, nothing else does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Endpoint {
+    /// `/v1/completions`.
+    Text,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+impl Endpoint {
+    fn id(self, n: u64) -> String {
+        match self {
+            Endpoint::Text => format!("cmpl-{n}"),
+            Endpoint::Chat => format!("chatcmpl-{n}"),
+        }
+    }
+
+    fn object(self, chunk: bool) -> &'static str {
+        match (self, chunk) {
+            (Endpoint::Text, _) => "text_completion",
+            (Endpoint::Chat, false) => "chat.completion",
+            (Endpoint::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    /// The choice of a whole response.
+    fn choice(self, text: &str, finish: &str) -> Value {
+        match self {
+            Endpoint::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
+            Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
+                                     "finish_reason": finish, "logprobs": null}),
+        }
+    }
+
+    /// The choice of a stream chunk: new text, or the end.
+    fn delta(self, text: &str, first: bool, finish: Option<&str>) -> Value {
+        match self {
+            Endpoint::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
+            Endpoint::Chat => {
+                let delta = match (first, finish) {
+                    (_, Some(_)) => json!({}),
+                    (true, None) => json!({"role": "assistant", "content": text}),
+                    (false, None) => json!({"content": text}),
+                };
+                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null})
+            }
+        }
     }
 }
 
@@ -223,6 +283,7 @@ async fn completion(
     app: Arc<App>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
+    endpoint: Endpoint,
 ) -> Result<Response, ApiError> {
     app.authorize(&headers)?;
     if let Some(e) = app.unavailable() {
@@ -233,7 +294,20 @@ async fn completion(
         let found = if status == StatusCode::PAYLOAD_TOO_LARGE { "more".to_string() } else { e.body_text() };
         ApiError { status, ..ApiError::invalid("body", format_args!("at most {} MiB of JSON", MAX_BODY >> 20), found) }
     })?;
-    let mut c = Completion::parse(&body)?;
+    let mut c = match endpoint {
+        Endpoint::Text => Completion::parse(&body)?,
+        Endpoint::Chat => Completion::parse_chat(&body)?,
+    };
+    let chat = match (endpoint, &app.config.chat) {
+        (Endpoint::Chat, None) => {
+            return Err(ApiError::invalid(
+                "messages",
+                "a model with a chat template",
+                format_args!("{} without one", app.config.model),
+            ))
+        }
+        (_, chat) => chat.clone(),
+    };
     if let Some(m) = &c.model {
         if *m != app.config.model {
             let mut e = ApiError::invalid("model", format_args!("{:?}", app.config.model), format_args!("{m:?}"));
@@ -251,6 +325,15 @@ async fn completion(
             tokio::task::spawn_blocking(move || tokenizer.encode(&text, tokenizer.add_bos())).await.map_err(|e| {
                 ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "tokenizer", e.to_string())
             })?
+        }
+        Prompt::Messages(messages) => {
+            let chat = chat.expect("checked above");
+            tokio::task::spawn_blocking(move || chat.encode(&tokenizer, &messages, true))
+                .await
+                .map_err(|e| {
+                    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "chat_template", e.to_string())
+                })?
+                .map_err(|e| ApiError::invalid("messages", "messages the model's chat template accepts", e))?
         }
     };
     let checked = request::check_request(&c.raw, &app.config.limits)?;
@@ -271,7 +354,7 @@ async fn completion(
         e.retry_after = Some(1);
         return Err(e);
     }
-    let cmpl = format!("cmpl-{id}");
+    let cmpl = endpoint.id(id);
     let created = unix_now();
     let model = app.config.model.clone();
     if !c.stream {
@@ -281,8 +364,8 @@ async fn completion(
                 Event::Text(t) => text.push_str(&t),
                 Event::Done(done) => {
                     return Ok(Json(json!({
-                        "id": cmpl, "object": "text_completion", "created": created, "model": model,
-                        "choices": [{"index": 0, "text": text, "finish_reason": done.finish, "logprobs": null}],
+                        "id": cmpl, "object": endpoint.object(false), "created": created, "model": model,
+                        "choices": [endpoint.choice(&text, done.finish)],
                         "usage": usage(prompt_tokens, done.completion_tokens),
                         "pdhost": done.pdhost,
                     }))
@@ -310,9 +393,11 @@ async fn completion(
     let (sse_tx, sse_rx) = tokio::sync::mpsc::channel::<Result<SseEvent, Infallible>>(64);
     let include_usage = c.include_usage;
     tokio::spawn(async move {
-        let chunk = |text: &str, finish: Option<&str>, usage: Option<Value>| {
-            let mut v = json!({"id": cmpl, "object": "text_completion", "created": created, "model": model,
-                               "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": null}]});
+        let mut first = true;
+        let mut chunk = |text: &str, finish: Option<&str>, usage: Option<Value>| {
+            let mut v = json!({"id": cmpl, "object": endpoint.object(true), "created": created, "model": model,
+                               "choices": [endpoint.delta(text, first, finish)]});
+            first = false;
             if let Some(u) = usage {
                 v["choices"] = json!([]);
                 v["usage"] = u;
@@ -323,9 +408,9 @@ async fn completion(
             let sent = match event {
                 Event::Text(t) => sse_tx.send(Ok(chunk(&t, None, None))).await,
                 Event::Done(done) => {
-                    let last = json!({"id": cmpl, "object": "text_completion", "created": created,
-                        "model": model, "choices": [{"index": 0, "text": "", "finish_reason": done.finish,
-                        "logprobs": null}], "pdhost": done.pdhost});
+                    let mut last = json!({"id": cmpl, "object": endpoint.object(true), "created": created,
+                        "model": model, "choices": [endpoint.delta("", false, Some(done.finish))]});
+                    last["pdhost"] = done.pdhost;
                     let last = SseEvent::default().data(last.to_string());
                     let _ = sse_tx.send(Ok(last)).await;
                     if include_usage {
