@@ -79,6 +79,14 @@ fn post(s: &Served, path: &str, body: &str) -> (u16, Value) {
     (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
 }
 
+/// `GET /metrics` as text, and one sample's value (`None` when absent).
+fn metric(s: &Served, sample: &str) -> Option<f64> {
+    let mut r = agent().get(&format!("{}/metrics", s.url)).call().unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let text = r.body_mut().read_to_string().unwrap();
+    text.lines().find_map(|l| l.strip_prefix(sample).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.parse().ok()))
+}
+
 fn get(s: &Served, path: &str) -> (u16, Value) {
     let mut r = agent().get(&format!("{}{path}", s.url)).call().unwrap();
     let status = r.status().as_u16();
@@ -210,6 +218,16 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         assert!(v["error"]["type"].is_string(), "{v}");
         assert_eq!(get(&s, "/health").0, 200);
     }
+
+    // Metrics count what happened.
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(4.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(12.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
+    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(4.0));
+    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(4.0));
+    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(4.0));
+    assert_eq!(metric(&s, r#"pdhost_producer_starts_total{kind="start"}"#), Some(1.0));
+    assert_eq!(metric(&s, "pdhost_requests_running"), Some(0.0));
 }
 
 #[test]
@@ -246,6 +264,11 @@ fn the_queue_refuses_past_its_size_and_a_client_that_leaves_cancels_its_request(
         assert!(Instant::now() < deadline, "no cancellation logged: {}", s.log.lock().unwrap());
         std::thread::sleep(Duration::from_millis(10));
     }
+    // Its pages are free again: every group is back to no page in use.
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="cancelled"}"#), Some(1.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="queue_full"}"#), Some(1.0));
+    assert_eq!(metric(&s, r#"pdhost_kv_pages{group="0 (full attention)",state="used"}"#), Some(0.0));
+    assert!(metric(&s, r#"pdhost_kv_pages{group="0 (full attention)",state="free"}"#).is_some_and(|f| f > 0.0));
 }
 
 fn producers_of(pid: u32) -> Vec<u32> {

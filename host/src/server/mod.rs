@@ -33,6 +33,7 @@ use serde_json::{json, Value};
 use crate::request::{self, Limits};
 
 pub mod api;
+pub mod metrics;
 pub mod worker;
 
 use api::{ApiError, Completion, Prompt};
@@ -67,6 +68,7 @@ struct App {
     ready: Arc<AtomicBool>,
     draining: AtomicBool,
     next_id: AtomicU64,
+    metrics: metrics::Metrics,
 }
 
 impl App {
@@ -121,7 +123,8 @@ impl Server {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let (jobs, queue) = crossbeam_channel::bounded(config.queue);
         let ready = Arc::new(AtomicBool::new(false));
-        let worker = worker::spawn(start, queue, Arc::clone(&tokenizer), Arc::clone(&ready))?;
+        let metrics = metrics::Metrics::new();
+        let worker = worker::spawn(start, queue, Arc::clone(&tokenizer), Arc::clone(&ready), metrics.clone())?;
         let app = Arc::new(App {
             config,
             tokenizer,
@@ -129,6 +132,7 @@ impl Server {
             ready,
             draining: AtomicBool::new(false),
             next_id: AtomicU64::new(1),
+            metrics,
         });
         Ok(Server { app, listener, worker })
     }
@@ -155,6 +159,7 @@ impl Server {
         let Server { app, listener, worker } = self;
         let router = Router::new()
             .route("/health", get(health))
+            .route("/metrics", get(metrics_text))
             .route("/v1/models", get(models))
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
@@ -201,6 +206,17 @@ async fn health(State(app): State<Arc<App>>) -> Response {
     }
 }
 
+async fn metrics_text(State(app): State<Arc<App>>) -> Response {
+    app.metrics.waiting.set(app.jobs.len() as i64);
+    ([("content-type", "text/plain; version=0.0.4; charset=utf-8")], app.metrics.render()).into_response()
+}
+
+/// Counts a refused request by its code, and answers with its error object.
+fn refused(app: &App, e: ApiError) -> Response {
+    app.metrics.requests.with_label_values(&[e.code.unwrap_or("invalid_request")]).inc();
+    e.into_response()
+}
+
 async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(e) = app.authorize(&headers) {
         return e.into_response();
@@ -218,7 +234,7 @@ fn unix_now() -> u64 {
 }
 
 async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
-    completion(app, headers, body, Endpoint::Text).await.unwrap_or_else(IntoResponse::into_response)
+    completion(Arc::clone(&app), headers, body, Endpoint::Text).await.unwrap_or_else(|e| refused(&app, e))
 }
 
 async fn chat_completions(
@@ -226,7 +242,7 @@ async fn chat_completions(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    completion(app, headers, body, Endpoint::Chat).await.unwrap_or_else(IntoResponse::into_response)
+    completion(Arc::clone(&app), headers, body, Endpoint::Chat).await.unwrap_or_else(|e| refused(&app, e))
 }
 
 /// Which API a request came in through: the shapes of its responses differ, nothing else does.
@@ -340,7 +356,7 @@ async fn completion(
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let prompt_tokens = checked.prompt.len();
-    let job = Job { id, request: checked, stop: c.stop.clone(), events };
+    let job = Job { id, request: checked, stop: c.stop.clone(), events, accepted: std::time::Instant::now() };
     if let Err(e) = app.jobs.try_send(job) {
         let (why, code) = match e {
             crossbeam_channel::TrySendError::Full(_) => {

@@ -10,6 +10,7 @@ use model::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedSender;
 
+use super::metrics::Metrics;
 use crate::engine::{Engine, Finish, OnFailure, PrefillBy, Request};
 use crate::supervisor::Producer;
 use crate::text::TextStream;
@@ -47,6 +48,8 @@ pub struct Job {
     pub stop: Vec<String>,
     /// Where its text and its end go; closed when the client went away.
     pub events: UnboundedSender<Event>,
+    /// When the server accepted it (end-to-end latency counts from here).
+    pub accepted: Instant,
 }
 
 /// What a request hears from the engine.
@@ -78,6 +81,7 @@ pub fn spawn(
     queue: crossbeam_channel::Receiver<Job>,
     tokenizer: Arc<Tokenizer>,
     ready: Arc<AtomicBool>,
+    metrics: Metrics,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("pdhost-engine".into()).spawn(move || {
         let mut loaded = match start() {
@@ -98,10 +102,20 @@ pub fn spawn(
                 );
             }
         }
+        metrics.kv_usage(&loaded.engine.kv.usage());
+        if let Some(p) = &loaded.producer {
+            metrics.producer(p.metrics());
+        }
         ready.store(true, Ordering::Release);
         (std::mem::replace(&mut loaded.on_ready, Box::new(|| {})))();
         while let Ok(job) = queue.recv() {
-            serve(&mut loaded, &tokenizer, job);
+            metrics.running.set(1);
+            serve(&mut loaded, &tokenizer, &metrics, job);
+            metrics.running.set(0);
+            metrics.kv_usage(&loaded.engine.kv.usage());
+            if let Some(p) = &loaded.producer {
+                metrics.producer(p.metrics());
+            }
         }
     })
 }
@@ -125,11 +139,13 @@ fn safe_end(text: &str, sent: usize, stop: &[String]) -> (usize, bool) {
     (end.max(sent), false)
 }
 
-fn serve(loaded: &mut Loaded, tokenizer: &Tokenizer, job: Job) {
+fn serve(loaded: &mut Loaded, tokenizer: &Tokenizer, metrics: &Metrics, job: Job) {
     if job.events.is_closed() {
         tracing::info!(id = job.id, "cancelled while queued");
+        metrics.requests.with_label_values(&["cancelled"]).inc();
         return;
     }
+    let mut last_token: Option<Instant> = None;
     let t0 = Instant::now();
     let mut stream = TextStream::new(tokenizer);
     let mut sent = 0;
@@ -141,6 +157,10 @@ fn serve(loaded: &mut Loaded, tokenizer: &Tokenizer, job: Job) {
         None => PrefillBy::Local,
     };
     let result = loaded.engine.generate_until(&job.request, by, |id| {
+        let now = Instant::now();
+        if let Some(t) = last_token.replace(now) {
+            metrics.inter_token.observe((now - t).as_secs_f64());
+        }
         stream.push(id);
         let text = stream.shown();
         let (end, stop) = safe_end(text, sent, &job.stop);
@@ -169,6 +189,7 @@ fn serve(loaded: &mut Loaded, tokenizer: &Tokenizer, job: Job) {
                     output = gen.output.len(),
                     "cancelled by its client"
                 );
+                metrics.requests.with_label_values(&["cancelled"]).inc();
                 return;
             }
             // What is left once nothing can grow into a stop string any more.
@@ -208,9 +229,16 @@ fn serve(loaded: &mut Loaded, tokenizer: &Tokenizer, job: Job) {
                 "output_ids": gen.output,
             });
             let _ = events.send(Event::Done(Done { finish, completion_tokens: gen.output.len(), pdhost }));
+            metrics.requests.with_label_values(&["ok"]).inc();
+            let how = if report.fallback.is_some() { "fallback" } else { where_ };
+            metrics.prefills.with_label_values(&[how, report.producer.as_deref().unwrap_or("local")]).inc();
+            metrics.kv_bytes.inc_by(gen.bytes);
+            metrics.ttft.observe(gen.ttft.as_secs_f64());
+            metrics.e2e.observe(job.accepted.elapsed().as_secs_f64());
         }
         Err(e) => {
             tracing::warn!(id = job.id, "failed: {e}");
+            metrics.requests.with_label_values(&["failed"]).inc();
             let _ = events.send(Event::Failed(e.to_string()));
         }
     }
