@@ -389,3 +389,70 @@ fn chat_completions_use_the_models_template_and_equal_generate() {
         );
     }
 }
+
+/// The official `openai` Python client, pinned, in a virtual environment under pdhost's cache (made once).
+fn openai_python() -> std::path::PathBuf {
+    const VERSION: &str = "3.57.0";
+    let home = std::env::var_os("PDHOST_HOME")
+        .filter(|h| !h.is_empty())
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(std::env::var_os("HOME").unwrap()).join(".cache/pdhost"));
+    let venv = home.join("venvs").join(format!("openai-{VERSION}"));
+    let python = venv.join("bin/python");
+    if python.exists() {
+        return python;
+    }
+    let scratch = home.join("venvs").join(format!(".openai-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    let ok = Command::new("python3").args(["-m", "venv"]).arg(&scratch).status().unwrap().success()
+        && Command::new(scratch.join("bin/pip"))
+            .args(["install", "--quiet", "--disable-pip-version-check", &format!("openai=={VERSION}")])
+            .status()
+            .unwrap()
+            .success();
+    assert!(ok, "installing openai=={VERSION} from the Python package registry");
+    // Another test process may have won the race; either venv works.
+    if std::fs::rename(&scratch, &venv).is_err() {
+        let _ = std::fs::remove_dir_all(&scratch);
+    }
+    python
+}
+
+#[test]
+fn the_official_openai_client_works_unmodified() {
+    let python = openai_python();
+    let s = serve(&["--producer", "rngd"]);
+    let reference = generate("The capital of France is", 12, &[]);
+    let script = format!(
+        r#"
+import json, openai
+c = openai.OpenAI(base_url="{url}/v1", api_key="unused")
+out = {{}}
+r = c.completions.create(model="{MODEL}", prompt="The capital of France is", max_tokens=12, temperature=0)
+out["text"] = r.choices[0].text
+out["usage"] = [r.usage.prompt_tokens, r.usage.completion_tokens]
+s = c.completions.create(model="{MODEL}", prompt="The capital of France is", max_tokens=12, temperature=0,
+                         stream=True, stream_options={{"include_usage": True}})
+out["streamed"] = "".join(ch.choices[0].text for ch in s if ch.choices)
+r = c.chat.completions.create(model="{MODEL}", messages=[{{"role": "user", "content": "Hi"}}], max_tokens=4, temperature=0)
+out["chat_role"] = r.choices[0].message.role
+out["models"] = [m.id for m in c.models.list()]
+try:
+    c.completions.create(model="{MODEL}", prompt="x", max_tokens=99999)
+except openai.BadRequestError as e:
+    out["error"] = [e.status_code, e.body["message"] if isinstance(e.body, dict) else str(e.body)]
+print(json.dumps(out))
+"#,
+        url = s.url
+    );
+    let out = Command::new(python).args(["-c", &script]).stdin(Stdio::null()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["text"], reference["text"]);
+    assert_eq!(v["streamed"], reference["text"]);
+    assert_eq!(v["usage"][1], 12);
+    assert_eq!(v["chat_role"], "assistant");
+    assert_eq!(v["models"], json!([MODEL]));
+    assert_eq!(v["error"][0], 400);
+    assert!(v["error"][1].as_str().unwrap().starts_with("max_tokens: expected at most"), "{v}");
+}
