@@ -84,6 +84,8 @@ impl Metrics {
             .expect("valid"),
             seen: Default::default(),
         };
+        let info = IntGauge::new("pdhost_info", "Always 1.").expect("valid");
+        info.set(1);
         let all: [Box<dyn prometheus::core::Collector>; 14] = [
             Box::new(m.requests.clone()),
             Box::new(m.prefills.clone()),
@@ -98,14 +100,7 @@ impl Metrics {
             Box::new(m.spans_rejected.clone()),
             Box::new(m.producer_starts.clone()),
             Box::new(m.prefix_hit_tokens.clone()),
-            Box::new(
-                IntGauge::new("pdhost_info", "Always 1; the version is a label.")
-                    .map(|g| {
-                        g.set(1);
-                        g
-                    })
-                    .expect("valid"),
-            ),
+            Box::new(info),
         ];
         for c in all {
             m.registry.register(c).expect("unique names");
