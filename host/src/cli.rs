@@ -38,8 +38,8 @@ pub enum Command {
     ///
     /// Prefill runs in a producer subprocess (`--producer rngd` by default), decode in the host. Requests
     /// are checked exactly as `generate` checks its flags; a refusal is a 4xx with an OpenAI error object.
-    /// Today one sequence is generated at a time and accepted requests wait in a FIFO queue (`--queue`);
-    /// past it the answer is 503 with Retry-After. SIGTERM or SIGINT drains: new requests get 503,
+    /// Up to --slots sequences are live at once, each decode round stepping every one of them by a token;
+    /// further requests wait in a FIFO queue (`--queue`), and past it the answer is 503 with Retry-After. SIGTERM or SIGINT drains: new requests get 503,
     /// in-flight ones finish within --drain-timeout, then the producer is stopped and the server exits 0.
     Serve(ServeArgs),
     /// List the models pdhost knows by name, or fetch one into the model cache.
@@ -141,7 +141,10 @@ pub struct ServeArgs {
     /// Tokens per KV page (1 to 4096, and at most the model's context).
     #[arg(long, default_value_t = 64, allow_negative_numbers = true)]
     pub page_size: u64,
-    /// Requests that may wait while one is generated; past that the answer is 503 with Retry-After.
+    /// Sequences generated at once (1 to 64): each decode round advances every live sequence by one token.
+    #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
+    pub slots: u64,
+    /// Requests that may wait beyond the slots; past that the answer is 503 with Retry-After.
     #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
     pub queue: u64,
     /// Who prefills: `rngd`, `gpu`, `faulty`, a backend library `PATH.so`, or `local` (see `generate`).
@@ -299,6 +302,56 @@ pub enum Bench {
     /// IPC, span write, transfer and ingest), and decode tokens/s after each. Checks that both give the
     /// same output and logits.
     Pd(PdBenchArgs),
+    /// The HTTP matrix: prompt lengths x output lengths x concurrency x streamed or not, against a `pdhost
+    /// serve` this command starts (or `--url`), every response checked token for token against a lone
+    /// request's; TTFT, inter-token latency and output tokens/s per cell.
+    ///
+    /// Exit status: 0 when every response was equal to its reference, 1 when one differed or failed.
+    Serve(ServeBenchArgs),
+}
+
+/// `pdhost bench serve`.
+#[derive(Debug, Args)]
+pub struct ServeBenchArgs {
+    /// Benchmark the server at this URL (`http://HOST:PORT`) instead of starting one.
+    #[arg(long, value_name = "URL", conflicts_with_all = ["producer", "threads", "kv_dtype", "context"])]
+    pub url: Option<String>,
+    /// The model (a name from `pdhost models list`; default gemma3-270m, or what `--url` serves). Prompts
+    /// are tokenized with its tokenizer.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Who prefills in the started server: `rngd`, `gpu`, `faulty`, a backend library `PATH.so`, or
+    /// `local`.
+    #[arg(long, default_value = "rngd")]
+    pub producer: String,
+    /// Forward-pass threads of the started server: 1 to 4 per core (default: one per core).
+    #[arg(long, allow_negative_numbers = true)]
+    pub threads: Option<u64>,
+    /// Element type of the started server's KV cache and spans.
+    #[arg(long, value_enum, default_value_t = KvDtype::F32)]
+    pub kv_dtype: KvDtype,
+    /// Prompt plus output tokens per request in the started server (default 9216, or the model's context
+    /// when smaller).
+    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
+    pub context: Option<u64>,
+    /// Prompt lengths in tokens, exact (each 1 to the context less the longest output).
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 8192])]
+    pub inputs: Vec<u64>,
+    /// Output lengths in tokens (`max_tokens`, greedy; each 1 to 4096).
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [32u64, 128])]
+    pub outputs: Vec<u64>,
+    /// Requests in flight at once (each 1 to 64): a cell sends batches of this many and waits for all.
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
+    pub concurrency: Vec<u64>,
+    /// Timed batches per cell (1 to 100).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 3)]
+    pub repeats: u64,
+    /// `on`: streamed responses (server-sent events), `off`: whole ones, `both`: a cell of each.
+    #[arg(long, default_value = "both", value_parser = ["on", "off", "both"])]
+    pub stream: String,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `pdhost bench pd`.

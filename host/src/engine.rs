@@ -283,13 +283,23 @@ impl Engine {
         by: PrefillBy<'_>,
         mut on_token: impl FnMut(u32) -> ControlFlow<()>,
     ) -> Result<Generation, EngineError> {
-        let seq = SeqId(self.next_seq);
-        self.next_seq += 1;
-        let request_id = seq.0;
-        self.kv.add_sequence(seq, request_id)?;
-        let result = self.run(seq, request_id, req, by, &mut on_token);
-        let _ = self.kv.remove_sequence(seq);
-        result
+        let mut live = self.admit(req, by)?;
+        loop {
+            match self.step(&mut live) {
+                Ok(Some(token)) => {
+                    if on_token(token).is_break() {
+                        live.finish = Some(Finish::Stopped);
+                        break;
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    let _ = self.kv.remove_sequence(live.seq);
+                    return Err(e);
+                }
+            }
+        }
+        Ok(self.finish(live))
     }
 
     /// Adds a sequence and prefills all of `prompt` into it (in spans of `chunk` tokens; 0: one span),
@@ -406,14 +416,24 @@ impl Engine {
         Ok((total, prompt.len().div_ceil(chunk)))
     }
 
-    fn run(
-        &mut self,
-        seq: SeqId,
-        request_id: u64,
-        req: &Request,
-        by: PrefillBy<'_>,
-        on_token: &mut dyn FnMut(u32) -> ControlFlow<()>,
-    ) -> Result<Generation, EngineError> {
+    /// Adds a sequence for `req`, prefills its prompt (by `by`) and runs its last prompt token in the host,
+    /// whose logits choose the first output token: a [`Live`] sequence ready for [`Engine::step`]. On
+    /// failure the sequence is gone again.
+    pub fn admit(&mut self, req: &Request, by: PrefillBy<'_>) -> Result<Live, EngineError> {
+        let seq = SeqId(self.next_seq);
+        self.next_seq += 1;
+        let request_id = seq.0;
+        self.kv.add_sequence(seq, request_id)?;
+        match self.start(seq, request_id, req, by) {
+            Ok(live) => Ok(live),
+            Err(e) => {
+                let _ = self.kv.remove_sequence(seq);
+                Err(e)
+            }
+        }
+    }
+
+    fn start(&mut self, seq: SeqId, request_id: u64, req: &Request, by: PrefillBy<'_>) -> Result<Live, EngineError> {
         let started = Instant::now();
         let mut rng = Rng(match req.sampling {
             Sampling::TopP { seed, .. } => seed ^ 0x9E37_79B9_7F4A_7C15,
@@ -428,48 +448,141 @@ impl Engine {
         let last_token = t.elapsed();
         prefill += last_token;
         self.ingest(seq, request_id, &out.kv)?;
-        let logits = out.logits;
         let mut hasher = twox_hash::XxHash3_64::with_seed(0);
-        let mut output = Vec::new();
-        let done = |output, finish, ttft, decode, report, logits_hash| Generation {
-            output,
-            finish,
+        let next = if req.max_tokens == 0 {
+            None
+        } else {
+            hash_logits(&mut hasher, &out.logits);
+            Some(sample(&out.logits, req.sampling, &mut rng))
+        };
+        let ttft = started.elapsed();
+        Ok(Live {
+            seq,
+            request_id,
+            prompt_len: req.prompt.len(),
+            max_tokens: req.max_tokens,
+            sampling: req.sampling,
+            rng,
+            hasher,
+            next,
+            to_run: None,
+            output: Vec::new(),
+            finish: if next.is_none() { Some(Finish::Length) } else { None },
             spans,
             bytes,
             prefill,
             ingest,
             ttft,
             last_token,
-            decode,
+            decode_start: Instant::now(),
             report,
-            logits_hash,
-        };
-        if req.max_tokens == 0 {
-            return Ok(done(output, Finish::Length, started.elapsed(), Duration::ZERO, report, hasher.finish()));
+        })
+    }
+
+    /// Emits `live`'s next token: first, unless it is the first, runs the previous token through the model
+    /// and samples from its logits. `None` once the sequence has ended (EOS, `max_tokens`); then
+    /// [`Engine::finish`] it. A caller that stops after a token never pays for the step after it.
+    pub fn step(&mut self, live: &mut Live) -> Result<Option<u32>, EngineError> {
+        if live.finish.is_some() {
+            return Ok(None);
         }
-        hash_logits(&mut hasher, &logits);
-        let mut next = sample(&logits, req.sampling, &mut rng);
-        let ttft = started.elapsed();
-        let decode_start = Instant::now();
-        let eos = self.model.config.eos.clone();
-        let finish = loop {
-            output.push(next);
-            if on_token(next).is_break() {
-                break Finish::Stopped;
-            }
-            if eos.contains(&next) {
-                break Finish::Eos;
-            }
-            if output.len() >= req.max_tokens {
-                break Finish::Length;
-            }
-            let pos = (req.prompt.len() + output.len() - 1) as u64;
-            let out = self.model.forward(&[next], pos, &PagedPast { kv: &self.kv, seq }, false);
-            self.ingest(seq, request_id, &out.kv)?;
-            hash_logits(&mut hasher, &out.logits);
-            next = sample(&out.logits, req.sampling, &mut rng);
-        };
-        Ok(done(output, finish, ttft, decode_start.elapsed(), report, hasher.finish()))
+        if let Some(previous) = live.to_run.take() {
+            let pos = (live.prompt_len + live.output.len() - 1) as u64;
+            let out = self.model.forward(&[previous], pos, &PagedPast { kv: &self.kv, seq: live.seq }, false);
+            self.ingest(live.seq, live.request_id, &out.kv)?;
+            hash_logits(&mut live.hasher, &out.logits);
+            live.next = Some(sample(&out.logits, live.sampling, &mut live.rng));
+        }
+        let Some(token) = live.next.take() else { return Ok(None) };
+        live.output.push(token);
+        if self.model.config.eos.contains(&token) {
+            live.finish = Some(Finish::Eos);
+        } else if live.output.len() >= live.max_tokens {
+            live.finish = Some(Finish::Length);
+        } else {
+            live.to_run = Some(token);
+        }
+        Ok(Some(token))
+    }
+
+    /// Ends `live` (as it finished, or [`Finish::Stopped`] when it has not), frees its pages, and returns
+    /// what it generated.
+    pub fn finish(&mut self, live: Live) -> Generation {
+        let _ = self.kv.remove_sequence(live.seq);
+        let decode = if !live.output.is_empty() { live.decode_start.elapsed() } else { Duration::ZERO };
+        Generation {
+            finish: live.finish.unwrap_or(Finish::Stopped),
+            output: live.output,
+            spans: live.spans,
+            bytes: live.bytes,
+            prefill: live.prefill,
+            ingest: live.ingest,
+            ttft: live.ttft,
+            last_token: live.last_token,
+            decode,
+            report: live.report,
+            logits_hash: live.hasher.finish(),
+        }
+    }
+}
+
+/// A sequence between [`Engine::admit`] and [`Engine::finish`]: its pages in the cache, its sampler and
+/// what it has generated. Each is independent of every other, so sequences may be stepped in any
+/// interleaving and each still computes exactly what it would alone.
+pub struct Live {
+    seq: SeqId,
+    request_id: u64,
+    prompt_len: usize,
+    max_tokens: usize,
+    sampling: Sampling,
+    rng: Rng,
+    hasher: twox_hash::XxHash3_64,
+    /// The token to emit at the next step.
+    next: Option<u32>,
+    /// The last emitted token, to run through the model at the next step.
+    to_run: Option<u32>,
+    output: Vec<u32>,
+    finish: Option<Finish>,
+    spans: usize,
+    bytes: u64,
+    prefill: Duration,
+    ingest: Duration,
+    ttft: Duration,
+    last_token: Duration,
+    decode_start: Instant,
+    report: PrefillReport,
+}
+
+impl std::fmt::Debug for Live {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Live")
+            .field("seq", &self.seq)
+            .field("prompt_len", &self.prompt_len)
+            .field("output", &self.output.len())
+            .field("finish", &self.finish)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Live {
+    /// Whether it has ended (EOS or `max_tokens`).
+    pub fn is_done(&self) -> bool {
+        self.finish.is_some()
+    }
+
+    /// Tokens generated so far.
+    pub fn output(&self) -> &[u32] {
+        &self.output
+    }
+
+    /// Time to its first token (prefill and the last prompt token).
+    pub fn ttft(&self) -> Duration {
+        self.ttft
+    }
+
+    /// How its prompt was prefilled.
+    pub fn report(&self) -> &PrefillReport {
+        &self.report
     }
 }
 

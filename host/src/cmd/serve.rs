@@ -20,12 +20,16 @@ const DEFAULT_CONTEXT: u64 = 9216;
 /// The most requests that may wait.
 const MAX_QUEUE: u64 = 4096;
 
+/// The most sequences live at once.
+const MAX_SLOTS: u64 = 64;
+
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     // Everything that needs no model first.
     let threads = request::check_threads(args.threads)?;
     let timeout = request::check_timeout(Field::ProducerTimeout, args.producer_timeout)?;
     let drain_timeout = request::check_timeout(Field::DrainTimeout, args.drain_timeout)?;
     let queue = request::check_count(Field::Queue, args.queue, 1, MAX_QUEUE)? as usize;
+    let slots = request::check_count(Field::Slots, args.slots, 1, MAX_SLOTS)? as u32;
     let backend_config = input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
     let source = input::model_source(&args.model)?;
     tracing_subscriber::fmt()
@@ -42,9 +46,13 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let dtype = args.kv_dtype.dtype();
     let geometry = opened.config.kv_geometry();
     let max_len = limits.context as u64;
-    let budget = request::kv_budget(&geometry, dtype, page_size, max_len, 1)
+    let budget = request::kv_budget(&geometry, dtype, page_size, max_len, slots)
         .context("the KV cache's size does not fit in 64 bits")?;
-    request::check_memory(Field::Context, &format!("the KV cache for {max_len} tokens in {}", dtype.name()), budget)?;
+    request::check_memory(
+        Field::Context,
+        &format!("the KV cache for {slots} x {max_len} tokens in {}", dtype.name()),
+        budget,
+    )?;
     let tokenizer = Arc::new(opened.tokenizer.take().ok_or_else(|| {
         request::Invalid::new(Field::Model, "a model with a tokenizer (requests carry text)", &opened.name)
     })?);
@@ -85,13 +93,13 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         let start: pdhost::server::worker::Start = Box::new(move || {
             let mut model = opened.load(true)?;
             model.configure(precision, threads);
-            let engine = Engine::new(model, dtype, page_size, max_len, 1)?;
+            let engine = Engine::new(model, dtype, page_size, max_len, slots)?;
             let on_ready = Box::new(move || {
                 if let Ok(addr) = printed_rx.recv() {
                     super::outln!("listening on http://{addr}").ok();
                 }
             });
-            Ok(Loaded { engine, producer, on_failure, on_ready })
+            Ok(Loaded { engine, producer, on_failure, slots: slots as usize, on_ready })
         });
         let server = Server::bind(addr, config, tokenizer, start)
             .await

@@ -73,6 +73,8 @@ pub enum Field {
     DecodeTokens,
     /// Serve: requests waiting.
     Queue,
+    /// Serve: sequences live at once.
+    Slots,
     /// Serve: seconds to finish in-flight requests.
     DrainTimeout,
 }
@@ -102,6 +104,7 @@ impl Field {
             Field::PromptTokens => "--prompt-tokens",
             Field::DecodeTokens => "--decode-tokens",
             Field::Queue => "--queue",
+            Field::Slots => "--slots",
             Field::DrainTimeout => "--drain-timeout",
         }
     }

@@ -4,9 +4,9 @@
 //! - Requests are read field by field ([`api`]) and checked by [`crate::request`], the same checks the CLI
 //!   uses; a refusal is a 4xx with an OpenAI error object naming the field.
 //! - One long-lived engine thread ([`worker`]) owns the engine, its KV cache and the producer (spawned from
-//!   that thread, whose lifetime its parent-death signal follows). Today it runs one sequence at a time;
-//!   accepted requests wait in a FIFO queue of `--queue` places, and past that the answer is 503 with
-//!   `Retry-After`.
+//!   that thread, whose lifetime its parent-death signal follows). Up to `--slots` sequences are live, each
+//!   round stepping every one by a token; further requests wait in a FIFO queue of `--queue` places, and
+//!   past that the answer is 503 with `Retry-After`.
 //! - A client that goes away (a dropped connection, a closed stream) cancels its request: the engine stops
 //!   after the next token and frees the sequence's pages.
 //! - SIGTERM or SIGINT stops accepting (503), lets in-flight requests finish within the drain timeout,
@@ -18,8 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
+use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
@@ -233,15 +232,11 @@ fn unix_now() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
 }
 
-async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+async fn completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     completion(Arc::clone(&app), headers, body, Endpoint::Text).await.unwrap_or_else(|e| refused(&app, e))
 }
 
-async fn chat_completions(
-    State(app): State<Arc<App>>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
+async fn chat_completions(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     completion(Arc::clone(&app), headers, body, Endpoint::Chat).await.unwrap_or_else(|e| refused(&app, e))
 }
 
@@ -295,21 +290,21 @@ impl Endpoint {
     }
 }
 
-async fn completion(
-    app: Arc<App>,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-    endpoint: Endpoint,
-) -> Result<Response, ApiError> {
+async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpoint) -> Result<Response, ApiError> {
     app.authorize(&headers)?;
     if let Some(e) = app.unavailable() {
         return Err(e);
     }
-    let body = body.map_err(|e| {
-        let status = e.status();
-        let found = if status == StatusCode::PAYLOAD_TOO_LARGE { "more".to_string() } else { e.body_text() };
-        ApiError { status, ..ApiError::invalid("body", format_args!("at most {} MiB of JSON", MAX_BODY >> 20), found) }
-    })?;
+    let too_large = |found: String| ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        ..ApiError::invalid("body", format_args!("at most {} MiB of JSON", MAX_BODY >> 20), found)
+    };
+    // A declared length over the limit is refused before a byte of the body is read.
+    let declared = headers.get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| n > MAX_BODY as u64) {
+        return Err(too_large(format!("{n} bytes")));
+    }
+    let body: Bytes = axum::body::to_bytes(body, MAX_BODY).await.map_err(|_| too_large("more".to_string()))?;
     let mut c = match endpoint {
         Endpoint::Text => Completion::parse(&body)?,
         Endpoint::Chat => Completion::parse_chat(&body)?,

@@ -21,6 +21,7 @@ use pdhost::request::{self, Field, Invalid};
 
 mod model_bench;
 mod pd_bench;
+mod serve_bench;
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     match &args.which {
@@ -28,6 +29,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         Bench::Ingest(a) => ingest(a),
         Bench::Model(a) => model_bench::run(a),
         Bench::Pd(a) => pd_bench::run(a),
+        Bench::Serve(a) => serve_bench::run(a),
     }
 }
 

@@ -1,0 +1,755 @@
+//! `pdhost bench serve`: the HTTP matrix. Prompt lengths x output lengths x concurrency x streamed or
+//! not, against a `pdhost serve` this command starts (or `--url`), every response checked token for
+//! token against a lone non-stream request for the same prompt sent in the same run.
+//!
+//! Each cell sends `repeats` timed batches of `concurrency` requests, one thread per request; a batch
+//! waits for all of its requests before the next starts. Prompts are token ids cut from a fixture text to
+//! the exact length, and decoding is greedy, so every response of a cell must equal the reference.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use model::arch::Config;
+use model::gguf::Gguf;
+use model::tokenizer::Tokenizer;
+use pdhost::request::{self, Field, Invalid, Limits};
+use serde_json::{json, Value};
+
+use crate::cli::ServeBenchArgs;
+use crate::cmd::{errln, outln};
+
+const TEXT: &str = include_str!("../../../../fixtures/prompts/lgpl-650w.txt");
+
+/// The context a started server gets unless told otherwise (as `pdhost serve`: the incident's deployment).
+const DEFAULT_CONTEXT: u64 = 9216;
+const DEFAULT_MODEL: &str = "gemma3-270m";
+const MAX_CONCURRENCY: u64 = 64;
+const MAX_REPEATS: u64 = 100;
+/// The most output tokens a cell asks for (as the other benches' decode lengths).
+const MAX_OUTPUT: u64 = 4096;
+/// How long one request may take, queueing included (a long prompt behind three others on two cores).
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(1800);
+/// How long a started server may take to load the model and start its producer.
+const START_TIMEOUT: Duration = Duration::from_secs(600);
+/// How long a started server may take to drain and exit after SIGTERM before it is killed.
+const STOP_TIMEOUT: Duration = Duration::from_secs(30);
+/// Problems (unequal or failed responses) described after the table; the counts cover all of them.
+const MAX_PROBLEMS: usize = 8;
+
+/// A flag of this command out of bounds. `request::Field` has no variant for `--inputs`, `--outputs`,
+/// `--concurrency`, `--repeats` or `--url`, so the bound is checked by `request::check_count` and the
+/// refusal relabelled with the flag here; `run` prints it as `main` prints an `Invalid`, and exits 2.
+#[derive(Debug, thiserror::Error)]
+#[error("{flag}: expected {expected}, found {found}")]
+struct Usage {
+    flag: &'static str,
+    expected: String,
+    found: String,
+}
+
+/// `value` inside `min..=max` for `flag`.
+fn count(flag: &'static str, value: u64, min: u64, max: u64, why: &str) -> Result<u64, Usage> {
+    request::check_count(Field::Iters, value, min, max).map_err(|e| Usage {
+        flag,
+        expected: format!("{}{why}", e.expected),
+        found: e.found,
+    })
+}
+
+/// A non-empty list of counts, each inside `min..=max`.
+fn counts(flag: &'static str, values: &[u64], min: u64, max: u64, why: &str) -> Result<(), Usage> {
+    if values.is_empty() {
+        return Err(Usage { flag, expected: "at least one value".into(), found: "none".into() });
+    }
+    values.iter().try_for_each(|&v| count(flag, v, min, max, why).map(drop))
+}
+
+pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
+    match bench(args) {
+        Err(e) if e.downcast_ref::<Usage>().is_some() => {
+            errln!("error: {e}");
+            Ok(ExitCode::from(2))
+        }
+        other => other,
+    }
+}
+
+/// What the requests go to.
+enum Target {
+    /// A server this command started (stopped when dropped).
+    Started(Server),
+    /// A running server.
+    Given(String),
+}
+
+impl Target {
+    /// Why the started server is gone, when it is.
+    fn gone(&mut self) -> Option<String> {
+        match self {
+            Target::Started(s) => s.gone(),
+            Target::Given(_) => None,
+        }
+    }
+
+    fn url(&self) -> &str {
+        match self {
+            Target::Started(s) => &s.url,
+            Target::Given(url) => url,
+        }
+    }
+}
+
+fn bench(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
+    // Everything that needs neither a model nor a server.
+    let repeats = count("--repeats", args.repeats, 1, MAX_REPEATS, "")?;
+    counts("--concurrency", &args.concurrency, 1, MAX_CONCURRENCY, "")?;
+    counts("--outputs", &args.outputs, 1, MAX_OUTPUT, "")?;
+    if args.inputs.is_empty() {
+        return Err(Usage { flag: "--inputs", expected: "at least one value".into(), found: "none".into() }.into());
+    }
+    let streams: &[bool] = match args.stream.as_str() {
+        "on" => &[true],
+        "off" => &[false],
+        _ => &[false, true],
+    };
+    let threads = request::check_threads(args.threads)?;
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(REQUEST_TIMEOUT))
+        .max_idle_connections_per_host(MAX_CONCURRENCY as usize)
+        .build()
+        .into();
+
+    // The model: named, or what the given server serves.
+    let (name, served_context) = match &args.url {
+        Some(url) => {
+            let url = url.trim_end_matches('/');
+            if !url.starts_with("http://") || url.len() == "http://".len() {
+                return Err(
+                    Usage { flag: "--url", expected: "http://HOST:PORT".into(), found: request::shorten(url) }.into()
+                );
+            }
+            let (id, context) = served_model(&agent, url)?;
+            if let Some(m) = args.model.as_ref().filter(|m| **m != id) {
+                return Err(
+                    Invalid::new(Field::Model, format!("{id:?}, the model {url} serves"), format!("{m:?}")).into()
+                );
+            }
+            (id, Some(context))
+        }
+        None => (args.model.clone().unwrap_or_else(|| DEFAULT_MODEL.to_string()), None),
+    };
+    match model::registry::spec(&name) {
+        Ok(_) => {}
+        Err(model::registry::FetchError::Unknown { expected, .. }) => {
+            let what = if args.url.is_some() { "a served model among" } else { "one of" };
+            return Err(Invalid::new(
+                Field::Model,
+                format!("{what} {expected} (prompts are tokenized with its tokenizer)"),
+                format_args!("{name:?}"),
+            )
+            .into());
+        }
+        Err(e) => return Err(e.into()),
+    }
+    if args.url.is_none() {
+        check_producer(&args.producer)?;
+    }
+    let path = {
+        let mut bar = crate::cmd::models::Bar::new(args.json);
+        let path = model::registry::fetch(&name, &mut bar)?;
+        bar.finish();
+        path
+    };
+    let gguf = Gguf::open(&path)?;
+    let config = Config::from_gguf(&gguf)?;
+    let context = match served_context {
+        Some(c) => c,
+        None => args.context.unwrap_or(DEFAULT_CONTEXT.min(config.context as u64)),
+    };
+    let limits = Limits::new(&name, &config, Some(context))?;
+    let context = limits.context as u64;
+    let longest_output = *args.outputs.iter().max().expect("checked non-empty");
+    let why = if context - 1 < MAX_OUTPUT {
+        format!(" (the {context}-token context less a prompt token)")
+    } else {
+        String::new()
+    };
+    counts("--outputs", &args.outputs, 1, MAX_OUTPUT.min(context - 1), &why)?;
+    let why = format!(" (the {context}-token context less the longest output)");
+    counts("--inputs", &args.inputs, 1, context - longest_output, &why)?;
+    let dtype = args.kv_dtype.dtype();
+    let max_concurrency = *args.concurrency.iter().max().expect("checked non-empty");
+    if args.url.is_none() {
+        // The server would refuse it too, but only after it had started.
+        let budget = request::kv_budget(&config.kv_geometry(), dtype, 64, context, 1)
+            .context("the KV cache's size does not fit in 64 bits")?;
+        request::check_memory(
+            Field::Context,
+            &format!("the KV cache for {context} tokens in {}", dtype.name()),
+            budget,
+        )?;
+    }
+
+    // Prompts: the fixture text, repeated as needed, cut to exact token counts.
+    let tok = Tokenizer::from_gguf(&gguf)?;
+    let mut text_ids = tok.encode(TEXT, tok.add_bos());
+    let longest_input = *args.inputs.iter().max().expect("checked non-empty") as usize;
+    while text_ids.len() < longest_input {
+        text_ids.extend(tok.encode(TEXT, false));
+    }
+    drop(gguf);
+
+    let cells_per_pair: u64 = args.concurrency.iter().map(|c| c * repeats).sum::<u64>() * streams.len() as u64;
+    let pairs = (args.inputs.len() * args.outputs.len()) as u64;
+    let bar = super::progress(pairs * (1 + cells_per_pair), args.json);
+    let mut target = match &args.url {
+        Some(url) => Target::Given(url.trim_end_matches('/').to_string()),
+        None => {
+            bar.set_message(format!("starting {name}"));
+            let kv_dtype = clap::ValueEnum::to_possible_value(&args.kv_dtype).expect("not skipped");
+            let mut cmd = Command::new(std::env::current_exe().context("locating the pdhost executable")?);
+            cmd.args(["serve", "--model", &name, "--host", "127.0.0.1", "--port", "0", "--producer", &args.producer])
+                .args(["--context", &context.to_string(), "--kv-dtype", kv_dtype.get_name()])
+                // Every batch waits in the server's queue, not in a 503.
+                .args(["--queue", &max_concurrency.max(16).to_string()]);
+            if let Some(t) = args.threads {
+                cmd.args(["--threads", &t.to_string()]);
+            }
+            Target::Started(Server::start(cmd)?)
+        }
+    };
+    let url = target.url().to_string();
+
+    let mut cells = Vec::new();
+    let mut died = None;
+    'matrix: for &input in &args.inputs {
+        for &output in &args.outputs {
+            let prompt = &text_ids[..input as usize];
+            let body = json!({"prompt": prompt, "max_tokens": output, "temperature": 0});
+            bar.set_message(format!("{input} in, {output} out: reference"));
+            let reference = match send(&agent, &url, &body, false) {
+                Ok(r) => r,
+                Err(e) => {
+                    let why = target.gone().map(|g| format!(" ({g})")).unwrap_or_default();
+                    anyhow::bail!("the reference request ({input} tokens in, {output} out, sent alone): {e}{why}")
+                }
+            };
+            bar.inc(1);
+            for &concurrency in &args.concurrency {
+                for &stream in streams {
+                    bar.set_message(format!(
+                        "{input} in, {output} out, x{concurrency}{}",
+                        if stream { ", SSE" } else { "" }
+                    ));
+                    let mut cell = Cell { input, output, concurrency, stream, ..Cell::default() };
+                    for _ in 0..repeats {
+                        let t = Instant::now();
+                        let results: Vec<Result<Response, String>> = std::thread::scope(|s| {
+                            let handles: Vec<_> = (0..concurrency)
+                                .map(|_| {
+                                    s.spawn(|| {
+                                        let r = send(&agent, &url, &body, stream);
+                                        bar.inc(1);
+                                        r
+                                    })
+                                })
+                                .collect();
+                            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
+                        });
+                        cell.wall += t.elapsed();
+                        for r in results {
+                            cell.add(r, &reference);
+                        }
+                    }
+                    cells.push(cell);
+                    died = target.gone();
+                    if died.is_some() {
+                        break 'matrix;
+                    }
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+    let server = match target {
+        Target::Started(server) => {
+            server.stop();
+            "started"
+        }
+        Target::Given(_) => "given",
+    };
+
+    let total = Totals::of(&cells);
+    let producers: BTreeSet<&str> = cells.iter().flat_map(|c| c.producers.iter().map(String::as_str)).collect();
+    let producers: Vec<&str> = producers.into_iter().collect();
+    let problems: Vec<&String> = cells.iter().flat_map(|c| &c.problems).take(MAX_PROBLEMS).collect();
+    if args.json {
+        let cells: Vec<Value> = cells.iter().map(Cell::json).collect();
+        let started = server == "started";
+        outln!(
+            "{}",
+            json!({
+                "bench": "serve", "model": name, "url": url, "server": server,
+                "producer": if started { json!(args.producer) } else { Value::Null },
+                "producers_seen": producers,
+                "threads": if started { json!(threads) } else { Value::Null },
+                "kv_dtype": if started { json!(dtype.name()) } else { Value::Null },
+                "context": context, "repeats": repeats, "cells": cells,
+                "totals": total.json(), "summary": total.summary(), "problems": problems,
+            })
+        )?;
+    } else {
+        let how = match server {
+            "started" => format!(
+                "a `pdhost serve` started for this run (--producer {}, {} KV, {threads} thread(s), {context}-token context)",
+                args.producer,
+                dtype.name()
+            ),
+            _ => format!("the server at {url} ({context}-token context)"),
+        };
+        outln!(
+            "{name} over HTTP, {how}; {repeats} timed batch(es) of `conc` concurrent requests per cell, greedy; each \
+             response checked against a lone non-stream request for the same prompt (prefill seen: {})",
+            producers.join(", ")
+        )?;
+        outln!(
+            "{:>6} {:>5} {:>4} {:>3} | {:>4} {:>5} {:>6} {:>5} {:>5} {:>4} | {:>9} {:>9} | {:>8} {:>8} | {:>7} {:>7}",
+            "in",
+            "out",
+            "conc",
+            "SSE",
+            "reqs",
+            "equal",
+            "remote",
+            "local",
+            "fallb",
+            "err",
+            "TTFT p50",
+            "TTFT p99",
+            "ITL p50",
+            "ITL p99",
+            "tok/s/r",
+            "tok/s"
+        )?;
+        for c in &cells {
+            let (ttft50, ttft99) = percentiles(&c.ttft_ms);
+            let (itl50, itl99) = percentiles(&c.gaps_ms);
+            let ms = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.1}ms"));
+            let rate = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.1}"));
+            outln!(
+                "{:>6} {:>5} {:>4} {:>3} | {:>4} {:>5} {:>6} {:>5} {:>5} {:>4} | {:>9} {:>9} | {:>8} {:>8} | {:>7} {:>7}",
+                c.input,
+                c.output,
+                c.concurrency,
+                if c.stream { "on" } else { "off" },
+                c.requests,
+                c.equal,
+                c.remote,
+                c.local,
+                c.fallback,
+                c.errors,
+                ms(ttft50),
+                ms(ttft99),
+                ms(itl50),
+                ms(itl99),
+                rate(c.rate_per_request()),
+                rate(c.rate_aggregate())
+            )?;
+        }
+        outln!(
+            "TTFT: SSE on, the client's time to the first chunk with text (queueing included); off, the server's \
+             pdhost.ttft_ms (engine only). ITL: gaps between text chunks. tok/s/r: output tokens / request latency \
+             (median); tok/s: all output tokens / the batches' wall time. fallb: local after a failed remote prefill."
+        )?;
+        for p in &problems {
+            outln!("  {p}")?;
+        }
+        outln!("{}", total.summary())?;
+    }
+    if let Some(why) = died {
+        anyhow::bail!("the matrix stopped early: {why}");
+    }
+    Ok(if total.unequal + total.errors == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// `--producer` as `pdhost serve` takes it, checked before the server starts.
+fn check_producer(producer: &str) -> Result<(), Invalid> {
+    match producer {
+        "local" | "rngd" | "gpu" | "faulty" => Ok(()),
+        path if (path.ends_with(".so") || path.contains('/')) && std::path::Path::new(path).is_file() => Ok(()),
+        other => Err(Invalid::new(Field::Producer, "local, rngd, gpu, faulty or a PATH.so", format_args!("{other:?}"))),
+    }
+}
+
+/// The model a running server serves and its context, from `GET /v1/models`.
+fn served_model(agent: &ureq::Agent, url: &str) -> anyhow::Result<(String, u64)> {
+    let mut r = agent.get(&format!("{url}/v1/models")).call().with_context(|| format!("--url: GET {url}/v1/models"))?;
+    let status = r.status().as_u16();
+    let v: Value = r.body_mut().read_json().with_context(|| format!("--url: GET {url}/v1/models: status {status}"))?;
+    let m = &v["data"][0];
+    match (m["id"].as_str(), m["max_model_len"].as_u64()) {
+        (Some(id), Some(context)) if status == 200 => Ok((id.to_string(), context)),
+        _ => anyhow::bail!(
+            "--url: expected a pdhost server (GET /v1/models with an id and max_model_len), found status {status}: {}",
+            request::shorten(&v.to_string())
+        ),
+    }
+}
+
+/// One response, read whole.
+#[derive(Debug, Default)]
+struct Response {
+    text: String,
+    output_ids: Value,
+    logits: Value,
+    prefill: String,
+    producer: String,
+    fallback: bool,
+    /// Stream: the client's time to the first chunk with text; otherwise the server's `pdhost.ttft_ms`.
+    ttft_ms: Option<f64>,
+    /// Stream: gaps between chunks with text.
+    gaps_ms: Vec<f64>,
+    /// From sending the request to its last byte.
+    latency: Duration,
+}
+
+/// One completion request: `Err` for a transport error, a status other than 200, an error event or a
+/// response without its `pdhost` object.
+fn send(agent: &ureq::Agent, url: &str, body: &Value, stream: bool) -> Result<Response, String> {
+    let mut body = body.clone();
+    if stream {
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    let t = Instant::now();
+    let mut r = agent.post(&format!("{url}/v1/completions")).send_json(&body).map_err(|e| e.to_string())?;
+    let status = r.status().as_u16();
+    if status != 200 {
+        let text = r.body_mut().read_to_string().unwrap_or_default();
+        let message = serde_json::from_str::<Value>(&text)
+            .ok()
+            .and_then(|v| v["error"]["message"].as_str().map(str::to_string))
+            .unwrap_or(text);
+        return Err(format!("status {status}: {}", request::shorten(&message)));
+    }
+    let mut out = Response::default();
+    let last = if stream {
+        let mut last = None;
+        let mut previous: Option<Instant> = None;
+        let mut done = false;
+        for line in BufReader::new(r.into_body().into_reader()).lines() {
+            let line = line.map_err(|e| format!("reading the stream: {e}"))?;
+            let Some(data) = line.strip_prefix("data:").map(str::trim_start) else { continue };
+            if data == "[DONE]" {
+                done = true;
+                break;
+            }
+            let now = Instant::now();
+            let mut v: Value = serde_json::from_str(data).map_err(|e| format!("an event that is not JSON ({e})"))?;
+            if let Some(m) = v["error"]["message"].as_str() {
+                return Err(format!("error event: {}", request::shorten(m)));
+            }
+            match v["choices"][0]["text"].as_str() {
+                Some(text) if !text.is_empty() => {
+                    match previous {
+                        None => out.ttft_ms = Some(ms(now - t)),
+                        Some(p) => out.gaps_ms.push(ms(now - p)),
+                    }
+                    previous = Some(now);
+                    out.text.push_str(text);
+                }
+                _ => {}
+            }
+            if !v["pdhost"].is_null() {
+                last = Some(v["pdhost"].take());
+            }
+        }
+        if !done {
+            return Err("the stream ended before [DONE]".into());
+        }
+        last.ok_or("the stream ended without a pdhost object")?
+    } else {
+        let mut v: Value = r.body_mut().read_json().map_err(|e| format!("reading the response: {e}"))?;
+        out.text = v["choices"][0]["text"].as_str().ok_or("a response without choices[0].text")?.to_string();
+        out.ttft_ms = v["pdhost"]["ttft_ms"].as_f64();
+        v["pdhost"].take()
+    };
+    out.latency = t.elapsed();
+    out.output_ids = last["output_ids"].clone();
+    out.logits = last["logits_xxh3"].clone();
+    if !out.output_ids.is_array() || !out.logits.is_string() {
+        return Err(format!(
+            "a pdhost object without output_ids and logits_xxh3: {}",
+            request::shorten(&last.to_string())
+        ));
+    }
+    out.prefill = last["prefill"].as_str().unwrap_or("?").to_string();
+    out.producer = last["producer"].as_str().unwrap_or("?").to_string();
+    out.fallback = !last["fallback_reason"].is_null();
+    Ok(out)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Nearest-rank p50 and p99.
+fn percentiles(v: &[f64]) -> (Option<f64>, Option<f64>) {
+    let mut v = v.to_vec();
+    v.sort_by(f64::total_cmp);
+    let at = |p: f64| (!v.is_empty()).then(|| v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1]);
+    (at(0.50), at(0.99))
+}
+
+/// One cell of the matrix.
+#[derive(Debug, Default)]
+struct Cell {
+    input: u64,
+    output: u64,
+    concurrency: u64,
+    stream: bool,
+    requests: u64,
+    equal: u64,
+    unequal: u64,
+    remote: u64,
+    local: u64,
+    fallback: u64,
+    errors: u64,
+    ttft_ms: Vec<f64>,
+    gaps_ms: Vec<f64>,
+    /// Per answered request: output tokens / latency.
+    rates: Vec<f64>,
+    output_tokens: u64,
+    wall: Duration,
+    producers: BTreeSet<String>,
+    problems: Vec<String>,
+}
+
+impl Cell {
+    fn name(&self) -> String {
+        format!(
+            "{} in, {} out, concurrency {}, {}",
+            self.input,
+            self.output,
+            self.concurrency,
+            if self.stream { "streamed" } else { "whole" }
+        )
+    }
+
+    fn add(&mut self, r: Result<Response, String>, reference: &Response) {
+        self.requests += 1;
+        let r = match r {
+            Ok(r) => r,
+            Err(e) => {
+                self.errors += 1;
+                self.problems.push(format!("{}: request {} failed: {e}", self.name(), self.requests));
+                return;
+            }
+        };
+        match r.prefill.as_str() {
+            "remote" => self.remote += 1,
+            _ => self.local += 1,
+        }
+        self.fallback += u64::from(r.fallback);
+        self.producers.insert(format!("{} ({})", r.prefill, r.producer));
+        self.ttft_ms.extend(r.ttft_ms);
+        self.gaps_ms.extend(&r.gaps_ms);
+        let tokens = r.output_ids.as_array().map_or(0, Vec::len) as u64;
+        self.output_tokens += tokens;
+        self.rates.push(tokens as f64 / r.latency.as_secs_f64().max(1e-9));
+        let differs = if r.output_ids != reference.output_ids {
+            Some(format!("output ids {} (reference {})", r.output_ids, reference.output_ids))
+        } else if r.logits != reference.logits {
+            Some(format!("logits_xxh3 {} (reference {})", r.logits, reference.logits))
+        } else if r.text != reference.text {
+            Some(format!("text {:?} (reference {:?})", request::shorten(&r.text), request::shorten(&reference.text)))
+        } else {
+            None
+        };
+        match differs {
+            None => self.equal += 1,
+            Some(d) => {
+                self.unequal += 1;
+                self.problems.push(format!("{}: request {} differs: {d}", self.name(), self.requests));
+            }
+        }
+    }
+
+    fn rate_per_request(&self) -> Option<f64> {
+        percentiles(&self.rates).0
+    }
+
+    fn rate_aggregate(&self) -> Option<f64> {
+        (self.output_tokens > 0).then(|| self.output_tokens as f64 / self.wall.as_secs_f64().max(1e-9))
+    }
+
+    fn json(&self) -> Value {
+        let p = |v: &[f64]| {
+            let (p50, p99) = percentiles(v);
+            json!({"p50": p50, "p99": p99})
+        };
+        json!({
+            "input_tokens": self.input, "output_tokens": self.output, "concurrency": self.concurrency,
+            "stream": self.stream, "requests": self.requests, "equal": self.equal, "unequal": self.unequal,
+            "remote": self.remote, "local": self.local, "fallback": self.fallback, "errors": self.errors,
+            "ttft_ms": p(&self.ttft_ms), "ttft_source": if self.stream { "client" } else { "server" },
+            "itl_ms": if self.stream { p(&self.gaps_ms) } else { Value::Null },
+            "tok_s_per_request": self.rate_per_request(), "tok_s_aggregate": self.rate_aggregate(),
+            "output_tokens_received": self.output_tokens, "wall_s": self.wall.as_secs_f64(),
+        })
+    }
+}
+
+/// Counts over every cell.
+#[derive(Debug, Default)]
+struct Totals {
+    requests: u64,
+    equal: u64,
+    unequal: u64,
+    remote: u64,
+    local: u64,
+    fallback: u64,
+    errors: u64,
+}
+
+impl Totals {
+    fn of(cells: &[Cell]) -> Self {
+        let mut t = Totals::default();
+        for c in cells {
+            t.requests += c.requests;
+            t.equal += c.equal;
+            t.unequal += c.unequal;
+            t.remote += c.remote;
+            t.local += c.local;
+            t.fallback += c.fallback;
+            t.errors += c.errors;
+        }
+        t
+    }
+
+    fn summary(&self) -> String {
+        format!(
+            "{}/{} responses equal, {} remote prefills, {} local ({} fallbacks), {} errors",
+            self.equal, self.requests, self.remote, self.local, self.fallback, self.errors
+        )
+    }
+
+    fn json(&self) -> Value {
+        json!({"requests": self.requests, "equal": self.equal, "unequal": self.unequal, "remote": self.remote,
+               "local": self.local, "fallback": self.fallback, "errors": self.errors})
+    }
+}
+
+/// A `pdhost serve` child: its URL once it printed it, and the tail of its log for when it fails.
+struct Server {
+    child: Child,
+    url: String,
+    log: Arc<Mutex<VecDeque<String>>>,
+    /// Disconnected once the log's reader has read its last line.
+    log_closed: std::sync::mpsc::Receiver<()>,
+}
+
+impl Server {
+    fn start(mut cmd: Command) -> anyhow::Result<Self> {
+        let mut child = cmd
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("starting `pdhost serve`")?;
+        let log = Arc::new(Mutex::new(VecDeque::new()));
+        let stderr = child.stderr.take().expect("piped");
+        let sink = Arc::clone(&log);
+        let (log_done, log_closed) = std::sync::mpsc::channel::<()>();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+                let mut log = sink.lock().unwrap_or_else(|e| e.into_inner());
+                if log.len() == 64 {
+                    log.pop_front();
+                }
+                log.push_back(line);
+            }
+            drop(log_done);
+        });
+        let stdout = child.stdout.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            // Read to the end: a server that wrote to a closed pipe would fail.
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let mut server = Server { child, url: String::new(), log, log_closed };
+        let line = match rx.recv_timeout(START_TIMEOUT) {
+            Ok(line) => line,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                anyhow::bail!(
+                    "`pdhost serve` was not ready after {} s: {}",
+                    START_TIMEOUT.as_secs(),
+                    server.last_error()
+                )
+            }
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                let _ = server.child.wait();
+                anyhow::bail!("`pdhost serve` exited before it was ready: {}", server.gone().unwrap_or_default())
+            }
+        };
+        server.url = line
+            .strip_prefix("listening on ")
+            .with_context(|| format!("`pdhost serve`: expected \"listening on URL\", found {line:?}"))?
+            .to_string();
+        Ok(server)
+    }
+
+    /// Its exit status and last error line once it has exited.
+    fn gone(&mut self) -> Option<String> {
+        let status = self.child.try_wait().ok().flatten()?;
+        // The log's last lines, unless a leftover process still holds its stderr.
+        let _ = self.log_closed.recv_timeout(Duration::from_secs(2));
+        Some(format!("`pdhost serve` {status}: {}", self.last_error()))
+    }
+
+    /// The server's last error line, or its last line.
+    fn last_error(&self) -> String {
+        let log = self.log.lock().unwrap_or_else(|e| e.into_inner());
+        log.iter()
+            .rev()
+            .find(|l| l.contains("error"))
+            .or(log.back())
+            .cloned()
+            .unwrap_or_else(|| "no output".to_string())
+    }
+
+    /// SIGTERM (it drains and stops its producers), then SIGKILL after [`STOP_TIMEOUT`].
+    fn stop(mut self) {
+        self.terminate();
+    }
+
+    fn terminate(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        let _ =
+            rustix::process::kill_process(rustix::process::Pid::from_child(&self.child), rustix::process::Signal::TERM);
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.terminate();
+    }
+}

@@ -1,0 +1,116 @@
+//! `pdhost bench serve`: the HTTP matrix against a server it starts itself, every response equal to its
+//! reference, and a flag out of bounds refused in one line before anything starts.
+
+use std::process::{Command, Stdio};
+
+use serde_json::Value;
+
+const PDHOST: &str = env!("CARGO_BIN_EXE_pdhost");
+const MODEL: &str = "smollm2-135m";
+
+fn fetched(name: &str) {
+    let out = Command::new(PDHOST).args(["models", "fetch", name]).stdin(Stdio::null()).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+fn bench(extra: &[&str]) -> std::process::Output {
+    Command::new(PDHOST).args(["bench", "serve", "--model", MODEL]).args(extra).stdin(Stdio::null()).output().unwrap()
+}
+
+fn n(v: &Value) -> u64 {
+    v.as_u64().unwrap_or_else(|| panic!("expected a count, found {v}"))
+}
+
+#[test]
+fn every_cell_of_the_matrix_equals_its_reference() {
+    fetched(MODEL);
+    let out = bench(&[
+        "--inputs",
+        "16,64",
+        "--outputs",
+        "4",
+        "--concurrency",
+        "1,2",
+        "--repeats",
+        "1",
+        "--stream",
+        "both",
+        "--json",
+        "--context",
+        "512",
+        "--threads",
+        "2",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "status {}, stderr {stderr}", out.status);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!("{e}: stdout {}, stderr {stderr}", String::from_utf8_lossy(&out.stdout));
+    });
+    assert_eq!(v["bench"], "serve");
+    assert_eq!((v["model"].as_str(), v["server"].as_str(), n(&v["context"])), (Some(MODEL), Some("started"), 512));
+
+    // 2 inputs x 1 output x 2 concurrencies x 2 stream modes, each cell 1 batch of `concurrency` requests.
+    let cells = v["cells"].as_array().unwrap();
+    assert_eq!(cells.len(), 8, "{v}");
+    let mut seen = std::collections::BTreeSet::new();
+    for c in cells {
+        let requests = n(&c["requests"]);
+        assert_eq!(requests, n(&c["concurrency"]), "{c}");
+        assert_eq!((n(&c["equal"]), n(&c["unequal"]), n(&c["errors"])), (requests, 0, 0), "{c}");
+        assert_eq!(n(&c["remote"]) + n(&c["local"]), requests, "{c}");
+        assert_eq!(n(&c["remote"]), requests, "rngd prefills every prompt: {c}");
+        assert_eq!(n(&c["fallback"]), 0, "{c}");
+        assert!(n(&c["output_tokens_received"]) <= 4 * requests, "{c}");
+        assert!(c["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{c}");
+        assert!(c["ttft_ms"]["p99"].as_f64().unwrap() >= c["ttft_ms"]["p50"].as_f64().unwrap(), "{c}");
+        assert!(c["tok_s_aggregate"].as_f64().unwrap() > 0.0, "{c}");
+        let stream = c["stream"].as_bool().unwrap();
+        assert_eq!(c["itl_ms"].is_null(), !stream, "inter-token latency is measured on streams only: {c}");
+        assert_eq!(c["ttft_source"], if stream { "client" } else { "server" });
+        seen.insert((n(&c["input_tokens"]), n(&c["output_tokens"]), n(&c["concurrency"]), stream));
+    }
+    assert_eq!(seen.len(), 8, "every cell once: {seen:?}");
+
+    // The totals add the cells up, and the summary line says the same numbers.
+    let t = &v["totals"];
+    let sum = |key: &str| cells.iter().map(|c| n(&c[key])).sum::<u64>();
+    for key in ["requests", "equal", "unequal", "remote", "local", "fallback", "errors"] {
+        assert_eq!(n(&t[key]), sum(key), "totals.{key}: {v}");
+    }
+    assert_eq!(n(&t["requests"]), 12);
+    assert!(n(&t["remote"]) > 0);
+    assert_eq!(
+        v["summary"],
+        format!(
+            "{}/{} responses equal, {} remote prefills, {} local ({} fallbacks), {} errors",
+            n(&t["equal"]),
+            n(&t["requests"]),
+            n(&t["remote"]),
+            n(&t["local"]),
+            n(&t["fallback"]),
+            n(&t["errors"])
+        )
+    );
+    assert_eq!(v["summary"], "12/12 responses equal, 12 remote prefills, 0 local (0 fallbacks), 0 errors");
+    assert_eq!(v["problems"], serde_json::json!([]));
+}
+
+#[test]
+fn a_flag_out_of_bounds_is_one_line_and_exit_2() {
+    fetched(MODEL);
+    for (args, says) in [
+        (&["--concurrency", "1,0"][..], "error: --concurrency: expected 1 to 64, found 0"),
+        (&["--repeats", "101"][..], "error: --repeats: expected 1 to 100, found 101"),
+        (
+            &["--context", "512", "--inputs", "16,500", "--outputs", "4,32"][..],
+            "error: --inputs: expected 1 to 480 (the 512-token context less the longest output), found 500",
+        ),
+        (&["--url", "localhost:8080"][..], "error: --url: expected http://HOST:PORT, found localhost:8080"),
+    ] {
+        let out = bench(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.trim_end(), says, "{args:?}");
+        assert!(out.stdout.is_empty(), "{args:?}");
+    }
+}
