@@ -522,3 +522,32 @@ fn slots_interleave_streams_and_each_equals_generate_alone() {
         |id: u32| log.find(&format!("request id={id} ")).unwrap_or_else(|| panic!("request {id} not logged: {log}"));
     assert!(ended(2) < ended(1), "{log}");
 }
+
+/// A stream still open when the drain timeout passes does not keep the server up: it exits 0, its producer
+/// gone with it.
+#[test]
+fn the_drain_timeout_ends_a_stream_that_outlives_it() {
+    let mut s = serve(&["--producer", "rngd", "--drain-timeout", "1"]);
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true});
+    let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&long).unwrap();
+    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
+    assert!(lines.next().unwrap().unwrap().starts_with("data: "));
+    let pid = s.child.id();
+    let kids = producers_of(pid);
+    // SAFETY: signals the child this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(status) = s.child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "still up 30 s after SIGTERM with a 1 s drain timeout");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(status.code(), Some(0), "{}", s.log.lock().unwrap());
+    assert!(s.log.lock().unwrap().contains("drain timeout"));
+    for kid in kids {
+        assert!(!std::path::Path::new(&format!("/proc/{kid}")).exists(), "producer {kid} outlived the server");
+    }
+    drop(lines);
+}

@@ -108,6 +108,7 @@ pub struct Server {
     app: Arc<App>,
     listener: tokio::net::TcpListener,
     worker: std::thread::JoinHandle<()>,
+    stop: Arc<AtomicBool>,
 }
 
 impl Server {
@@ -123,7 +124,15 @@ impl Server {
         let (jobs, queue) = crossbeam_channel::bounded(config.queue);
         let ready = Arc::new(AtomicBool::new(false));
         let metrics = metrics::Metrics::new();
-        let worker = worker::spawn(start, queue, Arc::clone(&tokenizer), Arc::clone(&ready), metrics.clone())?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let worker = worker::spawn(
+            start,
+            queue,
+            Arc::clone(&tokenizer),
+            Arc::clone(&ready),
+            metrics.clone(),
+            Arc::clone(&stop),
+        )?;
         let app = Arc::new(App {
             config,
             tokenizer,
@@ -133,7 +142,7 @@ impl Server {
             next_id: AtomicU64::new(1),
             metrics,
         });
-        Ok(Server { app, listener, worker })
+        Ok(Server { app, listener, worker, stop })
     }
 
     /// The address it listens on.
@@ -155,7 +164,7 @@ impl Server {
     /// Serves until `shutdown` resolves, then drains: new requests get 503, in-flight ones get up to the
     /// drain timeout, and the engine thread and its producer are stopped.
     pub async fn run(self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) -> std::io::Result<()> {
-        let Server { app, listener, worker } = self;
+        let Server { app, listener, worker, stop } = self;
         let router = Router::new()
             .route("/health", get(health))
             .route("/metrics", get(metrics_text))
@@ -190,9 +199,11 @@ impl Server {
             r = serve => r?,
             () = deadline => tracing::warn!("drain timeout: ending in-flight requests"),
         }
-        // No more jobs: the engine thread ends after the current one (whose client may be gone, which
-        // cancels it), and drops the producer, which kills and reaps it.
+        // No more jobs. The engine thread is told to stop (connections still open past the deadline would
+        // keep the queue's sender alive): it ends what is still live and drops the producer, which kills
+        // and reaps it.
         drop(app);
+        stop.store(true, Ordering::Release);
         let _ = tokio::task::spawn_blocking(move || worker.join()).await;
         Ok(())
     }

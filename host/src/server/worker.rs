@@ -78,13 +78,14 @@ pub struct Done {
 }
 
 /// Starts the engine thread. It runs `start`, sets `ready`, then serves `queue` until every sender is
-/// gone.
+/// gone or `stop` is set.
 pub fn spawn(
     start: Start,
     queue: crossbeam_channel::Receiver<Job>,
     tokenizer: Arc<Tokenizer>,
     ready: Arc<AtomicBool>,
     metrics: Metrics,
+    stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("pdhost-engine".into()).spawn(move || {
         let mut loaded = match start() {
@@ -111,20 +112,36 @@ pub fn spawn(
         }
         ready.store(true, Ordering::Release);
         (std::mem::replace(&mut loaded.on_ready, Box::new(|| {})))();
-        schedule(&mut loaded, &tokenizer, &metrics, &queue);
+        schedule(&mut loaded, &tokenizer, &metrics, &queue, &stop);
     })
 }
 
 /// Up to `slots` sequences live at once: admit from the queue (waiting only when nothing is live), then
 /// one step of every live sequence in turn, so every stream advances a token per round. Each sequence
 /// computes exactly what it would alone, whatever else is live.
-fn schedule(loaded: &mut Loaded, tokenizer: &Tokenizer, metrics: &Metrics, queue: &crossbeam_channel::Receiver<Job>) {
+fn schedule(
+    loaded: &mut Loaded,
+    tokenizer: &Tokenizer,
+    metrics: &Metrics,
+    queue: &crossbeam_channel::Receiver<Job>,
+    stop: &AtomicBool,
+) {
     let mut live: Vec<Running<'_>> = Vec::new();
     loop {
+        // Past the drain timeout: whatever is still live ends here (its client is told by the closing
+        // connection), and the thread returns, dropping the producer.
+        if stop.load(Ordering::Acquire) {
+            for r in live.drain(..) {
+                let _ = loaded.engine.finish(r.live);
+            }
+            return;
+        }
         while live.len() < loaded.slots {
             let job = if live.is_empty() {
-                match queue.recv() {
+                // Nothing live: wait for work, looking at `stop` now and then.
+                match queue.recv_timeout(std::time::Duration::from_millis(100)) {
                     Ok(job) => job,
+                    Err(crossbeam_channel::RecvTimeoutError::Timeout) if !stop.load(Ordering::Acquire) => continue,
                     Err(_) => return,
                 }
             } else {
