@@ -229,6 +229,16 @@ pub enum OnFailureArg {
     Fail,
 }
 
+impl OnFailureArg {
+    /// The engine's policy.
+    pub fn policy(self) -> pdhost::engine::OnFailure {
+        match self {
+            OnFailureArg::Fallback => pdhost::engine::OnFailure::Fallback,
+            OnFailureArg::Fail => pdhost::engine::OnFailure::Fail,
+        }
+    }
+}
+
 /// `pdhost models`.
 #[derive(Debug, Args)]
 pub struct ModelsArgs {

@@ -9,13 +9,13 @@ use anyhow::Context;
 use model::arch::{Config, Model};
 use model::gguf::Gguf;
 use model::tokenizer::Tokenizer;
-use pdhost::engine::{Engine, Finish, OnFailure, PrefillBy, PrefillReport};
+use pdhost::engine::{Engine, Finish, PrefillBy, PrefillReport};
 use pdhost::request::input::{self, ModelSource};
 use pdhost::request::{self, Field, Invalid, Limits, RawRequest};
 use serde_json::json;
 
 use super::{errln, StdoutError};
-use crate::cli::{GenerateArgs, OnFailureArg};
+use crate::cli::GenerateArgs;
 
 /// A model whose metadata and tokenizer are read and whose weights are not yet: requests are checked
 /// against its limits before the slow part.
@@ -164,10 +164,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let mut stream = tokenizer.as_ref().map(pdhost::text::TextStream::new);
     // A closed stdout stops the printing, not the request; it is reported (quietly) at the end.
     let mut write_error: Option<std::io::Error> = None;
-    let on_failure = match args.on_producer_failure {
-        OnFailureArg::Fail => OnFailure::Fail,
-        OnFailureArg::Fallback => OnFailure::Fallback,
-    };
+    let on_failure = args.on_producer_failure.policy();
     let by = match producer.as_mut() {
         Some(producer) => PrefillBy::Remote { producer, on_failure },
         None => PrefillBy::Local,

@@ -35,7 +35,7 @@ fn read_span_file(args: &InspectArgs) -> anyhow::Result<Result<Vec<u8>, SpanErro
     // Check the type before opening: opening a FIFO would block until a writer appears.
     let meta = std::fs::metadata(path).with_context(|| format!("cannot read span file {}", path.display()))?;
     if !meta.is_file() {
-        anyhow::bail!("{}: expected a regular file, found {}", path.display(), describe_type(&meta));
+        anyhow::bail!("{}: expected a regular file, found {}", path.display(), pdhost::request::input::describe(&meta));
     }
     let mut file = std::fs::File::open(path).with_context(|| format!("cannot open span file {}", path.display()))?;
     // The size the file system reports is not trusted (`/proc` files say 0): read what is there, never
@@ -60,22 +60,6 @@ fn read_span_file(args: &InspectArgs) -> anyhow::Result<Result<Vec<u8>, SpanErro
         return Ok(Err(SpanError::TrailingBytes { expected: header.frame_len, found }));
     }
     Ok(Ok(bytes))
-}
-
-fn describe_type(meta: &std::fs::Metadata) -> &'static str {
-    use std::os::unix::fs::FileTypeExt;
-    let t = meta.file_type();
-    if t.is_dir() {
-        "a directory"
-    } else if t.is_fifo() {
-        "a FIFO"
-    } else if t.is_socket() {
-        "a socket"
-    } else if t.is_char_device() || t.is_block_device() {
-        "a device"
-    } else {
-        "not a regular file"
-    }
 }
 
 fn report(args: &InspectArgs, verdict: Result<SpanView<'_>, SpanError>) -> anyhow::Result<ExitCode> {

@@ -5,14 +5,14 @@ use std::process::ExitCode;
 use std::sync::Arc;
 
 use anyhow::Context;
-use pdhost::engine::{Engine, OnFailure};
+use pdhost::engine::Engine;
 use pdhost::request::input;
 use pdhost::request::{self, Field, Limits};
 use pdhost::server::worker::Loaded;
 use pdhost::server::{ServeConfig, Server};
 
 use super::generate::Opened;
-use crate::cli::{OnFailureArg, ServeArgs};
+use crate::cli::ServeArgs;
 
 /// The context a server gives each request unless told otherwise (the incident's deployment).
 const DEFAULT_CONTEXT: u64 = 9216;
@@ -66,10 +66,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     };
     let chunk_tokens = if prefill_chunk == 0 { max_len as usize } else { prefill_chunk };
     let producer = choice.producer(&opened.path, &geometry, dtype, chunk_tokens)?;
-    let on_failure = match args.on_producer_failure {
-        OnFailureArg::Fail => OnFailure::Fail,
-        OnFailureArg::Fallback => OnFailure::Fallback,
-    };
+    let on_failure = args.on_producer_failure.policy();
     let chat = match opened.chat_template() {
         Some(Ok(t)) => Some(Arc::new(t)),
         Some(Err(e)) => {
