@@ -150,6 +150,10 @@ pub struct ServeArgs {
     /// Who prefills: `rngd`, `gpu`, `faulty`, a backend library `PATH.so`, or `local` (see `generate`).
     #[arg(long, default_value = "rngd")]
     pub producer: String,
+    /// Producer processes (1 to 8): this many prompts prefill at once, each while the live sequences
+    /// keep decoding.
+    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
+    pub producers: u64,
     /// JSON object merged into the backend's configuration (see `generate`).
     #[arg(long, value_name = "JSON")]
     pub backend_config: Option<String>,

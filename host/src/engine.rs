@@ -4,15 +4,15 @@
 //! a span (one tensor set per group) that is validated and committed like a producer's, and attention
 //! reads exactly the positions each layer sees through [`PagedKv::read`].
 
+use std::borrow::Cow;
 use std::hash::Hasher;
 use std::ops::ControlFlow;
-
 use std::time::{Duration, Instant};
-use zerocopy::FromBytes;
 
 use model::arch::Model;
-use model::forward::{ChunkKv, PastKv, RunSink};
+use model::forward::{ChunkKv, PastKv, Run, Segment};
 use shm_format::{Dtype, EntryKind, Manifest};
+use zerocopy::FromBytes;
 
 use crate::kv::convert::{convert, to_f32};
 use crate::kv::{IngestError, KvConfig, PagedKv, SeqId};
@@ -60,13 +60,93 @@ impl From<ProducerError> for EngineError {
     }
 }
 
-/// What [`Engine::prefill_seq`] did.
+/// What a prefill did.
+#[derive(Debug, Default)]
 struct Prefilled {
     forward: Duration,
     ingest: Duration,
     bytes: u64,
     spans: usize,
     report: PrefillReport,
+}
+
+/// A prompt (less its last token, which the host runs) being prefilled into its sequence, chunk by
+/// chunk: see [`Engine::begin`].
+#[derive(Debug)]
+pub struct Prefilling {
+    seq: SeqId,
+    request_id: u64,
+    /// Tokens to prefill.
+    len: usize,
+    chunk: usize,
+    /// Tokens prefilled.
+    done: usize,
+    /// Whether the chunks so far came from the producer.
+    remote: bool,
+    prefilled: Prefilled,
+    started: Instant,
+}
+
+impl Prefilling {
+    fn new(seq: SeqId, request_id: u64, len: usize, chunk: usize, producer: Option<&str>) -> Self {
+        let chunk = if chunk == 0 { len.max(1) } else { chunk };
+        let mut prefilled = Prefilled::default();
+        prefilled.report.producer = producer.map(str::to_string);
+        let remote = producer.is_some() && len > 0;
+        Prefilling { seq, request_id, len, chunk, done: 0, remote, prefilled, started: Instant::now() }
+    }
+
+    /// The request id its spans must carry.
+    pub fn request_id(&self) -> u64 {
+        self.request_id
+    }
+
+    /// Its sequence.
+    pub fn seq(&self) -> SeqId {
+        self.seq
+    }
+
+    /// Whether the next chunk goes to the producer (it has not failed, and a producer was given).
+    pub fn is_remote(&self) -> bool {
+        self.remote
+    }
+
+    /// The next chunk of `prompt` (the request's prompt, or just its head) to prefill: its first position
+    /// and tokens; `None` when the prefill is complete.
+    pub fn next_chunk<'p>(&self, prompt: &'p [u32]) -> Option<(u64, &'p [u32])> {
+        (self.done < self.len).then(|| (self.done as u64, &prompt[self.done..(self.done + self.chunk).min(self.len)]))
+    }
+
+    /// A remote chunk landed in the cache, costing `times`.
+    pub fn remote_done(&mut self, times: SpanTimes) {
+        let span = self.chunk.min(self.len - self.done);
+        self.done += span;
+        let t = &mut self.prefilled.report.remote_times;
+        t.backend += times.backend;
+        t.frame += times.frame;
+        t.take += times.take;
+        t.round_trip += times.round_trip;
+        t.bytes += times.bytes;
+        self.prefilled.spans += 1;
+        if self.done == self.len {
+            let t = *t;
+            self.prefilled.report.remote = true;
+            (self.prefilled.forward, self.prefilled.ingest, self.prefilled.bytes) =
+                (t.round_trip.saturating_sub(t.take), t.take, t.bytes);
+        }
+    }
+
+    /// The reason a remote chunk failed, taken out of the report (when the request fails rather than
+    /// falling back).
+    pub fn take_fallback(&mut self) -> Option<ProducerError> {
+        self.prefilled.report.fallback.take()
+    }
+
+    /// Notes the producer's layout and wire dtype for the report.
+    pub fn remote_by(&mut self, producer: &Producer) {
+        self.prefilled.report.layout = producer.layout();
+        self.prefilled.report.wire_dtype = producer.wire_dtype();
+    }
 }
 
 /// How the prompt was prefilled.
@@ -171,9 +251,9 @@ struct PagedPast<'a> {
 }
 
 impl PastKv for PagedPast<'_> {
-    fn runs(&self, layer: usize, positions: std::ops::Range<u64>, f: &mut RunSink<'_>) {
+    fn runs(&self, layer: usize, positions: std::ops::Range<u64>) -> Vec<Run<'_>> {
         if positions.is_empty() {
-            return;
+            return Vec::new();
         }
         let read = self.kv.read(self.seq, layer as u32).expect("a live sequence and a model layer");
         assert!(
@@ -185,7 +265,7 @@ impl PastKv for PagedPast<'_> {
         let (heads, dim) = read.heads();
         let row = heads as usize * dim as usize;
         let bytes = row * dtype.size() as usize;
-        let (mut k, mut v) = (Vec::new(), Vec::new());
+        let mut runs = Vec::new();
         for run in read.runs() {
             let a = run.start.max(positions.start);
             let b = (run.start + run.tokens as u64).min(positions.end);
@@ -194,27 +274,27 @@ impl PastKv for PagedPast<'_> {
             }
             let (from, to) = ((a - run.start) as usize * bytes, (b - run.start) as usize * bytes);
             let (run_k, run_v) = (&run.k[from..to], &run.v[from..to]);
-            // An f32 cache is read in place (page pools are 4-byte aligned, so this always succeeds); other
-            // dtypes are widened into buffers reused across this layer's runs.
+            // An f32 cache is read in place (page pools are 4-byte aligned, so this always succeeds);
+            // other dtypes are widened.
             if dtype == Dtype::F32 {
                 if let (Ok(k), Ok(v)) = (<[f32]>::ref_from_bytes(run_k), <[f32]>::ref_from_bytes(run_v)) {
-                    f(a, k, v);
+                    runs.push(Run { start: a, k: Cow::Borrowed(k), v: Cow::Borrowed(v) });
                     continue;
                 }
             }
-            k.resize((b - a) as usize * row, 0.0);
-            v.resize((b - a) as usize * row, 0.0);
+            let (mut k, mut v) = (vec![0f32; (b - a) as usize * row], vec![0f32; (b - a) as usize * row]);
             to_f32(dtype, run_k, &mut k);
             to_f32(dtype, run_v, &mut v);
-            f(a, &k, &v);
+            runs.push(Run { start: a, k: Cow::Owned(k), v: Cow::Owned(v) });
         }
+        runs
     }
 }
 
 impl Engine {
     /// An engine whose cache holds `max_seqs` sequences of up to `max_tokens` tokens in `dtype`.
     pub fn new(
-        model: Model,
+        mut model: Model,
         dtype: Dtype,
         page_size: u32,
         max_tokens: u64,
@@ -226,7 +306,10 @@ impl Engine {
         let mut config = KvConfig::new(geometry, dtype, budget);
         config.page_size = page_size;
         config.max_seqs = max_seqs;
-        Ok(Engine { kv: PagedKv::new(config)?, model, next_seq: 1 })
+        let kv = PagedKv::new(config)?;
+        // The model rounds each chunk's K/V to what this cache stores before attending to it.
+        model.kv_dtype = dtype;
+        Ok(Engine { kv, model, next_seq: 1 })
     }
 
     /// Lays a chunk's K/V out as a grouped span and ingests it into `seq`.
@@ -333,7 +416,8 @@ impl Engine {
         let _ = self.kv.remove_sequence(seq);
     }
 
-    /// Prefills `prompt` into `seq`, remotely if `by` says so (falling back or failing as it says).
+    /// Prefills `prompt` into `seq`, remotely if `by` says so (falling back or failing as it says): the
+    /// chunks of a [`Prefilling`] back to back.
     fn prefill_seq(
         &mut self,
         seq: SeqId,
@@ -342,78 +426,86 @@ impl Engine {
         chunk: usize,
         by: PrefillBy<'_>,
     ) -> Result<Prefilled, EngineError> {
-        let chunk = if chunk == 0 { prompt.len().max(1) } else { chunk };
-        let mut report = PrefillReport::default();
+        let producer = match &by {
+            PrefillBy::Remote { producer, .. } => Some(producer.name()),
+            PrefillBy::Local => None,
+        };
+        let mut p = Prefilling::new(seq, request_id, prompt.len(), chunk, producer);
         if let PrefillBy::Remote { producer, on_failure } = by {
-            report.producer = Some(producer.name().to_string());
-            if !prompt.is_empty() {
-                match self.prefill_remote(producer, seq, request_id, prompt, chunk) {
-                    Ok((times, spans)) => {
-                        report.remote = true;
-                        report.layout = producer.layout();
-                        report.wire_dtype = producer.wire_dtype();
-                        report.remote_times = times;
-                        let forward = times.round_trip.saturating_sub(times.take);
-                        return Ok(Prefilled { forward, ingest: times.take, bytes: times.bytes, spans, report });
+            while let Some((start, part)) = p.next_chunk(prompt).filter(|_| p.is_remote()) {
+                match producer.prefill(&mut self.kv, seq, request_id, start, part) {
+                    Ok(times) => {
+                        p.remote_by(producer);
+                        p.remote_done(times);
                     }
-                    Err(e) if on_failure == OnFailure::Fail => return Err(e.into()),
-                    Err(e) => report.fallback = Some(e),
+                    Err(e) => {
+                        self.fall_back(&mut p, e);
+                        if on_failure == OnFailure::Fail {
+                            return Err(p.take_fallback().expect("just set").into());
+                        }
+                    }
                 }
             }
         }
-        let (forward, ingest, bytes, spans) = self.prefill_local(seq, request_id, prompt, chunk)?;
-        Ok(Prefilled { forward, ingest, bytes, spans, report })
+        while let Some((start, part)) = p.next_chunk(prompt) {
+            self.prefill_chunk(&mut p, start, part)?;
+        }
+        Ok(p.prefilled)
     }
 
-    /// Prefills `prompt` into `seq` locally, chunk by chunk; returns (forward time, ingest time, bytes, spans).
-    fn prefill_local(
-        &mut self,
-        seq: SeqId,
-        request_id: u64,
-        prompt: &[u32],
-        chunk: usize,
-    ) -> Result<(Duration, Duration, u64, usize), IngestError> {
-        let (mut forward, mut ingest, mut bytes, mut spans) = (Duration::ZERO, Duration::ZERO, 0, 0);
-        for (i, part) in prompt.chunks(chunk).enumerate() {
-            let t = Instant::now();
-            let out = self.model.forward(part, (i * chunk) as u64, &PagedPast { kv: &self.kv, seq }, false);
-            forward += t.elapsed();
-            let t = Instant::now();
-            bytes += self.ingest(seq, request_id, &out.kv)?;
-            ingest += t.elapsed();
-            spans += 1;
-        }
-        Ok((forward, ingest, bytes, spans))
+    /// Runs one chunk of `p` locally and ingests its K/V.
+    pub fn prefill_chunk(&mut self, p: &mut Prefilling, start: u64, part: &[u32]) -> Result<(), IngestError> {
+        let t = Instant::now();
+        let out = self.model.forward(part, start, &PagedPast { kv: &self.kv, seq: p.seq }, false);
+        p.prefilled.forward += t.elapsed();
+        let t = Instant::now();
+        p.prefilled.bytes += self.ingest(p.seq, p.request_id, &out.kv)?;
+        p.prefilled.ingest += t.elapsed();
+        p.prefilled.spans += 1;
+        p.done += part.len();
+        Ok(())
     }
 
-    /// Prefills `prompt` into `seq` through the producer; on failure the sequence is emptied again.
-    fn prefill_remote(
-        &mut self,
-        producer: &mut Producer,
-        seq: SeqId,
-        request_id: u64,
-        prompt: &[u32],
-        chunk: usize,
-    ) -> Result<(SpanTimes, usize), ProducerError> {
-        let mut total = SpanTimes::default();
-        for (i, part) in prompt.chunks(chunk).enumerate() {
-            match producer.prefill(&mut self.kv, seq, request_id, (i * chunk) as u64, part) {
-                Ok(t) => {
-                    total.backend += t.backend;
-                    total.frame += t.frame;
-                    total.take += t.take;
-                    total.round_trip += t.round_trip;
-                    total.bytes += t.bytes;
-                }
-                Err(e) => {
-                    // Spans of earlier chunks are committed: start the sequence over.
-                    let _ = self.kv.remove_sequence(seq);
-                    self.kv.add_sequence(seq, request_id).expect("the slot just freed");
-                    return Err(e);
-                }
-            }
+    /// A remote chunk of `p` failed: its sequence starts over empty (spans of earlier chunks are
+    /// committed), and the rest of `p` runs locally, with `error` as the fallback reason.
+    pub fn fall_back(&mut self, p: &mut Prefilling, error: ProducerError) {
+        let _ = self.kv.remove_sequence(p.seq);
+        self.kv.add_sequence(p.seq, p.request_id).expect("the slot just freed");
+        p.done = 0;
+        p.remote = false;
+        let report = &mut p.prefilled.report;
+        (report.remote, report.remote_times) = (false, SpanTimes::default());
+        (p.prefilled.forward, p.prefilled.ingest, p.prefilled.bytes, p.prefilled.spans) =
+            (Duration::ZERO, Duration::ZERO, 0, 0);
+        report.fallback = Some(error);
+    }
+
+    /// Opens a sequence for `req` and returns its prefill, to be run chunk by chunk by the caller
+    /// ([`Prefilling::next_chunk`]: remotely through `producer`, [`Producer::take`] into [`Engine::kv`] and
+    /// [`Prefilling::remote_done`], or locally with [`Engine::prefill_chunk`]), then made live with
+    /// [`Engine::go_live`] or dropped with [`Engine::abandon`]. This is how the server interleaves prefill
+    /// with decode rounds; [`Engine::admit`] runs the same steps back to back.
+    pub fn begin(&mut self, req: &Request, producer: Option<&str>) -> Result<Prefilling, EngineError> {
+        let seq = SeqId(self.next_seq);
+        self.next_seq += 1;
+        self.kv.add_sequence(seq, seq.0)?;
+        let head = req.prompt.len().saturating_sub(1);
+        Ok(Prefilling::new(seq, seq.0, head, req.prefill_chunk, producer))
+    }
+
+    /// Drops a prefill that will not go live (its client left, or it failed): its pages are freed.
+    pub fn abandon(&mut self, p: Prefilling) {
+        let _ = self.kv.remove_sequence(p.seq);
+    }
+
+    /// Runs the last prompt token of a prefilled `p` and makes it live; on failure the sequence is gone.
+    pub fn go_live(&mut self, p: Prefilling, req: &Request) -> Result<Live, EngineError> {
+        let seq = p.seq;
+        let result = self.finish_start(p.seq, p.request_id, req, p.prefilled, p.started);
+        if result.is_err() {
+            let _ = self.kv.remove_sequence(seq);
         }
-        Ok((total, prompt.len().div_ceil(chunk)))
+        result
     }
 
     /// Adds a sequence for `req`, prefills its prompt (by `by`) and runs its last prompt token in the host,
@@ -435,13 +527,27 @@ impl Engine {
 
     fn start(&mut self, seq: SeqId, request_id: u64, req: &Request, by: PrefillBy<'_>) -> Result<Live, EngineError> {
         let started = Instant::now();
+        let head = &req.prompt[..req.prompt.len() - 1];
+        let prefilled = self.prefill_seq(seq, request_id, head, req.prefill_chunk, by)?;
+        self.finish_start(seq, request_id, req, prefilled, started)
+    }
+
+    /// The host's step over the last prompt token of a prefilled sequence: its logits choose the first
+    /// output token.
+    fn finish_start(
+        &mut self,
+        seq: SeqId,
+        request_id: u64,
+        req: &Request,
+        prefilled: Prefilled,
+        started: Instant,
+    ) -> Result<Live, EngineError> {
         let mut rng = Rng(match req.sampling {
             Sampling::TopP { seed, .. } => seed ^ 0x9E37_79B9_7F4A_7C15,
             Sampling::Greedy => 0,
         });
         let (&last, head) = req.prompt.split_last().expect("a prompt has at least one token");
-        let Prefilled { forward: mut prefill, ingest, bytes, spans, report } =
-            self.prefill_seq(seq, request_id, head, req.prefill_chunk, by)?;
+        let Prefilled { forward: mut prefill, ingest, bytes, spans, report } = prefilled;
         // The last prompt token, run by the host: its logits choose the first output token.
         let t = Instant::now();
         let out = self.model.forward(&[last], head.len() as u64, &PagedPast { kv: &self.kv, seq }, false);
@@ -483,17 +589,61 @@ impl Engine {
     /// and samples from its logits. `None` once the sequence has ended (EOS, `max_tokens`); then
     /// [`Engine::finish`] it. A caller that stops after a token never pays for the step after it.
     pub fn step(&mut self, live: &mut Live) -> Result<Option<u32>, EngineError> {
-        if live.finish.is_some() {
-            return Ok(None);
+        self.step_many(&mut [live]).pop().expect("one result per sequence")
+    }
+
+    /// [`Engine::step`] for every sequence in `lives` at once: the previous tokens of all of them go
+    /// through the model as one batch (each weight read once for the whole batch), and each sequence
+    /// gets exactly the logits it would get alone. One result per sequence, in order; a sequence whose
+    /// step fails is left as it was and the others go on.
+    pub fn step_many(&mut self, lives: &mut [&mut Live]) -> Vec<Result<Option<u32>, EngineError>> {
+        let mut results: Vec<Result<Option<u32>, EngineError>> = (0..lives.len()).map(|_| Ok(None)).collect();
+        let to_run: Vec<(usize, u32)> = lives
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, l)| l.finish.is_none())
+            .filter_map(|(i, l)| l.to_run.take().map(|t| (i, t)))
+            .collect();
+        if !to_run.is_empty() {
+            let tokens: Vec<[u32; 1]> = to_run.iter().map(|&(_, t)| [t]).collect();
+            let outs = {
+                let pasts: Vec<PagedPast<'_>> =
+                    to_run.iter().map(|&(i, _)| PagedPast { kv: &self.kv, seq: lives[i].seq }).collect();
+                let segments: Vec<Segment<'_>> = to_run
+                    .iter()
+                    .zip(&tokens)
+                    .zip(&pasts)
+                    .map(|((&(i, _), tokens), past)| Segment {
+                        tokens,
+                        start: (lives[i].prompt_len + lives[i].output.len() - 1) as u64,
+                        past,
+                        all_logits: false,
+                    })
+                    .collect();
+                self.model.forward_batch(&segments)
+            };
+            for (&(i, token), out) in to_run.iter().zip(outs) {
+                let live = &mut *lives[i];
+                if let Err(e) = self.ingest(live.seq, live.request_id, &out.kv) {
+                    live.to_run = Some(token);
+                    results[i] = Err(e.into());
+                    continue;
+                }
+                hash_logits(&mut live.hasher, &out.logits);
+                live.next = Some(sample(&out.logits, live.sampling, &mut live.rng));
+            }
         }
-        if let Some(previous) = live.to_run.take() {
-            let pos = (live.prompt_len + live.output.len() - 1) as u64;
-            let out = self.model.forward(&[previous], pos, &PagedPast { kv: &self.kv, seq: live.seq }, false);
-            self.ingest(live.seq, live.request_id, &out.kv)?;
-            hash_logits(&mut live.hasher, &out.logits);
-            live.next = Some(sample(&out.logits, live.sampling, &mut live.rng));
+        for (live, result) in lives.iter_mut().zip(&mut results) {
+            if result.is_ok() && live.finish.is_none() {
+                *result = Ok(self.emit(live));
+            }
         }
-        let Some(token) = live.next.take() else { return Ok(None) };
+        results
+    }
+
+    /// Emits the sampled token, if any, and decides whether the sequence goes on.
+    fn emit(&self, live: &mut Live) -> Option<u32> {
+        let token = live.next.take()?;
         live.output.push(token);
         if self.model.config.eos.contains(&token) {
             live.finish = Some(Finish::Eos);
@@ -502,7 +652,7 @@ impl Engine {
         } else {
             live.to_run = Some(token);
         }
-        Ok(Some(token))
+        Some(token)
     }
 
     /// Ends `live` (as it finished, or [`Finish::Stopped`] when it has not), frees its pages, and returns

@@ -298,6 +298,18 @@ struct Running {
     described: Described,
 }
 
+/// A producer's reply to [`Producer::submit`]: its span is committed in the ring, waiting for
+/// [`Producer::take`].
+#[derive(Debug)]
+pub struct Pending {
+    /// The request it answers.
+    pub request_id: u64,
+    sequence: u64,
+    backend_ns: u64,
+    frame_ns: u64,
+    started: Instant,
+}
+
 /// One supervised producer.
 ///
 /// Start and use a `Producer` from one long-lived thread: the kernel's parent-death signal fires when the
@@ -650,7 +662,8 @@ impl Producer {
         error
     }
 
-    /// Prefills `tokens` at `start_pos` of `request_id` in the producer and ingests the span into `seq`.
+    /// Prefills `tokens` at `start_pos` of `request_id` in the producer and ingests the span into `seq`:
+    /// [`Producer::submit`], then [`Producer::take`].
     ///
     /// On any failure the span is not in the cache (the cache is exactly as before), the reason is
     /// counted, and a producer that broke the protocol, crashed or timed out is killed; the next call
@@ -663,6 +676,15 @@ impl Producer {
         start_pos: u64,
         tokens: &[u32],
     ) -> Result<SpanTimes, ProducerError> {
+        let pending = self.submit(request_id, start_pos, tokens)?;
+        self.take(pending, kv, seq)
+    }
+
+    /// Starts the producer if it is not running, sends it one prefill and waits (within the request
+    /// timeout, watching its pidfd) for its reply. The span then waits in the ring, untouched, for
+    /// [`Producer::take`]: this half touches no cache, so it may run on another thread than the one that
+    /// owns the cache. Failures are counted and handled as in [`Producer::prefill`].
+    pub fn submit(&mut self, request_id: u64, start_pos: u64, tokens: &[u32]) -> Result<Pending, ProducerError> {
         let started = Instant::now();
         match self.ensure_running() {
             Ok(_) => {}
@@ -672,8 +694,19 @@ impl Producer {
             }
             Err(e) => return Err(self.fail(e)),
         }
-        let result = self.exchange(kv, seq, request_id, start_pos, tokens, started);
-        match result {
+        match self.request(request_id, start_pos, tokens, started) {
+            Ok(pending) => Ok(pending),
+            // A backend that says it failed broke no rule: it keeps running.
+            Err(e @ ProducerError::Backend { .. }) => Err(self.refuse(e)),
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    /// Takes the span that `pending`'s reply announced out of the ring into `seq`: the header read once and
+    /// checked, the copy checksummed, then one commit. On failure the cache is as before and the producer
+    /// is killed (the next submit restarts it).
+    pub fn take(&mut self, pending: Pending, kv: &mut PagedKv, seq: SeqId) -> Result<SpanTimes, ProducerError> {
+        match self.take_frame(pending, kv, seq) {
             Ok(times) => {
                 self.failed = false;
                 self.backoff = Duration::ZERO;
@@ -681,21 +714,17 @@ impl Producer {
                 self.metrics.bytes += times.bytes;
                 Ok(times)
             }
-            // A backend that says it failed broke no rule: it keeps running.
-            Err(e @ ProducerError::Backend { .. }) => Err(self.refuse(e)),
             Err(e) => Err(self.fail(e)),
         }
     }
 
-    fn exchange(
+    fn request(
         &mut self,
-        kv: &mut PagedKv,
-        seq: SeqId,
         request_id: u64,
         start_pos: u64,
         tokens: &[u32],
         started: Instant,
-    ) -> Result<SpanTimes, ProducerError> {
+    ) -> Result<Pending, ProducerError> {
         let name = self.spec.name.clone();
         let deadline = started + self.spec.request_timeout;
         let mut running = self.running.take().expect("ensured");
@@ -705,58 +734,68 @@ impl Producer {
                 return Err(self.exited(&mut running, "sending a request"));
             }
             let reply = self.receive(&mut running, deadline, "awaiting a prefill")?;
-            let (sequence, backend_ns, frame_ns) = match reply {
+            match reply {
                 FromProducer::Done { request_id: r, sequence, backend_ns, frame_ns } if r == request_id => {
-                    (sequence, backend_ns, frame_ns)
+                    Ok(Pending { request_id, sequence, backend_ns, frame_ns, started })
                 }
                 FromProducer::Failed { request_id: r, status, message } if r == request_id => {
                     let status = pdhost_plugin_abi::PdhostStatus::from_raw(status)
                         .map_or_else(|| format!("status {status}"), |s| s.name().to_string());
-                    return Err(ProducerError::Backend { name: name.clone(), status, message });
+                    Err(ProducerError::Backend { name: name.clone(), status, message })
                 }
-                other => {
-                    return Err(ProducerError::Protocol {
-                        name: name.clone(),
-                        expected: format!("a Done or Failed reply for request {request_id}"),
-                        found: other.summary(),
-                    })
-                }
-            };
-            if sequence != running.ring.next_sequence() {
-                return Err(ProducerError::Protocol {
+                other => Err(ProducerError::Protocol {
                     name: name.clone(),
-                    expected: format!("frame {}", running.ring.next_sequence()),
-                    found: format!("frame {sequence}"),
-                });
+                    expected: format!("a Done or Failed reply for request {request_id}"),
+                    found: other.summary(),
+                }),
             }
-            let t = Instant::now();
-            let before = kv.seq_len(seq).unwrap_or(0);
-            let taken = running.ring.take_into(&mut IntoSequence { kv, seq });
-            let take = t.elapsed();
-            match taken {
-                Ok(Some(())) => {}
-                Ok(None) => {
-                    return Err(ProducerError::Protocol {
-                        name: name.clone(),
-                        expected: format!("frame {sequence} committed before the reply"),
-                        found: "no commit".into(),
-                    })
-                }
-                Err(TakeError::Ring(source)) => return Err(ProducerError::Ring { name: name.clone(), source }),
-                Err(TakeError::Sink(source)) => return Err(ProducerError::Rejected { name: name.clone(), source }),
-            }
-            let wire = running.described.wire_dtype().expect("checked at the handshake");
-            let bytes = span_bytes(&self.geometry, wire, kv.seq_len(seq).unwrap_or(0) - before);
-            Ok(SpanTimes {
-                backend: Duration::from_nanos(backend_ns),
-                frame: Duration::from_nanos(frame_ns),
-                take,
-                round_trip: started.elapsed(),
-                bytes,
-            })
         })();
         self.running = Some(running);
         result
+    }
+
+    fn take_frame(&mut self, pending: Pending, kv: &mut PagedKv, seq: SeqId) -> Result<SpanTimes, ProducerError> {
+        let name = self.spec.name.clone();
+        let Some(running) = self.running.as_mut() else {
+            return Err(ProducerError::Protocol {
+                name,
+                expected: format!("the process that announced frame {}", pending.sequence),
+                found: "no running process".into(),
+            });
+        };
+        let sequence = pending.sequence;
+        if sequence != running.ring.next_sequence() {
+            return Err(ProducerError::Protocol {
+                name,
+                expected: format!("frame {}", running.ring.next_sequence()),
+                found: format!("frame {sequence}"),
+            });
+        }
+        let t = Instant::now();
+        let before = kv.seq_len(seq).unwrap_or(0);
+        let taken = running.ring.take_into(&mut IntoSequence { kv, seq });
+        let take = t.elapsed();
+        match taken {
+            Ok(Some(())) => {}
+            Ok(None) => {
+                return Err(ProducerError::Protocol {
+                    name,
+                    expected: format!("frame {sequence} committed before the reply"),
+                    found: "no commit".into(),
+                })
+            }
+            Err(TakeError::Ring(source)) => return Err(ProducerError::Ring { name, source }),
+            Err(TakeError::Sink(source)) => return Err(ProducerError::Rejected { name, source }),
+        }
+        let wire = running.described.wire_dtype().expect("checked at the handshake");
+        let bytes = span_bytes(&self.geometry, wire, kv.seq_len(seq).unwrap_or(0) - before);
+        Ok(SpanTimes {
+            backend: Duration::from_nanos(pending.backend_ns),
+            frame: Duration::from_nanos(pending.frame_ns),
+            take,
+            round_trip: pending.started.elapsed(),
+            bytes,
+        })
     }
 
     /// Asks the producer to exit, waits briefly, then kills and reaps it.

@@ -267,3 +267,25 @@ fn any_depth_and_sliding_pattern_gives_the_same_output_through_both_producers() 
         }
     }
 }
+
+/// Prefill is chunk-invariant: whole or in chunks, with an f32 or a bf16 cache, locally or in either
+/// producer, the output ids and the logits bits are the same. The tiny Gemma 3's chunks cross its
+/// 8-token window; Gemma 3 270M runs a real prompt.
+#[test]
+fn every_chunking_gives_the_same_logits_bits() {
+    let tiny = reference_dir().join("tiny_gemma3_8l");
+    let tiny_prompt: Vec<u64> = (0..30).map(|i| (i * 37 + 5) % 256).collect();
+    let real_prompt: Vec<u64> = (0..40).map(|i| 1000 + i * 997 % 50000).collect();
+    for (model, prompt, chunks) in
+        [(tiny.to_str().unwrap(), &tiny_prompt, &["1", "7", "9"][..]), ("gemma3-270m", &real_prompt, &["7"][..])]
+    {
+        for dtype in ["f32", "bf16"] {
+            let whole = generate_everywhere(model, prompt, 4, &["--kv-dtype", dtype]);
+            for chunk in chunks {
+                let out = generate_everywhere(model, prompt, 4, &["--kv-dtype", dtype, "--prefill-chunk", chunk]);
+                assert_eq!(out["output_ids"], whole["output_ids"], "{model} {dtype} chunks of {chunk}");
+                assert_eq!(out["logits_xxh3"], whole["logits_xxh3"], "{model} {dtype} chunks of {chunk}: logits bits");
+            }
+        }
+    }
+}

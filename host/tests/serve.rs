@@ -551,3 +551,47 @@ fn the_drain_timeout_ends_a_stream_that_outlives_it() {
     }
     drop(lines);
 }
+
+/// Prefill overlaps decode: while a producer spends 3 s on one request's prompt (the `faulty` backend's
+/// `slow` mode on request 2), the stream already live keeps receiving tokens. The order of events is
+/// asserted, not timings: tokens of stream A arrive after B was sent and before B's answer, and B was
+/// still prefilled remotely.
+#[test]
+fn a_live_stream_keeps_decoding_while_another_prompt_prefills_in_a_producer() {
+    let config = r#"{"fault": "slow", "on_requests": [2], "delay_ms": 3000}"#;
+    let s = serve(&["--producer", "faulty", "--backend-config", config, "--slots", "2"]);
+    let events = Arc::new(Mutex::new(Vec::<&'static str>::new()));
+    let a = {
+        let (url, events) = (s.url.clone(), Arc::clone(&events));
+        std::thread::spawn(move || {
+            let body =
+                json!({"prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "max_tokens": 400, "temperature": 0, "stream": true});
+            let r = agent().post(&format!("{url}/v1/completions")).send_json(&body).unwrap();
+            for line in BufReader::new(r.into_body().into_reader()).lines() {
+                let line = line.unwrap();
+                if line == "data: [DONE]" {
+                    break;
+                }
+                if line.starts_with("data: ") {
+                    events.lock().unwrap().push("A token");
+                }
+            }
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while events.lock().unwrap().len() < 3 {
+        assert!(Instant::now() < deadline, "stream A never started: {}", s.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    events.lock().unwrap().push("B sent");
+    let (status, b) = post(&s, "/v1/completions", &json!({"prompt": "Hello there", "max_tokens": 2}).to_string());
+    events.lock().unwrap().push("B answered");
+    assert_eq!(status, 200, "{b}");
+    assert_eq!(b["pdhost"]["prefill"], "remote", "{b}");
+    a.join().unwrap();
+    let events = events.lock().unwrap();
+    let sent = events.iter().position(|e| *e == "B sent").unwrap();
+    let answered = events.iter().position(|e| *e == "B answered").unwrap();
+    let during = events[sent..answered].iter().filter(|e| **e == "A token").count();
+    assert!(during >= 3, "stream A got {during} tokens while B prefilled: {events:?}");
+}

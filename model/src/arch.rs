@@ -11,7 +11,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use shm_format::{KvGeometry, LayerKv};
+use shm_format::{Dtype, KvGeometry, LayerKv};
 
 use crate::gguf::{Gguf, GgufError};
 use crate::kernels::{Exec, Precision, Q8};
@@ -142,6 +142,10 @@ pub struct Model {
     pub exec: Exec,
     /// Q8_0 copies of the linear weights, in `fast` precision.
     pub q8: Option<FastWeights>,
+    /// The element type of the K/V cache this model's K/V goes to (f32 unless set): every chunk's K/V is
+    /// rounded to it as soon as it is computed, so a position attends to the same values whether it is
+    /// in the chunk being run or read back from the cache, and prefill is chunk-invariant.
+    pub kv_dtype: Dtype,
 }
 
 /// Q8_0 copies of every linear weight, for `fast` decode.
@@ -492,6 +496,7 @@ impl Model {
             source: g.path().into(),
             exec: Exec::new(Precision::Exact, 1),
             q8: None,
+            kv_dtype: Dtype::F32,
         }
         .checked()
     }
@@ -554,6 +559,7 @@ impl Model {
             source: dir.into(),
             exec: Exec::new(Precision::Exact, 1),
             q8: None,
+            kv_dtype: Dtype::F32,
         }
         .checked()
     }

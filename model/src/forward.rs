@@ -1,25 +1,43 @@
-//! The forward pass in `exact` precision: f32 arithmetic on dequantized weights.
+//! The forward pass: f32 activations on dequantized weights (`exact`) or Q8_0 products (`fast`).
 //!
-//! [`Model::forward`] runs a chunk of tokens at positions `start..start + n` and returns the chunk's K/V for
-//! every layer (so a producer can lay it out dense or grouped, or the host can ingest it) and the logits.
-//! Earlier positions' K/V come from a [`PastKv`] — the host's paged cache in pdhost — and a sliding layer at
-//! position `p` sees exactly `p - window + 1 ..= p`.
+//! [`Model::forward_batch`] runs a batch of [`Segment`]s — each some tokens of one sequence at positions
+//! `start..start + n`, over that sequence's [`PastKv`] — as one pass: every linear layer is one product
+//! over all the batch's rows, so each weight is read once per step, while attention stays within each
+//! segment. It returns each segment's K/V for every layer (so a producer can lay it out dense or
+//! grouped, or the host can ingest it) and its logits. A sliding layer at position `p` sees exactly
+//! `p - window + 1 ..= p`.
+//!
+//! A row's results do not depend on the rest of its batch nor on where its chunk starts: the kernels
+//! compute every output in one fixed order ([`crate::kernels`]); each chunk's K/V is rounded to the
+//! cache's element type ([`Model::kv_dtype`]) before anything attends to it, so a position reads the
+//! same values whether it is in the current chunk or in the cache; and attention visits the visible
+//! positions in order, one query row and head at a time.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
 use rayon::prelude::*;
+use shm_format::Dtype;
 
 use crate::arch::{Arch, Attention, Model};
 use crate::kernels::dot;
 
-/// Receives one run of past K/V: `(first_position, k_rows, v_rows)`.
-pub type RunSink<'a> = dyn FnMut(u64, &[f32], &[f32]) + 'a;
+/// One run of past K/V: consecutive positions from `start`, each row `kv_heads * head_dim` f32 values.
+/// Borrowed where the cache holds f32, widened where it holds a narrower type.
+#[derive(Debug)]
+pub struct Run<'a> {
+    /// First position.
+    pub start: u64,
+    /// K rows, position-major.
+    pub k: Cow<'a, [f32]>,
+    /// V rows, position-major.
+    pub v: Cow<'a, [f32]>,
+}
 
-/// K/V of positions before the chunk.
-pub trait PastKv {
-    /// Calls `f(first_position, k_rows, v_rows)` for consecutive runs covering exactly `positions` of
-    /// `layer`, in order; each row is `kv_heads * head_dim` f32 values.
-    fn runs(&self, layer: usize, positions: Range<u64>, f: &mut RunSink<'_>);
+/// K/V of positions before a chunk.
+pub trait PastKv: Sync {
+    /// Consecutive runs covering exactly `positions` of `layer`, in order.
+    fn runs(&self, layer: usize, positions: Range<u64>) -> Vec<Run<'_>>;
 }
 
 /// No earlier positions.
@@ -27,8 +45,28 @@ pub trait PastKv {
 pub struct NoPast;
 
 impl PastKv for NoPast {
-    fn runs(&self, _: usize, positions: Range<u64>, _: &mut RunSink<'_>) {
+    fn runs(&self, _: usize, positions: Range<u64>) -> Vec<Run<'_>> {
         assert!(positions.is_empty(), "no past K/V for positions {positions:?}");
+        Vec::new()
+    }
+}
+
+/// Some tokens of one sequence, for [`Model::forward_batch`].
+#[derive(Clone, Copy)]
+pub struct Segment<'a> {
+    /// The tokens, at least one.
+    pub tokens: &'a [u32],
+    /// Position of the first.
+    pub start: u64,
+    /// The sequence's K/V before `start`.
+    pub past: &'a dyn PastKv,
+    /// Logits of every token rather than of the last.
+    pub all_logits: bool,
+}
+
+impl std::fmt::Debug for Segment<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Segment").field("tokens", &self.tokens.len()).field("start", &self.start).finish()
     }
 }
 
@@ -87,15 +125,64 @@ fn rope(x: &mut [f32], pos: u64, base: f32, adjacent: bool) {
     }
 }
 
+/// The nearest `dtype` value to `x` (ties to even), as f32.
+pub fn round_to(dtype: Dtype, x: f32) -> f32 {
+    match dtype {
+        Dtype::F32 => x,
+        Dtype::F16 => half::f16::from_f32(x).to_f32(),
+        Dtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+    }
+}
+
+/// The K and V rows a segment's queries may see at one layer, from position `from` on: the past's, read
+/// in place, then the chunk's.
+struct Visible<'a> {
+    from: u64,
+    k: Vec<&'a [f32]>,
+    v: Vec<&'a [f32]>,
+}
+
+/// Where each row of a batch comes from.
+struct Rows {
+    /// Per row: its segment.
+    segment: Vec<usize>,
+    /// Per row: its position.
+    pos: Vec<u64>,
+    /// Per segment: its first row.
+    first: Vec<usize>,
+}
+
+impl Rows {
+    fn of(segments: &[Segment<'_>]) -> Self {
+        let mut rows = Rows { segment: Vec::new(), pos: Vec::new(), first: Vec::new() };
+        for (s, seg) in segments.iter().enumerate() {
+            rows.first.push(rows.pos.len());
+            for i in 0..seg.tokens.len() as u64 {
+                rows.segment.push(s);
+                rows.pos.push(seg.start + i);
+            }
+        }
+        rows
+    }
+}
+
 impl Model {
     /// Runs `tokens` at positions `start..`, attending to `past` for earlier positions.
     pub fn forward(&self, tokens: &[u32], start: u64, past: &dyn PastKv, all_logits: bool) -> Output {
+        let mut out = self.forward_batch(&[Segment { tokens, start, past, all_logits }]);
+        out.pop().expect("one output per segment")
+    }
+
+    /// Runs every segment in one pass (see the module documentation); one output per segment, in order.
+    /// Each segment's output is bit for bit what [`Model::forward`] gives it alone.
+    pub fn forward_batch(&self, segments: &[Segment<'_>]) -> Vec<Output> {
         let c = &self.config;
-        let t = tokens.len();
         let (hd, kvd, qd) = (c.head_dim, c.kv_heads * c.head_dim, c.heads * c.head_dim);
-        let group = c.heads / c.kv_heads;
+        assert!(segments.iter().all(|s| !s.tokens.is_empty()), "a segment has at least one token");
+        let rows = Rows::of(segments);
+        let t = rows.pos.len();
         let mut x = vec![0f32; t * c.hidden];
-        for (row, &tok) in x.chunks_exact_mut(c.hidden).zip(tokens) {
+        for (row, &tok) in x.chunks_exact_mut(c.hidden).zip(segments.iter().flat_map(|s| s.tokens)) {
             let tok = tok as usize;
             assert!(tok < c.vocab, "token id {tok} outside the vocabulary of {}", c.vocab);
             row.copy_from_slice(&self.embed[tok * c.hidden..(tok + 1) * c.hidden]);
@@ -104,7 +191,7 @@ impl Model {
             let scale = (c.hidden as f32).sqrt();
             x.iter_mut().for_each(|v| *v *= scale);
         }
-        let mut kv = ChunkKv { start, len: t, k: Vec::new(), v: Vec::new() };
+        let mut layers_kv = Vec::with_capacity(self.layers.len());
         for (l, w) in self.layers.iter().enumerate() {
             let mut h = x.clone();
             rms_norm(&mut h, &w.attn_norm, c.eps);
@@ -112,7 +199,7 @@ impl Model {
             let q8 = |i: usize| lq.map(|q| &q[i]);
             let mut q = self.exec.matmul_t(&h, &w.wq, q8(0), t, c.hidden, qd);
             let mut k = self.exec.matmul_t(&h, &w.wk, q8(1), t, c.hidden, kvd);
-            let v = self.exec.matmul_t(&h, &w.wv, q8(2), t, c.hidden, kvd);
+            let mut v = self.exec.matmul_t(&h, &w.wv, q8(2), t, c.hidden, kvd);
             if let Some(qn) = &w.q_norm {
                 rms_norm(&mut q, qn, c.eps);
             }
@@ -123,8 +210,7 @@ impl Model {
                 Attention::Full => c.rope_global,
                 Attention::Sliding(_) => c.rope_local,
             };
-            for i in 0..t {
-                let pos = start + i as u64;
+            for (i, &pos) in rows.pos.iter().enumerate() {
                 for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(hd) {
                     rope(head, pos, base, c.rope_adjacent);
                 }
@@ -132,55 +218,11 @@ impl Model {
                     rope(head, pos, base, c.rope_adjacent);
                 }
             }
-
-            // The earliest position any query of the chunk sees, and the past rows it needs.
-            let first_visible = |pos: u64| match c.layers[l] {
-                Attention::Full => 0,
-                Attention::Sliding(w) => (pos + 1).saturating_sub(u64::from(w)),
-            };
-            let past_from = first_visible(start).min(start);
-            let (mut pk, mut pv) = (Vec::new(), Vec::new());
-            past.runs(l, past_from..start, &mut |_, k, v| {
-                pk.extend_from_slice(k);
-                pv.extend_from_slice(v);
-            });
-            assert_eq!(pk.len() as u64, (start - past_from) * kvd as u64, "past K/V rows for layer {l}");
-
-            let mut attn = vec![0f32; t * qd];
-            let key_row = |p: u64, g: usize| -> (&[f32], &[f32]) {
-                let (src_k, src_v, r) =
-                    if p < start { (&pk, &pv, (p - past_from) as usize) } else { (&k, &v, (p - start) as usize) };
-                let range = r * kvd + g * hd..r * kvd + (g + 1) * hd;
-                (&src_k[range.clone()], &src_v[range])
-            };
-            self.exec.install(|| {
-                attn.par_chunks_mut(qd).enumerate().for_each(|(i, out_row)| {
-                    let pos = start + i as u64;
-                    let lo = first_visible(pos);
-                    let mut scores = Vec::with_capacity((pos - lo + 1) as usize);
-                    for hq in 0..c.heads {
-                        let g = hq / group;
-                        let qv = &q[i * qd + hq * hd..i * qd + (hq + 1) * hd];
-                        scores.clear();
-                        for p in lo..=pos {
-                            scores.push(dot(qv, key_row(p, g).0) * c.query_scale);
-                        }
-                        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                        let mut sum = 0.0;
-                        for s in scores.iter_mut() {
-                            *s = (*s - max).exp();
-                            sum += *s;
-                        }
-                        let out = &mut out_row[hq * hd..(hq + 1) * hd];
-                        for (j, p) in (lo..=pos).enumerate() {
-                            let wgt = scores[j] / sum;
-                            for (o, &vv) in out.iter_mut().zip(key_row(p, g).1) {
-                                *o += wgt * vv;
-                            }
-                        }
-                    }
-                })
-            });
+            // From here on the chunk's K/V are what the cache will hold.
+            if self.kv_dtype != Dtype::F32 {
+                k.iter_mut().chain(v.iter_mut()).for_each(|x| *x = round_to(self.kv_dtype, *x));
+            }
+            let attn = self.attention(l, segments, &rows, &q, &k, &v);
             let mut o = self.exec.matmul_t(&attn, &w.wo, q8(3), t, qd, c.hidden);
             if let Some(n) = &w.post_attn_norm {
                 rms_norm(&mut o, n, c.eps);
@@ -204,15 +246,103 @@ impl Model {
                 rms_norm(&mut down, n, c.eps);
             }
             x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
-            kv.k.push(k);
-            kv.v.push(v);
+            layers_kv.push((k, v));
         }
         rms_norm(&mut x, &self.final_norm, c.eps);
-        let rows = if all_logits { &x[..] } else { &x[(t - 1) * c.hidden..] };
-        let n = rows.len() / c.hidden;
+
+        // The rows whose logits are wanted, through the head in one product.
+        let mut wanted = Vec::new();
+        for (s, seg) in segments.iter().enumerate() {
+            let end = rows.first[s] + seg.tokens.len();
+            let from = if seg.all_logits { rows.first[s] } else { end - 1 };
+            wanted.extend_from_slice(&x[from * c.hidden..end * c.hidden]);
+        }
         let head = self.lm_head.as_deref().unwrap_or(&self.embed);
         let head_q8 = self.q8.as_ref().map(|q| &q.head);
-        Output { kv, logits: self.exec.matmul_t(rows, head, head_q8, n, c.hidden, c.vocab) }
+        let n = wanted.len() / c.hidden;
+        let mut logits = self.exec.matmul_t(&wanted, head, head_q8, n, c.hidden, c.vocab).into_iter();
+
+        let mut outputs = Vec::with_capacity(segments.len());
+        let single = segments.len() == 1;
+        for (s, seg) in segments.iter().enumerate() {
+            let len = seg.tokens.len();
+            let rows_kv = rows.first[s] * kvd..(rows.first[s] + len) * kvd;
+            let mut kv = ChunkKv { start: seg.start, len, k: Vec::new(), v: Vec::new() };
+            for (k, v) in &mut layers_kv {
+                if single {
+                    kv.k.push(std::mem::take(k));
+                    kv.v.push(std::mem::take(v));
+                } else {
+                    kv.k.push(k[rows_kv.clone()].to_vec());
+                    kv.v.push(v[rows_kv.clone()].to_vec());
+                }
+            }
+            let count = if seg.all_logits { len } else { 1 };
+            outputs.push(Output { kv, logits: logits.by_ref().take(count * c.vocab).collect() });
+        }
+        outputs
+    }
+
+    /// Attention of layer `l` for every row of the batch, each query row and head a task of its own:
+    /// scores against every visible position in order, read in place from the past runs or the chunk.
+    fn attention(&self, l: usize, segments: &[Segment<'_>], rows: &Rows, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
+        let c = &self.config;
+        let (hd, kvd, qd) = (c.head_dim, c.kv_heads * c.head_dim, c.heads * c.head_dim);
+        let group = c.heads / c.kv_heads;
+        let first_visible = |pos: u64| match c.layers[l] {
+            Attention::Full => 0,
+            Attention::Sliding(w) => (pos + 1).saturating_sub(u64::from(w)),
+        };
+        // Per segment: the past runs it needs, then an index of its visible rows from `from` on.
+        let pasts: Vec<(u64, Vec<Run<'_>>)> = segments
+            .iter()
+            .map(|s| {
+                let from = first_visible(s.start).min(s.start);
+                (from, s.past.runs(l, from..s.start))
+            })
+            .collect();
+        let index: Vec<Visible<'_>> = segments
+            .iter()
+            .zip(&pasts)
+            .enumerate()
+            .map(|(s, (seg, (from, runs)))| {
+                let (mut ks, mut vs) = (Vec::new(), Vec::new());
+                for run in runs {
+                    ks.extend(run.k.chunks_exact(kvd));
+                    vs.extend(run.v.chunks_exact(kvd));
+                }
+                assert_eq!(ks.len() as u64, seg.start - from, "past K/V rows of layer {l}");
+                let chunk = rows.first[s] * kvd..(rows.first[s] + seg.tokens.len()) * kvd;
+                ks.extend(k[chunk.clone()].chunks_exact(kvd));
+                vs.extend(v[chunk].chunks_exact(kvd));
+                Visible { from: *from, k: ks, v: vs }
+            })
+            .collect();
+        let mut attn = vec![0f32; rows.pos.len() * qd];
+        self.exec.install(|| {
+            attn.par_chunks_mut(hd).enumerate().for_each(|(task, out)| {
+                let (i, hq) = (task / c.heads, task % c.heads);
+                let (pos, g) = (rows.pos[i], hq / group);
+                let Visible { from, k: ks, v: vs } = &index[rows.segment[i]];
+                let visible = (first_visible(pos) - from) as usize..=(pos - from) as usize;
+                let qv = &q[i * qd + hq * hd..i * qd + (hq + 1) * hd];
+                let mut scores: Vec<f32> =
+                    ks[visible.clone()].iter().map(|k| dot(qv, &k[g * hd..(g + 1) * hd]) * c.query_scale).collect();
+                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0.0;
+                for s in scores.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                for (s, v) in scores.iter().zip(&vs[visible]) {
+                    let wgt = s / sum;
+                    for (o, &vv) in out.iter_mut().zip(&v[g * hd..(g + 1) * hd]) {
+                        *o += wgt * vv;
+                    }
+                }
+            })
+        });
+        attn
     }
 }
 
@@ -255,11 +385,15 @@ impl VecKv {
 }
 
 impl PastKv for VecKv {
-    fn runs(&self, layer: usize, positions: Range<u64>, f: &mut RunSink<'_>) {
+    fn runs(&self, layer: usize, positions: Range<u64>) -> Vec<Run<'_>> {
         if positions.is_empty() {
-            return;
+            return Vec::new();
         }
         let (a, b) = (positions.start as usize * self.row, positions.end as usize * self.row);
-        f(positions.start, &self.k[layer][a..b], &self.v[layer][a..b]);
+        vec![Run {
+            start: positions.start,
+            k: Cow::Borrowed(&self.k[layer][a..b]),
+            v: Cow::Borrowed(&self.v[layer][a..b]),
+        }]
     }
 }

@@ -22,6 +22,8 @@ const MAX_QUEUE: u64 = 4096;
 
 /// The most sequences live at once.
 const MAX_SLOTS: u64 = 64;
+/// Producer processes at most.
+const MAX_PRODUCERS: u64 = 8;
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     // Everything that needs no model first.
@@ -65,7 +67,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         timeout,
     };
     let chunk_tokens = if prefill_chunk == 0 { max_len as usize } else { prefill_chunk };
-    let producer = choice.producer(&opened.path, &geometry, dtype, chunk_tokens)?;
+    let count = request::check_count(Field::Producers, args.producers, 1, MAX_PRODUCERS)?;
+    let mut producers = Vec::new();
+    for _ in 0..count {
+        producers.extend(choice.producer(&opened.path, &geometry, dtype, chunk_tokens)?);
+    }
     let on_failure = args.on_producer_failure.policy();
     let chat = match opened.chat_template() {
         Some(Ok(t)) => Some(Arc::new(t)),
@@ -96,7 +102,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
                     super::outln!("listening on http://{addr}").ok();
                 }
             });
-            Ok(Loaded { engine, producer, on_failure, slots: slots as usize, on_ready })
+            Ok(Loaded { engine, producers, on_failure, slots: slots as usize, on_ready })
         });
         let server = Server::bind(addr, config, tokenizer, start)
             .await

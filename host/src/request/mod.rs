@@ -75,6 +75,8 @@ pub enum Field {
     Queue,
     /// Serve: sequences live at once.
     Slots,
+    /// Serve: producer processes.
+    Producers,
     /// Serve: seconds to finish in-flight requests.
     DrainTimeout,
 }
@@ -105,6 +107,7 @@ impl Field {
             Field::DecodeTokens => "--decode-tokens",
             Field::Queue => "--queue",
             Field::Slots => "--slots",
+            Field::Producers => "--producers",
             Field::DrainTimeout => "--drain-timeout",
         }
     }

@@ -38,7 +38,8 @@ pub struct Metrics {
     pub producer_starts: IntCounterVec,
     /// Tokens of prompts found in the prefix cache (none yet: no prefix cache).
     pub prefix_hit_tokens: IntCounter,
-    seen: std::sync::Arc<std::sync::Mutex<supervisor::Metrics>>,
+    /// Per producer: its counters as last seen.
+    seen: std::sync::Arc<std::sync::Mutex<Vec<supervisor::Metrics>>>,
 }
 
 fn seconds(name: &str, help: &str, start: f64) -> Histogram {
@@ -118,15 +119,19 @@ impl Metrics {
     }
 
     /// Adds what a producer counted since the last call.
-    pub fn producer(&self, now: &supervisor::Metrics) {
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+    pub fn producer(&self, index: usize, now: &supervisor::Metrics) {
+        let mut all = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if all.len() <= index {
+            all.resize_with(index + 1, Default::default);
+        }
+        let seen = &mut all[index];
         self.spans_accepted.inc_by(now.spans_accepted.saturating_sub(seen.spans_accepted));
         for (kind, &n) in &now.spans_rejected {
             let before = seen.spans_rejected.get(kind).copied().unwrap_or(0);
             self.spans_rejected.with_label_values(&[kind]).inc_by(n.saturating_sub(before));
         }
         let first = |m: &supervisor::Metrics| m.starts.saturating_sub(m.restarts);
-        self.producer_starts.with_label_values(&["start"]).inc_by(first(now).saturating_sub(first(&seen)));
+        self.producer_starts.with_label_values(&["start"]).inc_by(first(now).saturating_sub(first(seen)));
         self.producer_starts.with_label_values(&["restart"]).inc_by(now.restarts.saturating_sub(seen.restarts));
         *seen = now.clone();
     }

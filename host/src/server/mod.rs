@@ -33,6 +33,7 @@ use crate::request::{self, Limits};
 
 pub mod api;
 pub mod metrics;
+pub mod prefill;
 pub mod worker;
 
 use api::{ApiError, Completion, Prompt};

@@ -1,6 +1,7 @@
-//! The engine thread: owns the engine, its KV cache and the producer; admits accepted requests in arrival
-//! order while a slot is free, steps every live one a token per round, and streams text back as it is
-//! generated.
+//! The engine thread: owns the engine and its KV cache; admits accepted requests in arrival order while a
+//! slot is free, has their prompts prefilled by the producers' waiter threads ([`super::prefill`]) or
+//! locally a chunk per round, steps every live one a token per round in one batched pass, and streams
+//! text back as it is generated.
 
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -12,7 +13,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
-use crate::engine::{Engine, Finish, Live, OnFailure, PrefillBy, Request};
+use crate::engine::{Engine, EngineError, Finish, Live, OnFailure, Prefilling, Request};
 use crate::supervisor::Producer;
 use crate::text::TextStream;
 
@@ -24,8 +25,8 @@ pub type Start = Box<dyn FnOnce() -> anyhow::Result<Loaded> + Send>;
 pub struct Loaded {
     /// The engine, its cache sized for `slots` sequences of the context.
     pub engine: Engine,
-    /// The producer that prefills, or `None` for local prefill.
-    pub producer: Option<Producer>,
+    /// The producers that prefill (`--producers`), or none for local prefill.
+    pub producers: Vec<Producer>,
     /// What a failed remote prefill does.
     pub on_failure: OnFailure,
     /// Sequences live at once (the engine's cache holds this many).
@@ -36,7 +37,7 @@ pub struct Loaded {
 
 impl std::fmt::Debug for Loaded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Loaded").field("producer", &self.producer).field("on_failure", &self.on_failure).finish()
+        f.debug_struct("Loaded").field("producers", &self.producers).field("on_failure", &self.on_failure).finish()
     }
 }
 
@@ -95,81 +96,285 @@ pub fn spawn(
                 return;
             }
         };
-        // The producer starts here, on this long-lived thread: its parent-death signal follows the thread
-        // that spawned it.
-        if let Some(p) = loaded.producer.as_mut() {
+        // The producers start here, on this long-lived thread: their parent-death signal follows the
+        // thread that spawned them (a waiter thread, as long-lived, restarts them).
+        for (i, p) in loaded.producers.iter_mut().enumerate() {
             if let Err(e) = p.start() {
                 tracing::warn!(
-                    "producer {} did not start ({}): {e}; requests fall back or fail per request",
+                    "producer {} #{i} did not start ({}): {e}; requests fall back or fail per request",
                     p.name(),
                     e.kind()
                 );
             }
+            metrics.producer(i, p.metrics());
         }
+        let name = loaded.producers.first().map(|p| p.name().to_string());
+        let mut pool = match super::prefill::Pool::new(std::mem::take(&mut loaded.producers)) {
+            Ok(pool) => pool,
+            Err(e) => {
+                tracing::error!("starting the prefill threads failed: {e}");
+                return;
+            }
+        };
         metrics.kv_usage(&loaded.engine.kv.usage());
-        if let Some(p) = &loaded.producer {
-            metrics.producer(p.metrics());
-        }
         ready.store(true, Ordering::Release);
         (std::mem::replace(&mut loaded.on_ready, Box::new(|| {})))();
-        schedule(&mut loaded, &tokenizer, &metrics, &queue, &stop);
+        let mut scheduler =
+            Scheduler { loaded: &mut loaded, pool: &mut pool, name, tokenizer: &tokenizer, metrics: &metrics };
+        scheduler.run(&queue, &stop);
+        for p in pool.drain_idle() {
+            drop(p);
+        }
     })
 }
 
-/// Up to `slots` sequences live at once: admit from the queue (waiting only when nothing is live), then
-/// one step of every live sequence in turn, so every stream advances a token per round. Each sequence
-/// computes exactly what it would alone, whatever else is live.
-fn schedule(
-    loaded: &mut Loaded,
-    tokenizer: &Tokenizer,
-    metrics: &Metrics,
-    queue: &crossbeam_channel::Receiver<Job>,
-    stop: &AtomicBool,
-) {
-    let mut live: Vec<Running<'_>> = Vec::new();
-    loop {
-        // Past the drain timeout: whatever is still live ends here (its client is told by the closing
-        // connection), and the thread returns, dropping the producer.
-        if stop.load(Ordering::Acquire) {
-            for r in live.drain(..) {
-                let _ = loaded.engine.finish(r.live);
+/// A request between admission and its first token: its prompt being prefilled, chunk by chunk.
+struct Admitting {
+    job: Job,
+    prefill: Prefilling,
+    admitted: Instant,
+    /// A producer is working on its current chunk.
+    in_flight: bool,
+    /// Its prefill failed and may not fall back (`--on-producer-failure fail`).
+    failed: Option<String>,
+}
+
+impl Admitting {
+    /// The prompt less its last token: what is prefilled.
+    fn head(&self) -> &[u32] {
+        let prompt = &self.job.request.prompt;
+        &prompt[..prompt.len() - 1]
+    }
+}
+
+/// The engine thread's state.
+///
+/// Up to `slots` sequences are admitted at once. A round: take the producers' replies (each span taken
+/// out of its ring into the cache, then the producer given the request's next chunk), give waiting
+/// prefills to producers at rest, run one local chunk (`--producer local`, or a prefill that fell back),
+/// make complete prefills live, then one batched step of every live sequence. Decode never waits for a
+/// producer: only when nothing is live does the thread block, on new requests and replies at once. Each
+/// sequence computes exactly what it would alone, whatever else is live.
+struct Scheduler<'a, 't> {
+    loaded: &'a mut Loaded,
+    pool: &'a mut super::prefill::Pool,
+    /// The producers' name, if there are any.
+    name: Option<String>,
+    tokenizer: &'t Tokenizer,
+    metrics: &'a Metrics,
+}
+
+impl<'t> Scheduler<'_, 't> {
+    fn run(&mut self, queue: &crossbeam_channel::Receiver<Job>, stop: &AtomicBool) {
+        let mut live: Vec<Running<'t>> = Vec::new();
+        let mut admitting: Vec<Admitting> = Vec::new();
+        let mut arrived: std::collections::VecDeque<Job> = std::collections::VecDeque::new();
+        let mut queue_open = true;
+        loop {
+            // Past the drain timeout: whatever is still live ends here (its client is told by the closing
+            // connection), and the thread returns, dropping the producers.
+            if stop.load(Ordering::Acquire) {
+                for r in live.drain(..) {
+                    let _ = self.loaded.engine.finish(r.live);
+                }
+                return;
             }
-            return;
+            // Admit while a slot is free.
+            while live.len() + admitting.len() < self.loaded.slots {
+                let Some(job) = arrived.pop_front().or_else(|| queue.try_recv().ok()) else { break };
+                if let Some(a) = self.admit(job) {
+                    admitting.push(a);
+                }
+            }
+            while let Ok(reply) = self.pool.replies().try_recv() {
+                self.reply(&mut admitting, reply);
+            }
+            self.dispatch(&mut admitting);
+            self.local_chunk(&mut admitting);
+            self.settle(&mut admitting, &mut live);
+            self.metrics.running.set(live.len() as i64);
+            if !live.is_empty() {
+                self.round(&mut live);
+                continue;
+            }
+            if admitting.iter().any(|a| !a.in_flight) {
+                continue;
+            }
+            if !queue_open && admitting.is_empty() && arrived.is_empty() {
+                return;
+            }
+            // Nothing to compute: wait for a request or a reply, looking at `stop` now and then.
+            let requests = if queue_open { queue.clone() } else { crossbeam_channel::never() };
+            crossbeam_channel::select! {
+                recv(requests) -> job => match job {
+                    Ok(job) => arrived.push_back(job),
+                    Err(_) => queue_open = false,
+                },
+                recv(self.pool.replies()) -> reply => {
+                    if let Ok(reply) = reply {
+                        self.reply(&mut admitting, reply);
+                    }
+                }
+                default(std::time::Duration::from_millis(100)) => {}
+            }
         }
-        while live.len() < loaded.slots {
-            let job = if live.is_empty() {
-                // Nothing live: wait for work, looking at `stop` now and then.
-                match queue.recv_timeout(std::time::Duration::from_millis(100)) {
-                    Ok(job) => job,
-                    Err(crossbeam_channel::RecvTimeoutError::Timeout) if !stop.load(Ordering::Acquire) => continue,
-                    Err(_) => return,
+    }
+
+    /// Opens a sequence for a request (or answers it: cancelled while queued, or refused by the cache).
+    fn admit(&mut self, job: Job) -> Option<Admitting> {
+        if job.events.is_closed() {
+            tracing::info!(id = job.id, "cancelled while queued");
+            self.metrics.requests.with_label_values(&["cancelled"]).inc();
+            return None;
+        }
+        let admitted = Instant::now();
+        match self.loaded.engine.begin(&job.request, self.name.as_deref()) {
+            Ok(prefill) => Some(Admitting { job, prefill, admitted, in_flight: false, failed: None }),
+            Err(e) => {
+                tracing::warn!(id = job.id, "failed: {e}");
+                self.metrics.requests.with_label_values(&["failed"]).inc();
+                let _ = job.events.send(Event::Failed(e.to_string()));
+                None
+            }
+        }
+    }
+
+    /// A producer's reply: its span taken into the cache, then the request's next chunk to the same
+    /// producer (the backend keeps the request's K/V), or the producer at rest. A failure falls back to
+    /// local prefill, or fails the request, as `--on-producer-failure` says.
+    fn reply(&mut self, admitting: &mut [Admitting], reply: super::prefill::Reply) {
+        let super::prefill::Reply { index, mut producer, seq, result } = reply;
+        let a = admitting.iter_mut().find(|a| a.prefill.seq() == seq).expect("a prefill in flight stays admitted");
+        let taken = result.and_then(|pending| producer.take(pending, &mut self.loaded.engine.kv, seq));
+        self.metrics.producer(index, producer.metrics());
+        match taken {
+            Ok(times) => {
+                a.prefill.remote_by(&producer);
+                a.prefill.remote_done(times);
+                // A cancelled request's span was still taken, so the ring stays in step; it is dropped
+                // with the sequence.
+                let next = a.prefill.next_chunk(a.head()).filter(|_| !a.job.events.is_closed());
+                if let Some((start, tokens)) = next {
+                    let work = super::prefill::Work {
+                        seq,
+                        request_id: a.prefill.request_id(),
+                        start,
+                        tokens: tokens.to_vec(),
+                    };
+                    if self.pool.resubmit(index, producer, work).is_ok() {
+                        return;
+                    }
+                } else {
+                    self.pool.rest(index, producer);
                 }
-            } else {
-                match queue.try_recv() {
-                    Ok(job) => job,
-                    Err(_) => break,
+            }
+            Err(e) => {
+                self.pool.rest(index, producer);
+                self.loaded.engine.fall_back(&mut a.prefill, e);
+                if self.loaded.on_failure == OnFailure::Fail {
+                    let e = a.prefill.take_fallback().expect("just set");
+                    a.failed = Some(EngineError::from(e).to_string());
                 }
+            }
+        }
+        a.in_flight = false;
+    }
+
+    /// Gives the first chunk of waiting remote prefills to producers at rest, in admission order.
+    fn dispatch(&mut self, admitting: &mut [Admitting]) {
+        for a in admitting.iter_mut().filter(|a| !a.in_flight && a.failed.is_none() && a.prefill.is_remote()) {
+            if a.job.events.is_closed() {
+                continue;
+            }
+            let Some((start, tokens)) = a.prefill.next_chunk(a.head()) else { continue };
+            let work = super::prefill::Work {
+                seq: a.prefill.seq(),
+                request_id: a.prefill.request_id(),
+                start,
+                tokens: tokens.to_vec(),
             };
-            if let Some(r) = admit(loaded, tokenizer, metrics, job) {
-                live.push(r);
+            if self.pool.submit(work).is_err() {
+                return;
             }
-            metrics.running.set(live.len() as i64);
+            a.in_flight = true;
         }
+    }
+
+    /// One chunk of the first prefill that runs locally, between decode rounds.
+    fn local_chunk(&mut self, admitting: &mut [Admitting]) {
+        let local = admitting.iter_mut().find(|a| {
+            !a.in_flight
+                && a.failed.is_none()
+                && !a.prefill.is_remote()
+                && !a.job.events.is_closed()
+                && a.prefill.next_chunk(a.head()).is_some()
+        });
+        if let Some(a) = local {
+            let (start, tokens) = a.prefill.next_chunk(a.head()).expect("checked");
+            let tokens = tokens.to_vec();
+            if let Err(e) = self.loaded.engine.prefill_chunk(&mut a.prefill, start, &tokens) {
+                a.failed = Some(EngineError::from(e).to_string());
+            }
+        }
+    }
+
+    /// Ends what cannot go on (cancelled, failed) and makes complete prefills live.
+    fn settle(&mut self, admitting: &mut Vec<Admitting>, live: &mut Vec<Running<'t>>) {
         let mut i = 0;
-        while i < live.len() {
-            match advance(loaded, metrics, &mut live[i]) {
-                ControlFlow::Continue(()) => i += 1,
-                ControlFlow::Break(()) => {
-                    let r = live.swap_remove(i);
-                    end(loaded, metrics, r);
-                    metrics.running.set(live.len() as i64);
+        while i < admitting.len() {
+            let a = &admitting[i];
+            let complete = a.prefill.next_chunk(a.head()).is_none();
+            let cancelled = a.job.events.is_closed();
+            if a.in_flight || !(complete || cancelled || a.failed.is_some()) {
+                i += 1;
+                continue;
+            }
+            let Admitting { job, prefill, admitted, failed, .. } = admitting.remove(i);
+            if cancelled {
+                tracing::info!(id = job.id, "cancelled during prefill");
+                self.metrics.requests.with_label_values(&["cancelled"]).inc();
+                self.loaded.engine.abandon(prefill);
+            } else if let Some(e) = failed {
+                tracing::warn!(id = job.id, "failed: {e}");
+                self.metrics.requests.with_label_values(&["failed"]).inc();
+                self.loaded.engine.abandon(prefill);
+                let _ = job.events.send(Event::Failed(e));
+            } else {
+                match self.loaded.engine.go_live(prefill, &job.request) {
+                    Ok(l) => live.push(Running {
+                        job,
+                        live: l,
+                        stream: TextStream::new(self.tokenizer),
+                        sent: 0,
+                        last_token: None,
+                        stopped_by_string: false,
+                        cancelled: false,
+                        failed: None,
+                        admitted,
+                    }),
+                    Err(e) => {
+                        tracing::warn!(id = job.id, "failed: {e}");
+                        self.metrics.requests.with_label_values(&["failed"]).inc();
+                        let _ = job.events.send(Event::Failed(e.to_string()));
+                    }
                 }
             }
         }
-        metrics.kv_usage(&loaded.engine.kv.usage());
-        if let Some(p) = &loaded.producer {
-            metrics.producer(p.metrics());
+    }
+
+    /// One batched step of every live sequence, then each token on to its client.
+    fn round(&mut self, live: &mut Vec<Running<'t>>) {
+        let steps = self.loaded.engine.step_many(&mut live.iter_mut().map(|r| &mut r.live).collect::<Vec<_>>());
+        let ended: Vec<bool> =
+            live.iter_mut().zip(steps).map(|(r, step)| advance(self.metrics, r, step).is_break()).collect();
+        for i in (0..live.len()).rev() {
+            if ended[i] {
+                let r = live.remove(i);
+                end(self.loaded, self.metrics, r);
+            }
         }
+        self.metrics.running.set(live.len() as i64);
+        self.metrics.kv_usage(&self.loaded.engine.kv.usage());
     }
 }
 
@@ -187,43 +392,10 @@ struct Running<'t> {
     admitted: Instant,
 }
 
-/// Prefills a request (by the producer, or locally) and makes it live; a failure answers it at once.
-fn admit<'t>(loaded: &mut Loaded, tokenizer: &'t Tokenizer, metrics: &Metrics, job: Job) -> Option<Running<'t>> {
-    if job.events.is_closed() {
-        tracing::info!(id = job.id, "cancelled while queued");
-        metrics.requests.with_label_values(&["cancelled"]).inc();
-        return None;
-    }
-    let admitted = Instant::now();
-    let by = match loaded.producer.as_mut() {
-        Some(producer) => PrefillBy::Remote { producer, on_failure: loaded.on_failure },
-        None => PrefillBy::Local,
-    };
-    match loaded.engine.admit(&job.request, by) {
-        Ok(live) => Some(Running {
-            job,
-            live,
-            stream: TextStream::new(tokenizer),
-            sent: 0,
-            last_token: None,
-            stopped_by_string: false,
-            cancelled: false,
-            failed: None,
-            admitted,
-        }),
-        Err(e) => {
-            tracing::warn!(id = job.id, "failed: {e}");
-            metrics.requests.with_label_values(&["failed"]).inc();
-            let _ = job.events.send(Event::Failed(e.to_string()));
-            None
-        }
-    }
-}
-
-/// One token of `r`, sent on as text; `Break` when it has ended (EOS, length, a stop string, its client
-/// gone, an error).
-fn advance(loaded: &mut Loaded, metrics: &Metrics, r: &mut Running<'_>) -> ControlFlow<()> {
-    let id = match loaded.engine.step(&mut r.live) {
+/// `r`'s step: its token sent on as text; `Break` when it has ended (EOS, length, a stop string, its
+/// client gone, an error).
+fn advance(metrics: &Metrics, r: &mut Running<'_>, step: Result<Option<u32>, EngineError>) -> ControlFlow<()> {
+    let id = match step {
         Ok(Some(id)) => id,
         Ok(None) => return ControlFlow::Break(()),
         Err(e) => {

@@ -34,18 +34,14 @@ pub struct ModelBackend {
     past: Option<Past>,
 }
 
-/// K/V of the request in progress. The newest chunk is kept exactly as computed (no copy: the forward
-/// pass's vectors are moved in) and is what the regions are written from; only when a later chunk needs
-/// it as past is it rounded through the wire dtype, in place, so that the chunk attends to exactly what
-/// the host's cache holds.
+/// K/V of the request in progress, already rounded through the wire dtype by the forward pass (no copy:
+/// its vectors are moved in). The newest chunk is what the regions are written from.
 #[derive(Debug)]
 struct Past {
     request_id: u64,
     kv: VecKv,
     /// Positions held.
     len: u64,
-    /// Positions already rounded through the wire dtype.
-    rounded: u64,
     /// The newest chunk's positions.
     newest: std::ops::Range<u64>,
 }
@@ -108,6 +104,9 @@ impl ModelBackend {
             Model::from_gguf(&gguf).map_err(|e| load_error(&e))?
         };
         model.configure(precision, threads);
+        // Each chunk's K/V is rounded to the wire dtype as it is computed: what the host's cache of that
+        // dtype will hold, so later chunks (and the host) attend to exactly the same values.
+        model.kv_dtype = dtype;
         let geometry = model.config.kv_geometry();
         if layout == PdhostLayout::Dense && geometry.uniform_heads().is_none() {
             return Err(BackendError::new(PdhostStatus::Unsupported, "dense layout needs uniform attention heads"));
@@ -169,7 +168,7 @@ impl ModelBackend {
             let out = self.model.forward(request.tokens, 0, &model::forward::NoPast, false);
             let row = self.model.config.kv_heads * self.model.config.head_dim;
             let kv = VecKv { k: out.kv.k, v: out.kv.v, row };
-            self.past = Some(Past { request_id: request.request_id, kv, len: end, rounded: 0, newest: 0..end });
+            self.past = Some(Past { request_id: request.request_id, kv, len: end, newest: 0..end });
             return Ok(());
         }
         let past = match &mut self.past {
@@ -184,12 +183,6 @@ impl ModelBackend {
                 ))
             }
         };
-        let row = past.kv.row;
-        let from = past.rounded as usize * row;
-        for x in past.kv.k.iter_mut().chain(past.kv.v.iter_mut()).flat_map(|l| l[from..].iter_mut()) {
-            *x = round(self.dtype, *x);
-        }
-        past.rounded = past.len;
         let out = self.model.forward(request.tokens, request.start_pos, &past.kv, false);
         past.kv.append(&out.kv);
         past.len = end;
@@ -258,15 +251,6 @@ pub fn layer_desc(layer: LayerKv) -> PdhostLayer {
         LayerKv::Recurrent { state_elems } => {
             PdhostLayer { kind: PdhostLayerKind::Recurrent as u32, kv_heads: 0, head_dim: 0, window: 0, state_elems }
         }
-    }
-}
-
-/// The nearest `dtype` value to `x` (ties to even), as f32.
-fn round(dtype: Dtype, x: f32) -> f32 {
-    match dtype {
-        Dtype::F32 => x,
-        Dtype::F16 => half::f16::from_f32(x).to_f32(),
-        Dtype::Bf16 => half::bf16::from_f32(x).to_f32(),
     }
 }
 

@@ -1,0 +1,125 @@
+//! Prefill off the engine thread. Each producer has a long-lived waiter thread; the engine thread hands
+//! it the producer and one chunk, the waiter sends the request and waits (deadline, pidfd) for the
+//! producer's reply, and hands the producer back with it. The engine thread then takes the span out of
+//! the ring into its cache between decode rounds, so decode never waits for a producer, and N producers
+//! prefill N prompts at once. Ownership of each `Producer` moves with the messages: no locks.
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::kv::SeqId;
+use crate::supervisor::{Pending, Producer, ProducerError};
+
+/// One chunk to prefill.
+#[derive(Debug)]
+pub struct Work {
+    /// The sequence it is for (the engine thread's key).
+    pub seq: SeqId,
+    /// The request id its span must carry.
+    pub request_id: u64,
+    /// Its first position.
+    pub start: u64,
+    /// Its tokens.
+    pub tokens: Vec<u32>,
+}
+
+/// A waiter's answer: the producer back, and its reply for `seq`.
+#[derive(Debug)]
+pub struct Reply {
+    /// Which producer.
+    pub index: usize,
+    /// The producer, to take the span with and to give out again.
+    pub producer: Producer,
+    /// The sequence the work was for.
+    pub seq: SeqId,
+    /// The reply: a span waiting in the ring, or why there is none.
+    pub result: Result<Pending, ProducerError>,
+}
+
+/// The producers and their waiters.
+#[derive(Debug)]
+pub struct Pool {
+    /// Producers at rest, by index.
+    idle: Vec<(usize, Producer)>,
+    waiters: Vec<Sender<(Producer, Work)>>,
+    replies: Receiver<Reply>,
+    busy: usize,
+}
+
+impl Pool {
+    /// Starts one waiter thread per producer.
+    pub fn new(producers: Vec<Producer>) -> std::io::Result<Self> {
+        let (reply_tx, replies) = crossbeam_channel::unbounded();
+        let mut waiters = Vec::new();
+        for index in 0..producers.len() {
+            let (tx, rx) = crossbeam_channel::bounded::<(Producer, Work)>(1);
+            let reply_tx = reply_tx.clone();
+            // Long-lived: a producer this thread restarts gets its parent-death signal from it.
+            std::thread::Builder::new().name(format!("pdhost-prefill-{index}")).spawn(move || {
+                for (mut producer, work) in rx {
+                    let result = producer.submit(work.request_id, work.start, &work.tokens);
+                    if reply_tx.send(Reply { index, producer, seq: work.seq, result }).is_err() {
+                        return;
+                    }
+                }
+            })?;
+            waiters.push(tx);
+        }
+        Ok(Pool { idle: producers.into_iter().enumerate().collect(), waiters, replies, busy: 0 })
+    }
+
+    /// How many producers there are.
+    pub fn len(&self) -> usize {
+        self.waiters.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.waiters.is_empty()
+    }
+
+    /// Whether any producer is prefilling.
+    pub fn is_busy(&self) -> bool {
+        self.busy > 0
+    }
+
+    /// Gives `work` to a producer at rest; `Err(work)` when all are busy.
+    pub fn submit(&mut self, work: Work) -> Result<(), Work> {
+        let Some((index, producer)) = self.idle.pop() else { return Err(work) };
+        match self.waiters[index].send((producer, work)) {
+            Ok(()) => {
+                self.busy += 1;
+                Ok(())
+            }
+            Err(crossbeam_channel::SendError((producer, work))) => {
+                self.idle.push((index, producer));
+                Err(work)
+            }
+        }
+    }
+
+    /// Where replies arrive.
+    pub fn replies(&self) -> &Receiver<Reply> {
+        &self.replies
+    }
+
+    /// A producer is back from its reply, at rest again.
+    pub fn rest(&mut self, index: usize, producer: Producer) {
+        self.busy -= 1;
+        self.idle.push((index, producer));
+    }
+
+    /// Hands a producer back out for the next chunk of the prefill it is on (a backend keeps the K/V of
+    /// the request in progress, so every chunk of a request goes to the same producer). On `Err` the
+    /// producer is at rest again and the work was not sent.
+    pub fn resubmit(&mut self, index: usize, producer: Producer, work: Work) -> Result<(), Work> {
+        self.waiters[index].send((producer, work)).map_err(|crossbeam_channel::SendError((producer, work))| {
+            self.rest(index, producer);
+            work
+        })
+    }
+
+    /// Every producer at rest (at shutdown, to stop them).
+    pub fn drain_idle(&mut self) -> impl Iterator<Item = Producer> + '_ {
+        self.idle.drain(..).map(|(_, p)| p)
+    }
+}

@@ -1,0 +1,226 @@
+//! f32 dot products in one fixed order, many at a time.
+//!
+//! Every f32 dot product of the forward pass — each output of a linear layer, each attention score —
+//! is the same sequence of operations, whichever kernel computes it and whatever else it computes
+//! alongside:
+//! 1. lane `l` (of 8) accumulates `a[k] * b[k]` for `k ≡ l (mod 8)`, in increasing `k`, with fused
+//!    multiply-adds starting from 0;
+//! 2. the lanes are summed as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`;
+//! 3. the elements past the last multiple of 8 are added one by one, with fused multiply-adds.
+//!
+//! A tile of `R` activation rows by `C` weight rows loads each weight vector once for all `R` rows (and
+//! each activation vector once for all `C` weights), but keeps one accumulator per output, so the tile
+//! shape changes which loads are shared and never an output's bits. That is what makes a row's result
+//! independent of the batch it is in, of the chunk a prompt is cut into and of the thread that runs it.
+//! The AVX2/FMA kernel and the portable one give the same bits (tested): both fuse the same
+//! multiply-adds, and IEEE addition is commutative.
+
+/// Lanes of the accumulators.
+const LANES: usize = 8;
+/// Activation rows per tile.
+pub(crate) const TILE_ROWS: usize = 4;
+/// Weight rows per tile: 4 x 3 accumulators, 3 weight vectors and 1 activation vector fill the 16
+/// AVX2 registers.
+pub(crate) const TILE_COLS: usize = 3;
+
+/// Step 2: the fixed sum of the lanes.
+#[inline(always)]
+fn reduce(a: [f32; LANES]) -> f32 {
+    let s4 = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (s4[0] + s4[2]) + (s4[1] + s4[3])
+}
+
+/// Whether the AVX2/FMA kernels can run here.
+#[inline]
+pub(crate) fn simd() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `out[r][c] = x[r] . w[c]` over the first `n` elements, portably.
+#[inline(always)]
+fn tile_portable<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
+    let mut acc = [[[0f32; LANES]; C]; R];
+    let whole = n / LANES * LANES;
+    for k in (0..whole).step_by(LANES) {
+        for c in 0..C {
+            let wv = &w[c][k..k + LANES];
+            for r in 0..R {
+                let xv = &x[r][k..k + LANES];
+                for l in 0..LANES {
+                    acc[r][c][l] = xv[l].mul_add(wv[l], acc[r][c][l]);
+                }
+            }
+        }
+    }
+    let mut out = [[0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            let mut s = reduce(acc[r][c]);
+            for k in whole..n {
+                s = x[r][k].mul_add(w[c][k], s);
+            }
+            out[r][c] = s;
+        }
+    }
+    out
+}
+
+/// The same outputs as [`tile_portable`], with AVX2/FMA.
+///
+/// # Safety
+///
+/// The CPU supports AVX2 and FMA, and every slice holds at least `n` elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    let whole = n / LANES * LANES;
+    let mut k = 0;
+    while k < whole {
+        let mut wv = [_mm256_setzero_ps(); C];
+        for c in 0..C {
+            // SAFETY: k + 8 <= n <= w[c].len(); unaligned load.
+            wv[c] = unsafe { _mm256_loadu_ps(w[c].as_ptr().add(k)) };
+        }
+        for r in 0..R {
+            // SAFETY: k + 8 <= n <= x[r].len(); unaligned load.
+            let xv = unsafe { _mm256_loadu_ps(x[r].as_ptr().add(k)) };
+            for c in 0..C {
+                acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+            }
+        }
+        k += LANES;
+    }
+    let mut out = [[0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            let mut lanes = [0f32; LANES];
+            // SAFETY: `lanes` is 8 f32s; unaligned store.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][c]) };
+            let mut s = reduce(lanes);
+            for k in whole..n {
+                s = x[r][k].mul_add(w[c][k], s);
+            }
+            out[r][c] = s;
+        }
+    }
+    out
+}
+
+#[inline(always)]
+fn tile<const R: usize, const C: usize>(simd: bool, x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
+    assert!(x.iter().all(|x| x.len() >= n) && w.iter().all(|w| w.len() >= n), "dot product operands");
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when AVX2 and FMA are present ([`simd`]); lengths asserted above.
+        return unsafe { tile_avx2(x, w, n) };
+    }
+    let _ = simd;
+    tile_portable(x, w, n)
+}
+
+/// One dot product in the fixed order.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot product of unequal lengths");
+    tile::<1, 1>(simd(), [a], [b], a.len())[0][0]
+}
+
+/// `out[i][j] = x[i] . w[j]` for `t` rows of `x` (`t x n`, row-major) and every row of `w` (`cols x n`),
+/// into `out` (`t x cols`). `simd` selects the AVX2 kernel; the bits are the same either way.
+pub(crate) fn dots(simd: bool, x: &[f32], t: usize, w: &[f32], n: usize, out: &mut [f32]) {
+    let cols = w.len() / n.max(1);
+    assert!(x.len() == t * n && w.len() == cols * n && out.len() == t * cols, "dots shapes");
+    // Activation rows per pass over this task's weights: 64 rows of up to 8 KiB stay in L2 while the
+    // weight tiles stream past them.
+    const ROW_BLOCK: usize = 64;
+    let row = |i: usize| &x[i * n..(i + 1) * n];
+    let wrow = |j: usize| &w[j * n..(j + 1) * n];
+    for rb in (0..t).step_by(ROW_BLOCK) {
+        let rend = (rb + ROW_BLOCK).min(t);
+        // With few rows the weights' memory traffic bounds the time, and one weight row at a time
+        // streams fastest; with many rows the multiply-adds do, and wider tiles share more loads.
+        let tile_cols = if rend - rb <= TILE_ROWS { 1 } else { TILE_COLS };
+        for c0 in (0..cols).step_by(tile_cols) {
+            let nc = tile_cols.min(cols - c0);
+            for r0 in (rb..rend).step_by(TILE_ROWS) {
+                let nr = TILE_ROWS.min(rend - r0);
+                macro_rules! run {
+                    ($r:literal, $c:literal) => {{
+                        let res = tile::<$r, $c>(
+                            simd,
+                            std::array::from_fn(|i| row(r0 + i)),
+                            std::array::from_fn(|j| wrow(c0 + j)),
+                            n,
+                        );
+                        for (i, res) in res.iter().enumerate() {
+                            out[(r0 + i) * cols + c0..][..$c].copy_from_slice(res);
+                        }
+                    }};
+                }
+                match (nr, nc) {
+                    (4, 3) => run!(4, 3),
+                    (4, 2) => run!(4, 2),
+                    (4, _) => run!(4, 1),
+                    (3, 3) => run!(3, 3),
+                    (3, 2) => run!(3, 2),
+                    (3, _) => run!(3, 1),
+                    (2, 3) => run!(2, 3),
+                    (2, 2) => run!(2, 2),
+                    (2, _) => run!(2, 1),
+                    (_, 3) => run!(1, 3),
+                    (_, 2) => run!(1, 2),
+                    _ => run!(1, 1),
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(len: usize, seed: usize) -> Vec<f32> {
+        (0..len).map(|i| (((i * 37 + seed * 11) % 101) as f32 - 50.0) * 0.013 + (i % 7) as f32 * 1e-4).collect()
+    }
+
+    #[test]
+    fn every_tile_and_both_kernels_give_each_output_the_same_bits() {
+        // 37 elements: four whole groups of lanes and a tail.
+        for n in [37, 64, 5] {
+            let (t, cols) = (7, 11);
+            let (x, w) = (data(t * n, 1), data(cols * n, 2));
+            let mut alone = vec![0f32; t * cols];
+            for i in 0..t {
+                for j in 0..cols {
+                    alone[i * cols + j] = tile_portable::<1, 1>([&x[i * n..]], [&w[j * n..]], n)[0][0];
+                }
+            }
+            for simd_on in [false, simd()] {
+                let mut out = vec![0f32; t * cols];
+                dots(simd_on, &x, t, &w, n, &mut out);
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&out), bits(&alone), "n {n}, simd {simd_on}");
+                // Any subset of rows computes the same rows.
+                let mut two = vec![0f32; 2 * cols];
+                dots(simd_on, &x[3 * n..5 * n], 2, &w, n, &mut two);
+                assert_eq!(bits(&two), bits(&alone[3 * cols..5 * cols]));
+            }
+        }
+    }
+
+    #[test]
+    fn the_fixed_order_is_a_dot_product() {
+        let (a, b) = (data(100, 3), data(100, 4));
+        let naive: f64 = a.iter().zip(&b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
+        assert!((f64::from(dot(&a, &b)) - naive).abs() < 1e-4);
+    }
+}

@@ -1,0 +1,213 @@
+//! Q8_0 weights and activations: integer dot products per 32-value block, in one fixed order.
+//!
+//! Each output of `fast` precision is computed the same way whatever the tile, batch or thread:
+//! 1. per block, lane `l` (of 8) sums the four products of values `4l..4l + 4` in 32-bit integers
+//!    (exact, so the order inside a block cannot matter);
+//! 2. the lane's float accumulator takes `fma(xd * wd, lane as f32, acc)`, block after block;
+//! 3. the lanes are summed in the fixed order of [`super::dot`].
+
+/// Weights per Q8_0 block.
+pub(crate) const QK: usize = 32;
+const LANES: usize = 8;
+/// Activation rows per tile.
+const TILE_ROWS: usize = 4;
+/// Weight rows per tile: 8 accumulators, 2 weight vectors and a few temporaries fit the AVX2 registers.
+const TILE_COLS: usize = 2;
+
+/// A matrix `[rows][cols]` quantized to Q8_0 blocks along `cols`: weights once at load, activations
+/// once per linear layer call.
+#[derive(Debug)]
+pub struct Q8 {
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+    q: Vec<i8>,
+    scales: Vec<f32>,
+}
+
+impl Q8 {
+    /// Quantizes `w` (`rows x cols`, `cols` a multiple of 32); `None` otherwise. Per block:
+    /// `d = max|w| / 127`, `q = round(w / d)` (never -128, which the AVX2 kernel relies on).
+    pub fn new(w: &[f32], rows: usize, cols: usize) -> Option<Self> {
+        if cols % QK != 0 || w.len() != rows * cols {
+            return None;
+        }
+        let mut q = vec![0i8; w.len()];
+        let mut scales = Vec::with_capacity(w.len() / QK);
+        for (wb, qb) in w.chunks_exact(QK).zip(q.chunks_exact_mut(QK)) {
+            let amax = wb.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for (q, &v) in qb.iter_mut().zip(wb) {
+                *q = (v * inv).round() as i8;
+            }
+            scales.push(d);
+        }
+        Some(Q8 { rows, cols, q, scales })
+    }
+
+    fn row(&self, r: usize) -> (&[i8], &[f32]) {
+        let blocks = self.cols / QK;
+        (&self.q[r * self.cols..(r + 1) * self.cols], &self.scales[r * blocks..(r + 1) * blocks])
+    }
+}
+
+#[inline(always)]
+fn reduce(a: [f32; LANES]) -> f32 {
+    let s4 = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (s4[0] + s4[2]) + (s4[1] + s4[3])
+}
+
+type Row<'a> = (&'a [i8], &'a [f32]);
+
+#[inline(always)]
+fn tile_portable<const R: usize, const C: usize>(x: [Row<'_>; R], w: [Row<'_>; C]) -> [[f32; C]; R] {
+    let mut acc = [[[0f32; LANES]; C]; R];
+    let blocks = x[0].1.len();
+    for b in 0..blocks {
+        for c in 0..C {
+            let wb = &w[c].0[b * QK..(b + 1) * QK];
+            for r in 0..R {
+                let xb = &x[r].0[b * QK..(b + 1) * QK];
+                let d = x[r].1[b] * w[c].1[b];
+                for (l, acc) in acc[r][c].iter_mut().enumerate() {
+                    let lane: i32 = (4 * l..4 * l + 4).map(|k| i32::from(xb[k]) * i32::from(wb[k])).sum();
+                    *acc = d.mul_add(lane as f32, *acc);
+                }
+            }
+        }
+    }
+    let mut out = [[0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            out[r][c] = reduce(acc[r][c]);
+        }
+    }
+    out
+}
+
+/// The same outputs as [`tile_portable`] with AVX2: `|x| * sign(w, x)` pairs in 16 bits (at most
+/// 2 * 127 * 127: no saturation, as quantization never gives -128), then 32-bit sums of four, which
+/// are exactly the portable lanes.
+///
+/// # Safety
+///
+/// The CPU supports AVX2 and FMA; every row has the same number of whole blocks.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2<const R: usize, const C: usize>(x: [Row<'_>; R], w: [Row<'_>; C]) -> [[f32; C]; R] {
+    use std::arch::x86_64::*;
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); C]; R];
+    let blocks = x[0].1.len();
+    for b in 0..blocks {
+        let mut wv = [_mm256_setzero_si256(); C];
+        for c in 0..C {
+            // SAFETY: block b of a row of `blocks` whole blocks; unaligned load of 32 bytes.
+            wv[c] = unsafe { _mm256_loadu_si256(w[c].0.as_ptr().add(b * QK).cast()) };
+        }
+        for r in 0..R {
+            // SAFETY: as above.
+            let xv = unsafe { _mm256_loadu_si256(x[r].0.as_ptr().add(b * QK).cast()) };
+            let xabs = _mm256_sign_epi8(xv, xv);
+            for c in 0..C {
+                let pairs = _mm256_maddubs_epi16(xabs, _mm256_sign_epi8(wv[c], xv));
+                let lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones));
+                let d = _mm256_set1_ps(x[r].1[b] * w[c].1[b]);
+                acc[r][c] = _mm256_fmadd_ps(d, lanes, acc[r][c]);
+            }
+        }
+    }
+    let mut out = [[0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            let mut lanes = [0f32; LANES];
+            // SAFETY: 8 f32s; unaligned store.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][c]) };
+            out[r][c] = reduce(lanes);
+        }
+    }
+    out
+}
+
+#[inline(always)]
+fn tile<const R: usize, const C: usize>(simd: bool, x: [Row<'_>; R], w: [Row<'_>; C]) -> [[f32; C]; R] {
+    let blocks = x[0].1.len();
+    assert!(
+        x.iter().chain(&w).all(|(q, s)| s.len() == blocks && q.len() == blocks * QK),
+        "Q8 operands of equal whole blocks"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        // SAFETY: `simd` is only true when AVX2 and FMA are present; block counts asserted above.
+        return unsafe { tile_avx2(x, w) };
+    }
+    let _ = simd;
+    tile_portable(x, w)
+}
+
+/// `out[i][j] = xq[i] . w[j]` for the `t` quantized activation rows and every weight row of `w` in
+/// `rows`, into `out` (`t x rows.len()`).
+pub(crate) fn dots(simd: bool, xq: &Q8, w: &Q8, rows: std::ops::Range<usize>, out: &mut [f32]) {
+    let (t, cols) = (xq.rows, rows.len());
+    assert!(xq.cols == w.cols && rows.end <= w.rows && out.len() == t * cols, "Q8 dots shapes");
+    // As in the f32 kernel: few rows stream one weight row at a time, many share wider tiles.
+    let tile_cols = if t <= TILE_ROWS { 1 } else { TILE_COLS };
+    for c0 in (0..cols).step_by(tile_cols) {
+        let nc = tile_cols.min(cols - c0);
+        for r0 in (0..t).step_by(TILE_ROWS) {
+            let nr = TILE_ROWS.min(t - r0);
+            macro_rules! run {
+                ($r:literal, $c:literal) => {{
+                    let res = tile::<$r, $c>(
+                        simd,
+                        std::array::from_fn(|i| xq.row(r0 + i)),
+                        std::array::from_fn(|j| w.row(rows.start + c0 + j)),
+                    );
+                    for (i, res) in res.iter().enumerate() {
+                        out[(r0 + i) * cols + c0..][..$c].copy_from_slice(res);
+                    }
+                }};
+            }
+            match (nr, nc) {
+                (4, 2) => run!(4, 2),
+                (4, _) => run!(4, 1),
+                (3, 2) => run!(3, 2),
+                (3, _) => run!(3, 1),
+                (2, 2) => run!(2, 2),
+                (2, _) => run!(2, 1),
+                (_, 2) => run!(1, 2),
+                _ => run!(1, 1),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn both_kernels_and_every_tile_give_the_same_bits() {
+        let (t, rows, cols) = (7, 5, 640);
+        let x: Vec<f32> = (0..t * cols).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.37).collect();
+        let w: Vec<f32> = (0..rows * cols).map(|i| ((i * 53 % 97) as f32 - 48.0) * 1.9).collect();
+        let (xq, wq) = (Q8::new(&x, t, cols).unwrap(), Q8::new(&w, rows, cols).unwrap());
+        assert!(xq.q.iter().chain(&wq.q).any(|&q| q == 127 || q == -127), "extremes exercised");
+        let mut alone = vec![0f32; t * rows];
+        for i in 0..t {
+            for j in 0..rows {
+                alone[i * rows + j] = tile_portable::<1, 1>([xq.row(i)], [wq.row(j)])[0][0];
+            }
+        }
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for simd_on in [false, super::super::dot::simd()] {
+            let mut out = vec![0f32; t * rows];
+            dots(simd_on, &xq, &wq, 0..rows, &mut out);
+            assert_eq!(bits(&out), bits(&alone), "simd {simd_on}");
+            let mut some = vec![0f32; t * 2];
+            dots(simd_on, &xq, &wq, 3..5, &mut some);
+            let expect: Vec<f32> = (0..t).flat_map(|i| alone[i * rows + 3..i * rows + 5].to_vec()).collect();
+            assert_eq!(bits(&some), bits(&expect));
+        }
+    }
+}
