@@ -3,10 +3,11 @@
 //! Every f32 dot product of the forward pass — each output of a linear layer, each attention score —
 //! is the same sequence of operations, whichever kernel computes it and whatever else it computes
 //! alongside:
-//! 1. lane `l` (of 8) accumulates `a[k] * b[k]` for `k ≡ l (mod 8)`, in increasing `k`, with fused
-//!    multiply-adds starting from 0;
-//! 2. the lanes are summed as `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`;
-//! 3. the elements past the last multiple of 8 are added one by one, with fused multiply-adds.
+//! 1. lane `l` (of 16) accumulates `a[k] * b[k]` for `k ≡ l (mod 16)`, in increasing `k`, with fused
+//!    multiply-adds starting from 0 (two vectors of 8: two independent dependency chains per output, so
+//!    even one output at a time is not bound by the multiply-add latency);
+//! 2. lanes `l` and `l + 8` are added, then the 8 sums as `((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))`;
+//! 3. the elements past the last multiple of 16 are added one by one, with fused multiply-adds.
 //!
 //! A tile of `R` activation rows by `C` weight rows loads each weight vector once for all `R` rows (and
 //! each activation vector once for all `C` weights), but keeps one accumulator per output, so the tile
@@ -15,18 +16,25 @@
 //! The AVX2/FMA kernel and the portable one give the same bits (tested): both fuse the same
 //! multiply-adds, and IEEE addition is commutative.
 
-/// Lanes of the accumulators.
+/// Lanes of one accumulator vector.
 const LANES: usize = 8;
+/// Accumulator vectors per output.
+const VECS: usize = 2;
+/// Elements per step.
+const STEP: usize = LANES * VECS;
 /// Activation rows per tile.
 pub(crate) const TILE_ROWS: usize = 4;
-/// Weight rows per tile: 4 x 3 accumulators, 3 weight vectors and 1 activation vector fill the 16
-/// AVX2 registers.
-pub(crate) const TILE_COLS: usize = 3;
+/// Weight rows per tile with many rows: 3 x 2 outputs of 2 accumulators, 2 weight vectors and one
+/// activation vector fill 15 of the 16 AVX2 registers.
+pub(crate) const TILE_COLS: usize = 2;
+/// Activation rows per tile with many rows.
+const WIDE_ROWS: usize = 3;
 
 /// Step 2: the fixed sum of the lanes.
 #[inline(always)]
-fn reduce(a: [f32; LANES]) -> f32 {
-    let s4 = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+fn reduce(a: [[f32; LANES]; VECS]) -> f32 {
+    let s: [f32; LANES] = std::array::from_fn(|l| a[0][l] + a[1][l]);
+    let s4 = [s[0] + s[4], s[1] + s[5], s[2] + s[6], s[3] + s[7]];
     (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
@@ -46,15 +54,16 @@ pub(crate) fn simd() -> bool {
 /// `out[r][c] = x[r] . w[c]` over the first `n` elements, portably.
 #[inline(always)]
 fn tile_portable<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
-    let mut acc = [[[0f32; LANES]; C]; R];
-    let whole = n / LANES * LANES;
-    for k in (0..whole).step_by(LANES) {
+    let mut acc = [[[[0f32; LANES]; VECS]; C]; R];
+    let whole = n / STEP * STEP;
+    for k in (0..whole).step_by(STEP) {
         for c in 0..C {
-            let wv = &w[c][k..k + LANES];
             for r in 0..R {
-                let xv = &x[r][k..k + LANES];
-                for l in 0..LANES {
-                    acc[r][c][l] = xv[l].mul_add(wv[l], acc[r][c][l]);
+                for v in 0..VECS {
+                    let (xv, wv) = (&x[r][k + v * LANES..][..LANES], &w[c][k + v * LANES..][..LANES]);
+                    for l in 0..LANES {
+                        acc[r][c][v][l] = xv[l].mul_add(wv[l], acc[r][c][v][l]);
+                    }
                 }
             }
         }
@@ -81,30 +90,34 @@ fn tile_portable<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C],
 #[target_feature(enable = "avx2,fma")]
 unsafe fn tile_avx2<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm256_setzero_ps(); C]; R];
-    let whole = n / LANES * LANES;
+    let mut acc = [[[_mm256_setzero_ps(); VECS]; C]; R];
+    let whole = n / STEP * STEP;
     let mut k = 0;
     while k < whole {
-        let mut wv = [_mm256_setzero_ps(); C];
-        for c in 0..C {
-            // SAFETY: k + 8 <= n <= w[c].len(); unaligned load.
-            wv[c] = unsafe { _mm256_loadu_ps(w[c].as_ptr().add(k)) };
-        }
-        for r in 0..R {
-            // SAFETY: k + 8 <= n <= x[r].len(); unaligned load.
-            let xv = unsafe { _mm256_loadu_ps(x[r].as_ptr().add(k)) };
+        for v in 0..VECS {
+            let mut wv = [_mm256_setzero_ps(); C];
             for c in 0..C {
-                acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+                // SAFETY: k + 16 <= n <= w[c].len(); unaligned load.
+                wv[c] = unsafe { _mm256_loadu_ps(w[c].as_ptr().add(k + v * LANES)) };
+            }
+            for r in 0..R {
+                // SAFETY: k + 16 <= n <= x[r].len(); unaligned load.
+                let xv = unsafe { _mm256_loadu_ps(x[r].as_ptr().add(k + v * LANES)) };
+                for c in 0..C {
+                    acc[r][c][v] = _mm256_fmadd_ps(xv, wv[c], acc[r][c][v]);
+                }
             }
         }
-        k += LANES;
+        k += STEP;
     }
     let mut out = [[0f32; C]; R];
     for r in 0..R {
         for c in 0..C {
-            let mut lanes = [0f32; LANES];
-            // SAFETY: `lanes` is 8 f32s; unaligned store.
-            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][c]) };
+            let mut lanes = [[0f32; LANES]; VECS];
+            for v in 0..VECS {
+                // SAFETY: 8 f32s; unaligned store.
+                unsafe { _mm256_storeu_ps(lanes[v].as_mut_ptr(), acc[r][c][v]) };
+            }
             let mut s = reduce(lanes);
             for k in whole..n {
                 s = x[r][k].mul_add(w[c][k], s);
@@ -147,11 +160,11 @@ pub(crate) fn dots(simd: bool, x: &[f32], t: usize, w: &[f32], n: usize, out: &m
         let rend = (rb + ROW_BLOCK).min(t);
         // With few rows the weights' memory traffic bounds the time, and one weight row at a time
         // streams fastest; with many rows the multiply-adds do, and wider tiles share more loads.
-        let tile_cols = if rend - rb <= TILE_ROWS { 1 } else { TILE_COLS };
+        let (tile_rows, tile_cols) = if rend - rb <= TILE_ROWS { (TILE_ROWS, 1) } else { (WIDE_ROWS, TILE_COLS) };
         for c0 in (0..cols).step_by(tile_cols) {
             let nc = tile_cols.min(cols - c0);
-            for r0 in (rb..rend).step_by(TILE_ROWS) {
-                let nr = TILE_ROWS.min(rend - r0);
+            for r0 in (rb..rend).step_by(tile_rows) {
+                let nr = tile_rows.min(rend - r0);
                 macro_rules! run {
                     ($r:literal, $c:literal) => {{
                         let res = tile::<$r, $c>(
@@ -166,16 +179,11 @@ pub(crate) fn dots(simd: bool, x: &[f32], t: usize, w: &[f32], n: usize, out: &m
                     }};
                 }
                 match (nr, nc) {
-                    (4, 3) => run!(4, 3),
-                    (4, 2) => run!(4, 2),
                     (4, _) => run!(4, 1),
-                    (3, 3) => run!(3, 3),
                     (3, 2) => run!(3, 2),
                     (3, _) => run!(3, 1),
-                    (2, 3) => run!(2, 3),
                     (2, 2) => run!(2, 2),
                     (2, _) => run!(2, 1),
-                    (_, 3) => run!(1, 3),
                     (_, 2) => run!(1, 2),
                     _ => run!(1, 1),
                 }
