@@ -53,6 +53,7 @@ pub(crate) fn simd() -> bool {
 
 /// `out[r][c] = x[r] . w[c]` over the first `n` elements, portably.
 #[inline(always)]
+#[allow(clippy::needless_range_loop)]
 fn tile_portable<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
     let mut acc = [[[[0f32; LANES]; VECS]; C]; R];
     let whole = n / STEP * STEP;
@@ -88,6 +89,8 @@ fn tile_portable<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C],
 /// The CPU supports AVX2 and FMA, and every slice holds at least `n` elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
+// Index loops over the small constant-size arrays keep the two kernels visibly the same sequence.
+#[allow(clippy::needless_range_loop)]
 unsafe fn tile_avx2<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
     use std::arch::x86_64::*;
     let mut acc = [[[_mm256_setzero_ps(); VECS]; C]; R];
