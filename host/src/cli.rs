@@ -363,6 +363,21 @@ pub struct ServeBenchArgs {
     /// `on`: streamed responses (server-sent events), `off`: whole ones, `both`: a cell of each.
     #[arg(long, default_value = "both", value_parser = ["on", "off", "both"])]
     pub stream: String,
+    /// Instead of the matrix: `--streams` streams decode while `--long-prompts` prompts of
+    /// `--long-prompt` tokens arrive; their inter-token latency with and without the long prompts, for
+    /// `--producer` (decode and the producer a core each) and for `--producer local` (prefill in the host,
+    /// in 256-token chunks between decode rounds), each in a server started for it.
+    #[arg(long, conflicts_with = "url")]
+    pub mixed: bool,
+    /// `--mixed`: streams decoding (1 to 16).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 2)]
+    pub streams: u64,
+    /// `--mixed`: long prompts sent at once while the streams decode (1 to 8).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 2)]
+    pub long_prompts: u64,
+    /// `--mixed`: tokens per long prompt.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 2048)]
+    pub long_prompt: u64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -114,3 +114,40 @@ fn a_flag_out_of_bounds_is_one_line_and_exit_2() {
         assert!(out.stdout.is_empty(), "{args:?}");
     }
 }
+
+/// `--mixed` runs its two servers (the producer's and local prefill) and reports, for each, the streams'
+/// inter-token latency alone and while long prompts prefill where it says they did.
+#[test]
+fn mixed_measures_streams_beside_long_prompts_for_both_prefill_sites() {
+    fetched(MODEL);
+    let out = bench(&[
+        "--mixed",
+        "--streams",
+        "1",
+        "--long-prompts",
+        "1",
+        "--long-prompt",
+        "300",
+        "--context",
+        "512",
+        "--threads",
+        "2",
+        "--json",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "status {}, stderr {stderr}", out.status);
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap_or_else(|e| panic!("{e}: stderr {stderr}"));
+    assert_eq!(v["bench"], "serve-mixed");
+    let rows = v["rows"].as_array().unwrap();
+    let producers: Vec<&str> = rows.iter().map(|r| r["producer"].as_str().unwrap()).collect();
+    assert_eq!(producers, ["rngd", "local"], "{v}");
+    for (r, site) in rows.iter().zip(["remote", "local"]) {
+        assert_eq!(r["during"]["long_prefill"], serde_json::json!([site]), "{r}");
+        assert!(n(&r["alone"]["gaps"]) > 0, "{r}");
+        assert!(r["alone"]["itl_p99_ms"].as_f64().is_some(), "{r}");
+        assert!(
+            r["alone"]["errors"].as_array().unwrap().is_empty() && r["during"]["errors"].as_array().unwrap().is_empty(),
+            "{r}"
+        );
+    }
+}

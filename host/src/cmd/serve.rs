@@ -81,8 +81,15 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         }
         None => None,
     };
-    let config =
-        ServeConfig { model: opened.name.clone(), limits, queue, api_key: args.api_key.clone(), drain_timeout, chat };
+    let config = ServeConfig {
+        model: opened.name.clone(),
+        limits,
+        queue,
+        api_key: args.api_key.clone(),
+        drain_timeout,
+        chat,
+        prefill_chunk,
+    };
     let addr = SocketAddr::new(args.host, args.port);
     let precision = args.precision.precision();
 

@@ -57,6 +57,8 @@ pub struct ServeConfig {
     pub drain_timeout: Duration,
     /// The model's chat template (`None`: `/v1/chat/completions` answers that there is none).
     pub chat: Option<Arc<ChatTemplate>>,
+    /// Prompt tokens per prefill span (0: the whole prompt), as `--prefill-chunk`.
+    pub prefill_chunk: usize,
 }
 
 /// Shared by every handler.
@@ -359,6 +361,7 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
                 .map_err(|e| ApiError::invalid("messages", "messages the model's chat template accepts", e))?
         }
     };
+    c.raw.prefill_chunk = app.config.prefill_chunk as u64;
     let checked = request::check_request(&c.raw, &app.config.limits)?;
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();

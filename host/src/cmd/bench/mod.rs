@@ -19,6 +19,7 @@ use crate::cli::{Bench, BenchArgs, IngestBenchArgs, RingBenchArgs};
 use crate::cmd::outln;
 use pdhost::request::{self, Field, Invalid};
 
+mod mixed;
 mod model_bench;
 mod pd_bench;
 mod serve_bench;

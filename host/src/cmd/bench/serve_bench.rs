@@ -22,7 +22,7 @@ use serde_json::{json, Value};
 use crate::cli::ServeBenchArgs;
 use crate::cmd::{errln, outln};
 
-const TEXT: &str = include_str!("../../../../fixtures/prompts/lgpl-650w.txt");
+pub(super) const TEXT: &str = include_str!("../../../../fixtures/prompts/lgpl-650w.txt");
 
 /// The context a started server gets unless told otherwise (as `pdhost serve`: the incident's deployment).
 const DEFAULT_CONTEXT: u64 = 9216;
@@ -45,14 +45,14 @@ const MAX_PROBLEMS: usize = 8;
 /// refusal relabelled with the flag here; `run` prints it as `main` prints an `Invalid`, and exits 2.
 #[derive(Debug, thiserror::Error)]
 #[error("{flag}: expected {expected}, found {found}")]
-struct Usage {
+pub(super) struct Usage {
     flag: &'static str,
     expected: String,
     found: String,
 }
 
 /// `value` inside `min..=max` for `flag`.
-fn count(flag: &'static str, value: u64, min: u64, max: u64, why: &str) -> Result<u64, Usage> {
+pub(super) fn count(flag: &'static str, value: u64, min: u64, max: u64, why: &str) -> Result<u64, Usage> {
     request::check_count(Field::Iters, value, min, max).map_err(|e| Usage {
         flag,
         expected: format!("{}{why}", e.expected),
@@ -104,6 +104,9 @@ impl Target {
 }
 
 fn bench(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
+    if args.mixed {
+        return super::mixed::run(args);
+    }
     // Everything that needs neither a model nor a server.
     let repeats = count("--repeats", args.repeats, 1, MAX_REPEATS, "")?;
     counts("--concurrency", &args.concurrency, 1, MAX_CONCURRENCY, "")?;
@@ -499,7 +502,7 @@ fn ms(d: Duration) -> f64 {
 }
 
 /// Nearest-rank p50 and p99.
-fn percentiles(v: &[f64]) -> (Option<f64>, Option<f64>) {
+pub(super) fn percentiles(v: &[f64]) -> (Option<f64>, Option<f64>) {
     let mut v = v.to_vec();
     v.sort_by(f64::total_cmp);
     let at = |p: f64| (!v.is_empty()).then(|| v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1]);
@@ -646,16 +649,16 @@ impl Totals {
 }
 
 /// A `pdhost serve` child: its URL once it printed it, and the tail of its log for when it fails.
-struct Server {
+pub(super) struct Server {
     child: Child,
-    url: String,
+    pub(super) url: String,
     log: Arc<Mutex<VecDeque<String>>>,
     /// Disconnected once the log's reader has read its last line.
     log_closed: std::sync::mpsc::Receiver<()>,
 }
 
 impl Server {
-    fn start(mut cmd: Command) -> anyhow::Result<Self> {
+    pub(super) fn start(mut cmd: Command) -> anyhow::Result<Self> {
         let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -726,7 +729,7 @@ impl Server {
     }
 
     /// SIGTERM (it drains and stops its producers), then SIGKILL after [`STOP_TIMEOUT`].
-    fn stop(mut self) {
+    pub(super) fn stop(mut self) {
         self.terminate();
     }
 
