@@ -595,3 +595,63 @@ fn a_live_stream_keeps_decoding_while_another_prompt_prefills_in_a_producer() {
     let during = events[sent..answered].iter().filter(|e| **e == "A token").count();
     assert!(during >= 3, "stream A got {during} tokens while B prefilled: {events:?}");
 }
+
+/// A producer killed halfway through writing one request's span (request 2, the `faulty` backend's
+/// `kill_mid`) costs that request its remote prefill and nothing else: with `fallback` it is prefilled
+/// locally and still equals `generate`; with `fail` it gets a 500 error object. A stream live meanwhile,
+/// and the request after (on a restarted producer), are remote and equal `generate`.
+#[test]
+fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_else_anything() {
+    let (stream_prompt, prompt) = ("1, 2, 3, 4, 5, 6, 7, 8,", "The three primary colours are");
+    let stream_reference = generate(stream_prompt, 40, &[]);
+    let reference = generate(prompt, 8, &[]);
+    for policy in ["fallback", "fail"] {
+        let config = r#"{"fault": "kill_mid", "on_requests": [2]}"#;
+        let s = serve(&["--producer", "faulty", "--backend-config", config, "--on-producer-failure", policy]);
+        let chunks = Arc::new(Mutex::new(Vec::<Value>::new()));
+        let streamer = {
+            let (url, chunks) = (s.url.clone(), Arc::clone(&chunks));
+            std::thread::spawn(move || {
+                let body = json!({"prompt": stream_prompt, "max_tokens": 40, "temperature": 0, "stream": true});
+                let r = agent().post(&format!("{url}/v1/completions")).send_json(&body).unwrap();
+                for line in BufReader::new(r.into_body().into_reader()).lines() {
+                    let line = line.unwrap();
+                    match line.strip_prefix("data: ") {
+                        Some("[DONE]") => break,
+                        Some(data) => chunks.lock().unwrap().push(serde_json::from_str(data).unwrap()),
+                        None => {}
+                    }
+                }
+            })
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while chunks.lock().unwrap().len() < 3 {
+            assert!(Instant::now() < deadline, "the stream never started: {}", s.log.lock().unwrap());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}).to_string();
+        let (status, crashed) = post(&s, "/v1/completions", &body);
+        if policy == "fallback" {
+            assert_eq!(status, 200, "{crashed}");
+            assert_eq!(crashed["pdhost"]["prefill"], "local", "{crashed}");
+            let reason = crashed["pdhost"]["fallback_reason"].as_str().unwrap_or_default();
+            assert!(reason.starts_with("producer_exited"), "{crashed}");
+            assert_eq!(crashed["pdhost"]["output_ids"], reference["output_ids"], "{crashed}");
+        } else {
+            assert_eq!(status, 500, "{crashed}");
+            assert_eq!(crashed["error"]["code"], "generation_failed", "{crashed}");
+            assert!(crashed["error"]["message"].as_str().unwrap().contains("faulty"), "{crashed}");
+        }
+        let (status, after) = post(&s, "/v1/completions", &body);
+        assert_eq!(status, 200, "{after}");
+        assert_eq!(after["pdhost"]["prefill"], "remote", "{after}");
+        assert_eq!(after["pdhost"]["output_ids"], reference["output_ids"], "{after}");
+        streamer.join().unwrap();
+        let chunks = chunks.lock().unwrap();
+        let last = chunks.iter().rev().find(|c| !c["pdhost"].is_null()).expect("a chunk with the pdhost object");
+        assert_eq!(last["pdhost"]["prefill"], "remote", "{last}");
+        assert_eq!(last["pdhost"]["output_ids"], stream_reference["output_ids"], "{last}");
+        assert_eq!(last["pdhost"]["logits_xxh3"], stream_reference["logits_xxh3"], "{last}");
+        assert_eq!(metric(&s, "pdhost_producer_starts_total{kind=\"restart\"}"), Some(1.0), "{policy}");
+    }
+}

@@ -22,7 +22,7 @@ pub struct Metrics {
     pub inter_token: Histogram,
     /// Request latency from acceptance to its last token, seconds.
     pub e2e: Histogram,
-    /// Requests being generated.
+    /// Requests admitted: prefilling or generating.
     pub running: IntGauge,
     /// Requests waiting in the queue.
     pub waiting: IntGauge,
@@ -66,7 +66,8 @@ impl Metrics {
             ttft: seconds("pdhost_time_to_first_token_seconds", "Time to first token.", 0.001),
             inter_token: seconds("pdhost_inter_token_latency_seconds", "Time between tokens of a request.", 0.0005),
             e2e: seconds("pdhost_request_latency_seconds", "Time from acceptance to the last token.", 0.005),
-            running: IntGauge::new("pdhost_requests_running", "Requests being generated.").expect("valid"),
+            running: IntGauge::new("pdhost_requests_running", "Requests admitted: prefilling or generating.")
+                .expect("valid"),
             waiting: IntGauge::new("pdhost_requests_waiting", "Requests waiting in the queue.").expect("valid"),
             kv_pages: IntGaugeVec::new(
                 Opts::new("pdhost_kv_pages", "KV pages by group and state."),

@@ -192,9 +192,12 @@ impl<'t> Scheduler<'_, 't> {
             self.dispatch(&mut admitting);
             self.local_chunk(&mut admitting);
             self.settle(&mut admitting, &mut live);
-            self.metrics.running.set(live.len() as i64);
             if !live.is_empty() {
                 self.round(&mut live);
+            }
+            self.metrics.running.set((live.len() + admitting.len()) as i64);
+            self.metrics.kv_usage(&self.loaded.engine.kv.usage());
+            if !live.is_empty() {
                 continue;
             }
             if admitting.iter().any(|a| !a.in_flight) {
@@ -373,8 +376,6 @@ impl<'t> Scheduler<'_, 't> {
                 end(self.loaded, self.metrics, r);
             }
         }
-        self.metrics.running.set(live.len() as i64);
-        self.metrics.kv_usage(&self.loaded.engine.kv.usage());
     }
 }
 

@@ -33,7 +33,13 @@ const WIDE_ROWS: usize = 3;
 /// Step 2: the fixed sum of the lanes.
 #[inline(always)]
 fn reduce(a: [[f32; LANES]; VECS]) -> f32 {
-    let s: [f32; LANES] = std::array::from_fn(|l| a[0][l] + a[1][l]);
+    tree8(std::array::from_fn(|l| a[0][l] + a[1][l]))
+}
+
+/// The fixed sum of 8 lanes, `((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7))`: what an AVX2 horizontal
+/// sum (high half onto low, then pairs) computes.
+#[inline(always)]
+pub(crate) fn tree8(s: [f32; LANES]) -> f32 {
     let s4 = [s[0] + s[4], s[1] + s[5], s[2] + s[6], s[3] + s[7]];
     (s4[0] + s4[2]) + (s4[1] + s4[3])
 }

@@ -4,7 +4,9 @@
 //! 1. per block, lane `l` (of 8) sums the four products of values `4l..4l + 4` in 32-bit integers
 //!    (exact, so the order inside a block cannot matter);
 //! 2. the lane's float accumulator takes `fma(xd * wd, lane as f32, acc)`, block after block;
-//! 3. the lanes are summed in the fixed order of [`super::dot`].
+//! 3. the lanes are summed in the fixed tree of [`super::dot`].
+
+use super::dot::tree8;
 
 /// Weights per Q8_0 block.
 pub(crate) const QK: usize = 32;
@@ -51,12 +53,6 @@ impl Q8 {
     }
 }
 
-#[inline(always)]
-fn reduce(a: [f32; LANES]) -> f32 {
-    let s4 = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
-    (s4[0] + s4[2]) + (s4[1] + s4[3])
-}
-
 type Row<'a> = (&'a [i8], &'a [f32]);
 
 #[inline(always)]
@@ -79,7 +75,7 @@ fn tile_portable<const R: usize, const C: usize>(x: [Row<'_>; R], w: [Row<'_>; C
     let mut out = [[0f32; C]; R];
     for r in 0..R {
         for c in 0..C {
-            out[r][c] = reduce(acc[r][c]);
+            out[r][c] = tree8(acc[r][c]);
         }
     }
     out
@@ -123,7 +119,7 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(x: [Row<'_>; R], w: [Row<'_>
             let mut lanes = [0f32; LANES];
             // SAFETY: 8 f32s; unaligned store.
             unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r][c]) };
-            out[r][c] = reduce(lanes);
+            out[r][c] = tree8(lanes);
         }
     }
     out
