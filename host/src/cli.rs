@@ -363,6 +363,11 @@ pub struct ServeBenchArgs {
     /// `on`: streamed responses (server-sent events), `off`: whole ones, `both`: a cell of each.
     #[arg(long, default_value = "both", value_parser = ["on", "off", "both"])]
     pub stream: String,
+    /// After the matrix, run the same cells against llama.cpp's `llama-server` on the same GGUF with the
+    /// same threads (`-np` the widest concurrency, at least 4; `-c` the context per slot), and print
+    /// both side by side. It is built from source into $PDHOST_HOME on first use (several minutes).
+    #[arg(long, conflicts_with = "url")]
+    pub peer: bool,
     /// Instead of the matrix: `--streams` streams decode while `--long-prompts` prompts of
     /// `--long-prompt` tokens arrive; their inter-token latency with and without the long prompts, for
     /// `--producer` (decode and the producer a core each) and for `--producer local` (prefill in the host,

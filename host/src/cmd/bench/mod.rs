@@ -22,6 +22,7 @@ use pdhost::request::{self, Field, Invalid};
 mod mixed;
 mod model_bench;
 mod pd_bench;
+mod peer;
 mod serve_bench;
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {

@@ -229,6 +229,7 @@ fn bench(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     let url = target.url().to_string();
 
     let mut cells = Vec::new();
+    let mut references = Vec::new();
     let mut died = None;
     'matrix: for &input in &args.inputs {
         for &output in &args.outputs {
@@ -243,6 +244,7 @@ fn bench(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                 }
             };
             bar.inc(1);
+            references.push(((input, output), reference.text.clone()));
             for &concurrency in &args.concurrency {
                 for &stream in streams {
                     bar.set_message(format!(
@@ -287,6 +289,30 @@ fn bench(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         Target::Given(_) => "given",
     };
 
+    // The peer: the same cells against llama-server, after pdhost's server has stopped.
+    let mut peer_cells = Vec::new();
+    if args.peer && died.is_none() {
+        let bin = super::peer::llama_server(args.json)?;
+        let slots = max_concurrency.max(4);
+        let peer = super::peer::Peer::start(&bin, &path, slots, context, threads)?;
+        let bar = super::progress(cells.len() as u64, args.json);
+        for c in &cells {
+            bar.set_message(format!("llama-server: {}", c.name()));
+            let reference = references.iter().find(|(k, _)| *k == (c.input, c.output)).map_or("", |(_, t)| t.as_str());
+            let key = (c.input, c.output, c.concurrency, c.stream);
+            peer_cells.push(super::peer::PeerCell::run(
+                &agent,
+                &peer.url,
+                &text_ids[..c.input as usize],
+                key,
+                repeats,
+                reference,
+            ));
+            bar.inc(1);
+        }
+        bar.finish_and_clear();
+    }
+
     let total = Totals::of(&cells);
     let producers: BTreeSet<&str> = cells.iter().flat_map(|c| c.producers.iter().map(String::as_str)).collect();
     let producers: Vec<&str> = producers.into_iter().collect();
@@ -304,6 +330,7 @@ fn bench(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                 "kv_dtype": if started { json!(dtype.name()) } else { Value::Null },
                 "context": context, "repeats": repeats, "cells": cells,
                 "totals": total.json(), "summary": total.summary(), "problems": problems,
+                "peer": if args.peer { json!({"server": "llama-server", "cells": peer_cells.iter().map(super::peer::PeerCell::json).collect::<Vec<_>>()}) } else { Value::Null },
             })
         )?;
     } else {
@@ -373,11 +400,66 @@ fn bench(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
             outln!("  {p}")?;
         }
         outln!("{}", total.summary())?;
+        if !peer_cells.is_empty() {
+            peer_table(&cells, &peer_cells, threads)?;
+        }
     }
     if let Some(why) = died {
         anyhow::bail!("the matrix stopped early: {why}");
     }
     Ok(if total.unequal + total.errors == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// pdhost beside llama-server, cell by cell: aggregate output tok/s and TTFT p50, and their ratios.
+fn peer_table(cells: &[Cell], peer: &[super::peer::PeerCell], threads: usize) -> anyhow::Result<()> {
+    outln!(
+        "beside llama.cpp's llama-server (same GGUF, {threads} thread(s), -np {}): x = pdhost / llama-server \
+         for tok/s, llama-server / pdhost for TTFT (above 1: pdhost better)",
+        peer.iter().map(|c| c.concurrency).max().unwrap_or(1).max(4)
+    )?;
+    outln!(
+        "{:>6} {:>5} {:>4} {:>3} | {:>8} {:>8} {:>6} | {:>9} {:>9} {:>6} | {:>9} {:>4}",
+        "in",
+        "out",
+        "conc",
+        "SSE",
+        "pdhost",
+        "llama",
+        "x",
+        "TTFT pd",
+        "TTFT ll",
+        "x",
+        "same text",
+        "err"
+    )?;
+    let f = |v: Option<f64>, unit: &str| v.map_or_else(|| "-".to_string(), |v| format!("{v:.1}{unit}"));
+    for (c, p) in cells.iter().zip(peer) {
+        let (pd_rate, ll_rate) = (c.rate_aggregate(), p.rate_aggregate());
+        let (pd_ttft, ll_ttft) = (percentiles(&c.ttft_ms).0, percentiles(&p.ttft_ms).0);
+        outln!(
+            "{:>6} {:>5} {:>4} {:>3} | {:>8} {:>8} {:>6} | {:>9} {:>9} {:>6} | {:>9} {:>4}",
+            c.input,
+            c.output,
+            c.concurrency,
+            if c.stream { "on" } else { "off" },
+            f(pd_rate, ""),
+            f(ll_rate, ""),
+            f(pd_rate.zip(ll_rate).map(|(a, b)| a / b), "x"),
+            f(pd_ttft, "ms"),
+            f(ll_ttft, "ms"),
+            f(pd_ttft.zip(ll_ttft).map(|(a, b)| b / a), "x"),
+            format!("{}/{}", p.same_text, p.requests),
+            p.errors
+        )?;
+    }
+    outln!(
+        "TTFT off: the server's own figure (pdhost.ttft_ms; llama-server's timings.prompt_ms, prompt only); on: the \
+         client's time to the first text chunk. same text: llama-server's output equal to pdhost's reference."
+    )?;
+    for p in peer.iter().flat_map(|c| &c.problems).take(MAX_PROBLEMS) {
+        outln!("  {p}")?;
+    }
+    Ok(())
 }
 
 /// `--producer` as `pdhost serve` takes it, checked before the server starts.
