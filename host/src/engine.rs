@@ -473,11 +473,11 @@ impl Engine {
         self.kv.add_sequence(p.seq, p.request_id).expect("the slot just freed");
         p.done = 0;
         p.remote = false;
-        let report = &mut p.prefilled.report;
-        (report.remote, report.remote_times) = (false, SpanTimes::default());
-        (p.prefilled.forward, p.prefilled.ingest, p.prefilled.bytes, p.prefilled.spans) =
-            (Duration::ZERO, Duration::ZERO, 0, 0);
-        report.fallback = Some(error);
+        // Nothing of the remote chunks counts any more: only who was asked, and why it failed.
+        let producer = p.prefilled.report.producer.take();
+        p.prefilled = Prefilled::default();
+        p.prefilled.report.producer = producer;
+        p.prefilled.report.fallback = Some(error);
     }
 
     /// Opens a sequence for `req` and returns its prefill, to be run chunk by chunk by the caller

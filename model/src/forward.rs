@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use shm_format::Dtype;
 
 use crate::arch::{Arch, Attention, Model};
-use crate::kernels::dot;
+use crate::kernels::Dot;
 
 /// One run of past K/V: consecutive positions from `start`, each row `kv_heads * head_dim` f32 values.
 /// Borrowed where the cache holds f32, widened where it holds a narrower type.
@@ -319,6 +319,7 @@ impl Model {
             })
             .collect();
         let mut attn = vec![0f32; rows.pos.len() * qd];
+        let dot = Dot::new();
         self.exec.install(|| {
             attn.par_chunks_mut(hd).enumerate().for_each(|(task, out)| {
                 let (i, hq) = (task / c.heads, task % c.heads);
@@ -327,7 +328,7 @@ impl Model {
                 let visible = (first_visible(pos) - from) as usize..=(pos - from) as usize;
                 let qv = &q[i * qd + hq * hd..i * qd + (hq + 1) * hd];
                 let mut scores: Vec<f32> =
-                    ks[visible.clone()].iter().map(|k| dot(qv, &k[g * hd..(g + 1) * hd]) * c.query_scale).collect();
+                    ks[visible.clone()].iter().map(|k| dot.of(qv, &k[g * hd..(g + 1) * hd]) * c.query_scale).collect();
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0;
                 for s in scores.iter_mut() {

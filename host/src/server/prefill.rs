@@ -42,7 +42,6 @@ pub struct Pool {
     idle: Vec<(usize, Producer)>,
     waiters: Vec<Sender<(Producer, Work)>>,
     replies: Receiver<Reply>,
-    busy: usize,
 }
 
 impl Pool {
@@ -64,32 +63,14 @@ impl Pool {
             })?;
             waiters.push(tx);
         }
-        Ok(Pool { idle: producers.into_iter().enumerate().collect(), waiters, replies, busy: 0 })
-    }
-
-    /// How many producers there are.
-    pub fn len(&self) -> usize {
-        self.waiters.len()
-    }
-
-    /// Whether there are none.
-    pub fn is_empty(&self) -> bool {
-        self.waiters.is_empty()
-    }
-
-    /// Whether any producer is prefilling.
-    pub fn is_busy(&self) -> bool {
-        self.busy > 0
+        Ok(Pool { idle: producers.into_iter().enumerate().collect(), waiters, replies })
     }
 
     /// Gives `work` to a producer at rest; `Err(work)` when all are busy.
     pub fn submit(&mut self, work: Work) -> Result<(), Work> {
         let Some((index, producer)) = self.idle.pop() else { return Err(work) };
         match self.waiters[index].send((producer, work)) {
-            Ok(()) => {
-                self.busy += 1;
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(crossbeam_channel::SendError((producer, work))) => {
                 self.idle.push((index, producer));
                 Err(work)
@@ -104,7 +85,6 @@ impl Pool {
 
     /// A producer is back from its reply, at rest again.
     pub fn rest(&mut self, index: usize, producer: Producer) {
-        self.busy -= 1;
         self.idle.push((index, producer));
     }
 

@@ -151,8 +151,33 @@ fn tile<const R: usize, const C: usize>(simd: bool, x: [&[f32]; R], w: [&[f32]; 
 
 /// One dot product in the fixed order.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "dot product of unequal lengths");
-    tile::<1, 1>(simd(), [a], [b], a.len())[0][0]
+    Dot::new().of(a, b)
+}
+
+/// [`dot`] with the CPU's features looked up once, for loops of many short products (attention).
+#[derive(Clone, Copy, Debug)]
+pub struct Dot {
+    simd: bool,
+}
+
+impl Default for Dot {
+    fn default() -> Self {
+        Dot::new()
+    }
+}
+
+impl Dot {
+    /// Looks up the CPU's features.
+    pub fn new() -> Self {
+        Dot { simd: simd() }
+    }
+
+    /// `a . b` in the fixed order.
+    #[inline]
+    pub fn of(self, a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len(), "dot product of unequal lengths");
+        tile::<1, 1>(self.simd, [a], [b], a.len())[0][0]
+    }
 }
 
 /// `out[i][j] = x[i] . w[j]` for `t` rows of `x` (`t x n`, row-major) and every row of `w` (`cols x n`),
@@ -212,7 +237,7 @@ mod tests {
     #[test]
     fn every_tile_and_both_kernels_give_each_output_the_same_bits() {
         // 37 elements: four whole groups of lanes and a tail.
-        for n in [37, 64, 5] {
+        for n in [37, 64, 5, 100] {
             let (t, cols) = (7, 11);
             let (x, w) = (data(t * n, 1), data(cols * n, 2));
             let mut alone = vec![0f32; t * cols];

@@ -8,7 +8,7 @@ use rayon::prelude::*;
 mod dot;
 mod q8;
 
-pub use dot::dot;
+pub use dot::{dot, Dot};
 pub use q8::Q8;
 
 /// How the forward pass computes.
