@@ -655,3 +655,42 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
         assert_eq!(metric(&s, "pdhost_producer_starts_total{kind=\"restart\"}"), Some(1.0), "{policy}");
     }
 }
+
+/// `--producers 2`: while one producer hangs on request 1 (the `faulty` backend's `hang` mode), request
+/// 2 is prefilled by the other and answered first; request 1 then falls back to local prefill when its
+/// producer's deadline kills it, and still equals `generate`.
+#[test]
+fn a_second_producer_prefills_while_the_first_hangs() {
+    let config = r#"{"fault": "hang", "on_requests": [1]}"#;
+    let s =
+        serve(&["--producer", "faulty", "--producers", "2", "--backend-config", config, "--producer-timeout", "15"]);
+    let prompt = "The three primary colours are";
+    let reference = generate(prompt, 4, &[]);
+    let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}).to_string();
+    let first = {
+        let (url, body) = (s.url.clone(), body.clone());
+        std::thread::spawn(move || {
+            let mut r = agent()
+                .post(&format!("{url}/v1/completions"))
+                .header("content-type", "application/json")
+                .send(&body)
+                .unwrap();
+            (r.status().as_u16(), r.body_mut().read_json::<Value>().unwrap())
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metric(&s, "pdhost_requests_running") != Some(1.0) {
+        assert!(Instant::now() < deadline, "request 1 was never admitted: {}", s.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (status, second) = post(&s, "/v1/completions", &body);
+    assert!(!first.is_finished(), "request 1 answered before request 2");
+    assert_eq!(status, 200, "{second}");
+    assert_eq!(second["pdhost"]["prefill"], "remote", "{second}");
+    assert_eq!(second["pdhost"]["output_ids"], reference["output_ids"], "{second}");
+    let (status, first) = first.join().unwrap();
+    assert_eq!(status, 200, "{first}");
+    assert_eq!(first["pdhost"]["prefill"], "local", "{first}");
+    assert!(first["pdhost"]["fallback_reason"].as_str().unwrap_or_default().starts_with("timeout"), "{first}");
+    assert_eq!(first["pdhost"]["output_ids"], reference["output_ids"], "{first}");
+}
