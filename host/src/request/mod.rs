@@ -77,6 +77,22 @@ pub enum Field {
     Slots,
     /// Serve: producer processes.
     Producers,
+    /// Bench serve: prompt lengths.
+    Inputs,
+    /// Bench serve: output lengths.
+    Outputs,
+    /// Bench serve: requests in flight.
+    Concurrency,
+    /// Bench serve: timed batches per cell.
+    Repeats,
+    /// Bench serve: a running server.
+    Url,
+    /// Bench serve --mixed: streams decoding.
+    Streams,
+    /// Bench serve --mixed: long prompts at once.
+    LongPrompts,
+    /// Bench serve --mixed: tokens per long prompt.
+    LongPrompt,
     /// Serve: seconds to finish in-flight requests.
     DrainTimeout,
 }
@@ -108,6 +124,14 @@ impl Field {
             Field::Queue => "--queue",
             Field::Slots => "--slots",
             Field::Producers => "--producers",
+            Field::Inputs => "--inputs",
+            Field::Outputs => "--outputs",
+            Field::Concurrency => "--concurrency",
+            Field::Repeats => "--repeats",
+            Field::Url => "--url",
+            Field::Streams => "--streams",
+            Field::LongPrompts => "--long-prompts",
+            Field::LongPrompt => "--long-prompt",
             Field::DrainTimeout => "--drain-timeout",
         }
     }

@@ -15,7 +15,7 @@ use anyhow::Context;
 use model::arch::Config;
 use model::gguf::Gguf;
 use model::tokenizer::Tokenizer;
-use pdhost::request::{self, Limits};
+use pdhost::request::{self, Field, Limits};
 use serde_json::{json, Value};
 
 use super::serve_bench::{count, percentiles, Server, TEXT};
@@ -67,8 +67,8 @@ struct Row {
 }
 
 pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
-    let streams = count("--streams", args.streams, 1, 16, "")? as usize;
-    let n_long = count("--long-prompts", args.long_prompts, 1, 8, "")? as usize;
+    let streams = count(Field::Streams, args.streams, 1, 16, "")? as usize;
+    let n_long = count(Field::LongPrompts, args.long_prompts, 1, 8, "")? as usize;
     let threads = request::check_threads(args.threads)?;
     let name = args.model.clone().unwrap_or_else(|| DEFAULT_MODEL.to_string());
     let path = {
@@ -83,7 +83,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     let limits = Limits::new(&name, &config, Some(context))?;
     let context = limits.context as u64;
     let why = format!(" (the {context}-token context less the one token each long prompt asks for)");
-    let long = count("--long-prompt", args.long_prompt, 1, context - 1, &why)? as usize;
+    let long = count(Field::LongPrompt, args.long_prompt, 1, context - 1, &why)? as usize;
     let tok = Tokenizer::from_gguf(&gguf)?;
     let mut ids = tok.encode(TEXT, tok.add_bos());
     while ids.len() < long + STREAM_PROMPT * streams {

@@ -20,7 +20,7 @@ use pdhost::request::{self, Field, Invalid, Limits};
 use serde_json::{json, Value};
 
 use crate::cli::ServeBenchArgs;
-use crate::cmd::{errln, outln};
+use crate::cmd::outln;
 
 pub(super) const TEXT: &str = include_str!("../../../../fixtures/prompts/lgpl-650w.txt");
 
@@ -40,42 +40,17 @@ const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// Problems (unequal or failed responses) described after the table; the counts cover all of them.
 const MAX_PROBLEMS: usize = 8;
 
-/// A flag of this command out of bounds. `request::Field` has no variant for `--inputs`, `--outputs`,
-/// `--concurrency`, `--repeats` or `--url`, so the bound is checked by `request::check_count` and the
-/// refusal relabelled with the flag here; `run` prints it as `main` prints an `Invalid`, and exits 2.
-#[derive(Debug, thiserror::Error)]
-#[error("{flag}: expected {expected}, found {found}")]
-pub(super) struct Usage {
-    flag: &'static str,
-    expected: String,
-    found: String,
-}
-
-/// `value` inside `min..=max` for `flag`.
-pub(super) fn count(flag: &'static str, value: u64, min: u64, max: u64, why: &str) -> Result<u64, Usage> {
-    request::check_count(Field::Iters, value, min, max).map_err(|e| Usage {
-        flag,
-        expected: format!("{}{why}", e.expected),
-        found: e.found,
-    })
+/// `value` inside `min..=max` for `field`, with `why` after the bound.
+pub(super) fn count(field: Field, value: u64, min: u64, max: u64, why: &str) -> Result<u64, Invalid> {
+    request::check_count(field, value, min, max).map_err(|e| Invalid { expected: format!("{}{why}", e.expected), ..e })
 }
 
 /// A non-empty list of counts, each inside `min..=max`.
-fn counts(flag: &'static str, values: &[u64], min: u64, max: u64, why: &str) -> Result<(), Usage> {
+fn counts(field: Field, values: &[u64], min: u64, max: u64, why: &str) -> Result<(), Invalid> {
     if values.is_empty() {
-        return Err(Usage { flag, expected: "at least one value".into(), found: "none".into() });
+        return Err(Invalid::new(field, "at least one value", "none"));
     }
-    values.iter().try_for_each(|&v| count(flag, v, min, max, why).map(drop))
-}
-
-pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
-    match bench(args) {
-        Err(e) if e.downcast_ref::<Usage>().is_some() => {
-            errln!("error: {e}");
-            Ok(ExitCode::from(2))
-        }
-        other => other,
-    }
+    values.iter().try_for_each(|&v| count(field, v, min, max, why).map(drop))
 }
 
 /// What the requests go to.
@@ -103,16 +78,16 @@ impl Target {
     }
 }
 
-fn bench(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
+pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     if args.mixed {
         return super::mixed::run(args);
     }
     // Everything that needs neither a model nor a server.
-    let repeats = count("--repeats", args.repeats, 1, MAX_REPEATS, "")?;
-    counts("--concurrency", &args.concurrency, 1, MAX_CONCURRENCY, "")?;
-    counts("--outputs", &args.outputs, 1, MAX_OUTPUT, "")?;
+    let repeats = count(Field::Repeats, args.repeats, 1, MAX_REPEATS, "")?;
+    counts(Field::Concurrency, &args.concurrency, 1, MAX_CONCURRENCY, "")?;
+    counts(Field::Outputs, &args.outputs, 1, MAX_OUTPUT, "")?;
     if args.inputs.is_empty() {
-        return Err(Usage { flag: "--inputs", expected: "at least one value".into(), found: "none".into() }.into());
+        return Err(Invalid::new(Field::Inputs, "at least one value", "none").into());
     }
     let streams: &[bool] = match args.stream.as_str() {
         "on" => &[true],
@@ -132,9 +107,7 @@ fn bench(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         Some(url) => {
             let url = url.trim_end_matches('/');
             if !url.starts_with("http://") || url.len() == "http://".len() {
-                return Err(
-                    Usage { flag: "--url", expected: "http://HOST:PORT".into(), found: request::shorten(url) }.into()
-                );
+                return Err(Invalid::new(Field::Url, "http://HOST:PORT", request::shorten(url)).into());
             }
             let (id, context) = served_model(&agent, url)?;
             if let Some(m) = args.model.as_ref().filter(|m| **m != id) {
@@ -182,9 +155,9 @@ fn bench(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     } else {
         String::new()
     };
-    counts("--outputs", &args.outputs, 1, MAX_OUTPUT.min(context - 1), &why)?;
+    counts(Field::Outputs, &args.outputs, 1, MAX_OUTPUT.min(context - 1), &why)?;
     let why = format!(" (the {context}-token context less the longest output)");
-    counts("--inputs", &args.inputs, 1, context - longest_output, &why)?;
+    counts(Field::Inputs, &args.inputs, 1, context - longest_output, &why)?;
     let dtype = args.kv_dtype.dtype();
     let max_concurrency = *args.concurrency.iter().max().expect("checked non-empty");
     if args.url.is_none() {
