@@ -350,12 +350,12 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                 c.output,
                 c.concurrency,
                 if c.stream { "on" } else { "off" },
-                c.requests,
-                c.equal,
-                c.remote,
-                c.local,
-                c.fallback,
-                c.errors,
+                c.counts.requests,
+                c.counts.equal,
+                c.counts.remote,
+                c.counts.local,
+                c.counts.fallback,
+                c.counts.errors,
                 ms(ttft50),
                 ms(ttft99),
                 ms(itl50),
@@ -571,13 +571,7 @@ struct Cell {
     output: u64,
     concurrency: u64,
     stream: bool,
-    requests: u64,
-    equal: u64,
-    unequal: u64,
-    remote: u64,
-    local: u64,
-    fallback: u64,
-    errors: u64,
+    counts: Totals,
     ttft_ms: Vec<f64>,
     gaps_ms: Vec<f64>,
     /// Per answered request: output tokens / latency.
@@ -600,20 +594,20 @@ impl Cell {
     }
 
     fn add(&mut self, r: Result<Response, String>, reference: &Response) {
-        self.requests += 1;
+        self.counts.requests += 1;
         let r = match r {
             Ok(r) => r,
             Err(e) => {
-                self.errors += 1;
-                self.problems.push(format!("{}: request {} failed: {e}", self.name(), self.requests));
+                self.counts.errors += 1;
+                self.problems.push(format!("{}: request {} failed: {e}", self.name(), self.counts.requests));
                 return;
             }
         };
         match r.prefill.as_str() {
-            "remote" => self.remote += 1,
-            _ => self.local += 1,
+            "remote" => self.counts.remote += 1,
+            _ => self.counts.local += 1,
         }
-        self.fallback += u64::from(r.fallback);
+        self.counts.fallback += u64::from(r.fallback);
         self.producers.insert(format!("{} ({})", r.prefill, r.producer));
         self.ttft_ms.extend(r.ttft_ms);
         self.gaps_ms.extend(&r.gaps_ms);
@@ -630,10 +624,10 @@ impl Cell {
             None
         };
         match differs {
-            None => self.equal += 1,
+            None => self.counts.equal += 1,
             Some(d) => {
-                self.unequal += 1;
-                self.problems.push(format!("{}: request {} differs: {d}", self.name(), self.requests));
+                self.counts.unequal += 1;
+                self.problems.push(format!("{}: request {} differs: {d}", self.name(), self.counts.requests));
             }
         }
     }
@@ -653,8 +647,9 @@ impl Cell {
         };
         json!({
             "input_tokens": self.input, "output_tokens": self.output, "concurrency": self.concurrency,
-            "stream": self.stream, "requests": self.requests, "equal": self.equal, "unequal": self.unequal,
-            "remote": self.remote, "local": self.local, "fallback": self.fallback, "errors": self.errors,
+            "stream": self.stream, "requests": self.counts.requests, "equal": self.counts.equal,
+            "unequal": self.counts.unequal, "remote": self.counts.remote, "local": self.counts.local,
+            "fallback": self.counts.fallback, "errors": self.counts.errors,
             "ttft_ms": p(&self.ttft_ms), "ttft_source": if self.stream { "client" } else { "server" },
             "itl_ms": if self.stream { p(&self.gaps_ms) } else { Value::Null },
             "tok_s_per_request": self.rate_per_request(), "tok_s_aggregate": self.rate_aggregate(),
@@ -663,7 +658,7 @@ impl Cell {
     }
 }
 
-/// Counts over every cell.
+/// How the requests of a cell, or of every cell, ended.
 #[derive(Debug, Default)]
 struct Totals {
     requests: u64,
@@ -679,6 +674,7 @@ impl Totals {
     fn of(cells: &[Cell]) -> Self {
         let mut t = Totals::default();
         for c in cells {
+            let c = &c.counts;
             t.requests += c.requests;
             t.equal += c.equal;
             t.unequal += c.unequal;
