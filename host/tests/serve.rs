@@ -642,6 +642,9 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
             assert_eq!(crashed["error"]["code"], "generation_failed", "{crashed}");
             assert!(crashed["error"]["message"].as_str().unwrap().contains("faulty"), "{crashed}");
         }
+        // The producer restarts at the next request after a 50 ms backoff (a request inside it would be
+        // refused as `backing_off`): wait it out.
+        std::thread::sleep(Duration::from_millis(500));
         let (status, after) = post(&s, "/v1/completions", &body);
         assert_eq!(status, 200, "{after}");
         assert_eq!(after["pdhost"]["prefill"], "remote", "{after}");
