@@ -97,9 +97,4 @@ impl Pool {
             work
         })
     }
-
-    /// Every producer at rest (at shutdown, to stop them).
-    pub fn drain_idle(&mut self) -> impl Iterator<Item = Producer> + '_ {
-        self.idle.drain(..).map(|(_, p)| p)
-    }
 }

@@ -122,9 +122,9 @@ pub fn spawn(
         let mut scheduler =
             Scheduler { loaded: &mut loaded, pool: &mut pool, name, tokenizer: &tokenizer, metrics: &metrics };
         scheduler.run(&queue, &stop);
-        for p in pool.drain_idle() {
-            drop(p);
-        }
+        // Producers at rest stop here; one still with its waiter stops when the waiter's reply finds
+        // no one listening.
+        drop(pool);
     })
 }
 

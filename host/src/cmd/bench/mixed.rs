@@ -18,12 +18,10 @@ use model::tokenizer::Tokenizer;
 use pdhost::request::{self, Field, Limits};
 use serde_json::{json, Value};
 
-use super::serve_bench::{count, percentiles, Server, TEXT};
+use super::serve_bench::{count, percentiles, text_ids, Server, DEFAULT_CONTEXT, DEFAULT_MODEL};
 use crate::cli::ServeBenchArgs;
 use crate::cmd::outln;
 
-const DEFAULT_MODEL: &str = "gemma3-270m";
-const DEFAULT_CONTEXT: u64 = 9216;
 /// Prompt tokens of each stream.
 const STREAM_PROMPT: usize = 32;
 /// A stream's `max_tokens` at most (and within the context): it is cut off (its client disconnects) once
@@ -71,12 +69,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     let n_long = count(Field::LongPrompts, args.long_prompts, 1, 8, "")? as usize;
     let threads = request::check_threads(args.threads)?;
     let name = args.model.clone().unwrap_or_else(|| DEFAULT_MODEL.to_string());
-    let path = {
-        let mut bar = crate::cmd::models::Bar::new(args.json);
-        let path = model::registry::fetch(&name, &mut bar)?;
-        bar.finish();
-        path
-    };
+    let path = super::fetched(&name, args.json)?;
     let gguf = Gguf::open(&path)?;
     let config = Config::from_gguf(&gguf)?;
     let context = args.context.unwrap_or(DEFAULT_CONTEXT.min(config.context as u64));
@@ -85,10 +78,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     let why = format!(" (the {context}-token context less the one token each long prompt asks for)");
     let long = count(Field::LongPrompt, args.long_prompt, 1, context - 1, &why)? as usize;
     let tok = Tokenizer::from_gguf(&gguf)?;
-    let mut ids = tok.encode(TEXT, tok.add_bos());
-    while ids.len() < long + STREAM_PROMPT * streams {
-        ids.extend(tok.encode(TEXT, false));
-    }
+    let ids = text_ids(&tok, long + STREAM_PROMPT * streams);
     drop(gguf);
 
     let kv_dtype = clap::ValueEnum::to_possible_value(&args.kv_dtype).expect("not skipped");

@@ -35,6 +35,14 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     }
 }
 
+/// The model file of a known model, fetched first if needed (a progress bar unless `quiet`).
+pub(crate) fn fetched(name: &str, quiet: bool) -> anyhow::Result<std::path::PathBuf> {
+    let mut bar = crate::cmd::models::Bar::new(quiet);
+    let path = model::registry::fetch(name, &mut bar)?;
+    bar.finish();
+    Ok(path)
+}
+
 /// A progress bar on a terminal, nothing otherwise (or with `--json`).
 pub(crate) fn progress(len: u64, json: bool) -> ProgressBar {
     if json || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {

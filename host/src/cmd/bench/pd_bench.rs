@@ -55,12 +55,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     let iters = request::check_count(Field::Iters, args.iters, 1, 1000)?;
     let decode = request::check_count(Field::DecodeTokens, args.decode_tokens, 1, super::model_bench::MAX_DECODE)?;
     let threads = request::check_threads(args.threads)?;
-    let path = {
-        let mut bar = crate::cmd::models::Bar::new(args.json);
-        let path = model::registry::fetch(&args.model, &mut bar)?;
-        bar.finish();
-        path
-    };
+    let path = super::fetched(&args.model, args.json)?;
     let gguf = Gguf::open(&path)?;
     let limits = Limits::new(&args.model, &Config::from_gguf(&gguf)?, None)?;
     let max_prompt = limits.context as u64 - decode - 1;

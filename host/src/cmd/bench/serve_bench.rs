@@ -22,11 +22,11 @@ use serde_json::{json, Value};
 use crate::cli::ServeBenchArgs;
 use crate::cmd::outln;
 
-pub(super) const TEXT: &str = include_str!("../../../../fixtures/prompts/lgpl-650w.txt");
+const TEXT: &str = include_str!("../../../../fixtures/prompts/lgpl-650w.txt");
 
 /// The context a started server gets unless told otherwise (as `pdhost serve`: the incident's deployment).
-const DEFAULT_CONTEXT: u64 = 9216;
-const DEFAULT_MODEL: &str = "gemma3-270m";
+pub(super) const DEFAULT_CONTEXT: u64 = 9216;
+pub(super) const DEFAULT_MODEL: &str = "gemma3-270m";
 const MAX_CONCURRENCY: u64 = 64;
 const MAX_REPEATS: u64 = 100;
 /// The most output tokens a cell asks for (as the other benches' decode lengths).
@@ -39,6 +39,15 @@ const START_TIMEOUT: Duration = Duration::from_secs(600);
 const STOP_TIMEOUT: Duration = Duration::from_secs(30);
 /// Problems (unequal or failed responses) described after the table; the counts cover all of them.
 const MAX_PROBLEMS: usize = 8;
+
+/// At least `len` token ids of the fixture text, repeated as needed (the first with the model's BOS).
+pub(super) fn text_ids(tok: &Tokenizer, len: usize) -> Vec<u32> {
+    let mut ids = tok.encode(TEXT, tok.add_bos());
+    while ids.len() < len {
+        ids.extend(tok.encode(TEXT, false));
+    }
+    ids
+}
 
 /// `value` inside `min..=max` for `field`, with `why` after the bound.
 pub(super) fn count(field: Field, value: u64, min: u64, max: u64, why: &str) -> Result<u64, Invalid> {
@@ -135,12 +144,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     if args.url.is_none() {
         check_producer(&args.producer)?;
     }
-    let path = {
-        let mut bar = crate::cmd::models::Bar::new(args.json);
-        let path = model::registry::fetch(&name, &mut bar)?;
-        bar.finish();
-        path
-    };
+    let path = super::fetched(&name, args.json)?;
     let gguf = Gguf::open(&path)?;
     let config = Config::from_gguf(&gguf)?;
     let context = match served_context {
@@ -173,11 +177,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
 
     // Prompts: the fixture text, repeated as needed, cut to exact token counts.
     let tok = Tokenizer::from_gguf(&gguf)?;
-    let mut text_ids = tok.encode(TEXT, tok.add_bos());
-    let longest_input = *args.inputs.iter().max().expect("checked non-empty") as usize;
-    while text_ids.len() < longest_input {
-        text_ids.extend(tok.encode(TEXT, false));
-    }
+    let text_ids = text_ids(&tok, *args.inputs.iter().max().expect("checked non-empty") as usize);
     drop(gguf);
 
     let cells_per_pair: u64 = args.concurrency.iter().map(|c| c * repeats).sum::<u64>() * streams.len() as u64;
