@@ -144,6 +144,10 @@ pub struct ServeArgs {
     /// Sequences generated at once (1 to 64): each decode round advances every live sequence by one token.
     #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
     pub slots: u64,
+    /// Share the K/V of full pages of prompt prefixes between requests (`docs/serving.md`, "Prefix
+    /// cache"): a hit prefills only the rest of the prompt, and outputs stay bit-identical.
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    pub prefix_cache: Switch,
     /// Requests that may wait beyond the slots; past that the answer is 503 with Retry-After.
     #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
     pub queue: u64,
@@ -181,6 +185,15 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may take to finish after SIGTERM or SIGINT.
     #[arg(long, default_value_t = 30.0, value_name = "SECONDS", allow_negative_numbers = true)]
     pub drain_timeout: f64,
+}
+
+/// An on/off setting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum Switch {
+    /// Off.
+    Off,
+    /// On.
+    On,
 }
 
 /// Element type of the KV cache.
@@ -328,7 +341,11 @@ pub enum Bench {
 #[derive(Debug, Args)]
 pub struct ServeBenchArgs {
     /// Benchmark the server at this URL (`http://HOST:PORT`) instead of starting one.
-    #[arg(long, value_name = "URL", conflicts_with_all = ["producer", "threads", "kv_dtype", "context"])]
+    #[arg(
+        long,
+        value_name = "URL",
+        conflicts_with_all = ["producer", "threads", "kv_dtype", "context", "prefix_cache"]
+    )]
     pub url: Option<String>,
     /// The model (a name from `pdhost models list`; default gemma3-270m, or what `--url` serves). Prompts
     /// are tokenized with its tokenizer.
@@ -344,6 +361,10 @@ pub struct ServeBenchArgs {
     /// Element type of the started server's KV cache and spans.
     #[arg(long, value_enum, default_value_t = KvDtype::F32)]
     pub kv_dtype: KvDtype,
+    /// The started server's prefix cache. `on`: every request after a cell's reference shares its
+    /// prompt's pages, and must still equal it.
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    pub prefix_cache: Switch,
     /// Prompt plus output tokens per request in the started server (default 9216, or the model's context
     /// when smaller).
     #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]

@@ -16,7 +16,7 @@ use zerocopy::FromBytes;
 
 use crate::kv::convert::{convert, to_f32};
 use crate::kv::{IngestError, KvConfig, PagedKv, SeqId};
-use crate::supervisor::{Producer, ProducerError, SpanTimes};
+use crate::supervisor::{PrefillCall, Producer, ProducerError, SpanTimes};
 
 const _: () = assert!(cfg!(target_endian = "little"), "spans are little-endian; the engine writes f32s as they lie");
 
@@ -70,6 +70,25 @@ struct Prefilled {
     report: PrefillReport,
 }
 
+/// Who will prefill a request: the producers' name, and the wire dtype of their spans when their
+/// backend can start a request past position 0 (ABI 1.1), so that a prefix-cache hit may go remote.
+#[derive(Clone, Debug)]
+pub struct Remote {
+    /// The producers' name.
+    pub name: String,
+    /// `Some(wire dtype)` when prefix-cache hits may be prefilled remotely; `None` when the backend is
+    /// not known yet or cannot take a request's context (then remote requests never hit).
+    pub hits: Option<Dtype>,
+}
+
+impl Remote {
+    /// What `producer` is, as far as it is known now.
+    pub fn of(producer: &Producer) -> Self {
+        let hits = producer.wire_dtype().filter(|_| producer.takes_context() == Some(true));
+        Remote { name: producer.name().to_string(), hits }
+    }
+}
+
 /// A prompt (less its last token, which the host runs) being prefilled into its sequence, chunk by
 /// chunk: see [`Engine::begin`].
 #[derive(Debug)]
@@ -79,8 +98,13 @@ pub struct Prefilling {
     /// Tokens to prefill.
     len: usize,
     chunk: usize,
-    /// Tokens prefilled.
+    /// Tokens prefilled, counting a prefix-cache hit.
     done: usize,
+    /// Tokens shared from the prefix cache (the first chunk starts there).
+    hit: usize,
+    /// The dtype the K/V of this prompt are rounded through (the wire's, or the cache's when local): how
+    /// the prefix cache keys its blocks. `None`: not looked up, not registered.
+    rounding: Option<Dtype>,
     /// Whether the chunks so far came from the producer.
     remote: bool,
     prefilled: Prefilled,
@@ -93,7 +117,31 @@ impl Prefilling {
         let mut prefilled = Prefilled::default();
         prefilled.report.producer = producer.map(str::to_string);
         let remote = producer.is_some() && len > 0;
-        Prefilling { seq, request_id, len, chunk, done: 0, remote, prefilled, started: Instant::now() }
+        Prefilling {
+            seq,
+            request_id,
+            len,
+            chunk,
+            done: 0,
+            hit: 0,
+            rounding: None,
+            remote,
+            prefilled,
+            started: Instant::now(),
+        }
+    }
+
+    /// Prompt tokens shared from the prefix cache.
+    pub fn prefix_hit(&self) -> usize {
+        self.hit
+    }
+
+    /// The next chunk as a producer call: the request's context rides along on the first chunk of a
+    /// prefix-cache hit.
+    pub fn next_call(&self, prompt: &[u32]) -> Option<PrefillCall> {
+        let (start, tokens) = self.next_chunk(prompt)?;
+        let context = if self.done == self.hit { prompt[..self.hit].to_vec() } else { Vec::new() };
+        Some(PrefillCall { request_id: self.request_id, start_pos: start, tokens: tokens.to_vec(), context })
     }
 
     /// The request id its spans must carry.
@@ -114,7 +162,8 @@ impl Prefilling {
     /// The next chunk of `prompt` (the request's prompt, or just its head) to prefill: its first position
     /// and tokens; `None` when the prefill is complete.
     pub fn next_chunk<'p>(&self, prompt: &'p [u32]) -> Option<(u64, &'p [u32])> {
-        (self.done < self.len).then(|| (self.done as u64, &prompt[self.done..(self.done + self.chunk).min(self.len)]))
+        let end = (self.done + self.chunk).min(self.len);
+        (self.done < self.len).then(|| (self.done as u64, &prompt[self.done..end]))
     }
 
     /// A remote chunk landed in the cache, costing `times`.
@@ -154,6 +203,8 @@ impl Prefilling {
 pub struct PrefillReport {
     /// Whether the producer's spans are what the cache holds.
     pub remote: bool,
+    /// Prompt tokens shared from the prefix cache (not prefilled).
+    pub prefix_hit: u64,
     /// The producer's name, if one was asked.
     pub producer: Option<String>,
     /// `dense` or `grouped`: the producer's layout.
@@ -426,20 +477,20 @@ impl Engine {
         chunk: usize,
         by: PrefillBy<'_>,
     ) -> Result<Prefilled, EngineError> {
-        let producer = match &by {
-            PrefillBy::Remote { producer, .. } => Some(producer.name()),
+        let remote = match &by {
+            PrefillBy::Remote { producer, .. } => Some(Remote::of(producer)),
             PrefillBy::Local => None,
         };
-        let mut p = Prefilling::new(seq, request_id, prompt.len(), chunk, producer);
+        let mut p = self.open_prefill(seq, request_id, prompt, chunk, remote.as_ref());
         if let PrefillBy::Remote { producer, on_failure } = by {
-            while let Some((start, part)) = p.next_chunk(prompt).filter(|_| p.is_remote()) {
-                match producer.prefill(&mut self.kv, seq, request_id, start, part) {
+            while let Some(call) = p.next_call(prompt).filter(|_| p.is_remote()) {
+                match producer.prefill(&mut self.kv, seq, &call) {
                     Ok(times) => {
                         p.remote_by(producer);
                         p.remote_done(times);
                     }
                     Err(e) => {
-                        self.fall_back(&mut p, e);
+                        self.fall_back(&mut p, prompt, e);
                         if on_failure == OnFailure::Fail {
                             return Err(p.take_fallback().expect("just set").into());
                         }
@@ -450,7 +501,54 @@ impl Engine {
         while let Some((start, part)) = p.next_chunk(prompt) {
             self.prefill_chunk(&mut p, start, part)?;
         }
+        self.register_prefix(&mut p, prompt);
         Ok(p.prefilled)
+    }
+
+    /// The prefill of `head` into the empty `seq`, by `remote` or locally, starting after the longest
+    /// prefix the cache can share (when the prefix cache is on).
+    fn open_prefill(
+        &mut self,
+        seq: SeqId,
+        request_id: u64,
+        head: &[u32],
+        chunk: usize,
+        remote: Option<&Remote>,
+    ) -> Prefilling {
+        let mut p = Prefilling::new(seq, request_id, head.len(), chunk, remote.map(|r| r.name.as_str()));
+        p.rounding = match remote {
+            Some(r) => r.hits,
+            None => Some(self.kv.dtype()),
+        };
+        self.attach_prefix(&mut p, head);
+        p
+    }
+
+    /// Shares the longest cached prefix of `head` into `p`'s empty sequence.
+    fn attach_prefix(&mut self, p: &mut Prefilling, head: &[u32]) {
+        let Some(rounding) = p.rounding.filter(|_| self.kv.prefix_cache()) else { return };
+        let hit = self.kv.attach_prefix(p.seq, head, rounding).tokens as usize;
+        (p.hit, p.done) = (hit, hit);
+        p.prefilled.report.prefix_hit = hit as u64;
+        if p.remote && hit == p.len {
+            // Nothing is left to prefill: the cache holds the producer's K/V.
+            p.remote = false;
+            p.prefilled.report.remote = true;
+        }
+    }
+
+    /// Registers the full pages of a complete prefill's prompt in the prefix cache, when every one of
+    /// them went through the rounding its blocks are keyed by.
+    fn register_prefix(&mut self, p: &mut Prefilling, head: &[u32]) {
+        let cache = self.kv.dtype();
+        let report = &p.prefilled.report;
+        let rounding = if report.remote { report.wire_dtype.or(p.rounding) } else { Some(cache) };
+        if p.hit > 0 && rounding != p.rounding {
+            return;
+        }
+        if let Some(rounding) = rounding {
+            self.kv.register_prefix(p.seq, head, rounding);
+        }
     }
 
     /// Runs one chunk of `p` locally and ingests its K/V.
@@ -466,18 +564,22 @@ impl Engine {
         Ok(())
     }
 
-    /// A remote chunk of `p` failed: its sequence starts over empty (spans of earlier chunks are
-    /// committed), and the rest of `p` runs locally, with `error` as the fallback reason.
-    pub fn fall_back(&mut self, p: &mut Prefilling, error: ProducerError) {
+    /// A remote chunk of `p` (prefilling `head`) failed: its sequence starts over empty (spans of earlier
+    /// chunks are committed, a prefix shared under the producer's rounding is let go), and the rest of
+    /// `p` runs locally, after the longest prefix cached under the cache's own rounding, with `error` as
+    /// the fallback reason.
+    pub fn fall_back(&mut self, p: &mut Prefilling, head: &[u32], error: ProducerError) {
         let _ = self.kv.remove_sequence(p.seq);
         self.kv.add_sequence(p.seq, p.request_id).expect("the slot just freed");
-        p.done = 0;
+        (p.done, p.hit) = (0, 0);
         p.remote = false;
         // Nothing of the remote chunks counts any more: only who was asked, and why it failed.
         let producer = p.prefilled.report.producer.take();
         p.prefilled = Prefilled::default();
         p.prefilled.report.producer = producer;
         p.prefilled.report.fallback = Some(error);
+        p.rounding = Some(self.kv.dtype());
+        self.attach_prefix(p, head);
     }
 
     /// Opens a sequence for `req` and returns its prefill, to be run chunk by chunk by the caller
@@ -485,12 +587,12 @@ impl Engine {
     /// [`Prefilling::remote_done`], or locally with [`Engine::prefill_chunk`]), then made live with
     /// [`Engine::go_live`] or dropped with [`Engine::abandon`]. This is how the server interleaves prefill
     /// with decode rounds; [`Engine::admit`] runs the same steps back to back.
-    pub fn begin(&mut self, req: &Request, producer: Option<&str>) -> Result<Prefilling, EngineError> {
+    pub fn begin(&mut self, req: &Request, remote: Option<&Remote>) -> Result<Prefilling, EngineError> {
         let seq = SeqId(self.next_seq);
         self.next_seq += 1;
         self.kv.add_sequence(seq, seq.0)?;
-        let head = req.prompt.len().saturating_sub(1);
-        Ok(Prefilling::new(seq, seq.0, head, req.prefill_chunk, producer))
+        let head = &req.prompt[..req.prompt.len().saturating_sub(1)];
+        Ok(self.open_prefill(seq, seq.0, head, req.prefill_chunk, remote))
     }
 
     /// Drops a prefill that will not go live (its client left, or it failed): its pages are freed.
@@ -499,8 +601,9 @@ impl Engine {
     }
 
     /// Runs the last prompt token of a prefilled `p` and makes it live; on failure the sequence is gone.
-    pub fn go_live(&mut self, p: Prefilling, req: &Request) -> Result<Live, EngineError> {
+    pub fn go_live(&mut self, mut p: Prefilling, req: &Request) -> Result<Live, EngineError> {
         let seq = p.seq;
+        self.register_prefix(&mut p, &req.prompt[..req.prompt.len() - 1]);
         let result = self.finish_start(p.seq, p.request_id, req, p.prefilled, p.started);
         if result.is_err() {
             let _ = self.kv.remove_sequence(seq);

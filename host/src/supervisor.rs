@@ -16,6 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+pub use pdhost_producer::protocol::PrefillCall;
 use pdhost_producer::protocol::{self, BadDescription, Described, FromProducer, RecvError, ToProducer};
 use rustix::event::{PollFd, PollFlags};
 use shm_format::ring::RingGeometry;
@@ -438,6 +439,12 @@ impl Producer {
         self.running.as_ref().map(|r| r.described.wire_dtype().expect("checked at the handshake"))
     }
 
+    /// Whether the running backend takes a request that starts past position 0 with its context (ABI 1.1:
+    /// a prefix-cache hit); `None` before it runs.
+    pub fn takes_context(&self) -> Option<bool> {
+        self.running.as_ref().map(|r| r.described.abi_minor >= 1)
+    }
+
     /// Starts the producer now if it is not running (warm-up before the first request).
     pub fn start(&mut self) -> Result<(), ProducerError> {
         self.ensure_running().map(|_| ())
@@ -668,15 +675,8 @@ impl Producer {
     /// On any failure the span is not in the cache (the cache is exactly as before), the reason is
     /// counted, and a producer that broke the protocol, crashed or timed out is killed; the next call
     /// starts a new one (with backoff, within the restart cap).
-    pub fn prefill(
-        &mut self,
-        kv: &mut PagedKv,
-        seq: SeqId,
-        request_id: u64,
-        start_pos: u64,
-        tokens: &[u32],
-    ) -> Result<SpanTimes, ProducerError> {
-        let pending = self.submit(request_id, start_pos, tokens)?;
+    pub fn prefill(&mut self, kv: &mut PagedKv, seq: SeqId, call: &PrefillCall) -> Result<SpanTimes, ProducerError> {
+        let pending = self.submit(call)?;
         self.take(pending, kv, seq)
     }
 
@@ -684,7 +684,7 @@ impl Producer {
     /// timeout, watching its pidfd) for its reply. The span then waits in the ring, untouched, for
     /// [`Producer::take`]: this half touches no cache, so it may run on another thread than the one that
     /// owns the cache. Failures are counted and handled as in [`Producer::prefill`].
-    pub fn submit(&mut self, request_id: u64, start_pos: u64, tokens: &[u32]) -> Result<Pending, ProducerError> {
+    pub fn submit(&mut self, call: &PrefillCall) -> Result<Pending, ProducerError> {
         let started = Instant::now();
         match self.ensure_running() {
             Ok(_) => {}
@@ -694,7 +694,7 @@ impl Producer {
             }
             Err(e) => return Err(self.fail(e)),
         }
-        match self.request(request_id, start_pos, tokens, started) {
+        match self.request(call, started) {
             Ok(pending) => Ok(pending),
             // A backend that says it failed broke no rule: it keeps running.
             Err(e @ ProducerError::Backend { .. }) => Err(self.refuse(e)),
@@ -718,18 +718,13 @@ impl Producer {
         }
     }
 
-    fn request(
-        &mut self,
-        request_id: u64,
-        start_pos: u64,
-        tokens: &[u32],
-        started: Instant,
-    ) -> Result<Pending, ProducerError> {
+    fn request(&mut self, call: &PrefillCall, started: Instant) -> Result<Pending, ProducerError> {
+        let request_id = call.request_id;
         let name = self.spec.name.clone();
         let deadline = started + self.spec.request_timeout;
         let mut running = self.running.take().expect("ensured");
         let result = (|| {
-            let request = ToProducer::Prefill { request_id, start_pos, tokens: tokens.to_vec() };
+            let request = ToProducer::Prefill(call.clone());
             if protocol::send(&running.socket, &request).is_err() {
                 return Err(self.exited(&mut running, "sending a request"));
             }

@@ -697,3 +697,44 @@ fn a_second_producer_prefills_while_the_first_hangs() {
     assert!(first["pdhost"]["fallback_reason"].as_str().unwrap_or_default().starts_with("timeout"), "{first}");
     assert_eq!(first["pdhost"]["output_ids"], reference["output_ids"], "{first}");
 }
+
+/// With `--prefix-cache on`, a prompt that shares whole pages with an earlier one prefills only the rest
+/// (a span at a nonzero offset, in the producer or locally), and its output and logits stay bit-identical
+/// to `generate` alone.
+#[test]
+fn a_prefix_cache_hit_prefills_only_the_rest_and_equals_generate() {
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../fixtures/prompts/lgpl-650w.txt")).unwrap();
+    let shared: String = text.chars().take(600).collect();
+    let first = format!("{shared} In short:");
+    let second = format!("{shared} To sum up, the license says");
+    let reference = generate(&second, 6, &[]);
+    for producer in ["rngd", "local"] {
+        let s = serve(&["--producer", producer, "--prefix-cache", "on", "--page-size", "16"]);
+        let complete = |prompt: &str| {
+            let body = json!({"prompt": prompt, "max_tokens": 6, "temperature": 0});
+            let (status, v) = post(&s, "/v1/completions", &body.to_string());
+            assert_eq!(status, 200, "{producer}: {v}");
+            v
+        };
+        let a = complete(&first);
+        assert_eq!(a["pdhost"]["prefix_hit_tokens"], 0, "{producer}: nothing cached yet");
+        let b = complete(&second);
+        let hit = b["pdhost"]["prefix_hit_tokens"].as_u64().unwrap();
+        let prompt_tokens = b["usage"]["prompt_tokens"].as_u64().unwrap();
+        assert!(hit >= 112 && hit % 16 == 0 && hit < prompt_tokens, "{producer}: hit {hit} of {prompt_tokens}");
+        assert_eq!(b["pdhost"]["prefill"], if producer == "local" { "local" } else { "remote" }, "{producer}");
+        // Only the rest of the prompt (less its last token, which the host runs) was prefilled.
+        let a_tokens = a["usage"]["prompt_tokens"].as_u64().unwrap();
+        let per_token = a["pdhost"]["bytes"].as_u64().unwrap() / (a_tokens - 1);
+        assert_eq!(b["pdhost"]["bytes"].as_u64().unwrap(), (prompt_tokens - 1 - hit) * per_token, "{producer}");
+        assert_eq!(b["pdhost"]["spans"], 1);
+        assert_eq!(b["pdhost"]["output_ids"], reference["output_ids"], "{producer}");
+        assert_eq!(b["pdhost"]["logits_xxh3"], reference["logits_xxh3"], "{producer}: bit-identical logits");
+        assert_eq!(metric(&s, "pdhost_prefix_cache_hit_tokens_total"), Some(hit as f64));
+        // Both requests ended: their registered pages are cached, the rest free.
+        let cached = metric(&s, "pdhost_kv_pages{group=\"0 (full attention)\",state=\"cached\"}").unwrap();
+        let used = metric(&s, "pdhost_kv_pages{group=\"0 (full attention)\",state=\"used\"}").unwrap();
+        assert!(cached >= (hit / 16) as f64 && used == 0.0, "cached {cached}, used {used}");
+    }
+}

@@ -213,3 +213,53 @@ fn a_request_during_the_backoff_is_refused_at_once() {
     assert_eq!(report.fallback.as_ref().map(|f| f.kind()), Some("backing_off"));
     e.release(seq);
 }
+
+#[test]
+fn a_prefix_cache_hit_prefills_only_the_rest_and_changes_no_bit() {
+    use pdhost::engine::{Request, Sampling};
+    let _serial = serial();
+    let model = gemma();
+    // B shares A's first 16 tokens: four 4-token pages. The tiny model's window is 8, so chunked
+    // prefill keeps the sliding pages B needs (positions 8..16).
+    let a: Vec<u32> = (0..17).map(|i| 2 + (i * 37 % 200)).collect();
+    let mut b = a[..16].to_vec();
+    b.extend([9, 8, 7, 6, 5]);
+    let req = |prompt: &[u32]| Request {
+        prompt: prompt.to_vec(),
+        max_tokens: 6,
+        prefill_chunk: 4,
+        sampling: Sampling::Greedy,
+    };
+    // The reference: B alone, without a prefix cache.
+    let want = engine(&model, Dtype::F32).generate(&req(&b), |_| {}).unwrap();
+    assert_eq!(want.spans, 5);
+    let rngd = || config(&model, Dtype::F32, serde_json::json!({}));
+    // Local; remote where the producer still has A's K/V; remote where a new producer computes B's
+    // context itself.
+    for case in ["local", "remote", "remote, new producer"] {
+        let mut e = engine(&model, Dtype::F32);
+        e.kv.enable_prefix_cache();
+        let mut p = producer(&e, builtin("rngd"), rngd(), Duration::from_secs(30));
+        p.start().unwrap();
+        let remote = case != "local";
+        let run = |e: &mut Engine, p: &mut pdhost::supervisor::Producer, prompt: &[u32]| {
+            let by =
+                if remote { PrefillBy::Remote { producer: p, on_failure: OnFailure::Fail } } else { PrefillBy::Local };
+            e.generate_with(&req(prompt), by, |_| {}).unwrap_or_else(|err| panic!("{case}: {err}"))
+        };
+        let first = run(&mut e, &mut p, &a);
+        assert_eq!(first.report.prefix_hit, 0, "{case}: nothing cached yet");
+        if case == "remote, new producer" {
+            drop(p);
+            p = producer(&e, builtin("rngd"), rngd(), Duration::from_secs(30));
+            p.start().unwrap();
+        }
+        let got = run(&mut e, &mut p, &b);
+        assert_eq!(got.report.prefix_hit, 16, "{case}");
+        assert_eq!(got.report.remote, remote, "{case}");
+        assert_eq!(got.spans, 1, "{case}: only positions 16..20 are prefilled");
+        assert_eq!(got.bytes * 5, want.bytes, "{case}: one chunk of the five");
+        assert_eq!(got.output, want.output, "{case}");
+        assert_eq!(got.logits_hash, want.logits_hash, "{case}: bit-identical logits");
+    }
+}

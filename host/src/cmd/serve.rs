@@ -46,6 +46,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let limits = Limits::new(&opened.name, &opened.config, Some(context))?;
     let page_size = request::check_page_size(args.page_size, &limits)?;
     let dtype = args.kv_dtype.dtype();
+    let prefix_cache = args.prefix_cache == crate::cli::Switch::On;
     let geometry = opened.config.kv_geometry();
     let max_len = limits.context as u64;
     let budget = request::kv_budget(&geometry, dtype, page_size, max_len, slots)
@@ -103,7 +104,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         let start: pdhost::server::worker::Start = Box::new(move || {
             let mut model = opened.load(true)?;
             model.configure(precision, threads);
-            let engine = Engine::new(model, dtype, page_size, max_len, slots)?;
+            let mut engine = Engine::new(model, dtype, page_size, max_len, slots)?;
+            if prefix_cache {
+                engine.kv.enable_prefix_cache();
+            }
             let on_ready = Box::new(move || {
                 if let Ok(addr) = printed_rx.recv() {
                     super::outln!("listening on http://{addr}").ok();

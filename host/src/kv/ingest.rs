@@ -215,9 +215,9 @@ impl PagedKv {
         let (needed, keep_from) = self.validate(seq, manifest)?;
         // Every check passed: from here on nothing can fail.
         let mut groups = Vec::with_capacity(self.groups.len());
-        for (gi, g) in self.groups.iter_mut().enumerate() {
-            let new_pages = (0..needed[gi].1).map(|_| g.free.pop().expect("capacity checked")).collect();
-            groups.push(GroupPlan { first_new: needed[gi].0, new_pages });
+        for (gi, &(first_new, count)) in needed.iter().enumerate() {
+            let new_pages = (0..count).map(|_| self.take_page(gi)).collect();
+            groups.push(GroupPlan { first_new, new_pages });
         }
         let s = &self.seqs[&seq];
         let p = u64::from(self.page_size);
@@ -343,16 +343,17 @@ impl PagedKv {
             let (first_new, count, keep_from) = match g.kind {
                 GroupKind::Recurrent => (0, 1, len),
                 GroupKind::Full | GroupKind::Sliding { .. } => {
-                    // A sliding group writes only the positions its window will still see.
+                    // A sliding group writes only the pages its window will still see (whole pages, so
+                    // that a prefix-cache hit can use every one of them).
                     let keep_from = match g.kind {
-                        GroupKind::Sliding { window } => len.max(end.saturating_sub(u64::from(window))),
+                        GroupKind::Sliding { window } => len.max(end.saturating_sub(u64::from(window)) / p * p),
                         _ => len,
                     };
                     let first_new = len.div_ceil(p).max(keep_from / p);
                     (first_new, end.div_ceil(p).saturating_sub(first_new), keep_from)
                 }
             };
-            let free = g.free.len() as u32;
+            let free = g.available();
             let count = u32::try_from(count).unwrap_or(u32::MAX);
             if count > free {
                 return Err(IngestError::CapacityExhausted { group: gi, kind: g.kind, needed: count, free });
@@ -392,33 +393,44 @@ impl PagedKv {
     pub fn commit(&mut self, staged: Staged) {
         let p = u64::from(self.page_size);
         let s = self.seqs.get_mut(&staged.seq).expect("a staged sequence stays live until commit or abort");
-        for ((g, table), plan) in self.groups.iter_mut().zip(&mut s.tables).zip(staged.groups) {
+        let (len, end) = (s.len, staged.end);
+        let mut released = Vec::new();
+        for (gi, ((g, table), plan)) in self.groups.iter_mut().zip(&mut s.tables).zip(staged.groups).enumerate() {
+            for &page in &plan.new_pages {
+                g.refs[page as usize] += 1;
+            }
             if !g.is_attention() {
-                g.free.extend(table.pages.drain(..));
+                released.extend(table.pages.drain(..).map(|page| (gi, page)));
                 table.pages.extend(plan.new_pages);
                 continue;
             }
+            let keep_from = match g.kind {
+                GroupKind::Sliding { window } => end.saturating_sub(u64::from(window)),
+                _ => 0,
+            };
             if !plan.new_pages.is_empty() {
                 if table.pages.is_empty() || table.first + table.pages.len() as u64 != plan.first_new {
                     // A sliding span longer than the window: nothing held before is visible any more.
-                    g.free.extend(table.pages.drain(..).rev());
+                    released.extend(table.pages.drain(..).rev().map(|page| (gi, page)));
                     table.first = plan.first_new;
+                    table.valid_from = len.max(keep_from / p * p);
                 }
                 table.pages.extend(plan.new_pages);
             }
-            if let GroupKind::Sliding { window } = g.kind {
-                let keep_from = staged.end.saturating_sub(u64::from(window));
-                while table.first < keep_from / p {
-                    g.free.push(table.pages.pop_front().expect("held pages cover the window"));
-                    table.first += 1;
-                }
+            while table.first < keep_from / p {
+                released.push((gi, table.pages.pop_front().expect("held pages cover the window")));
+                table.first += 1;
             }
         }
-        s.len = staged.end;
+        s.len = end;
+        for (gi, page) in released {
+            self.release(gi, page);
+        }
     }
 
-    /// Returns a staged span's pages. The free lists are restored exactly; the bytes already written into
-    /// reserved pages (never linked, never readable) stay.
+    /// Returns a staged span's pages to the free lists. Without a prefix cache the free lists are restored
+    /// exactly; a cached page the span took stays free (its bytes may be overwritten). The bytes already
+    /// written into reserved pages (never linked, never readable) stay.
     pub fn abort(&mut self, staged: Staged) {
         for (g, plan) in self.groups.iter_mut().zip(staged.groups) {
             g.free.extend(plan.new_pages.into_iter().rev());

@@ -15,6 +15,7 @@
 
 pub mod convert;
 pub mod ingest;
+pub mod prefix;
 #[cfg(test)]
 mod tests;
 
@@ -148,6 +149,13 @@ pub(crate) struct Group {
     pub(crate) pages: u32,
     /// Free page ids; the next page handed out is the last.
     pub(crate) free: Vec<u32>,
+    /// Per page, the block tables that hold it (more than one when a prefix is shared).
+    pub(crate) refs: Vec<u32>,
+    /// Pages no table holds that keep a cached prompt prefix ([`prefix`]), by when they were released:
+    /// handed out, oldest first, only once `free` is empty.
+    pub(crate) cached: BTreeMap<u64, u32>,
+    /// Per page, its key in `cached` (0: not cached).
+    pub(crate) cached_at: Vec<u64>,
 }
 
 impl Group {
@@ -158,6 +166,11 @@ impl Group {
     /// Byte offset in the pool of `(page, slot, kind, token_in_page)`.
     pub(crate) fn row_offset(&self, page: u32, slot: usize, v: bool, token: usize, page_size: usize) -> usize {
         page as usize * self.page_bytes + ((slot * 2 + usize::from(v)) * page_size + token) * self.row_bytes
+    }
+
+    /// Pages that can be handed out: free ones and cached ones.
+    pub(crate) fn available(&self) -> u32 {
+        (self.free.len() + self.cached.len()) as u32
     }
 
     /// Byte offset in the pool of a state slot's layer.
@@ -172,6 +185,9 @@ pub(crate) struct BlockTable {
     /// Logical page index (position / page_size) of `pages[0]`.
     pub(crate) first: u64,
     pub(crate) pages: VecDeque<u32>,
+    /// The first position whose bytes the held pages hold: a sliding span longer than the window
+    /// writes only its tail, so the first page may hold less.
+    pub(crate) valid_from: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -204,6 +220,9 @@ pub struct GroupUsage {
     pub used: u32,
     /// Pages free.
     pub free: u32,
+    /// Pages that hold only a cached prompt prefix (no sequence uses them); handed out when no page is
+    /// free.
+    pub cached: u32,
 }
 
 /// The grouped paged KV cache.
@@ -218,6 +237,8 @@ pub struct PagedKv {
     /// Indexed by model layer id.
     pub(crate) places: Vec<Place>,
     pub(crate) seqs: BTreeMap<SeqId, Seq>,
+    /// Full pages of prompts, by content (`None`: the prefix cache is off).
+    pub(crate) prefix: Option<prefix::PrefixIndex>,
 }
 
 impl PagedKv {
@@ -277,6 +298,9 @@ impl PagedKv {
                 pool: Vec::new(),
                 pages: 0,
                 free: Vec::new(),
+                refs: Vec::new(),
+                cached: BTreeMap::new(),
+                cached_at: Vec::new(),
             });
         }
 
@@ -306,6 +330,8 @@ impl PagedKv {
             g.pool = shm_ring::prefaulted(g.pages as usize * g.page_bytes);
             // Hand out low page ids first.
             g.free = (0..g.pages).rev().collect();
+            g.refs = vec![0; g.pages as usize];
+            g.cached_at = vec![0; g.pages as usize];
         }
         Ok(PagedKv {
             page_size,
@@ -316,6 +342,7 @@ impl PagedKv {
             groups,
             places,
             seqs: BTreeMap::new(),
+            prefix: None,
         })
     }
 
@@ -360,13 +387,46 @@ impl PagedKv {
         self.seqs.get(&seq).map(|s| s.len)
     }
 
-    /// Frees a sequence and returns its pages to their pools.
+    /// Frees a sequence and returns its pages to their pools (pages of a cached prefix stay cached).
     pub fn remove_sequence(&mut self, seq: SeqId) -> Result<(), ReadError> {
         let s = self.seqs.remove(&seq).ok_or(ReadError::UnknownSequence(seq))?;
-        for (g, table) in self.groups.iter_mut().zip(s.tables) {
-            g.free.extend(table.pages.into_iter().rev());
+        for (gi, table) in s.tables.into_iter().enumerate() {
+            for page in table.pages.into_iter().rev() {
+                self.release(gi, page);
+            }
         }
         Ok(())
+    }
+
+    /// A block table lets go of `page`: the last one to do so frees it, or keeps it cached when it holds
+    /// a prompt prefix.
+    pub(crate) fn release(&mut self, group: usize, page: u32) {
+        let g = &mut self.groups[group];
+        g.refs[page as usize] -= 1;
+        if g.refs[page as usize] > 0 {
+            return;
+        }
+        match &mut self.prefix {
+            Some(index) if index.holds(group, page) => {
+                let tick = index.tick();
+                g.cached.insert(tick, page);
+                g.cached_at[page as usize] = tick;
+            }
+            _ => g.free.push(page),
+        }
+    }
+
+    /// A page for a new span: a free one, else the least recently released cached one (its prefix block
+    /// forgets it).
+    pub(crate) fn take_page(&mut self, group: usize) -> u32 {
+        let g = &mut self.groups[group];
+        if let Some(page) = g.free.pop() {
+            return page;
+        }
+        let (_, page) = g.cached.pop_first().expect("capacity checked");
+        g.cached_at[page as usize] = 0;
+        self.prefix.as_mut().expect("cached pages exist only with a prefix index").forget(group, page);
+        page
     }
 
     /// Pages used and free per group.
@@ -378,8 +438,9 @@ impl PagedKv {
                 layers: g.layers.clone(),
                 page_bytes: g.page_bytes,
                 total: g.pages,
-                used: g.pages - g.free.len() as u32,
+                used: g.pages - g.available(),
                 free: g.free.len() as u32,
+                cached: g.cached.len() as u32,
             })
             .collect()
     }
@@ -442,6 +503,9 @@ impl PagedKv {
         for g in &self.groups {
             h.write(&g.pool);
             for &p in &g.free {
+                h.write_u32(p);
+            }
+            for &p in g.cached.values() {
                 h.write_u32(p);
             }
             h.write_u8(0xFF);

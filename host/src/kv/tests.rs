@@ -341,6 +341,138 @@ fn recurrent_state_is_replaced_by_each_span() {
 }
 
 /// A random model: 1 to 6 layers, each full, sliding (window 1..10) or recurrent.
+/// One sliding layer (window 8) and one full-attention layer, two elements a row.
+fn sliding_and_full() -> KvGeometry {
+    KvGeometry {
+        layers: vec![
+            LayerKv::Sliding { window: 8, kv_heads: 1, head_dim: 2 },
+            LayerKv::Full { kv_heads: 1, head_dim: 2 },
+        ],
+    }
+}
+
+/// Ingests positions `range` of `seq` in spans of `chunk` tokens whose bytes depend on `seed`.
+fn ingest_chunks(kv: &mut PagedKv, seq: SeqId, request: u64, range: std::ops::Range<u64>, chunk: u64, seed: u8) {
+    let g = kv.geometry().clone();
+    let mut pos = range.start;
+    while pos < range.end {
+        let end = (pos + chunk).min(range.end);
+        let m = Manifest::grouped(&g, request, pos..end, Dtype::F32);
+        ingest(kv, seq, &m, &payload_for(&m, seed.wrapping_add(pos as u8))).unwrap();
+        pos = end;
+    }
+}
+
+fn layer_bytes(kv: &PagedKv, seq: SeqId, layer: u32) -> (std::ops::Range<u64>, Vec<u8>, Vec<u8>) {
+    let read = kv.read(seq, layer).unwrap();
+    let (k, v) = read.to_bytes();
+    (read.positions, k, v)
+}
+
+#[test]
+fn a_prefix_hit_shares_whole_pages_and_reads_back_the_first_sequences_bytes() {
+    // 4-token pages of 64 bytes; 12 sliding pages, and 8 full ones.
+    let mut kv = cache(sliding_and_full(), Dtype::F32, 4, 12 * 64 + 8 * 64);
+    kv.enable_prefix_cache();
+    let a: Vec<u32> = (0..19).collect();
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    ingest_chunks(&mut kv, SeqId(1), 1, 0..19, 4, 1);
+    kv.register_prefix(SeqId(1), &a, Dtype::F32);
+
+    // Misses change nothing: other tokens in the first page, another rounding.
+    kv.add_sequence(SeqId(2), 2).unwrap();
+    let before = kv.state_hash();
+    let mut other = a.clone();
+    other[1] = 99;
+    assert_eq!(kv.attach_prefix(SeqId(2), &other, Dtype::F32).tokens, 0);
+    assert_eq!(kv.attach_prefix(SeqId(2), &a, Dtype::Bf16).tokens, 0);
+    assert_eq!(kv.state_hash(), before);
+
+    // Sixteen tokens agree: four whole pages. The sliding layer needs positions 8..16 of them, which
+    // sequence 1 still holds.
+    let mut b: Vec<u32> = a[..16].to_vec();
+    b.extend([100, 101, 102, 103]);
+    assert_eq!(kv.attach_prefix(SeqId(2), &b, Dtype::F32).tokens, 16);
+    assert_eq!(kv.seq_len(SeqId(2)), Some(16));
+    let (positions, k, v) = layer_bytes(&kv, SeqId(2), 1);
+    assert_eq!(positions, 0..16);
+    let (_, k1, v1) = layer_bytes(&kv, SeqId(1), 1);
+    assert_eq!((&k[..], &v[..]), (&k1[..k.len()], &v1[..v.len()]), "full layer: sequence 1's bytes");
+    let (positions, k, _) = layer_bytes(&kv, SeqId(2), 0);
+    assert_eq!(positions, 8..16);
+    let (positions1, k1, _) = layer_bytes(&kv, SeqId(1), 0);
+    assert_eq!(positions1, 11..19);
+    assert_eq!(k[3 * 8..], k1[..5 * 8], "sliding layer: positions 11..16 as sequence 1 holds them");
+    // Shared pages are counted once: sequence 1's five full pages.
+    assert_eq!(kv.usage()[1].used, 5);
+
+    // The rest lands in new pages; sequence 1 does not notice.
+    let seq1 = (layer_bytes(&kv, SeqId(1), 0), layer_bytes(&kv, SeqId(1), 1));
+    ingest_chunks(&mut kv, SeqId(2), 2, 16..20, 4, 50);
+    assert_eq!((layer_bytes(&kv, SeqId(1), 0), layer_bytes(&kv, SeqId(1), 1)), seq1);
+    assert_eq!(kv.usage()[1].used, 6);
+
+    // With both gone, the registered pages stay cached, and a third sequence hits them.
+    kv.remove_sequence(SeqId(1)).unwrap();
+    assert_eq!(kv.usage()[1].used, 5, "sequence 2 still holds the shared pages");
+    kv.remove_sequence(SeqId(2)).unwrap();
+    let usage = kv.usage();
+    assert_eq!((usage[1].used, usage[1].cached, usage[1].free), (0, 4, 4));
+    assert_eq!((usage[0].used, usage[0].cached), (0, 2));
+    kv.add_sequence(SeqId(3), 3).unwrap();
+    assert_eq!(kv.attach_prefix(SeqId(3), &b, Dtype::F32).tokens, 16);
+    assert_eq!(layer_bytes(&kv, SeqId(3), 1).1, seq1.1 .1[..16 * 8]);
+    kv.remove_sequence(SeqId(3)).unwrap();
+
+    // A span that needs every page takes the cached ones, least recently released first: the prefix is
+    // forgotten, never read half-overwritten.
+    kv.add_sequence(SeqId(4), 4).unwrap();
+    ingest_chunks(&mut kv, SeqId(4), 4, 0..32, 32, 9);
+    assert_eq!((kv.usage()[1].used, kv.usage()[1].cached, kv.usage()[1].free), (8, 0, 0));
+    kv.remove_sequence(SeqId(4)).unwrap();
+    kv.add_sequence(SeqId(5), 5).unwrap();
+    assert_eq!(kv.attach_prefix(SeqId(5), &b, Dtype::F32).tokens, 0);
+    let usage = kv.usage();
+    assert!(usage.iter().all(|u| u.used == 0 && u.free + u.cached == u.total), "{usage:?}");
+}
+
+#[test]
+fn a_sliding_window_that_no_longer_holds_a_prefix_limits_the_hit() {
+    let mut kv = cache(sliding_and_full(), Dtype::F32, 4, 1 << 16);
+    kv.enable_prefix_cache();
+    let a: Vec<u32> = (0..22).collect();
+    // One span over 22 tokens: the sliding layer is written only for the pages its window still sees,
+    // positions 12..22 (whole pages from 22 - 8 = 14 down).
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    ingest_chunks(&mut kv, SeqId(1), 1, 0..22, 22, 1);
+    kv.register_prefix(SeqId(1), &a, Dtype::F32);
+    kv.add_sequence(SeqId(2), 2).unwrap();
+    // 16 tokens would need positions 8..16 in the sliding layer, which were never written: no hit.
+    assert_eq!(kv.attach_prefix(SeqId(2), &a[..16], Dtype::F32).tokens, 0);
+    // 20 tokens need 12..20: held.
+    assert_eq!(kv.attach_prefix(SeqId(2), &a, Dtype::F32).tokens, 20);
+    let (positions, k, _) = layer_bytes(&kv, SeqId(2), 0);
+    assert_eq!(positions, 12..20);
+    let (positions1, k1, _) = layer_bytes(&kv, SeqId(1), 0);
+    assert_eq!(positions1, 14..22);
+    assert_eq!(k[2 * 8..], k1[..6 * 8]);
+    let m = Manifest::grouped(&sliding_and_full(), 1, 0..22, Dtype::F32);
+    assert_eq!(k[..2 * 8], rows(&m, &payload_for(&m, 1), 0, EntryKind::K, 12..14), "the page's head was written");
+}
+
+#[test]
+fn models_with_recurrent_state_never_hit() {
+    let g = shm_format::testing::tiny_hybrid_geometry();
+    let mut kv = cache(g.clone(), Dtype::F32, 4, 1 << 20);
+    kv.enable_prefix_cache();
+    let a: Vec<u32> = (0..8).collect();
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    ingest_chunks(&mut kv, SeqId(1), 1, 0..8, 8, 1);
+    kv.register_prefix(SeqId(1), &a, Dtype::F32);
+    kv.add_sequence(SeqId(2), 2).unwrap();
+    assert_eq!(kv.attach_prefix(SeqId(2), &a, Dtype::F32).tokens, 0);
+}
+
 fn arb_geometry() -> impl Strategy<Value = KvGeometry> {
     let layer = prop_oneof![
         Just(LayerKv::Full { kv_heads: 2, head_dim: 3 }),

@@ -26,7 +26,8 @@ pub struct Metrics {
     pub running: IntGauge,
     /// Requests waiting in the queue.
     pub waiting: IntGauge,
-    /// KV pages by group (`0 (sliding window 512)`, `1 (full attention)`) and state (`used`, `free`).
+    /// KV pages by group (`0 (sliding window 512)`, `1 (full attention)`) and state (`used`, `free`, and `cached`: held only
+    /// by the prefix cache).
     pub kv_pages: IntGaugeVec,
     /// K/V bytes committed by prefill.
     pub kv_bytes: IntCounter,
@@ -36,7 +37,7 @@ pub struct Metrics {
     pub spans_rejected: IntCounterVec,
     /// Producer processes started / restarted.
     pub producer_starts: IntCounterVec,
-    /// Tokens of prompts found in the prefix cache (none yet: no prefix cache).
+    /// Tokens of prompts found in the prefix cache.
     pub prefix_hit_tokens: IntCounter,
     /// Per producer: its counters as last seen.
     seen: std::sync::Arc<std::sync::Mutex<Vec<supervisor::Metrics>>>,
@@ -116,6 +117,7 @@ impl Metrics {
             let group = format!("{i} ({})", g.kind);
             self.kv_pages.with_label_values(&[group.as_str(), "used"]).set(i64::from(g.used));
             self.kv_pages.with_label_values(&[group.as_str(), "free"]).set(i64::from(g.free));
+            self.kv_pages.with_label_values(&[group.as_str(), "cached"]).set(i64::from(g.cached));
         }
     }
 

@@ -7,19 +7,15 @@
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::kv::SeqId;
-use crate::supervisor::{Pending, Producer, ProducerError};
+use crate::supervisor::{Pending, PrefillCall, Producer, ProducerError};
 
 /// One chunk to prefill.
 #[derive(Debug)]
 pub struct Work {
     /// The sequence it is for (the engine thread's key).
     pub seq: SeqId,
-    /// The request id its span must carry.
-    pub request_id: u64,
-    /// Its first position.
-    pub start: u64,
-    /// Its tokens.
-    pub tokens: Vec<u32>,
+    /// The request id, positions, tokens (and context) to prefill.
+    pub call: PrefillCall,
 }
 
 /// A waiter's answer: the producer back, and its reply for `seq`.
@@ -55,7 +51,7 @@ impl Pool {
             // Long-lived: a producer this thread restarts gets its parent-death signal from it.
             std::thread::Builder::new().name(format!("pdhost-prefill-{index}")).spawn(move || {
                 for (mut producer, work) in rx {
-                    let result = producer.submit(work.request_id, work.start, &work.tokens);
+                    let result = producer.submit(&work.call);
                     if reply_tx.send(Reply { index, producer, seq: work.seq, result }).is_err() {
                         return;
                     }

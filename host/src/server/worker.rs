@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
-use crate::engine::{Engine, EngineError, Finish, Live, OnFailure, Prefilling, Request};
+use crate::engine::{Engine, EngineError, Finish, Live, OnFailure, Prefilling, Remote, Request};
 use crate::supervisor::Producer;
 use crate::text::TextStream;
 
@@ -108,7 +108,7 @@ pub fn spawn(
             }
             metrics.producer(i, p.metrics());
         }
-        let name = loaded.producers.first().map(|p| p.name().to_string());
+        let remote = loaded.producers.first().map(Remote::of);
         let mut pool = match super::prefill::Pool::new(std::mem::take(&mut loaded.producers)) {
             Ok(pool) => pool,
             Err(e) => {
@@ -120,7 +120,7 @@ pub fn spawn(
         ready.store(true, Ordering::Release);
         (std::mem::replace(&mut loaded.on_ready, Box::new(|| {})))();
         let mut scheduler =
-            Scheduler { loaded: &mut loaded, pool: &mut pool, name, tokenizer: &tokenizer, metrics: &metrics };
+            Scheduler { loaded: &mut loaded, pool: &mut pool, remote, tokenizer: &tokenizer, metrics: &metrics };
         scheduler.run(&queue, &stop);
         // Producers at rest stop here; one still with its waiter stops when the waiter's reply finds
         // no one listening.
@@ -158,8 +158,8 @@ impl Admitting {
 struct Scheduler<'a, 't> {
     loaded: &'a mut Loaded,
     pool: &'a mut super::prefill::Pool,
-    /// The producers' name, if there are any.
-    name: Option<String>,
+    /// The producers, if there are any.
+    remote: Option<Remote>,
     tokenizer: &'t Tokenizer,
     metrics: &'a Metrics,
 }
@@ -231,7 +231,7 @@ impl<'t> Scheduler<'_, 't> {
             return None;
         }
         let admitted = Instant::now();
-        match self.loaded.engine.begin(&job.request, self.name.as_deref()) {
+        match self.loaded.engine.begin(&job.request, self.remote.as_ref()) {
             Ok(prefill) => Some(Admitting { job, prefill, admitted, in_flight: false, failed: None }),
             Err(e) => {
                 tracing::warn!(id = job.id, "failed: {e}");
@@ -250,20 +250,19 @@ impl<'t> Scheduler<'_, 't> {
         let a = admitting.iter_mut().find(|a| a.prefill.seq() == seq).expect("a prefill in flight stays admitted");
         let taken = result.and_then(|pending| producer.take(pending, &mut self.loaded.engine.kv, seq));
         self.metrics.producer(index, producer.metrics());
+        if let Some(r) = self.remote.as_mut().filter(|r| r.hits.is_none()) {
+            // A producer that did not run at start-up says now what it is.
+            *r = Remote::of(&producer);
+        }
         match taken {
             Ok(times) => {
                 a.prefill.remote_by(&producer);
                 a.prefill.remote_done(times);
                 // A cancelled request's span was still taken, so the ring stays in step; it is dropped
                 // with the sequence.
-                let next = a.prefill.next_chunk(a.head()).filter(|_| !a.job.events.is_closed());
-                if let Some((start, tokens)) = next {
-                    let work = super::prefill::Work {
-                        seq,
-                        request_id: a.prefill.request_id(),
-                        start,
-                        tokens: tokens.to_vec(),
-                    };
+                let next = a.prefill.next_call(a.head()).filter(|_| !a.job.events.is_closed());
+                if let Some(call) = next {
+                    let work = super::prefill::Work { seq, call };
                     if self.pool.resubmit(index, producer, work).is_ok() {
                         return;
                     }
@@ -273,7 +272,8 @@ impl<'t> Scheduler<'_, 't> {
             }
             Err(e) => {
                 self.pool.rest(index, producer);
-                self.loaded.engine.fall_back(&mut a.prefill, e);
+                let head = &a.job.request.prompt[..a.job.request.prompt.len() - 1];
+                self.loaded.engine.fall_back(&mut a.prefill, head, e);
                 if self.loaded.on_failure == OnFailure::Fail {
                     let e = a.prefill.take_fallback().expect("just set");
                     a.failed = Some(EngineError::from(e).to_string());
@@ -289,13 +289,8 @@ impl<'t> Scheduler<'_, 't> {
             if a.job.events.is_closed() {
                 continue;
             }
-            let Some((start, tokens)) = a.prefill.next_chunk(a.head()) else { continue };
-            let work = super::prefill::Work {
-                seq: a.prefill.seq(),
-                request_id: a.prefill.request_id(),
-                start,
-                tokens: tokens.to_vec(),
-            };
+            let Some(call) = a.prefill.next_call(a.head()) else { continue };
+            let work = super::prefill::Work { seq: a.prefill.seq(), call };
             if self.pool.submit(work).is_err() {
                 return;
             }
@@ -489,6 +484,7 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
         prompt = job.request.prompt.len(),
         output = gen.output.len(),
         prefill = where_,
+        prefix_hit = report.prefix_hit,
         ttft_ms = format_args!("{:.1}", gen.ttft.as_secs_f64() * 1e3),
         tok_s = format_args!("{decode_tps:.1}"),
         finish,
@@ -501,6 +497,7 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
         "layout": if report.remote { report.layout } else { None },
         "wire_dtype": report.wire_dtype.filter(|_| report.remote).map(|d| d.name()),
         "spans": gen.spans, "bytes": gen.bytes,
+        "prefix_hit_tokens": report.prefix_hit,
         "fallback_reason": report.fallback.as_ref().map(|e| format!("{}: {e}", e.kind())),
         "ttft_ms": gen.ttft.as_secs_f64() * 1e3,
         "logits_xxh3": format!("{:016x}", gen.logits_hash),
@@ -511,6 +508,7 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
     let how = if report.fallback.is_some() { "fallback" } else { where_ };
     metrics.prefills.with_label_values(&[how, report.producer.as_deref().unwrap_or("local")]).inc();
     metrics.kv_bytes.inc_by(gen.bytes);
+    metrics.prefix_hit_tokens.inc_by(report.prefix_hit);
     metrics.ttft.observe(gen.ttft.as_secs_f64());
     metrics.e2e.observe(job.accepted.elapsed().as_secs_f64());
 }

@@ -18,8 +18,10 @@
 
 /**
  * The minor version: fields appended since 1.0. A producer accepts any minor version of its major.
+ *
+ * - 1.1: [`PdhostPrefill::n_context`] and [`PdhostPrefill::context_ids`] (prefix-cache hits).
  */
-#define PDHOST_ABI_MINOR 0
+#define PDHOST_ABI_MINOR 1
 
 /**
  * Result codes. Every ABI function returns one of these as a `u32`.
@@ -226,6 +228,18 @@ typedef struct PdhostPrefill {
    * The token ids.
    */
   const uint32_t *token_ids;
+  /**
+   * (1.1) Number of context tokens: `start_pos` when this call starts a request past position 0,
+   * otherwise 0. Present when `struct_size` covers it.
+   */
+  uint64_t n_context;
+  /**
+   * (1.1) The tokens at positions `0 .. start_pos` of a request that starts past position 0: the host
+   * already holds their K/V (a prefix-cache hit) and wants only the rest. The backend attends to them
+   * as it would to an earlier chunk: from its own cache of earlier requests, or by computing them
+   * without emitting them. Null when `n_context` is 0.
+   */
+  const uint32_t *context_ids;
 } PdhostPrefill;
 
 /**

@@ -22,7 +22,9 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 /// The major version of this ABI. A producer loads only backends of its own major version.
 pub const PDHOST_ABI_MAJOR: u32 = 1;
 /// The minor version: fields appended since 1.0. A producer accepts any minor version of its major.
-pub const PDHOST_ABI_MINOR: u32 = 0;
+///
+/// - 1.1: [`PdhostPrefill::n_context`] and [`PdhostPrefill::context_ids`] (prefix-cache hits).
+pub const PDHOST_ABI_MINOR: u32 = 1;
 /// The one symbol a backend exports, NUL-terminated.
 pub const ENTRY_SYMBOL: &[u8] = b"pdhost_backend_v1\0";
 
@@ -163,6 +165,14 @@ pub struct PdhostPrefill {
     pub n_tokens: u64,
     /// The token ids.
     pub token_ids: *const u32,
+    /// (1.1) Number of context tokens: `start_pos` when this call starts a request past position 0,
+    /// otherwise 0. Present when `struct_size` covers it.
+    pub n_context: u64,
+    /// (1.1) The tokens at positions `0 .. start_pos` of a request that starts past position 0: the host
+    /// already holds their K/V (a prefix-cache hit) and wants only the rest. The backend attends to them
+    /// as it would to an earlier chunk: from its own cache of earlier requests, or by computing them
+    /// without emitting them. Null when `n_context` is 0.
+    pub context_ids: *const u32,
 }
 
 /// Where one prefill's K/V goes: regions of the shared-memory ring slot the producer reserved.
@@ -302,6 +312,9 @@ pub struct Prefill<'a> {
     pub start_pos: u64,
     /// The tokens.
     pub tokens: &'a [u32],
+    /// The tokens before `start_pos` when this call starts a request past position 0 (a prefix-cache
+    /// hit, ABI 1.1); empty otherwise.
+    pub context: &'a [u32],
 }
 
 /// The safe face of a [`PdhostWriter`]: each region can be taken once, so the slices never alias.
@@ -526,7 +539,19 @@ pub unsafe fn prefill_impl<B: Backend>(
                 return Err(BackendError::new(PdhostStatus::InvalidArgument, "no tokens"));
             }
             let tokens = std::slice::from_raw_parts(r.token_ids, r.n_tokens as usize);
-            let prefill = Prefill { request_id: r.request_id, start_pos: r.start_pos, tokens };
+            // The 1.1 fields exist only when the producer's struct is that large.
+            let has_context = r.struct_size as usize >= std::mem::offset_of!(PdhostPrefill, context_ids) + 8;
+            let context = match (has_context, r.n_context) {
+                (false, _) | (true, 0) => &[][..],
+                (true, n) if n != r.start_pos || r.context_ids.is_null() => {
+                    return Err(BackendError::new(
+                        PdhostStatus::InvalidArgument,
+                        format!("context: expected {} token ids (start_pos), found {n}", r.start_pos),
+                    ))
+                }
+                (true, n) => std::slice::from_raw_parts(r.context_ids, n as usize),
+            };
+            let prefill = Prefill { request_id: r.request_id, start_pos: r.start_pos, tokens, context };
             let mut w = Writer::from_raw(&*writer);
             handle.backend.prefill(&prefill, &mut w)
         })

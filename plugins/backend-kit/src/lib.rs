@@ -9,6 +9,7 @@
 //! | `dtype`     | element type on the wire: `bf16`, `f16` or `f32`           | the backend's    |
 //! | `precision` | `exact` or `fast` (see `pdhost generate --help`)           | `exact`          |
 //! | `threads`   | threads for the forward pass, 1 to 4 per core              | all cores        |
+//! | `prefix_store_mib` | K/V of finished requests kept for prefix-cache hits, MiB | 256         |
 //!
 //! Unknown keys are ignored, so a backend can add its own (the faulty backend's `fault`).
 
@@ -32,6 +33,21 @@ pub struct ModelBackend {
     dtype: Dtype,
     /// The request being prefilled and its K/V so far.
     past: Option<Past>,
+    /// Earlier requests' K/V, newest last, within `store_bytes`: where a request that starts past
+    /// position 0 (a prefix-cache hit on the host) finds its context's K/V.
+    store: std::collections::VecDeque<Past>,
+    store_bytes: usize,
+    /// Context tokens found in the store, and computed because they were not.
+    pub context_stats: ContextStats,
+}
+
+/// Where the context of requests that started past position 0 came from, in tokens.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ContextStats {
+    /// Found in the store of earlier requests' K/V.
+    pub reused: u64,
+    /// Computed (and not emitted).
+    pub computed: u64,
 }
 
 /// K/V of the request in progress, already rounded through the wire dtype by the forward pass (no copy:
@@ -39,6 +55,8 @@ pub struct ModelBackend {
 #[derive(Debug)]
 struct Past {
     request_id: u64,
+    /// The tokens at positions `0..len`.
+    tokens: Vec<u32>,
     kv: VecKv,
     /// Positions held.
     len: u64,
@@ -93,6 +111,15 @@ impl ModelBackend {
                 })?
             }
         };
+        let store_mib = match json.get("prefix_store_mib") {
+            None => 256,
+            Some(m) => m.as_u64().filter(|&m| m <= 1 << 20).ok_or_else(|| {
+                bad_config(format!(
+                    "config prefix_store_mib: expected an integer from 0 to 1048576, found {}",
+                    short_json(m)
+                ))
+            })?,
+        };
         let path = Path::new(path);
         let load_error = |e: &dyn std::fmt::Display| {
             BackendError::new(PdhostStatus::BackendError, format!("loading {}: {e}", path.display()))
@@ -111,7 +138,16 @@ impl ModelBackend {
         if layout == PdhostLayout::Dense && geometry.uniform_heads().is_none() {
             return Err(BackendError::new(PdhostStatus::Unsupported, "dense layout needs uniform attention heads"));
         }
-        Ok(ModelBackend { model, geometry, layout, dtype, past: None })
+        Ok(ModelBackend {
+            model,
+            geometry,
+            layout,
+            dtype,
+            past: None,
+            store: Default::default(),
+            store_bytes: (store_mib as usize) << 20,
+            context_stats: ContextStats::default(),
+        })
     }
 
     /// The model's KV geometry.
@@ -154,40 +190,87 @@ impl ModelBackend {
     }
 
     /// Runs the forward pass over the request's tokens and keeps their K/V as the newest chunk, which
-    /// [`ModelBackend::write_regions`] and [`ModelBackend::payload`] then write out. A request starting at
-    /// 0 replaces any earlier one; a later chunk must continue the request in progress where it stopped.
+    /// [`ModelBackend::write_regions`] and [`ModelBackend::payload`] then write out.
+    ///
+    /// A call at position 0 starts a request; a later call continues the request in progress where it
+    /// stopped, or starts one there with its `context` (the tokens before it, whose K/V the host already
+    /// holds): their K/V come from the store of earlier requests as far as a stored prompt agrees, and the
+    /// rest is computed without being emitted. Prefill is chunk-invariant, so the emitted K/V are the same
+    /// bits either way.
     pub fn compute(&mut self, request: &Prefill<'_>) -> Result<(), BackendError> {
-        if let Some(&bad) = request.tokens.iter().find(|&&t| t as usize >= self.model.config.vocab) {
+        let vocab = self.model.config.vocab;
+        if let Some(&bad) = request.tokens.iter().chain(request.context).find(|&&t| t as usize >= vocab) {
             return Err(BackendError::new(
                 PdhostStatus::InvalidArgument,
-                format!("token id {bad}: expected ids below the vocabulary size {}", self.model.config.vocab),
+                format!("token id {bad}: expected ids below the vocabulary size {vocab}"),
             ));
         }
-        let end = request.start_pos + request.tokens.len() as u64;
-        if request.start_pos == 0 {
-            let out = self.model.forward(request.tokens, 0, &model::forward::NoPast, false);
-            let row = self.model.config.kv_heads * self.model.config.head_dim;
-            let kv = VecKv { k: out.kv.k, v: out.kv.v, row };
-            self.past = Some(Past { request_id: request.request_id, kv, len: end, newest: 0..end });
-            return Ok(());
-        }
-        let past = match &mut self.past {
-            Some(p) if p.request_id == request.request_id && p.len == request.start_pos => p,
-            _ => {
+        let start = request.start_pos;
+        let continues = matches!(&self.past, Some(p) if p.request_id == request.request_id && p.len == start);
+        if !continues {
+            if start != 0 && request.context.len() as u64 != start {
                 return Err(BackendError::new(
                     PdhostStatus::InvalidArgument,
                     format!(
-                        "request {} chunk at position {}: expected the request in progress to continue there",
-                        request.request_id, request.start_pos
+                        "request {} chunk at position {start}: expected the request in progress to continue \
+                         there, or its {start} context tokens",
+                        request.request_id
                     ),
-                ))
+                ));
+            }
+            let past = self.context_past(request.request_id, request.context);
+            self.past = Some(past);
+        }
+        let past = self.past.as_mut().expect("set above");
+        let out = self.model.forward(request.tokens, start, &past.kv, false);
+        past.kv.append(&out.kv);
+        past.tokens.extend_from_slice(request.tokens);
+        past.len = start + request.tokens.len() as u64;
+        past.newest = start..past.len;
+        Ok(())
+    }
+
+    /// A new request's past holding `context`: the request in progress goes to the store, and the stored
+    /// request agreeing longest with `context` (if any) gives its K/V up to there.
+    fn context_past(&mut self, request_id: u64, context: &[u32]) -> Past {
+        if let Some(old) = self.past.take() {
+            self.store.push_back(old);
+        }
+        let common = |p: &Past| p.tokens.iter().zip(context).take_while(|(a, b)| a == b).count();
+        let best = self.store.iter().enumerate().map(|(i, p)| (common(p), i)).max().filter(|&(n, _)| n > 0);
+        let row = self.model.config.kv_heads * self.model.config.head_dim;
+        let mut past = match best {
+            Some((n, i)) => {
+                let mut p = self.store.remove(i).expect("index in range");
+                for layer in p.kv.k.iter_mut().chain(p.kv.v.iter_mut()) {
+                    layer.truncate(n * row);
+                }
+                p.tokens.truncate(n);
+                p.len = n as u64;
+                p
+            }
+            None => {
+                Past { request_id, tokens: Vec::new(), kv: VecKv { row, ..VecKv::default() }, len: 0, newest: 0..0 }
             }
         };
-        let out = self.model.forward(request.tokens, request.start_pos, &past.kv, false);
-        past.kv.append(&out.kv);
-        past.len = end;
-        past.newest = request.start_pos..end;
-        Ok(())
+        past.request_id = request_id;
+        self.context_stats.reused += past.len;
+        let have = past.len as usize;
+        if have < context.len() {
+            let out = self.model.forward(&context[have..], past.len, &past.kv, false);
+            past.kv.append(&out.kv);
+            past.tokens.extend_from_slice(&context[have..]);
+            past.len = context.len() as u64;
+            self.context_stats.computed += (context.len() - have) as u64;
+        }
+        // The store keeps the newest requests that fit its budget.
+        let bytes = |p: &Past| p.kv.k.iter().chain(&p.kv.v).map(|l| l.len() * 4).sum::<usize>();
+        let mut total: usize = self.store.iter().map(bytes).sum();
+        while total > self.store_bytes {
+            let Some(oldest) = self.store.pop_front() else { break };
+            total -= bytes(&oldest);
+        }
+        past
     }
 
     /// The newest chunk's values of one entry.
@@ -291,6 +374,51 @@ fn short_json(v: &serde_json::Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tiny() -> String {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../../fixtures/reference/tiny_gemma3_8l");
+        format!(r#"{{"model":{dir:?},"threads":1}}"#)
+    }
+
+    fn newest(b: &ModelBackend) -> Vec<f32> {
+        let past = b.past.as_ref().unwrap();
+        let row = past.kv.row;
+        let r = past.newest.start as usize * row..past.newest.end as usize * row;
+        past.kv.k.iter().chain(&past.kv.v).flat_map(|l| l[r.clone()].to_vec()).collect()
+    }
+
+    #[test]
+    fn a_request_that_starts_past_zero_takes_its_context_from_the_store_or_computes_it() {
+        let prompt: Vec<u32> = (0..12).map(|i| 3 + i * 11).collect();
+        let call = |request_id, start_pos, tokens, context| Prefill { request_id, start_pos, tokens, context };
+        // The reference: the request chunked at 8, in a fresh backend.
+        let mut fresh = ModelBackend::open(&tiny(), PdhostLayout::Grouped, Dtype::F32).unwrap();
+        fresh.compute(&call(1, 0, &prompt[..8], &[])).unwrap();
+        fresh.compute(&call(1, 8, &prompt[8..], &[])).unwrap();
+        let want = newest(&fresh);
+
+        let mut b = ModelBackend::open(&tiny(), PdhostLayout::Grouped, Dtype::F32).unwrap();
+        // Without its context, a request cannot start past 0.
+        let err = b.compute(&call(2, 8, &prompt[8..], &[])).unwrap_err();
+        assert!(err.message.contains("expected the request in progress"), "{}", err.message);
+        // Nothing stored: the context is computed.
+        b.compute(&call(2, 8, &prompt[8..], &prompt[..8])).unwrap();
+        assert_eq!(b.context_stats, ContextStats { reused: 0, computed: 8 });
+        assert!(newest(&b) == want);
+        // Request 2 is stored when request 3 starts: its first 8 tokens are reused.
+        b.compute(&call(3, 8, &prompt[8..], &prompt[..8])).unwrap();
+        assert_eq!(b.context_stats, ContextStats { reused: 8, computed: 8 });
+        assert!(newest(&b) == want);
+        // A context that agrees with the store for 5 tokens reuses 5 and computes 3.
+        let mut other = prompt.clone();
+        other[5] = 200;
+        b.compute(&call(4, 8, &other[8..], &other[..8])).unwrap();
+        assert_eq!(b.context_stats, ContextStats { reused: 13, computed: 11 });
+        let mut fresh = ModelBackend::open(&tiny(), PdhostLayout::Grouped, Dtype::F32).unwrap();
+        fresh.compute(&call(1, 0, &other[..8], &[])).unwrap();
+        fresh.compute(&call(1, 8, &other[8..], &[])).unwrap();
+        assert!(newest(&b) == newest(&fresh));
+    }
 
     #[test]
     fn a_thread_count_out_of_bounds_is_refused_before_the_model_loads() {

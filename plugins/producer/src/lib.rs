@@ -21,7 +21,7 @@ use pdhost_plugin_abi::{
     PdhostBackend, PdhostBackendV1, PdhostDescription, PdhostEntryFn, PdhostFrame, PdhostLayout, PdhostPrefill,
     PdhostStatus, PdhostWriter, ENTRY_SYMBOL, PDHOST_ABI_MAJOR,
 };
-use protocol::{Described, FromProducer, LayerDesc, ToProducer};
+use protocol::{Described, FromProducer, LayerDesc, PrefillCall, ToProducer};
 use shm_format::{seal_frame, write_prefix, Dtype, Fingerprint, FrameCoords, KvGeometry, Manifest};
 use shm_ring::segment::memfd::MemfdSegment;
 use shm_ring::RingWriter;
@@ -261,11 +261,11 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(),
             Ok(Some(m)) => m,
             Ok(None) | Err(_) => return Ok(()), // the host went away or hung up: nothing left to serve
         };
-        let (request_id, start_pos, tokens) = match message {
+        let call = match message {
             ToProducer::Shutdown => return Ok(()),
-            ToProducer::Prefill { request_id, start_pos, tokens } => (request_id, start_pos, tokens),
+            ToProducer::Prefill(call) => call,
         };
-        let reply = prefill(&instance, &framing, &mut ring, request_id, start_pos, &tokens);
+        let reply = prefill(&instance, &framing, &mut ring, &call);
         if protocol::send(socket, &reply).is_err() {
             return Ok(());
         }
@@ -396,12 +396,17 @@ fn frame_span(
     framing: &Framing,
     frame: &mut [u8],
     coords: FrameCoords,
-    request_id: u64,
-    start_pos: u64,
-    tokens: &[u32],
+    call: &PrefillCall,
 ) -> Result<(u64, Duration), (PdhostStatus, String)> {
+    let PrefillCall { request_id, start_pos, ref tokens, ref context } = *call;
     if tokens.is_empty() {
         return Err((PdhostStatus::InvalidArgument, "prefill: expected at least one token, found none".into()));
+    }
+    if !context.is_empty() && context.len() as u64 != start_pos {
+        return Err((
+            PdhostStatus::InvalidArgument,
+            format!("prefill context: expected {start_pos} token ids (start_pos), found {}", context.len()),
+        ));
     }
     let range = start_pos..start_pos + tokens.len() as u64;
     let mut manifest = match framing.layout {
@@ -444,6 +449,8 @@ fn frame_span(
         start_pos,
         n_tokens: tokens.len() as u64,
         token_ids: tokens.as_ptr(),
+        n_context: context.len() as u64,
+        context_ids: if context.is_empty() { std::ptr::null() } else { context.as_ptr() },
     };
     let mut err = [0u8; ERR_CAP];
     let t = Instant::now();
@@ -481,10 +488,9 @@ fn prefill(
     instance: &Instance<'_>,
     framing: &Framing,
     ring: &mut RingWriter<MemfdSegment, MemfdSegment>,
-    request_id: u64,
-    start_pos: u64,
-    tokens: &[u32],
+    call: &PrefillCall,
 ) -> FromProducer {
+    let request_id = call.request_id;
     let t = Instant::now();
     let mut slot = match ring.reserve(Instant::now() + SLOT_WAIT) {
         Ok(s) => s,
@@ -494,7 +500,7 @@ fn prefill(
         }
     };
     let coords = slot.coords();
-    match frame_span(instance, framing, slot.frame_mut(), coords, request_id, start_pos, tokens) {
+    match frame_span(instance, framing, slot.frame_mut(), coords, call) {
         Ok((_, backend)) => {
             slot.commit();
             let frame_ns = t.elapsed().saturating_sub(backend).as_nanos() as u64;
@@ -533,9 +539,10 @@ pub fn run_in_process(
     let mut frames = Vec::new();
     for (request_id, start_pos, tokens) in calls {
         let mut buf = vec![0u8; capacity];
-        let (len, _) =
-            frame_span(&instance, &framing, &mut buf, FrameCoords::default(), *request_id, *start_pos, tokens)
-                .map_err(|(s, m)| format!("{}: {m}", s.name()))?;
+        let call =
+            PrefillCall { request_id: *request_id, start_pos: *start_pos, tokens: tokens.clone(), context: Vec::new() };
+        let (len, _) = frame_span(&instance, &framing, &mut buf, FrameCoords::default(), &call)
+            .map_err(|(s, m)| format!("{}: {m}", s.name()))?;
         buf.truncate(len as usize);
         frames.push(buf);
     }

@@ -18,16 +18,23 @@ pub const MAX_FROM_PRODUCER: u32 = 4 << 20;
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ToProducer {
     /// Prefill tokens `start_pos..` of a request into one span.
-    Prefill {
-        /// The host's request id.
-        request_id: u64,
-        /// Position of the first token.
-        start_pos: u64,
-        /// Token ids.
-        tokens: Vec<u32>,
-    },
+    Prefill(PrefillCall),
     /// Close the backend and exit 0.
     Shutdown,
+}
+
+/// One prefill: tokens `start_pos..` of a request, into one span.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PrefillCall {
+    /// The host's request id.
+    pub request_id: u64,
+    /// Position of the first token.
+    pub start_pos: u64,
+    /// Token ids.
+    pub tokens: Vec<u32>,
+    /// The tokens before `start_pos` when the request starts there (a prefix-cache hit: the host holds
+    /// their K/V already); empty otherwise.
+    pub context: Vec<u32>,
 }
 
 /// One layer as the backend described it.
@@ -335,7 +342,12 @@ mod tests {
 
     #[test]
     fn messages_round_trip_and_oversize_is_refused() {
-        let m = ToProducer::Prefill { request_id: 7, start_pos: 3, tokens: vec![1, 2, 3] };
+        let m = ToProducer::Prefill(PrefillCall {
+            request_id: 7,
+            start_pos: 3,
+            tokens: vec![1, 2, 3],
+            context: vec![4, 5, 6],
+        });
         let mut buf = Vec::new();
         send(&mut buf, &m).unwrap();
         assert_eq!(recv::<ToProducer>(&buf[..], MAX_TO_PRODUCER).unwrap(), Some(m));

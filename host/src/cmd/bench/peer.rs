@@ -155,7 +155,7 @@ pub fn send(
     max_tokens: u64,
     stream: bool,
 ) -> Result<PeerResponse, String> {
-    // llama-server reuses a slot's cached prompt by default; pdhost's prefix cache does not exist yet, so
+    // llama-server reuses a slot's cached prompt by default; pdhost's prefix cache is off by default, so
     // both compute every prompt.
     let body =
         json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "cache_prompt": false});

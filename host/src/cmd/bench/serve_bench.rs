@@ -191,6 +191,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
             let mut cmd = Command::new(std::env::current_exe().context("locating the pdhost executable")?);
             cmd.args(["serve", "--model", &name, "--host", "127.0.0.1", "--port", "0", "--producer", &args.producer])
                 .args(["--context", &context.to_string(), "--kv-dtype", kv_dtype.get_name()])
+                .args(["--prefix-cache", if args.prefix_cache == crate::cli::Switch::On { "on" } else { "off" }])
                 // Every batch waits in the server's queue, not in a 503.
                 .args(["--queue", &max_concurrency.max(16).to_string()]);
             if let Some(t) = args.threads {
@@ -468,6 +469,8 @@ struct Response {
     prefill: String,
     producer: String,
     fallback: bool,
+    /// Prompt tokens shared from the server's prefix cache.
+    hit_tokens: u64,
     /// Stream: the client's time to the first chunk with text; otherwise the server's `pdhost.ttft_ms`.
     ttft_ms: Option<f64>,
     /// Stream: gaps between chunks with text.
@@ -549,6 +552,7 @@ fn send(agent: &ureq::Agent, url: &str, body: &Value, stream: bool) -> Result<Re
     out.prefill = last["prefill"].as_str().unwrap_or("?").to_string();
     out.producer = last["producer"].as_str().unwrap_or("?").to_string();
     out.fallback = !last["fallback_reason"].is_null();
+    out.hit_tokens = last["prefix_hit_tokens"].as_u64().unwrap_or(0);
     Ok(out)
 }
 
@@ -608,6 +612,7 @@ impl Cell {
             _ => self.counts.local += 1,
         }
         self.counts.fallback += u64::from(r.fallback);
+        self.counts.hit_tokens += r.hit_tokens;
         self.producers.insert(format!("{} ({})", r.prefill, r.producer));
         self.ttft_ms.extend(r.ttft_ms);
         self.gaps_ms.extend(&r.gaps_ms);
@@ -650,6 +655,7 @@ impl Cell {
             "stream": self.stream, "requests": self.counts.requests, "equal": self.counts.equal,
             "unequal": self.counts.unequal, "remote": self.counts.remote, "local": self.counts.local,
             "fallback": self.counts.fallback, "errors": self.counts.errors,
+            "prefix_hit_tokens": self.counts.hit_tokens,
             "ttft_ms": p(&self.ttft_ms), "ttft_source": if self.stream { "client" } else { "server" },
             "itl_ms": if self.stream { p(&self.gaps_ms) } else { Value::Null },
             "tok_s_per_request": self.rate_per_request(), "tok_s_aggregate": self.rate_aggregate(),
@@ -668,6 +674,8 @@ struct Totals {
     local: u64,
     fallback: u64,
     errors: u64,
+    /// Prompt tokens shared from the server's prefix cache.
+    hit_tokens: u64,
 }
 
 impl Totals {
@@ -682,20 +690,27 @@ impl Totals {
             t.local += c.local;
             t.fallback += c.fallback;
             t.errors += c.errors;
+            t.hit_tokens += c.hit_tokens;
         }
         t
     }
 
     fn summary(&self) -> String {
+        let hits = if self.hit_tokens > 0 {
+            format!(", {} prompt tokens from the prefix cache", self.hit_tokens)
+        } else {
+            String::new()
+        };
         format!(
-            "{}/{} responses equal, {} remote prefills, {} local ({} fallbacks), {} errors",
+            "{}/{} responses equal, {} remote prefills, {} local ({} fallbacks), {} errors{hits}",
             self.equal, self.requests, self.remote, self.local, self.fallback, self.errors
         )
     }
 
     fn json(&self) -> Value {
         json!({"requests": self.requests, "equal": self.equal, "unequal": self.unequal, "remote": self.remote,
-               "local": self.local, "fallback": self.fallback, "errors": self.errors})
+               "local": self.local, "fallback": self.fallback, "errors": self.errors,
+               "prefix_hit_tokens": self.hit_tokens})
     }
 }
 
