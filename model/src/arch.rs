@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use shm_format::{Dtype, KvGeometry, LayerKv};
 
 use crate::gguf::{Gguf, GgufError};
-use crate::kernels::{Exec, Precision, Q8};
+use crate::kernels::{Exec, Precision, Weight, Q8};
 
 /// The two architectures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -98,13 +98,13 @@ pub struct LayerWeights {
     /// Pre-attention norm.
     pub attn_norm: Vec<f32>,
     /// `[heads * head_dim][hidden]`.
-    pub wq: Vec<f32>,
+    pub wq: Weight,
     /// `[kv_heads * head_dim][hidden]`.
-    pub wk: Vec<f32>,
+    pub wk: Weight,
     /// `[kv_heads * head_dim][hidden]`.
-    pub wv: Vec<f32>,
+    pub wv: Weight,
     /// `[hidden][heads * head_dim]`.
-    pub wo: Vec<f32>,
+    pub wo: Weight,
     /// Gemma: per-head query norm.
     pub q_norm: Option<Vec<f32>>,
     /// Gemma: per-head key norm.
@@ -116,11 +116,11 @@ pub struct LayerWeights {
     /// Gemma: norm after the feed-forward.
     pub post_ffn_norm: Option<Vec<f32>>,
     /// `[ffn][hidden]`.
-    pub gate: Vec<f32>,
+    pub gate: Weight,
     /// `[ffn][hidden]`.
-    pub up: Vec<f32>,
+    pub up: Weight,
     /// `[hidden][ffn]`.
-    pub down: Vec<f32>,
+    pub down: Weight,
 }
 
 /// A loaded model.
@@ -129,13 +129,13 @@ pub struct Model {
     /// Configuration.
     pub config: Config,
     /// `[vocab][hidden]`.
-    pub embed: Vec<f32>,
+    pub embed: Weight,
     /// Per layer.
     pub layers: Vec<LayerWeights>,
     /// Final norm.
     pub final_norm: Vec<f32>,
     /// `[vocab][hidden]`, or `None` when tied to `embed`.
-    pub lm_head: Option<Vec<f32>>,
+    pub lm_head: Option<Weight>,
     /// Where it came from.
     pub source: PathBuf,
     /// Precision and threads of the forward pass.
@@ -384,11 +384,11 @@ impl Model {
             expected: format!("{expected} values for this config"),
             found: found.to_string(),
         };
-        let check = |what: &str, v: &[f32], expected: usize| {
-            if v.len() == expected {
+        let check = |what: &str, len: usize, expected: usize| {
+            if len == expected {
                 Ok(())
             } else {
-                Err(bad(what.to_string(), expected, v.len()))
+                Err(bad(what.to_string(), expected, len))
             }
         };
         if c.heads == 0 || c.kv_heads == 0 || c.heads % c.kv_heads != 0 || c.head_dim % 2 != 0 {
@@ -399,25 +399,25 @@ impl Model {
                 found: format!("{} heads, {} KV heads, head dim {}", c.heads, c.kv_heads, c.head_dim),
             });
         }
-        check("token embedding", &self.embed, c.vocab * c.hidden)?;
-        check("final norm", &self.final_norm, c.hidden)?;
+        check("token embedding", self.embed.len(), c.vocab * c.hidden)?;
+        check("final norm", self.final_norm.len(), c.hidden)?;
         if let Some(h) = &self.lm_head {
-            check("output head", h, c.vocab * c.hidden)?;
+            check("output head", h.len(), c.vocab * c.hidden)?;
         }
         if self.layers.len() != c.layers.len() {
             return Err(bad("layers".into(), c.layers.len(), self.layers.len()));
         }
         for (l, w) in self.layers.iter().enumerate() {
             let at = |name: &str| format!("layer {l} {name}");
-            check(&at("attention norm"), &w.attn_norm, c.hidden)?;
-            check(&at("q projection"), &w.wq, qd * c.hidden)?;
-            check(&at("k projection"), &w.wk, kvd * c.hidden)?;
-            check(&at("v projection"), &w.wv, kvd * c.hidden)?;
-            check(&at("output projection"), &w.wo, c.hidden * qd)?;
-            check(&at("feed-forward norm"), &w.ffn_norm, c.hidden)?;
-            check(&at("gate projection"), &w.gate, c.ffn * c.hidden)?;
-            check(&at("up projection"), &w.up, c.ffn * c.hidden)?;
-            check(&at("down projection"), &w.down, c.hidden * c.ffn)?;
+            check(&at("attention norm"), w.attn_norm.len(), c.hidden)?;
+            check(&at("q projection"), w.wq.len(), qd * c.hidden)?;
+            check(&at("k projection"), w.wk.len(), kvd * c.hidden)?;
+            check(&at("v projection"), w.wv.len(), kvd * c.hidden)?;
+            check(&at("output projection"), w.wo.len(), c.hidden * qd)?;
+            check(&at("feed-forward norm"), w.ffn_norm.len(), c.hidden)?;
+            check(&at("gate projection"), w.gate.len(), c.ffn * c.hidden)?;
+            check(&at("up projection"), w.up.len(), c.ffn * c.hidden)?;
+            check(&at("down projection"), w.down.len(), c.hidden * c.ffn)?;
             for (name, norm, n) in [
                 ("q norm", &w.q_norm, c.head_dim),
                 ("k norm", &w.k_norm, c.head_dim),
@@ -425,7 +425,7 @@ impl Model {
                 ("post-feed-forward norm", &w.post_ffn_norm, c.hidden),
             ] {
                 if let Some(v) = norm {
-                    check(&at(name), v, n)?;
+                    check(&at(name), v.len(), n)?;
                 }
             }
         }
@@ -440,7 +440,7 @@ impl Model {
             Precision::Fast => {
                 let c = &self.config;
                 let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-                let q = |w: &[f32], rows: usize, cols: usize| Q8::new(w, rows, cols);
+                let q = |w: &Weight, rows: usize, cols: usize| Q8::of_weight(w, rows, cols);
                 let layers: Option<Vec<[Q8; 7]>> = self
                     .layers
                     .iter()
@@ -456,42 +456,48 @@ impl Model {
                         ])
                     })
                     .collect();
-                let head = q(self.lm_head.as_deref().unwrap_or(&self.embed), c.vocab, c.hidden);
+                let head = q(self.lm_head.as_ref().unwrap_or(&self.embed), c.vocab, c.hidden);
                 layers.zip(head).map(|(layers, head)| FastWeights { layers, head })
             }
         };
     }
 
-    /// Loads a GGUF file (`gemma3` or `llama` architecture), dequantizing every weight to f32.
+    /// Loads a GGUF file (`gemma3` or `llama` architecture): norms as f32, every matrix as the file's own
+    /// blocks (see [`Weight`]).
     pub fn from_gguf(g: &Gguf) -> Result<Self, LoadError> {
         let config = Config::from_gguf(g)?;
         let n_layers = config.layers.len();
         let t = |name: &str| g.tensor_f32(name);
         let opt = |name: &str| g.tensors.contains_key(name).then(|| g.tensor_f32(name)).transpose();
+        let m = |name: &str| -> Result<Weight, GgufError> {
+            let info = g.tensor(name)?;
+            Ok(Weight::from_blocks(info.ty, g.tensor_shared(name)?, info.dims.first().copied().unwrap_or(0) as usize))
+        };
+        let opt_m = |name: &str| g.tensors.contains_key(name).then(|| m(name)).transpose();
         let mut layer_weights = Vec::with_capacity(n_layers);
         for l in 0..n_layers {
             let n = |s: &str| format!("blk.{l}.{s}.weight");
             layer_weights.push(LayerWeights {
                 attn_norm: t(&n("attn_norm"))?,
-                wq: t(&n("attn_q"))?,
-                wk: t(&n("attn_k"))?,
-                wv: t(&n("attn_v"))?,
-                wo: t(&n("attn_output"))?,
+                wq: m(&n("attn_q"))?,
+                wk: m(&n("attn_k"))?,
+                wv: m(&n("attn_v"))?,
+                wo: m(&n("attn_output"))?,
                 q_norm: opt(&n("attn_q_norm"))?,
                 k_norm: opt(&n("attn_k_norm"))?,
                 post_attn_norm: opt(&n("post_attention_norm"))?,
                 ffn_norm: t(&n("ffn_norm"))?,
                 post_ffn_norm: opt(&n("post_ffw_norm"))?,
-                gate: t(&n("ffn_gate"))?,
-                up: t(&n("ffn_up"))?,
-                down: t(&n("ffn_down"))?,
+                gate: m(&n("ffn_gate"))?,
+                up: m(&n("ffn_up"))?,
+                down: m(&n("ffn_down"))?,
             });
         }
         Model {
-            embed: t("token_embd.weight")?,
+            embed: m("token_embd.weight")?,
             layers: layer_weights,
             final_norm: t("output_norm.weight")?,
-            lm_head: opt("output.weight")?,
+            lm_head: opt_m("output.weight")?,
             config,
             source: g.path().into(),
             exec: Exec::new(Precision::Exact, 1),
@@ -536,25 +542,25 @@ impl Model {
             };
             layer_weights.push(LayerWeights {
                 attn_norm: norm(&n("input_layernorm"))?,
-                wq: get(&n("self_attn.q_proj"))?,
-                wk: get(&n("self_attn.k_proj"))?,
-                wv: get(&n("self_attn.v_proj"))?,
-                wo: get(&n("self_attn.o_proj"))?,
+                wq: get(&n("self_attn.q_proj"))?.into(),
+                wk: get(&n("self_attn.k_proj"))?.into(),
+                wv: get(&n("self_attn.v_proj"))?.into(),
+                wo: get(&n("self_attn.o_proj"))?.into(),
                 q_norm: opt_norm(&n("self_attn.q_norm"))?,
                 k_norm: opt_norm(&n("self_attn.k_norm"))?,
                 post_attn_norm: post_attn,
                 ffn_norm,
                 post_ffn_norm: opt_norm(&n("post_feedforward_layernorm"))?,
-                gate: get(&n("mlp.gate_proj"))?,
-                up: get(&n("mlp.up_proj"))?,
-                down: get(&n("mlp.down_proj"))?,
+                gate: get(&n("mlp.gate_proj"))?.into(),
+                up: get(&n("mlp.up_proj"))?.into(),
+                down: get(&n("mlp.down_proj"))?.into(),
             });
         }
         Model {
-            embed: get("model.embed_tokens.weight")?,
+            embed: get("model.embed_tokens.weight")?.into(),
             layers: layer_weights,
             final_norm: norm("model.norm.weight")?,
-            lm_head: tensors.get("lm_head.weight").cloned(),
+            lm_head: tensors.get("lm_head.weight").cloned().map(Weight::F32),
             config,
             source: dir.into(),
             exec: Exec::new(Precision::Exact, 1),

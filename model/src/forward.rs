@@ -182,10 +182,11 @@ impl Model {
         let rows = Rows::of(segments);
         let t = rows.pos.len();
         let mut x = vec![0f32; t * c.hidden];
+        let mut buf = Vec::new();
         for (row, &tok) in x.chunks_exact_mut(c.hidden).zip(segments.iter().flat_map(|s| s.tokens)) {
             let tok = tok as usize;
             assert!(tok < c.vocab, "token id {tok} outside the vocabulary of {}", c.vocab);
-            row.copy_from_slice(&self.embed[tok * c.hidden..(tok + 1) * c.hidden]);
+            row.copy_from_slice(self.embed.rows(tok..tok + 1, c.hidden, &mut buf));
         }
         if c.arch == Arch::Gemma3 {
             let scale = (c.hidden as f32).sqrt();
@@ -257,7 +258,7 @@ impl Model {
             let from = if seg.all_logits { rows.first[s] } else { end - 1 };
             wanted.extend_from_slice(&x[from * c.hidden..end * c.hidden]);
         }
-        let head = self.lm_head.as_deref().unwrap_or(&self.embed);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let head_q8 = self.q8.as_ref().map(|q| &q.head);
         let n = wanted.len() / c.hidden;
         let mut logits = self.exec.matmul_t(&wanted, head, head_q8, n, c.hidden, c.vocab).into_iter();

@@ -172,7 +172,7 @@ impl TensorInfo {
 #[derive(Debug)]
 pub struct Gguf {
     path: PathBuf,
-    map: memmap2::Mmap,
+    map: std::sync::Arc<memmap2::Mmap>,
     /// GGUF version.
     pub version: u32,
     /// Metadata by key.
@@ -366,7 +366,7 @@ impl Gguf {
                 return Err(invalid("a unique name".into(), "a duplicate".into()));
             }
         }
-        Ok(Gguf { path: path.into(), map, version, metadata, tensors })
+        Ok(Gguf { path: path.into(), map: std::sync::Arc::new(map), version, metadata, tensors })
     }
 
     /// The file's path.
@@ -428,6 +428,14 @@ impl Gguf {
         let t = self.tensor(name)?;
         // Bounds checked in `open`.
         Ok(&self.map[t.offset as usize..(t.offset + t.len) as usize])
+    }
+
+    /// A tensor's raw bytes, shared with the mapping (which lives as long as any of them).
+    pub fn tensor_shared(&self, name: &str) -> Result<crate::kernels::BlockBytes, GgufError> {
+        let t = self.tensor(name)?;
+        // Bounds checked in `open`.
+        let range = t.offset as usize..(t.offset + t.len) as usize;
+        Ok(crate::kernels::BlockBytes::Mapped { map: self.map.clone(), range })
     }
 
     /// A tensor dequantized to f32, in GGML order (innermost dimension fastest).

@@ -7,9 +7,11 @@ use rayon::prelude::*;
 
 mod dot;
 mod q8;
+mod weight;
 
 pub use dot::{dot, Dot};
 pub use q8::Q8;
+pub use weight::{BlockBytes, Weight};
 
 /// How the forward pass computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,8 +66,9 @@ impl Exec {
     }
 
     /// `x[t][n_in] * w[n_out][n_in]^T -> [t][n_out]`. With `q8` (the same weights quantized, in
-    /// `fast` precision), the activations are quantized once here and every product is integer.
-    pub fn matmul_t(&self, x: &[f32], w: &[f32], q8: Option<&Q8>, t: usize, n_in: usize, n_out: usize) -> Vec<f32> {
+    /// `fast` precision), the activations are quantized once here and every product is integer. Weights
+    /// held as blocks are dequantized a panel of rows at a time (see [`Weight`]): the same bits as f32.
+    pub fn matmul_t(&self, x: &[f32], w: &Weight, q8: Option<&Q8>, t: usize, n_in: usize, n_out: usize) -> Vec<f32> {
         assert_eq!(x.len(), t * n_in, "activation shape");
         assert_eq!(w.len(), n_out * n_in, "weight shape");
         let simd = dot::simd();
@@ -81,9 +84,12 @@ impl Exec {
                 .map(|task| {
                     let rows = task * per_task..((task + 1) * per_task).min(n_out);
                     let mut out = vec![0f32; t * rows.len()];
-                    match (q8, &xq) {
-                        (Some(w), Some(xq)) => q8::dots(simd, xq, w, rows, &mut out),
-                        _ => dot::dots(simd, x, t, &w[rows.start * n_in..rows.end * n_in], n_in, &mut out),
+                    match (q8, &xq, w) {
+                        (Some(w), Some(xq), _) => q8::dots(simd, xq, w, rows, &mut out),
+                        (_, _, Weight::F32(w)) => {
+                            dot::dots(simd, x, t, &w[rows.start * n_in..rows.end * n_in], n_in, &mut out)
+                        }
+                        (_, _, w) => blocks(simd, x, t, w, rows, n_in, &mut out),
                     }
                     out
                 })
@@ -109,6 +115,61 @@ impl Exec {
     }
 }
 
+/// [`dot::dots`] over weight rows `rows` held as blocks, into `out` (`t x rows.len()`). A few rows of Q8_0
+/// (decode: the output head) are read straight from their blocks; otherwise see [`panels`]. The bits are
+/// the same either way.
+fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usize>, n: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if let Weight::Blocks { ty: crate::quant::GgmlType::Q8_0, bytes, .. } = w {
+        if simd && t <= dot::TILE_ROWS && n % 32 == 0 && std::arch::is_x86_feature_detected!("f16c") {
+            let row_bytes = n / 32 * 34;
+            let width = rows.len();
+            for (j, r) in rows.enumerate() {
+                let wr = &bytes[r * row_bytes..(r + 1) * row_bytes];
+                macro_rules! run {
+                    ($r:literal) => {{
+                        // SAFETY: AVX2 and FMA (`simd`) and F16C (checked) are present; `wr` is the
+                        // row's `n / 32` blocks and every activation row holds `n` values.
+                        let res = unsafe {
+                            dot::tile_q8_0_avx2::<$r>(std::array::from_fn(|i| &x[i * n..(i + 1) * n]), wr, n)
+                        };
+                        for (i, v) in res.into_iter().enumerate() {
+                            out[i * width + j] = v;
+                        }
+                    }};
+                }
+                match t {
+                    1 => run!(1),
+                    2 => run!(2),
+                    3 => run!(3),
+                    _ => run!(4),
+                }
+            }
+            return;
+        }
+    }
+    panels(simd, x, t, w, rows, n, out)
+}
+
+/// [`dot::dots`] over weight rows held as blocks: a panel of rows at a time is dequantized into a buffer
+/// small enough to stay in L1 while the activations stream past.
+fn panels(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usize>, n: usize, out: &mut [f32]) {
+    const PANEL_ELEMS: usize = 8192;
+    let per_panel = (PANEL_ELEMS / n.max(1)).max(1);
+    let width = rows.len();
+    let (mut buf, mut part) = (Vec::new(), Vec::new());
+    for p0 in rows.clone().step_by(per_panel) {
+        let p1 = (p0 + per_panel).min(rows.end);
+        let panel = w.rows(p0..p1, n, &mut buf);
+        part.clear();
+        part.resize(t * (p1 - p0), 0.0);
+        dot::dots(simd, x, t, panel, n, &mut part);
+        for (i, row) in part.chunks_exact(p1 - p0).enumerate() {
+            out[i * width + (p0 - rows.start)..][..p1 - p0].copy_from_slice(row);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -127,6 +188,7 @@ mod tests {
             })
             .collect();
         let q8 = Q8::new(&w, n_out, n_in).unwrap();
+        let w = Weight::F32(w);
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         for q in [None, Some(&q8)] {
             let reference = Exec::new(Precision::Exact, 1).matmul_t(&x, &w, q, t, n_in, n_out);
@@ -141,6 +203,67 @@ mod tests {
                     let rows = &x[from * n_in..(from + len) * n_in];
                     let got = exec.matmul_t(rows, &w, q, len, n_in, n_out);
                     assert_eq!(bits(&got), bits(&reference[from * n_out..(from + len) * n_out]), "rows {from}+{len}");
+                }
+            }
+        }
+    }
+
+    /// Pseudo-random whole blocks of `ty` for `elems` weights, with finite, moderate scales.
+    fn blocks(ty: crate::quant::GgmlType, elems: usize, seed: u32) -> Vec<u8> {
+        use crate::quant::GgmlType as T;
+        let mut state = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state
+        };
+        let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
+        let (be, bb) = (ty.block_elems(), ty.block_bytes());
+        let mut out = Vec::new();
+        for _ in 0..elems / be {
+            let mut b: Vec<u8> = (0..bb).map(|_| next() as u8).collect();
+            let scale = |n: u32| (n % 1000) as f32 / 20_000.0 + 1e-3;
+            match ty {
+                T::F16 => b.copy_from_slice(&f16((next() % 2000) as f32 / 1000.0 - 1.0)),
+                T::Bf16 => b.copy_from_slice(
+                    &half::bf16::from_f32((next() % 2000) as f32 / 1000.0 - 1.0).to_bits().to_le_bytes(),
+                ),
+                T::Q8_0 | T::Q4_0 | T::Q5_0 => b[..2].copy_from_slice(&f16(scale(next()))),
+                T::Q4_1 | T::Q5_1 | T::Q4K | T::Q5K => {
+                    b[..2].copy_from_slice(&f16(scale(next())));
+                    b[2..4].copy_from_slice(&f16(scale(next())));
+                }
+                T::Q6K => b[208..210].copy_from_slice(&f16(scale(next()))),
+                T::F32 => b.copy_from_slice(&((next() % 2000) as f32 / 1000.0 - 1.0).to_le_bytes()),
+            }
+            out.extend(b);
+        }
+        out
+    }
+
+    /// Weights held as blocks of every GGUF type give the bits of the same weights dequantized to f32,
+    /// in any batch and on any thread count.
+    #[test]
+    fn block_weights_give_the_bits_of_their_f32_values() {
+        use crate::quant::GgmlType as T;
+        let (n_in, n_out) = (512, 67);
+        let x: Vec<f32> = (0..8 * n_in).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for (i, ty) in [T::F16, T::Bf16, T::Q8_0, T::Q4_0, T::Q4_1, T::Q5_0, T::Q5_1, T::Q4K, T::Q5K, T::Q6K]
+            .into_iter()
+            .enumerate()
+        {
+            let w = Weight::from_blocks(ty, BlockBytes::Owned(blocks(ty, n_out * n_in, i as u32)), n_in);
+            assert!(matches!(w, Weight::Blocks { .. }), "{}", ty.name());
+            let f = Weight::F32(w.to_f32().into_owned());
+            assert!(f.to_f32().iter().all(|v| v.is_finite()));
+            for threads in [1, 2, 3] {
+                let exec = Exec::new(Precision::Exact, threads);
+                for t in [1, 3, 8] {
+                    let x = &x[..t * n_in];
+                    let want = exec.matmul_t(x, &f, None, t, n_in, n_out);
+                    assert_eq!(bits(&exec.matmul_t(x, &w, None, t, n_in, n_out)), bits(&want), "{}", ty.name());
                 }
             }
         }

@@ -33,18 +33,37 @@ impl Q8 {
         if cols % QK != 0 || w.len() != rows * cols {
             return None;
         }
-        let mut q = vec![0i8; w.len()];
-        let mut scales = Vec::with_capacity(w.len() / QK);
-        for (wb, qb) in w.chunks_exact(QK).zip(q.chunks_exact_mut(QK)) {
+        let mut out = Q8 { rows, cols, q: vec![0i8; w.len()], scales: Vec::with_capacity(w.len() / QK) };
+        out.quantize_into(0, w);
+        Some(out)
+    }
+
+    /// [`Q8::new`] of a weight matrix, a panel of rows at a time (blocks are never materialised whole).
+    pub fn of_weight(w: &super::Weight, rows: usize, cols: usize) -> Option<Self> {
+        if cols % QK != 0 || w.len() != rows * cols {
+            return None;
+        }
+        let mut out = Q8 { rows, cols, q: vec![0i8; w.len()], scales: Vec::with_capacity(w.len() / QK) };
+        let per_panel = (1 << 16) / cols.max(1) + 1;
+        let mut buf = Vec::new();
+        for r0 in (0..rows).step_by(per_panel) {
+            let r1 = (r0 + per_panel).min(rows);
+            out.quantize_into(r0 * cols, w.rows(r0..r1, cols, &mut buf));
+        }
+        Some(out)
+    }
+
+    /// Quantizes `w`, whole blocks, into the values from element `at` on (scales appended).
+    fn quantize_into(&mut self, at: usize, w: &[f32]) {
+        for (wb, qb) in w.chunks_exact(QK).zip(self.q[at..].chunks_exact_mut(QK)) {
             let amax = wb.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
             for (q, &v) in qb.iter_mut().zip(wb) {
                 *q = (v * inv).round() as i8;
             }
-            scales.push(d);
+            self.scales.push(d);
         }
-        Some(Q8 { rows, cols, q, scales })
     }
 
     fn row(&self, r: usize) -> (&[i8], &[f32]) {
