@@ -448,6 +448,10 @@ pub struct ModelBenchArgs {
     /// Tokens to decode (1 to 4096).
     #[arg(long, allow_negative_numbers = true, default_value_t = 32)]
     pub decode_tokens: u64,
+    /// Sequences decoded at once (each 1 to 16): each step is one batched forward pass over all of them,
+    /// and the decode column is their aggregate tokens/s (llama.cpp's column stays batch 1).
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
+    pub batch: Vec<u64>,
     /// Skip llama.cpp (no reference column).
     #[arg(long)]
     pub no_llama_cpp: bool,

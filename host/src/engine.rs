@@ -833,6 +833,11 @@ impl Live {
         self.ttft
     }
 
+    /// Time in the forward pass of its prefill, the last prompt token included.
+    pub fn prefill_time(&self) -> Duration {
+        self.prefill
+    }
+
     /// How its prompt was prefilled.
     pub fn report(&self) -> &PrefillReport {
         &self.report

@@ -434,10 +434,12 @@ fn every_reported_case_is_refused_or_handled() {
             .never(&["found 0"]),
         case(
             "bench model without llama.cpp prints -",
-            &["bench", "model", "--no-llama-cpp", "--prompt-tokens", "4", "--decode-tokens", "1"],
+            &["bench", "model", "--no-llama-cpp", "--prompt-tokens", "4", "--decode-tokens", "1", "--batch", "1,2"],
         )
         .prints(&[" - "])
         .never(&["NaN"]),
+        case("bench model batch 0", &["bench", "model", "--no-llama-cpp", "--batch", "1,0"])
+            .refused(2, &["--batch: expected 1 to 16, found 0"]),
     ];
     let _ = (gemma, smol);
     let failures = check_all(&cases);

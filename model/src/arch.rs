@@ -432,6 +432,31 @@ impl Model {
         Ok(self)
     }
 
+    /// Bytes of weights this model holds: matrices as held (a GGUF's blocks are in its read-only mapping,
+    /// paged in as they are used), norms, and `fast`'s Q8_0 copies.
+    pub fn weight_bytes(&self) -> usize {
+        let norms = |w: &LayerWeights| {
+            [&w.q_norm, &w.k_norm, &w.post_attn_norm, &w.post_ffn_norm]
+                .iter()
+                .filter_map(|n| n.as_ref())
+                .map(Vec::len)
+                .sum::<usize>()
+                + w.attn_norm.len()
+                + w.ffn_norm.len()
+        };
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|w| {
+                [&w.wq, &w.wk, &w.wv, &w.wo, &w.gate, &w.up, &w.down].iter().map(|m| m.bytes()).sum::<usize>()
+                    + 4 * norms(w)
+            })
+            .sum();
+        let q8: usize =
+            self.q8.as_ref().map_or(0, |q| q.layers.iter().flatten().map(Q8::bytes).sum::<usize>() + q.head.bytes());
+        self.embed.bytes() + self.lm_head.as_ref().map_or(0, Weight::bytes) + 4 * self.final_norm.len() + layers + q8
+    }
+
     /// Sets precision and thread count. `fast` quantizes every linear weight to Q8_0 once, here.
     pub fn configure(&mut self, precision: Precision, threads: usize) {
         self.exec = Exec::new(precision, threads);

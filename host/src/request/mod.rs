@@ -95,6 +95,8 @@ pub enum Field {
     LongPrompt,
     /// Serve: seconds to finish in-flight requests.
     DrainTimeout,
+    /// Bench model: sequences decoded at once.
+    Batch,
 }
 
 impl Field {
@@ -133,6 +135,7 @@ impl Field {
             Field::LongPrompts => "--long-prompts",
             Field::LongPrompt => "--long-prompt",
             Field::DrainTimeout => "--drain-timeout",
+            Field::Batch => "--batch",
         }
     }
 

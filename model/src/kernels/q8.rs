@@ -66,6 +66,11 @@ impl Q8 {
         }
     }
 
+    /// Bytes held.
+    pub fn bytes(&self) -> usize {
+        self.q.len() + self.scales.len() * 4
+    }
+
     fn row(&self, r: usize) -> (&[i8], &[f32]) {
         let blocks = self.cols / QK;
         (&self.q[r * self.cols..(r + 1) * self.cols], &self.scales[r * blocks..(r + 1) * blocks])

@@ -24,9 +24,57 @@ struct Row {
     model: &'static str,
     precision: &'static str,
     threads: usize,
+    batch: usize,
     prefill: f64,
     decode: f64,
     llama: Option<(f64, f64)>,
+}
+
+/// How long a model took to load (and, in `fast`, to quantize), and the weights it holds.
+struct Loaded {
+    model: &'static str,
+    precision: &'static str,
+    load_ms: f64,
+    weights_mib: f64,
+}
+
+/// Prefills `batch` copies of `req` (the first one's prefill timed), then decodes all of them together,
+/// one batched step at a time: prefill tok/s of one prompt, aggregate decode tok/s.
+fn run_batch(engine: &mut Engine, req: &Request, batch: usize) -> anyhow::Result<(f64, f64)> {
+    let mut lives = Vec::with_capacity(batch);
+    let mut prefill = 0.0;
+    for i in 0..batch {
+        let live = engine.admit(req, pdhost::engine::PrefillBy::Local)?;
+        if i == 0 {
+            prefill = req.prompt.len() as f64 / live.prefill_time().as_secs_f64();
+        }
+        lives.push(live);
+    }
+    // The first token of each comes from its prefill; what follows is decode.
+    let mut refs: Vec<&mut pdhost::engine::Live> = lives.iter_mut().collect();
+    for r in engine.step_many(&mut refs) {
+        r?;
+    }
+    let t = std::time::Instant::now();
+    let mut decoded = 0usize;
+    loop {
+        let mut refs: Vec<&mut pdhost::engine::Live> = lives.iter_mut().collect();
+        let mut any = false;
+        for r in engine.step_many(&mut refs) {
+            if r?.is_some() {
+                decoded += 1;
+                any = true;
+            }
+        }
+        if !any {
+            break;
+        }
+    }
+    let decode = decoded as f64 / t.elapsed().as_secs_f64();
+    for live in lives {
+        engine.finish(live);
+    }
+    Ok((prefill, decode))
 }
 
 /// One bench model, opened and with its prompt checked against its limits.
@@ -68,14 +116,33 @@ fn cases(args: &ModelBenchArgs) -> anyhow::Result<Vec<Case>> {
 
 /// The most tokens a bench decodes.
 pub(super) const MAX_DECODE: u64 = 4096;
+/// The most sequences `--batch` decodes at once.
+const MAX_BATCH: u64 = 16;
 
 pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
+    let batches: Vec<usize> = args
+        .batch
+        .iter()
+        .map(|&b| request::check_count(Field::Batch, b, 1, MAX_BATCH).map(|b| b as usize))
+        .collect::<Result<_, _>>()?;
     let cases = cases(args)?;
     let llama_site = if args.no_llama_cpp { None } else { Some(llama_cpp_python(args.json)?) };
-    let bar = super::progress(8, args.json);
-    let mut rows = Vec::new();
+    let bar = super::progress((8 * batches.len()) as u64, args.json);
+    let (mut rows, mut loads) = (Vec::new(), Vec::new());
     for case in &cases {
         let (name, prompt) = (case.name, &case.request.prompt);
+        for precision in [Precision::Exact, Precision::Fast] {
+            let t = std::time::Instant::now();
+            let mut model = Model::from_gguf(&case.gguf)?;
+            model.configure(precision, 1);
+            loads.push(Loaded {
+                model: name,
+                precision: precision.name(),
+                load_ms: t.elapsed().as_secs_f64() * 1e3,
+                weights_mib: model.weight_bytes() as f64 / (1 << 20) as f64,
+            });
+            drop(model);
+        }
         let mut model = Model::from_gguf(&case.gguf)?;
         for threads in [1, 2] {
             let llama = match &llama_site {
@@ -83,22 +150,25 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
                 None => None,
             };
             for precision in [Precision::Exact, Precision::Fast] {
-                bar.set_message(format!("{name} {} {threads}t", precision.name()));
                 model.configure(precision, threads);
-                let max_len = (prompt.len() + case.request.max_tokens) as u64;
-                let mut engine = Engine::new(model, Dtype::F32, 64, max_len, 1)?;
-                let g = engine.generate(&case.request, |_| {})?;
-                model = engine.model;
-                let decoded = g.output.len().saturating_sub(1) as f64;
-                rows.push(Row {
-                    model: name,
-                    precision: precision.name(),
-                    threads,
-                    prefill: prompt.len() as f64 / g.prefill.as_secs_f64(),
-                    decode: decoded / g.decode.as_secs_f64(),
-                    llama,
-                });
-                bar.inc(1);
+                for &batch in &batches {
+                    bar.set_message(format!("{name} {} {threads}t batch {batch}", precision.name()));
+                    let max_len = (prompt.len() + case.request.max_tokens) as u64;
+                    let mut engine = Engine::new(model, Dtype::F32, 64, max_len, batch as u32)?;
+                    let result = run_batch(&mut engine, &case.request, batch);
+                    model = engine.model;
+                    let (prefill, decode) = result?;
+                    rows.push(Row {
+                        model: name,
+                        precision: precision.name(),
+                        threads,
+                        batch,
+                        prefill,
+                        decode,
+                        llama: llama.filter(|_| batch == 1),
+                    });
+                    bar.inc(1);
+                }
             }
         }
     }
@@ -107,25 +177,41 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         let out: Vec<_> = rows
             .iter()
             .map(|r| {
-                json!({"model": r.model, "precision": r.precision, "threads": r.threads, "prefill_tok_s": r.prefill,
-                       "decode_tok_s": r.decode, "llama_cpp_prefill_tok_s": r.llama.map(|l| l.0),
+                json!({"model": r.model, "precision": r.precision, "threads": r.threads, "batch": r.batch,
+                       "prefill_tok_s": r.prefill, "decode_tok_s": r.decode,
+                       "llama_cpp_prefill_tok_s": r.llama.map(|l| l.0),
                        "llama_cpp_decode_tok_s": r.llama.map(|l| l.1)})
             })
             .collect();
+        let loads: Vec<_> = loads
+            .iter()
+            .map(|l| json!({"model": l.model, "precision": l.precision, "load_ms": l.load_ms, "weights_mib": l.weights_mib}))
+            .collect();
         outln!(
             "{}",
-            json!({"bench": "model", "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens, "results": out})
+            json!({"bench": "model", "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+                   "batch": batches, "loads": loads, "results": out})
         )?;
     } else {
         outln!(
             "prefill of a {}-token prompt and greedy decode of {} tokens through the paged KV cache (f32 KV); llama.cpp on the same GGUF, same threads, same run",
             args.prompt_tokens, args.decode_tokens
         )?;
+        for l in &loads {
+            outln!(
+                "{:<13} {:<6} loaded in {:.0} ms, {:.0} MiB of weights (a GGUF's blocks stay in its mapping)",
+                l.model,
+                l.precision,
+                l.load_ms,
+                l.weights_mib
+            )?;
+        }
         outln!(
-            "{:<13} {:<6} {:>3} {:>12} {:>12} {:>14} {:>14} {:>8} {:>8}",
+            "{:<13} {:<6} {:>3} {:>5} {:>12} {:>12} {:>14} {:>14} {:>8} {:>8}",
             "model",
             "prec",
             "thr",
+            "batch",
             "prefill t/s",
             "decode t/s",
             "llama.cpp pre",
@@ -137,10 +223,11 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             // A skipped peer (--no-llama-cpp) shows `-`, never NaN.
             let cell = |f: &dyn Fn((f64, f64)) -> String| r.llama.map_or_else(|| "-".to_string(), f);
             outln!(
-                "{:<13} {:<6} {:>3} {:>12.1} {:>12.1} {:>14} {:>14} {:>8} {:>8}",
+                "{:<13} {:<6} {:>3} {:>5} {:>12.1} {:>12.1} {:>14} {:>14} {:>8} {:>8}",
                 r.model,
                 r.precision,
                 r.threads,
+                r.batch,
                 r.prefill,
                 r.decode,
                 cell(&|(lp, _)| format!("{lp:.1}")),
