@@ -110,8 +110,7 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 /// Panics if the lengths disagree; callers size both from the tensor's validated shape.
 pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if avx2::supports(ty) && std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("f16c")
-    {
+    if avx2::supports(ty) && avx2::available() {
         let (be, bb) = (ty.block_elems(), ty.block_bytes());
         assert_eq!(src.len() % bb, 0);
         assert_eq!(
@@ -122,7 +121,8 @@ pub fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
             src.len(),
             dst.len()
         );
-        // SAFETY: AVX2 and F16C are present (checked just above); the lengths are whole, matching blocks.
+        // SAFETY: AVX2, FMA and F16C are present (checked just above); the lengths are whole, matching
+        // blocks.
         return unsafe { avx2::dequantize(ty, src, dst) };
     }
     dequantize_blocks(ty, src, dst)
@@ -248,15 +248,17 @@ fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
 }
 
 /// AVX2 twins of the portable dequantizer for the block types, value for value the same: every value is
-/// the same operations on the same operands (a product and a sum are never fused), eight at a time.
+/// the same operations on the same operands (a product and a sum are never fused), eight at a time. Each
+/// block hands its vectors, in increasing position, to a consumer: a store ([`dequantize`]) or the
+/// multiply-adds of a dot product ([`dot_row`]), which then never round-trips the weights through memory.
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{scale_min_k4, GgmlType};
 
-    /// Whether [`dequantize`] handles `ty`.
-    pub(super) fn supports(ty: GgmlType) -> bool {
+    /// Whether [`dequantize`] and [`dot_row`] handle `ty`.
+    pub(crate) fn supports(ty: GgmlType) -> bool {
         matches!(
             ty,
             GgmlType::Q8_0
@@ -270,75 +272,126 @@ mod avx2 {
         )
     }
 
+    /// Whether this CPU runs them (AVX2, FMA and F16C).
+    pub(crate) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+    }
+
     /// Dequantizes whole blocks of a supported `ty`.
     ///
     /// # Safety
     ///
-    /// AVX2 is present, `src` is whole blocks and `dst` holds exactly their values.
-    #[target_feature(enable = "avx2,f16c")]
+    /// [`available`], `src` is whole blocks and `dst` holds exactly their values.
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
         let (be, bb) = (ty.block_elems(), ty.block_bytes());
         for (b, y) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(be)) {
-            match ty {
-                GgmlType::Q8_0 => q8_0(b, y),
-                GgmlType::Q4_0 => q4(b, y, 2, None),
-                GgmlType::Q4_1 => q4(b, y, 4, Some(f16_at(b, 2))),
-                GgmlType::Q5_0 => q5(b, y, 6, None),
-                GgmlType::Q5_1 => q5(b, y, 8, Some(f16_at(b, 2))),
-                GgmlType::Q4K => q4_k(b, y, false),
-                GgmlType::Q5K => q4_k(b, y, true),
-                GgmlType::Q6K => q6_k(b, y),
-                _ => unreachable!("supports() was checked"),
+            block(ty, b, &mut |at, v| {
+                assert!(at + 8 <= y.len());
+                // SAFETY: in bounds (asserted); unaligned store.
+                unsafe { _mm256_storeu_ps(y.as_mut_ptr().add(at), v) }
+            });
+        }
+    }
+
+    /// The 16 lanes of `x[r] . w` for one weight row `w` of `ty` blocks (`n` values, whole blocks): lane
+    /// `l` of vector `v` accumulates, with fused multiply-adds in increasing position, the products at
+    /// positions `k` with `k mod 16 == 8v + l`: exactly the accumulators of the f32 kernel
+    /// (`kernels::dot`) over the dequantized row, which the caller then reduces the same way.
+    ///
+    /// # Safety
+    ///
+    /// [`available`], `ty` is [`supports`]ed, `w` holds the row's whole blocks, and every `x[r]` holds at
+    /// least `n` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) unsafe fn dot_row<const R: usize>(
+        ty: GgmlType,
+        x: [&[f32]; R],
+        w: &[u8],
+        n: usize,
+    ) -> [[[f32; 8]; 2]; R] {
+        let (be, bb) = (ty.block_elems(), ty.block_bytes());
+        assert!(n % be == 0 && w.len() >= n / be * bb && x.iter().all(|x| x.len() >= n), "dot_row operands");
+        let mut acc = [[_mm256_setzero_ps(); 2]; R];
+        for (i, b) in w.chunks_exact(bb).take(n / be).enumerate() {
+            let base = i * be;
+            block(ty, b, &mut |at, wv| {
+                let k = base + at;
+                // Blocks are whole 16s, so the accumulator is fixed at each call site (a constant index
+                // keeps the accumulators in registers).
+                let second = at % 16 == 8;
+                for r in 0..R {
+                    // SAFETY: k + 8 <= n <= x[r].len() (asserted); unaligned load.
+                    let xv = unsafe { _mm256_loadu_ps(x[r].as_ptr().add(k)) };
+                    if second {
+                        acc[r][1] = _mm256_fmadd_ps(xv, wv, acc[r][1]);
+                    } else {
+                        acc[r][0] = _mm256_fmadd_ps(xv, wv, acc[r][0]);
+                    }
+                }
+            });
+        }
+        let mut lanes = [[[0f32; 8]; 2]; R];
+        for r in 0..R {
+            for v in 0..2 {
+                // SAFETY: 8 f32s; unaligned store.
+                unsafe { _mm256_storeu_ps(lanes[r][v].as_mut_ptr(), acc[r][v]) };
             }
+        }
+        lanes
+    }
+
+    /// One block of a supported `ty`, eight values at a time, in increasing position.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn block(ty: GgmlType, b: &[u8], put: &mut impl FnMut(usize, __m256)) {
+        match ty {
+            GgmlType::Q8_0 => q8_0(b, put),
+            GgmlType::Q4_0 => q4(b, put, 2, None),
+            GgmlType::Q4_1 => q4(b, put, 4, Some(f16_at(b, 2))),
+            GgmlType::Q5_0 => q5(b, put, 6, None),
+            GgmlType::Q5_1 => q5(b, put, 8, Some(f16_at(b, 2))),
+            GgmlType::Q4K => q4_k(b, put, false),
+            GgmlType::Q5K => q4_k(b, put, true),
+            GgmlType::Q6K => q6_k(b, put),
+            _ => unreachable!("supports() was checked"),
         }
     }
 
     /// The f16 at `b[at..at + 2]`, widened by the CPU (exact, as every f16 is an f32).
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     fn f16_at(b: &[u8], at: usize) -> f32 {
         let bits = u16::from_le_bytes([b[at], b[at + 1]]);
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
     }
 
-    /// 8 unsigned bytes from `v`'s byte `at` on, as f32 lanes.
+    /// 8 unsigned bytes of `v` (its low half, or with `high` its high half), as 32-bit lanes.
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    fn u8x8(v: __m128i, at: i32) -> __m256 {
-        let shifted = match at {
-            0 => v,
-            _ => _mm_srli_si128::<8>(v),
-        };
-        _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(shifted))
-    }
-
-    /// Stores 8 lanes at `y[at..at + 8]`.
-    #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    fn store(y: &mut [f32], at: usize, v: __m256) {
-        assert!(at + 8 <= y.len());
-        // SAFETY: in bounds (asserted); unaligned store.
-        unsafe { _mm256_storeu_ps(y.as_mut_ptr().add(at), v) }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn u8x8(v: __m128i, high: bool) -> __m256i {
+        _mm256_cvtepu8_epi32(if high { _mm_srli_si128::<8>(v) } else { v })
     }
 
     /// `y = d * q`.
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    fn q8_0(b: &[u8], y: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q8_0(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
         assert!(b.len() >= 34);
         let d = _mm256_set1_ps(f16_at(b, 0));
         for i in 0..4 {
             // SAFETY: bytes 2 + 8i .. 10 + 8i lie in the block (asserted).
             let q = unsafe { _mm_loadl_epi64(b.as_ptr().add(2 + 8 * i).cast()) };
-            let v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
-            store(y, 8 * i, _mm256_mul_ps(d, v));
+            put(8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
         }
     }
 
     /// Q4_0 (`y = d * (q - 8)`) and Q4_1 (`y = d * q + m`): 16 bytes of nibbles from byte `at`.
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    fn q4(b: &[u8], y: &mut [f32], at: usize, m: Option<f32>) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q4(b: &[u8], put: &mut impl FnMut(usize, __m256), at: usize, m: Option<f32>) {
         assert!(b.len() >= at + 16);
         let d = _mm256_set1_ps(f16_at(b, 0));
         // SAFETY: 16 bytes from `at` lie in the block (asserted).
@@ -347,13 +400,13 @@ mod avx2 {
         let lo = _mm_and_si128(qs, mask);
         let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), mask);
         for (half, v) in [(0, lo), (16, hi)] {
-            for (i, at) in [(0, 0), (8, 8)] {
-                let q = u8x8(v, at);
+            for (i, high) in [(0, false), (8, true)] {
+                let q = _mm256_cvtepi32_ps(u8x8(v, high));
                 let value = match m {
                     None => _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(8.0))),
                     Some(m) => _mm256_add_ps(_mm256_mul_ps(d, q), _mm256_set1_ps(m)),
                 };
-                store(y, half + i, value);
+                put(half + i, value);
             }
         }
     }
@@ -361,8 +414,8 @@ mod avx2 {
     /// Q5_0 (`y = d * (q - 16)`) and Q5_1 (`y = d * q + m`): the fifth bits in the 32-bit word at
     /// `at - 4`, nibbles from `at`.
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    fn q5(b: &[u8], y: &mut [f32], at: usize, m: Option<f32>) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q5(b: &[u8], put: &mut impl FnMut(usize, __m256), at: usize, m: Option<f32>) {
         assert!(b.len() >= at + 16);
         let d = _mm256_set1_ps(f16_at(b, 0));
         let qh = u32::from_le_bytes([b[at - 4], b[at - 3], b[at - 2], b[at - 1]]);
@@ -374,26 +427,26 @@ mod avx2 {
         let qh = _mm256_set1_epi32(qh as i32);
         let one = _mm256_set1_epi32(1);
         for (half, v) in [(0, lo), (16, hi)] {
-            for (i, at) in [(0, 0), (8, 8)] {
+            for (i, high) in [(0, false), (8, true)] {
                 // Bit `half + i + lane` of qh, as 16 or 0.
                 let shifts =
                     _mm256_add_epi32(_mm256_set1_epi32((half + i) as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
                 let h = _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(qh, shifts), one));
-                let shifted = if at == 0 { v } else { _mm_srli_si128::<8>(v) };
-                let q = _mm256_cvtepi32_ps(_mm256_or_si256(_mm256_cvtepu8_epi32(shifted), h));
+                let q = _mm256_cvtepi32_ps(_mm256_or_si256(u8x8(v, high), h));
                 let value = match m {
                     None => _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(16.0))),
                     Some(m) => _mm256_add_ps(_mm256_mul_ps(d, q), _mm256_set1_ps(m)),
                 };
-                store(y, half + i, value);
+                put(half + i, value);
             }
         }
     }
 
     /// Q4_K (`y = d * sc * q - dmin * m` per 32-value sub-block) and Q5_K (the same with a fifth bit).
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    fn q4_k(b: &[u8], y: &mut [f32], five: bool) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q4_k(b: &[u8], put: &mut impl FnMut(usize, __m256), five: bool) {
+        assert!(b.len() >= if five { 176 } else { 144 });
         let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
         let scales = &b[4..16];
         let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
@@ -402,20 +455,21 @@ mod avx2 {
             let (sc1, m1) = scale_min_k4(2 * j, scales);
             let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
             let (d1, min1, d2, min2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
-            for part in 0..2 {
-                // SAFETY: 16 of the sub-block's 32 bytes.
-                let q = unsafe { _mm_loadu_si128(qs.as_ptr().add(32 * j + 16 * part).cast()) };
-                let lo = _mm_and_si128(q, mask);
-                let hi = _mm_and_si128(_mm_srli_epi16::<4>(q), mask);
-                for (v, sub, dd, mm, bit) in [(lo, 0, d1, min1, 2 * j), (hi, 32, d2, min2, 2 * j + 1)] {
-                    for at in [0, 8] {
-                        let shifted = if at == 0 { v } else { _mm_srli_si128::<8>(v) };
-                        let mut n = _mm256_cvtepu8_epi32(shifted);
-                        let l0 = 16 * part + at as usize;
+            // SAFETY: the sub-block's 32 bytes, inside the block (asserted).
+            let q = unsafe {
+                [_mm_loadu_si128(qs.as_ptr().add(32 * j).cast()), _mm_loadu_si128(qs.as_ptr().add(32 * j + 16).cast())]
+            };
+            // The low nibbles are values 64j .. 64j + 32, the high ones the next 32.
+            for (sub, dd, mm, bit) in [(0, d1, min1, 2 * j), (32, d2, min2, 2 * j + 1)] {
+                for (part, q) in q.iter().enumerate() {
+                    let v =
+                        if sub == 0 { _mm_and_si128(*q, mask) } else { _mm_and_si128(_mm_srli_epi16::<4>(*q), mask) };
+                    for (at, high) in [(0, false), (8, true)] {
+                        let mut n = u8x8(v, high);
+                        let l0 = 16 * part + at;
                         if five {
-                            // SAFETY: 8 bytes of the 32 high-bit bytes.
-                            let h = unsafe { _mm_loadl_epi64(qh.as_ptr().add(l0).cast()) };
-                            let h = _mm256_cvtepu8_epi32(h);
+                            // SAFETY: 8 of the 32 high-bit bytes (asserted block length).
+                            let h = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(qh.as_ptr().add(l0).cast()) });
                             let set = _mm256_and_si256(
                                 _mm256_srlv_epi32(h, _mm256_set1_epi32(bit as i32)),
                                 _mm256_set1_epi32(1),
@@ -424,7 +478,7 @@ mod avx2 {
                         }
                         let value =
                             _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(n)), _mm256_set1_ps(mm));
-                        store(y, 64 * j + sub + l0, value);
+                        put(64 * j + sub + l0, value);
                     }
                 }
             }
@@ -433,15 +487,15 @@ mod avx2 {
 
     /// Q6_K: `y = (d * sc) * (q - 32)` per 16-value group.
     #[inline]
-    #[target_feature(enable = "avx2,f16c")]
-    fn q6_k(b: &[u8], y: &mut [f32]) {
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn q6_k(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
         assert!(b.len() >= 210);
         let d = f16_at(b, 208);
         let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
         let m4 = _mm256_set1_epi8(0x0F);
         let m2 = _mm256_set1_epi8(0x03);
         for n in 0..2 {
-            // SAFETY: 32 bytes each, inside the block.
+            // SAFETY: 32 bytes each, inside the block (asserted).
             let (la, lb, h) = unsafe {
                 (
                     _mm256_loadu_si256(ql.as_ptr().add(64 * n).cast()),
@@ -449,30 +503,24 @@ mod avx2 {
                     _mm256_loadu_si256(qh.as_ptr().add(32 * n).cast()),
                 )
             };
-            let hbits = |shift: i32| -> __m256i {
-                let s = match shift {
-                    0 => h,
-                    2 => _mm256_srli_epi16::<2>(h),
-                    4 => _mm256_srli_epi16::<4>(h),
-                    _ => _mm256_srli_epi16::<6>(h),
-                };
-                _mm256_slli_epi16::<4>(_mm256_and_si256(s, m2))
-            };
+            let high = [
+                _mm256_and_si256(h, m2),
+                _mm256_and_si256(_mm256_srli_epi16::<2>(h), m2),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(h), m2),
+                _mm256_and_si256(_mm256_srli_epi16::<6>(h), m2),
+            ];
             let qs = [
-                _mm256_or_si256(_mm256_and_si256(la, m4), hbits(0)),
-                _mm256_or_si256(_mm256_and_si256(lb, m4), hbits(2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(la), m4), hbits(4)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4), hbits(6)),
+                _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16::<4>(high[0])),
+                _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_slli_epi16::<4>(high[1])),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(la), m4), _mm256_slli_epi16::<4>(high[2])),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4), _mm256_slli_epi16::<4>(high[3])),
             ];
             for (k, q) in qs.into_iter().enumerate() {
                 let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
                 for g in 0..4 {
-                    let half = halves[g / 2];
-                    let bytes = if g % 2 == 0 { half } else { _mm_srli_si128::<8>(half) };
-                    let n32 = _mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), _mm256_set1_epi32(32));
+                    let n32 = _mm256_sub_epi32(u8x8(halves[g / 2], g % 2 == 1), _mm256_set1_epi32(32));
                     let scale = d * f32::from(sc[8 * n + g / 2 + 2 * k] as i8);
-                    let value = _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(n32));
-                    store(y, 128 * n + 32 * k + 8 * g, value);
+                    put(128 * n + 32 * k + 8 * g, _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(n32)));
                 }
             }
         }

@@ -32,7 +32,7 @@ const WIDE_ROWS: usize = 3;
 
 /// Step 2: the fixed sum of the lanes.
 #[inline(always)]
-fn reduce(a: [[f32; LANES]; VECS]) -> f32 {
+pub(crate) fn reduce(a: [[f32; LANES]; VECS]) -> f32 {
     tree8(std::array::from_fn(|l| a[0][l] + a[1][l]))
 }
 
@@ -133,49 +133,6 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; 
             }
             out[r][c] = s;
         }
-    }
-    out
-}
-
-/// The outputs of [`tile_avx2`] for one weight row held as Q8_0 blocks (`n` a multiple of 32, `w` its
-/// `n / 32` blocks), each weight vector dequantized in registers (`d * q`, exactly as
-/// [`crate::quant::dequantize`]) and used at once: the same operations on the same values as the f32
-/// kernel over the dequantized row, reading 34 bytes for every 32 weights.
-///
-/// # Safety
-///
-/// The CPU supports AVX2, FMA and F16C, `w` holds `n / 32` blocks and every `x` at least `n` elements.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-#[allow(clippy::needless_range_loop)]
-pub(crate) unsafe fn tile_q8_0_avx2<const R: usize>(x: [&[f32]; R], w: &[u8], n: usize) -> [f32; R] {
-    use std::arch::x86_64::*;
-    let mut acc = [[_mm256_setzero_ps(); VECS]; R];
-    for (b, block) in w.chunks_exact(34).take(n / 32).enumerate() {
-        let bits = u16::from_le_bytes([block[0], block[1]]);
-        let d = _mm256_set1_ps(_mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits)))));
-        for half in 0..2 {
-            let k = b * 32 + half * STEP;
-            for v in 0..VECS {
-                // SAFETY: bytes 2 + 16 half + 8 v .. + 8 lie in the 34-byte block.
-                let q = unsafe { _mm_loadl_epi64(block.as_ptr().add(2 + half * STEP + v * LANES).cast()) };
-                let wv = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
-                for r in 0..R {
-                    // SAFETY: k + 16 <= n <= x[r].len(); unaligned load.
-                    let xv = unsafe { _mm256_loadu_ps(x[r].as_ptr().add(k + v * LANES)) };
-                    acc[r][v] = _mm256_fmadd_ps(xv, wv, acc[r][v]);
-                }
-            }
-        }
-    }
-    let mut out = [0f32; R];
-    for r in 0..R {
-        let mut lanes = [[0f32; LANES]; VECS];
-        for v in 0..VECS {
-            // SAFETY: 8 f32s; unaligned store.
-            unsafe { _mm256_storeu_ps(lanes[v].as_mut_ptr(), acc[r][v]) };
-        }
-        out[r] = reduce(lanes);
     }
     out
 }

@@ -115,26 +115,27 @@ impl Exec {
     }
 }
 
-/// [`dot::dots`] over weight rows `rows` held as blocks, into `out` (`t x rows.len()`). A few rows of Q8_0
-/// (decode: the output head) are read straight from their blocks; otherwise see [`panels`]. The bits are
-/// the same either way.
+/// [`dot::dots`] over weight rows `rows` held as blocks, into `out` (`t x rows.len()`). A few rows (decode)
+/// read each weight row straight from its blocks, dequantized in registers into the f32 kernel's own
+/// accumulators ([`crate::quant::avx2::dot_row`]); otherwise see [`panels`]. The bits are the same
+/// either way.
 fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usize>, n: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if let Weight::Blocks { ty: crate::quant::GgmlType::Q8_0, bytes, .. } = w {
-        if simd && t <= dot::TILE_ROWS && n % 32 == 0 && std::arch::is_x86_feature_detected!("f16c") {
-            let row_bytes = n / 32 * 34;
+    if let Weight::Blocks { ty, bytes, .. } = w {
+        use crate::quant::avx2;
+        if simd && t <= dot::TILE_ROWS && avx2::supports(*ty) && n % ty.block_elems() == 0 && avx2::available() {
+            let row_bytes = n / ty.block_elems() * ty.block_bytes();
             let width = rows.len();
             for (j, r) in rows.enumerate() {
                 let wr = &bytes[r * row_bytes..(r + 1) * row_bytes];
                 macro_rules! run {
                     ($r:literal) => {{
-                        // SAFETY: AVX2 and FMA (`simd`) and F16C (checked) are present; `wr` is the
-                        // row's `n / 32` blocks and every activation row holds `n` values.
-                        let res = unsafe {
-                            dot::tile_q8_0_avx2::<$r>(std::array::from_fn(|i| &x[i * n..(i + 1) * n]), wr, n)
-                        };
-                        for (i, v) in res.into_iter().enumerate() {
-                            out[i * width + j] = v;
+                        let xs: [&[f32]; $r] = std::array::from_fn(|i| &x[i * n..(i + 1) * n]);
+                        // SAFETY: AVX2, FMA and F16C are present (checked), `ty` is supported, `wr` is the
+                        // row's whole blocks and every activation row holds `n` values.
+                        let lanes = unsafe { avx2::dot_row::<$r>(*ty, xs, wr, n) };
+                        for (i, lanes) in lanes.into_iter().enumerate() {
+                            out[i * width + j] = dot::reduce(lanes);
                         }
                     }};
                 }
@@ -260,7 +261,7 @@ mod tests {
             assert!(f.to_f32().iter().all(|v| v.is_finite()));
             for threads in [1, 2, 3] {
                 let exec = Exec::new(Precision::Exact, threads);
-                for t in [1, 3, 8] {
+                for t in [1, 2, 3, 4, 8] {
                     let x = &x[..t * n_in];
                     let want = exec.matmul_t(x, &f, None, t, n_in, n_out);
                     assert_eq!(bits(&exec.matmul_t(x, &w, None, t, n_in, n_out)), bits(&want), "{}", ty.name());

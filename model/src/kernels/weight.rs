@@ -2,8 +2,9 @@
 //!
 //! Blocks are never materialised as an f32 matrix. A product dequantizes a panel of a few weight rows at
 //! a time into a buffer that stays in cache, with the same [`dequantize`] every f32 copy came from, and
-//! runs the f32 kernel over it: the values, and so the bits, are those of the f32 matrix, while memory
-//! traffic is the blocks' (Q8_0: 34 bytes for 32 weights, not 128).
+//! runs the f32 kernel over it; for a few activation rows (decode) it dequantizes each weight vector in
+//! registers into the f32 kernel's own accumulators. The values, and so the bits, are those of the f32
+//! matrix, while memory traffic is the blocks' (Q8_0: 34 bytes for 32 weights, not 128).
 
 use std::borrow::Cow;
 use std::ops::{Deref, Range};
