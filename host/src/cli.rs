@@ -442,14 +442,15 @@ pub struct PdBenchArgs {
 /// `pdhost bench model`.
 #[derive(Debug, Args)]
 pub struct ModelBenchArgs {
-    /// Prompt length in tokens (1 to the smaller model's context, less the decoded tokens).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 128)]
-    pub prompt_tokens: u64,
+    /// Prompt lengths in tokens (each 1 to the smaller model's context, less the decoded tokens).
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64])]
+    pub prompt_tokens: Vec<u64>,
     /// Tokens to decode (1 to 4096).
     #[arg(long, allow_negative_numbers = true, default_value_t = 32)]
     pub decode_tokens: u64,
     /// Sequences decoded at once (each 1 to 16): each step is one batched forward pass over all of them,
-    /// and the decode column is their aggregate tokens/s (llama.cpp's column stays batch 1).
+    /// and the decode columns are their aggregate tokens/s (llama.cpp's: one `llama_decode` per step for
+    /// all of them).
     #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
     pub batch: Vec<u64>,
     /// Skip llama.cpp (no reference column).

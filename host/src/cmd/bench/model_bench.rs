@@ -24,6 +24,7 @@ struct Row {
     model: &'static str,
     precision: &'static str,
     threads: usize,
+    prompt: usize,
     batch: usize,
     prefill: f64,
     decode: f64,
@@ -77,12 +78,13 @@ fn run_batch(engine: &mut Engine, req: &Request, batch: usize) -> anyhow::Result
     Ok((prefill, decode))
 }
 
-/// One bench model, opened and with its prompt checked against its limits.
+/// One bench model, opened and with its prompts checked against its limits.
 struct Case {
     name: &'static str,
     path: PathBuf,
     gguf: Gguf,
-    request: Request,
+    /// One per `--prompt-tokens`.
+    requests: Vec<Request>,
 }
 
 /// Every model's request, checked before anything slow runs.
@@ -95,21 +97,23 @@ fn cases(args: &ModelBenchArgs) -> anyhow::Result<Vec<Case>> {
         let config = Config::from_gguf(&gguf)?;
         let limits = Limits::new(name, &config, None)?;
         let max_prompt = limits.context as u64 - decode - 1;
-        let prompt_tokens =
-            request::check_count(Field::PromptTokens, args.prompt_tokens, 1, max_prompt).map_err(|e| Invalid {
-                expected: format!("{} ({name}'s context less the decoded tokens)", e.expected),
-                ..e
-            })?;
         let tok = Tokenizer::from_gguf(&gguf)?;
-        let mut prompt = tok.encode(&TEXT.repeat(1 + prompt_tokens as usize / 20), tok.add_bos());
-        prompt.truncate(prompt_tokens as usize);
-        let raw = RawRequest {
-            prompt,
-            prompt_field: Some(Field::PromptTokens),
-            max_tokens: decode + 1,
-            ..RawRequest::default()
-        };
-        cases.push(Case { name, path, request: request::check_request(&raw, &limits)?, gguf });
+        let mut requests = Vec::new();
+        for &tokens in &args.prompt_tokens {
+            let prompt_tokens = request::check_count(Field::PromptTokens, tokens, 1, max_prompt).map_err(|e| {
+                Invalid { expected: format!("{} ({name}'s context less the decoded tokens)", e.expected), ..e }
+            })?;
+            let mut prompt = tok.encode(&TEXT.repeat(1 + prompt_tokens as usize / 20), tok.add_bos());
+            prompt.truncate(prompt_tokens as usize);
+            let raw = RawRequest {
+                prompt,
+                prompt_field: Some(Field::PromptTokens),
+                max_tokens: decode + 1,
+                ..RawRequest::default()
+            };
+            requests.push(request::check_request(&raw, &limits)?);
+        }
+        cases.push(Case { name, path, requests, gguf });
     }
     Ok(cases)
 }
@@ -127,10 +131,10 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         .collect::<Result<_, _>>()?;
     let cases = cases(args)?;
     let llama_site = if args.no_llama_cpp { None } else { Some(llama_cpp_python(args.json)?) };
-    let bar = super::progress((8 * batches.len()) as u64, args.json);
+    let bar = super::progress((8 * batches.len() * args.prompt_tokens.len()) as u64, args.json);
     let (mut rows, mut loads) = (Vec::new(), Vec::new());
     for case in &cases {
-        let (name, prompt) = (case.name, &case.request.prompt);
+        let name = case.name;
         for precision in [Precision::Exact, Precision::Fast] {
             let t = std::time::Instant::now();
             let mut model = Model::from_gguf(&case.gguf)?;
@@ -145,29 +149,38 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         }
         let mut model = Model::from_gguf(&case.gguf)?;
         for threads in [1, 2] {
-            let llama = match &llama_site {
-                Some(site) => Some(llama_cpp(site, &case.path, threads, args.decode_tokens, prompt)?),
-                None => None,
-            };
-            for precision in [Precision::Exact, Precision::Fast] {
-                model.configure(precision, threads);
-                for &batch in &batches {
-                    bar.set_message(format!("{name} {} {threads}t batch {batch}", precision.name()));
-                    let max_len = (prompt.len() + case.request.max_tokens) as u64;
-                    let mut engine = Engine::new(model, Dtype::F32, 64, max_len, batch as u32)?;
-                    let result = run_batch(&mut engine, &case.request, batch);
-                    model = engine.model;
-                    let (prefill, decode) = result?;
-                    rows.push(Row {
-                        model: name,
-                        precision: precision.name(),
-                        threads,
-                        batch,
-                        prefill,
-                        decode,
-                        llama: llama.filter(|_| batch == 1),
-                    });
-                    bar.inc(1);
+            for request in &case.requests {
+                let prompt = &request.prompt;
+                let llama = match &llama_site {
+                    Some(site) => Some(llama_cpp(site, &case.path, threads, args.decode_tokens, &batches, prompt)?),
+                    None => None,
+                };
+                for precision in [Precision::Exact, Precision::Fast] {
+                    model.configure(precision, threads);
+                    for &batch in &batches {
+                        let what =
+                            format!("{name} {} {threads}t {} tokens batch {batch}", precision.name(), prompt.len());
+                        bar.set_message(what);
+                        let max_len = (prompt.len() + request.max_tokens) as u64;
+                        let mut engine = Engine::new(model, Dtype::F32, 64, max_len, batch as u32)?;
+                        let result = run_batch(&mut engine, request, batch);
+                        model = engine.model;
+                        let (prefill, decode) = result?;
+                        rows.push(Row {
+                            model: name,
+                            precision: precision.name(),
+                            threads,
+                            prompt: prompt.len(),
+                            batch,
+                            prefill,
+                            decode,
+                            llama: llama.as_ref().map(|(prefill, decode)| {
+                                let at = decode.iter().find(|(b, _)| *b == batch).map_or(f64::NAN, |(_, d)| *d);
+                                (*prefill, at)
+                            }),
+                        });
+                        bar.inc(1);
+                    }
                 }
             }
         }
@@ -177,7 +190,8 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         let out: Vec<_> = rows
             .iter()
             .map(|r| {
-                json!({"model": r.model, "precision": r.precision, "threads": r.threads, "batch": r.batch,
+                json!({"model": r.model, "precision": r.precision, "threads": r.threads,
+                       "prompt_tokens": r.prompt, "batch": r.batch,
                        "prefill_tok_s": r.prefill, "decode_tok_s": r.decode,
                        "llama_cpp_prefill_tok_s": r.llama.map(|l| l.0),
                        "llama_cpp_decode_tok_s": r.llama.map(|l| l.1)})
@@ -194,8 +208,8 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         )?;
     } else {
         outln!(
-            "prefill of a {}-token prompt and greedy decode of {} tokens through the paged KV cache (f32 KV); llama.cpp on the same GGUF, same threads, same run",
-            args.prompt_tokens, args.decode_tokens
+            "prefill of a prompt and greedy decode of {} tokens by `batch` sequences at once through the paged KV cache (f32 KV); llama.cpp on the same GGUF, same threads, same run",
+            args.decode_tokens
         )?;
         for l in &loads {
             outln!(
@@ -207,10 +221,11 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             )?;
         }
         outln!(
-            "{:<13} {:<6} {:>3} {:>5} {:>12} {:>12} {:>14} {:>14} {:>8} {:>8}",
+            "{:<13} {:<6} {:>3} {:>6} {:>5} {:>12} {:>12} {:>14} {:>14} {:>8} {:>8}",
             "model",
             "prec",
             "thr",
+            "prompt",
             "batch",
             "prefill t/s",
             "decode t/s",
@@ -223,10 +238,11 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             // A skipped peer (--no-llama-cpp) shows `-`, never NaN.
             let cell = |f: &dyn Fn((f64, f64)) -> String| r.llama.map_or_else(|| "-".to_string(), f);
             outln!(
-                "{:<13} {:<6} {:>3} {:>5} {:>12.1} {:>12.1} {:>14} {:>14} {:>8} {:>8}",
+                "{:<13} {:<6} {:>3} {:>6} {:>5} {:>12.1} {:>12.1} {:>14} {:>14} {:>8} {:>8}",
                 r.model,
                 r.precision,
                 r.threads,
+                r.prompt,
                 r.batch,
                 r.prefill,
                 r.decode,
@@ -264,13 +280,22 @@ fn llama_cpp_python(quiet: bool) -> anyhow::Result<PathBuf> {
     Ok(site)
 }
 
-fn llama_cpp(site: &Path, gguf: &Path, threads: usize, decode: u64, prompt: &[u32]) -> anyhow::Result<(f64, f64)> {
+fn llama_cpp(
+    site: &Path,
+    gguf: &Path,
+    threads: usize,
+    decode: u64,
+    batches: &[usize],
+    prompt: &[u32],
+) -> anyhow::Result<(f64, Vec<(usize, f64)>)> {
     let ids = prompt.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    let batch_list = batches.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let out = Command::new("python3")
         .args(["-c", SCRIPT])
         .arg(gguf)
         .arg(threads.to_string())
         .arg(decode.to_string())
+        .arg(batch_list)
         .arg(ids)
         .env("PYTHONPATH", site)
         .output()
@@ -281,5 +306,6 @@ fn llama_cpp(site: &Path, gguf: &Path, threads: usize, decode: u64, prompt: &[u3
         String::from_utf8_lossy(&out.stderr).lines().last().unwrap_or("")
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama.cpp output")?;
-    Ok((v["prefill_tok_s"].as_f64().unwrap_or(f64::NAN), v["decode_tok_s"].as_f64().unwrap_or(f64::NAN)))
+    let decode = batches.iter().map(|b| (*b, v["decode_tok_s"][b.to_string()].as_f64().unwrap_or(f64::NAN))).collect();
+    Ok((v["prefill_tok_s"].as_f64().unwrap_or(f64::NAN), decode))
 }
