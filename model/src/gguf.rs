@@ -3,7 +3,9 @@
 //!
 //! The mapping is of a model file in pdhost's own cache, opened read-only; nobody else writes it. (A file
 //! truncated underneath a mapping would fault on access; model files are written once, atomically renamed
-//! into place, and never modified.)
+//! into place, and never modified: a re-fetch renames a new file over the name, and the old mapping keeps
+//! the old inode.) A model's weights keep the mapping alive ([`Gguf::tensor_shared`]) for as long as the
+//! model lives, so the same holds for its whole life, not only while it loads.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
