@@ -131,11 +131,6 @@ impl Prefilling {
         }
     }
 
-    /// Prompt tokens shared from the prefix cache.
-    pub fn prefix_hit(&self) -> usize {
-        self.hit
-    }
-
     /// The next chunk as a producer call: the request's context rides along on the first chunk of a
     /// prefix-cache hit.
     pub fn next_call(&self, prompt: &[u32]) -> Option<PrefillCall> {
@@ -162,8 +157,7 @@ impl Prefilling {
     /// The next chunk of `prompt` (the request's prompt, or just its head) to prefill: its first position
     /// and tokens; `None` when the prefill is complete.
     pub fn next_chunk<'p>(&self, prompt: &'p [u32]) -> Option<(u64, &'p [u32])> {
-        let end = (self.done + self.chunk).min(self.len);
-        (self.done < self.len).then(|| (self.done as u64, &prompt[self.done..end]))
+        (self.done < self.len).then(|| (self.done as u64, &prompt[self.done..(self.done + self.chunk).min(self.len)]))
     }
 
     /// A remote chunk landed in the cache, costing `times`.
@@ -501,7 +495,7 @@ impl Engine {
         while let Some((start, part)) = p.next_chunk(prompt) {
             self.prefill_chunk(&mut p, start, part)?;
         }
-        self.register_prefix(&mut p, prompt);
+        self.register_prefix(&p, prompt);
         Ok(p.prefilled)
     }
 
@@ -539,7 +533,7 @@ impl Engine {
 
     /// Registers the full pages of a complete prefill's prompt in the prefix cache, when every one of
     /// them went through the rounding its blocks are keyed by.
-    fn register_prefix(&mut self, p: &mut Prefilling, head: &[u32]) {
+    fn register_prefix(&mut self, p: &Prefilling, head: &[u32]) {
         let cache = self.kv.dtype();
         let report = &p.prefilled.report;
         let rounding = if report.remote { report.wire_dtype.or(p.rounding) } else { Some(cache) };
@@ -601,9 +595,9 @@ impl Engine {
     }
 
     /// Runs the last prompt token of a prefilled `p` and makes it live; on failure the sequence is gone.
-    pub fn go_live(&mut self, mut p: Prefilling, req: &Request) -> Result<Live, EngineError> {
+    pub fn go_live(&mut self, p: Prefilling, req: &Request) -> Result<Live, EngineError> {
         let seq = p.seq;
-        self.register_prefix(&mut p, &req.prompt[..req.prompt.len() - 1]);
+        self.register_prefix(&p, &req.prompt[..req.prompt.len() - 1]);
         let result = self.finish_start(p.seq, p.request_id, req, p.prefilled, p.started);
         if result.is_err() {
             let _ = self.kv.remove_sequence(seq);
