@@ -140,7 +140,7 @@ pub struct Model {
     pub source: PathBuf,
     /// Precision and threads of the forward pass.
     pub exec: Exec,
-    /// Q8_0 copies of the linear weights, in `fast` precision.
+    /// Q8_0 copies of the linear weights not held as integer blocks, in `fast` precision.
     pub q8: Option<FastWeights>,
     /// The element type of the K/V cache this model's K/V goes to (f32 unless set): every chunk's K/V is
     /// rounded to it as soon as it is computed, so a position attends to the same values whether it is
@@ -148,13 +148,15 @@ pub struct Model {
     pub kv_dtype: Dtype,
 }
 
-/// Q8_0 copies of every linear weight, for `fast` decode.
+/// `fast` precision's Q8_0 copies of the linear weights that are not integer blocks (f32, f16, bf16);
+/// `None` where `fast` computes on the weight's own blocks, or where its rows are not whole Q8_0 blocks
+/// (then it computes in f32).
 #[derive(Debug)]
 pub struct FastWeights {
     /// Per layer: q, k, v, o, gate, up, down.
-    pub layers: Vec<[Q8; 7]>,
+    pub layers: Vec<[Option<Q8>; 7]>,
     /// The output head.
-    pub head: Q8,
+    pub head: Option<Q8>,
 }
 
 /// Why a model cannot be loaded.
@@ -453,11 +455,12 @@ impl Model {
             })
             .sum();
         let q8: usize =
-            self.q8.as_ref().map_or(0, |q| q.layers.iter().flatten().map(Q8::bytes).sum::<usize>() + q.head.bytes());
+            self.q8.as_ref().map_or(0, |q| q.layers.iter().flatten().chain([&q.head]).flatten().map(Q8::bytes).sum());
         self.embed.bytes() + self.lm_head.as_ref().map_or(0, Weight::bytes) + 4 * self.final_norm.len() + layers + q8
     }
 
-    /// Sets precision and thread count. `fast` quantizes every linear weight to Q8_0 once, here.
+    /// Sets precision and thread count. `fast` quantizes the linear weights that are not integer blocks
+    /// to Q8_0 once, here.
     pub fn configure(&mut self, precision: Precision, threads: usize) {
         self.exec = Exec::new(precision, threads);
         self.q8 = match precision {
@@ -465,24 +468,30 @@ impl Model {
             Precision::Fast => {
                 let c = &self.config;
                 let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
-                let q = |w: &Weight, rows: usize, cols: usize| Q8::of_weight(w, rows, cols);
-                let layers: Option<Vec<[Q8; 7]>> = self
+                let q = |w: &Weight, rows: usize, cols: usize| {
+                    if w.integer_blocks() {
+                        None
+                    } else {
+                        Q8::of_weight(w, rows, cols)
+                    }
+                };
+                let layers = self
                     .layers
                     .iter()
                     .map(|l| {
-                        Some([
-                            q(&l.wq, qd, c.hidden)?,
-                            q(&l.wk, kvd, c.hidden)?,
-                            q(&l.wv, kvd, c.hidden)?,
-                            q(&l.wo, c.hidden, qd)?,
-                            q(&l.gate, c.ffn, c.hidden)?,
-                            q(&l.up, c.ffn, c.hidden)?,
-                            q(&l.down, c.hidden, c.ffn)?,
-                        ])
+                        [
+                            q(&l.wq, qd, c.hidden),
+                            q(&l.wk, kvd, c.hidden),
+                            q(&l.wv, kvd, c.hidden),
+                            q(&l.wo, c.hidden, qd),
+                            q(&l.gate, c.ffn, c.hidden),
+                            q(&l.up, c.ffn, c.hidden),
+                            q(&l.down, c.hidden, c.ffn),
+                        ]
                     })
                     .collect();
                 let head = q(self.lm_head.as_ref().unwrap_or(&self.embed), c.vocab, c.hidden);
-                layers.zip(head).map(|(layers, head)| FastWeights { layers, head })
+                Some(FastWeights { layers, head })
             }
         };
     }

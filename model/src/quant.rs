@@ -101,7 +101,7 @@ impl GgmlType {
 }
 
 #[inline(always)]
-fn f16_at(b: &[u8], at: usize) -> f32 {
+pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
@@ -239,25 +239,31 @@ pub(crate) fn dequantize_blocks(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
 /// The 6-bit scale and min of sub-block `j` of a Q4_K/Q5_K block.
 #[inline(always)]
 fn scale_min_k4(j: usize, q: &[u8]) -> (f32, f32) {
-    let (d, m) = if j < 4 {
+    let (d, m) = scale_min_k4_int(j, q);
+    (f32::from(d), f32::from(m))
+}
+
+/// [`scale_min_k4`] as the integers they are.
+#[inline(always)]
+pub(crate) fn scale_min_k4_int(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
         (q[j] & 63, q[j + 4] & 63)
     } else {
         ((q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4), (q[j + 4] >> 4) | ((q[j] >> 6) << 4))
-    };
-    (f32::from(d), f32::from(m))
+    }
 }
 
 /// AVX2 twins of the portable dequantizer for the block types, value for value the same: every value is
 /// the same operations on the same operands (a product and a sum are never fused), eight at a time. Each
 /// block hands its vectors, in increasing position, to a consumer: a store ([`dequantize`]) or the
-/// multiply-adds of a dot product ([`dot_row`]), which then never round-trips the weights through memory.
+/// multiply-adds of a dot product ([`dot_rows`]), which then never round-trips the weights through memory.
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{scale_min_k4, GgmlType};
 
-    /// Whether [`dequantize`] and [`dot_row`] handle `ty`.
+    /// Whether [`dequantize`] and [`dot_rows`] handle `ty`.
     pub(crate) fn supports(ty: GgmlType) -> bool {
         matches!(
             ty,
@@ -296,51 +302,57 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// The 16 lanes of `x[r] . w` for one weight row `w` of `ty` blocks (`n` values, whole blocks): lane
-    /// `l` of vector `v` accumulates, with fused multiply-adds in increasing position, the products at
-    /// positions `k` with `k mod 16 == 8v + l`: exactly the accumulators of the f32 kernel
-    /// (`kernels::dot`) over the dequantized row, which the caller then reduces the same way.
+    /// The 16 lanes of `x[r] . w` for each weight row `w` of `ty` blocks (`n` values, whole blocks) in
+    /// `ws`, one row per element of `out`: lane `l` of vector `v` accumulates, with fused multiply-adds in
+    /// increasing position, the products at positions `k` with `k mod 16 == 8v + l`: exactly the
+    /// accumulators of the f32 kernel (`kernels::dot`) over the dequantized row, which the caller then
+    /// reduces the same way.
     ///
     /// # Safety
     ///
-    /// [`available`], `ty` is [`supports`]ed, `w` holds the row's whole blocks, and every `x[r]` holds at
-    /// least `n` values.
+    /// [`available`], `ty` is [`supports`]ed, `ws` holds `out.len()` rows of whole blocks, and every `x[r]`
+    /// holds at least `n` values.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) unsafe fn dot_row<const R: usize>(
+    pub(crate) unsafe fn dot_rows<const R: usize>(
         ty: GgmlType,
         x: [&[f32]; R],
-        w: &[u8],
+        ws: &[u8],
         n: usize,
-    ) -> [[[f32; 8]; 2]; R] {
+        out: &mut [[[[f32; 8]; 2]; R]],
+    ) {
         let (be, bb) = (ty.block_elems(), ty.block_bytes());
-        assert!(n % be == 0 && w.len() >= n / be * bb && x.iter().all(|x| x.len() >= n), "dot_row operands");
-        let mut acc = [[_mm256_setzero_ps(); 2]; R];
-        for (i, b) in w.chunks_exact(bb).take(n / be).enumerate() {
-            let base = i * be;
-            block(ty, b, &mut |at, wv| {
-                let k = base + at;
-                // Blocks are whole 16s, so the accumulator is fixed at each call site (a constant index
-                // keeps the accumulators in registers).
-                let second = at % 16 == 8;
-                for r in 0..R {
-                    // SAFETY: k + 8 <= n <= x[r].len() (asserted); unaligned load.
-                    let xv = unsafe { _mm256_loadu_ps(x[r].as_ptr().add(k)) };
-                    if second {
-                        acc[r][1] = _mm256_fmadd_ps(xv, wv, acc[r][1]);
-                    } else {
-                        acc[r][0] = _mm256_fmadd_ps(xv, wv, acc[r][0]);
+        let row_bytes = n / be * bb;
+        assert!(
+            n % be == 0 && ws.len() >= out.len() * row_bytes && x.iter().all(|x| x.len() >= n),
+            "dot_rows operands"
+        );
+        for (lanes, w) in out.iter_mut().zip(ws.chunks_exact(row_bytes)) {
+            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            for (i, b) in w.chunks_exact(bb).enumerate() {
+                let base = i * be;
+                block(ty, b, &mut |at, wv| {
+                    let k = base + at;
+                    // Blocks are whole 16s, so the accumulator is fixed at each call site (a constant
+                    // index keeps the accumulators in registers).
+                    let second = at % 16 == 8;
+                    for r in 0..R {
+                        // SAFETY: k + 8 <= n <= x[r].len() (asserted); unaligned load.
+                        let xv = unsafe { _mm256_loadu_ps(x[r].as_ptr().add(k)) };
+                        if second {
+                            acc[r][1] = _mm256_fmadd_ps(xv, wv, acc[r][1]);
+                        } else {
+                            acc[r][0] = _mm256_fmadd_ps(xv, wv, acc[r][0]);
+                        }
                     }
+                });
+            }
+            for r in 0..R {
+                for v in 0..2 {
+                    // SAFETY: 8 f32s; unaligned store.
+                    unsafe { _mm256_storeu_ps(lanes[r][v].as_mut_ptr(), acc[r][v]) };
                 }
-            });
-        }
-        let mut lanes = [[[0f32; 8]; 2]; R];
-        for r in 0..R {
-            for v in 0..2 {
-                // SAFETY: 8 f32s; unaligned store.
-                unsafe { _mm256_storeu_ps(lanes[r][v].as_mut_ptr(), acc[r][v]) };
             }
         }
-        lanes
     }
 
     /// One block of a supported `ty`, eight values at a time, in increasing position.

@@ -6,6 +6,7 @@
 use rayon::prelude::*;
 
 mod dot;
+mod native;
 mod q8;
 mod weight;
 
@@ -18,8 +19,9 @@ pub use weight::{BlockBytes, Weight};
 pub enum Precision {
     /// f32 arithmetic on dequantized weights.
     Exact,
-    /// Q8_0 weights and activations (quantized once per linear layer call) with integer dot products,
-    /// in prefill and decode alike.
+    /// Activations quantized to 8 bits (once per linear layer call) and integer dot products, in
+    /// prefill and decode alike: on the GGUF's own blocks where it holds integer blocks, on a Q8_0
+    /// copy of the weights otherwise (f32, f16 or bf16 matrices).
     Fast,
 }
 
@@ -65,15 +67,22 @@ impl Exec {
         self.pool.current_num_threads()
     }
 
-    /// `x[t][n_in] * w[n_out][n_in]^T -> [t][n_out]`. With `q8` (the same weights quantized, in
-    /// `fast` precision), the activations are quantized once here and every product is integer. Weights
-    /// held as blocks are dequantized a panel of rows at a time (see [`Weight`]): the same bits as f32.
+    /// `x[t][n_in] * w[n_out][n_in]^T -> [t][n_out]`. In `fast` precision, with integer blocks or `q8`
+    /// (a Q8_0 copy of other weights), the activations are quantized once here and every product is
+    /// integer ([`native`], [`q8`]). Otherwise weights held as blocks are dequantized a panel of rows at a
+    /// time (see [`Weight`]): the same bits as f32.
     pub fn matmul_t(&self, x: &[f32], w: &Weight, q8: Option<&Q8>, t: usize, n_in: usize, n_out: usize) -> Vec<f32> {
         assert_eq!(x.len(), t * n_in, "activation shape");
         assert_eq!(w.len(), n_out * n_in, "weight shape");
         let simd = dot::simd();
         let q8 = q8.filter(|q| q.cols == n_in && q.rows == n_out);
-        let xq = q8.and_then(|_| Q8::new(x, t, n_in));
+        let native = match w {
+            Weight::Blocks { ty, bytes, .. } if self.precision == Precision::Fast && native::supports(*ty) => {
+                Some((*ty, &bytes[..]))
+            }
+            _ => None,
+        };
+        let xq = if q8.is_some() || native.is_some() { Q8::new(x, t, n_in) } else { None };
         // Weight rows per task: enough work to be worth a hand-off, and several tasks per thread when
         // there are rows enough. Which rows go together never changes a result.
         let per_task = (n_out / (4 * self.threads())).max(64).min(n_out.max(1));
@@ -84,12 +93,13 @@ impl Exec {
                 .map(|task| {
                     let rows = task * per_task..((task + 1) * per_task).min(n_out);
                     let mut out = vec![0f32; t * rows.len()];
-                    match (q8, &xq, w) {
-                        (Some(w), Some(xq), _) => q8::dots(simd, xq, w, rows, &mut out),
-                        (_, _, Weight::F32(w)) => {
+                    match (native, q8, &xq, w) {
+                        (Some((ty, bytes)), _, Some(xq), _) => native::dots(simd, ty, xq, bytes, rows, &mut out),
+                        (_, Some(w), Some(xq), _) => q8::dots(simd, xq, w, rows, &mut out),
+                        (_, _, _, Weight::F32(w)) => {
                             dot::dots(simd, x, t, &w[rows.start * n_in..rows.end * n_in], n_in, &mut out)
                         }
-                        (_, _, w) => blocks(simd, x, t, w, rows, n_in, &mut out),
+                        (_, _, _, w) => blocks(simd, x, t, w, rows, n_in, &mut out),
                     }
                     out
                 })
@@ -115,9 +125,12 @@ impl Exec {
     }
 }
 
+/// Weight rows per call of a row kernel over blocks.
+const ROWS_PER_CALL: usize = 32;
+
 /// [`dot::dots`] over weight rows `rows` held as blocks, into `out` (`t x rows.len()`). A few rows (decode)
 /// read each weight row straight from its blocks, dequantized in registers into the f32 kernel's own
-/// accumulators ([`crate::quant::avx2::dot_row`]); otherwise see [`panels`]. The bits are the same
+/// accumulators ([`crate::quant::avx2::dot_rows`]); otherwise see [`panels`]. The bits are the same
 /// either way.
 fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usize>, n: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
@@ -125,26 +138,32 @@ fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usi
         use crate::quant::avx2;
         if simd && t <= dot::TILE_ROWS && avx2::supports(*ty) && n % ty.block_elems() == 0 && avx2::available() {
             let row_bytes = n / ty.block_elems() * ty.block_bytes();
-            let width = rows.len();
-            for (j, r) in rows.enumerate() {
-                let wr = &bytes[r * row_bytes..(r + 1) * row_bytes];
-                macro_rules! run {
-                    ($r:literal) => {{
-                        let xs: [&[f32]; $r] = std::array::from_fn(|i| &x[i * n..(i + 1) * n]);
-                        // SAFETY: AVX2, FMA and F16C are present (checked), `ty` is supported, `wr` is the
-                        // row's whole blocks and every activation row holds `n` values.
-                        let lanes = unsafe { avx2::dot_row::<$r>(*ty, xs, wr, n) };
-                        for (i, lanes) in lanes.into_iter().enumerate() {
-                            out[i * width + j] = dot::reduce(lanes);
+            let (width, ws) = (rows.len(), &bytes[rows.start * row_bytes..rows.end * row_bytes]);
+            macro_rules! run {
+                ($r:literal) => {{
+                    let xs: [&[f32]; $r] = std::array::from_fn(|i| &x[i * n..(i + 1) * n]);
+                    // A few dozen weight rows per call: the call's checks are amortised and its lanes stay
+                    // in L1.
+                    let mut lanes = [[[[0f32; 8]; 2]; $r]; ROWS_PER_CALL];
+                    for j0 in (0..width).step_by(ROWS_PER_CALL) {
+                        let lanes = &mut lanes[..ROWS_PER_CALL.min(width - j0)];
+                        let ws = &ws[j0 * row_bytes..(j0 + lanes.len()) * row_bytes];
+                        // SAFETY: AVX2, FMA and F16C are present (checked), `ty` is supported, `ws` is
+                        // `lanes.len()` rows of whole blocks and every activation row holds `n` values.
+                        unsafe { avx2::dot_rows::<$r>(*ty, xs, ws, n, lanes) };
+                        for (j, lanes) in lanes.iter().enumerate() {
+                            for (i, lanes) in lanes.iter().enumerate() {
+                                out[i * width + j0 + j] = dot::reduce(*lanes);
+                            }
                         }
-                    }};
-                }
-                match t {
-                    1 => run!(1),
-                    2 => run!(2),
-                    3 => run!(3),
-                    _ => run!(4),
-                }
+                    }
+                }};
+            }
+            match t {
+                1 => run!(1),
+                2 => run!(2),
+                3 => run!(3),
+                _ => run!(4),
             }
             return;
         }
@@ -210,7 +229,7 @@ mod tests {
     }
 
     /// Pseudo-random whole blocks of `ty` for `elems` weights, with finite, moderate scales.
-    fn blocks(ty: crate::quant::GgmlType, elems: usize, seed: u32) -> Vec<u8> {
+    pub(super) fn random_blocks(ty: crate::quant::GgmlType, elems: usize, seed: u32) -> Vec<u8> {
         use crate::quant::GgmlType as T;
         let mut state = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
         let mut next = move || {
@@ -255,7 +274,7 @@ mod tests {
             .into_iter()
             .enumerate()
         {
-            let w = Weight::from_blocks(ty, BlockBytes::Owned(blocks(ty, n_out * n_in, i as u32)), n_in);
+            let w = Weight::from_blocks(ty, BlockBytes::Owned(random_blocks(ty, n_out * n_in, i as u32)), n_in);
             assert!(matches!(w, Weight::Blocks { .. }), "{}", ty.name());
             let f = Weight::F32(w.to_f32().into_owned());
             assert!(f.to_f32().iter().all(|v| v.is_finite()));
@@ -265,6 +284,31 @@ mod tests {
                     let x = &x[..t * n_in];
                     let want = exec.matmul_t(x, &f, None, t, n_in, n_out);
                     assert_eq!(bits(&exec.matmul_t(x, &w, None, t, n_in, n_out)), bits(&want), "{}", ty.name());
+                }
+            }
+        }
+    }
+
+    /// `fast` on integer blocks: each row's bits are the same alone or in any batch, on any thread
+    /// count, and no Q8_0 copy of the weights is involved.
+    #[test]
+    fn fast_products_on_blocks_are_the_same_in_any_batch_and_on_any_thread_count() {
+        use crate::quant::GgmlType as T;
+        let (n_in, n_out) = (512, 131);
+        let x: Vec<f32> = (0..8 * n_in).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for (i, ty) in [T::Q8_0, T::Q4_0, T::Q4_1, T::Q5_0, T::Q5_1, T::Q4K, T::Q5K, T::Q6K].into_iter().enumerate() {
+            let w = Weight::from_blocks(ty, BlockBytes::Owned(random_blocks(ty, n_out * n_in, 40 + i as u32)), n_in);
+            assert!(w.integer_blocks(), "{}", ty.name());
+            let reference = Exec::new(Precision::Fast, 1).matmul_t(&x, &w, None, 8, n_in, n_out);
+            let exact = Exec::new(Precision::Exact, 1).matmul_t(&x, &w, None, 8, n_in, n_out);
+            assert_ne!(bits(&reference), bits(&exact), "{}: fast computes on its own path", ty.name());
+            for threads in [1, 2, 3] {
+                let exec = Exec::new(Precision::Fast, threads);
+                for (from, len) in [(0, 1), (5, 1), (2, 3), (1, 4), (3, 5), (0, 8)] {
+                    let got = exec.matmul_t(&x[from * n_in..(from + len) * n_in], &w, None, len, n_in, n_out);
+                    let want = &reference[from * n_out..(from + len) * n_out];
+                    assert_eq!(bits(&got), bits(want), "{} rows {from}+{len}, {threads} threads", ty.name());
                 }
             }
         }

@@ -24,6 +24,9 @@ pub struct Q8 {
     pub(crate) cols: usize,
     q: Vec<i8>,
     scales: Vec<f32>,
+    /// Per block, the sum of the values before quantization (in order): what a weight block's offset
+    /// (Q4_1, Q4_K, ...) multiplies, so that term carries no quantization error.
+    sums: Vec<f32>,
 }
 
 impl Q8 {
@@ -33,7 +36,13 @@ impl Q8 {
         if cols % QK != 0 || w.len() != rows * cols {
             return None;
         }
-        let mut out = Q8 { rows, cols, q: vec![0i8; w.len()], scales: Vec::with_capacity(w.len() / QK) };
+        let mut out = Q8 {
+            rows,
+            cols,
+            q: vec![0i8; w.len()],
+            scales: Vec::with_capacity(w.len() / QK),
+            sums: Vec::with_capacity(w.len() / QK),
+        };
         out.quantize_into(0, w);
         Some(out)
     }
@@ -43,7 +52,13 @@ impl Q8 {
         if cols % QK != 0 || w.len() != rows * cols {
             return None;
         }
-        let mut out = Q8 { rows, cols, q: vec![0i8; w.len()], scales: Vec::with_capacity(w.len() / QK) };
+        let mut out = Q8 {
+            rows,
+            cols,
+            q: vec![0i8; w.len()],
+            scales: Vec::with_capacity(w.len() / QK),
+            sums: Vec::with_capacity(w.len() / QK),
+        };
         let per_panel = (1 << 16) / cols.max(1) + 1;
         let mut buf = Vec::new();
         for r0 in (0..rows).step_by(per_panel) {
@@ -59,22 +74,41 @@ impl Q8 {
             let amax = wb.iter().fold(0f32, |m, v| m.max(v.abs()));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0f32;
             for (q, &v) in qb.iter_mut().zip(wb) {
                 *q = (v * inv).round() as i8;
+                sum += v;
             }
             self.scales.push(d);
+            self.sums.push(sum);
         }
     }
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        self.q.len() + self.scales.len() * 4
+        self.q.len() + (self.scales.len() + self.sums.len()) * 4
     }
 
     fn row(&self, r: usize) -> (&[i8], &[f32]) {
         let blocks = self.cols / QK;
         (&self.q[r * self.cols..(r + 1) * self.cols], &self.scales[r * blocks..(r + 1) * blocks])
     }
+
+    /// Row `r` as the operand of a native block product.
+    pub(crate) fn act(&self, r: usize) -> Act<'_> {
+        let blocks = self.cols / QK;
+        let (q, d) = self.row(r);
+        Act { q, d, s: &self.sums[r * blocks..(r + 1) * blocks] }
+    }
+}
+
+/// One quantized activation row: per block of 32, the values `q`, the scale `d` and the sum `s` of the
+/// values before quantization.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Act<'a> {
+    pub(crate) q: &'a [i8],
+    pub(crate) d: &'a [f32],
+    pub(crate) s: &'a [f32],
 }
 
 type Row<'a> = (&'a [i8], &'a [f32]);

@@ -72,6 +72,11 @@ impl Weight {
         Weight::F32(out)
     }
 
+    /// Whether it is held as blocks of integer values, on which `fast` computes directly.
+    pub fn integer_blocks(&self) -> bool {
+        matches!(self, Weight::Blocks { ty, .. } if super::native::supports(*ty))
+    }
+
     /// Elements.
     pub fn len(&self) -> usize {
         match self {

@@ -1,0 +1,509 @@
+//! `fast` precision on the GGUF's own blocks: integer dot products of each weight block with the
+//! activations quantized to 8 bits, with no re-quantized or f32 copy of any weight.
+//!
+//! Every 32 weights of every supported block type form one *chunk*: 32 small integers `v`, an integer
+//! scale for each half of 16 (`isc`; 1 for the 32-value types), a float scale `d` and, for the types
+//! with an offset (Q4_1, Q5_1, Q4_K, Q5_K), a float offset `m`, so that weight `k` is
+//! `d * isc[k / 16] * v[k] + m`. Activations are [`Q8`] rows: per 32 values a scale `xd`, 32 integers
+//! `q` (quantized once per product, shared by every weight row) and the sum `xs` of the 32 values before
+//! quantization, so the offset's term `m * xs` carries no quantization error (llama.cpp's Q8_1 holds
+//! `xd * sum(q)`; the exact sum agrees better with f32).
+//!
+//! Each output is computed in one fixed order, whatever the batch, tile or thread:
+//! 1. per chunk, lane `l` (of 8) sums `isc * v[k] * q[k]` over `k` in `4l..4l + 4`, in 32-bit integers
+//!    (exact, so no order inside a chunk can matter);
+//! 2. chunk after chunk, `acc[l] = fma(d * xd, lane as f32, acc[l])` and, with an offset,
+//!    `off = fma(m, xs, off)`;
+//! 3. the output is `tree8(acc) + off` ([`super::dot::tree8`]).
+//!
+//! The AVX2 kernel unpacks each chunk in registers (`maddubs` of the 8-bit values, `madd` with the
+//! integer scales: exactly the portable lanes, as no 16-bit pair can saturate: at most
+//! `2 * 128 * 127`) and loads each weight chunk once for up to four activation rows.
+
+use super::dot::tree8;
+use super::q8::{Act, Q8, QK};
+use crate::quant::{f16_at, scale_min_k4_int, GgmlType};
+
+/// Whether `fast` computes on `ty`'s own blocks.
+pub(crate) fn supports(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+    )
+}
+
+/// Whether `ty`'s weights carry an offset `m`.
+#[inline(always)]
+fn has_offset(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K | GgmlType::Q5K)
+}
+
+/// Activation rows per call of a row kernel: each weight chunk is unpacked once for them all.
+const ROWS: usize = 4;
+/// Weight rows per call of a row kernel.
+const ROWS_PER_CALL: usize = 32;
+
+/// One chunk of 32 weights, unpacked: weight `k` is `d * isc[k / 16] * v[k] + m`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Chunk {
+    v: [i8; QK],
+    isc: [i16; 2],
+    d: f32,
+    m: f32,
+}
+
+/// Chunk `c` of block `b` of `ty`: the definition every kernel follows.
+fn chunk(ty: GgmlType, b: &[u8], c: usize) -> Chunk {
+    let mut ch = Chunk { v: [0; QK], isc: [1; 2], d: f16_at(b, 0), m: 0.0 };
+    if matches!(ty, GgmlType::Q4_1 | GgmlType::Q5_1) {
+        ch.m = f16_at(b, 2);
+    }
+    match ty {
+        GgmlType::Q8_0 => {
+            for (v, &q) in ch.v.iter_mut().zip(&b[2..34]) {
+                *v = q as i8;
+            }
+        }
+        GgmlType::Q4_0 | GgmlType::Q4_1 => {
+            let (at, zero) = if ty == GgmlType::Q4_0 { (2, 8) } else { (4, 0) };
+            for j in 0..16 {
+                ch.v[j] = (b[at + j] & 0xF) as i8 - zero;
+                ch.v[j + 16] = (b[at + j] >> 4) as i8 - zero;
+            }
+        }
+        GgmlType::Q5_0 | GgmlType::Q5_1 => {
+            let (at, zero) = if ty == GgmlType::Q5_0 { (6, 16) } else { (8, 0) };
+            let qh = u32::from_le_bytes([b[at - 4], b[at - 3], b[at - 2], b[at - 1]]);
+            for j in 0..16 {
+                let (h0, h1) = (((qh >> j) & 1) as u8, ((qh >> (j + 16)) & 1) as u8);
+                ch.v[j] = ((b[at + j] & 0xF) | (h0 << 4)) as i8 - zero;
+                ch.v[j + 16] = ((b[at + j] >> 4) | (h1 << 4)) as i8 - zero;
+            }
+        }
+        GgmlType::Q4K | GgmlType::Q5K => {
+            let (sc, mn) = scale_min_k4_int(c, &b[4..16]);
+            ch.isc = [i16::from(sc); 2];
+            // Exact: an f16 times an integer below 64.
+            ch.m = -(f16_at(b, 2) * f32::from(mn));
+            let five = ty == GgmlType::Q5K;
+            let qs = if five { &b[48..176] } else { &b[16..144] };
+            for l in 0..QK {
+                let q = qs[32 * (c / 2) + l];
+                let mut n = if c % 2 == 0 { q & 0xF } else { q >> 4 };
+                if five {
+                    n |= ((b[16 + l] >> c) & 1) << 4;
+                }
+                ch.v[l] = n as i8;
+            }
+        }
+        GgmlType::Q6K => {
+            let (n, k) = (c / 4, c % 4);
+            let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+            ch.d = f16_at(b, 208);
+            ch.isc = [i16::from(sc[8 * n + 2 * k] as i8), i16::from(sc[8 * n + 2 * k + 1] as i8)];
+            for l in 0..QK {
+                let low = ql[64 * n + 32 * (k % 2) + l];
+                let low = if k < 2 { low & 0xF } else { low >> 4 };
+                let high = (qh[32 * n + l] >> (2 * k)) & 3;
+                ch.v[l] = (low | (high << 4)) as i8 - 32;
+            }
+        }
+        GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => unreachable!("not a block type with integer values"),
+    }
+    ch
+}
+
+/// `x[r] . w` for one weight row `w` (whole blocks of `ty`, `n` values), portably.
+fn row_portable<const R: usize>(ty: GgmlType, x: [Act<'_>; R], w: &[u8], n: usize) -> [f32; R] {
+    let (be, bb) = (ty.block_elems(), ty.block_bytes());
+    let per = be / QK;
+    let offset = has_offset(ty);
+    let mut acc = [[0f32; 8]; R];
+    let mut off = [0f32; R];
+    for (i, b) in w.chunks_exact(bb).take(n / be).enumerate() {
+        for c in 0..per {
+            let ch = chunk(ty, b, c);
+            let xi = i * per + c;
+            for r in 0..R {
+                let q = &x[r].q[xi * QK..(xi + 1) * QK];
+                let dd = ch.d * x[r].d[xi];
+                for (l, acc) in acc[r].iter_mut().enumerate() {
+                    let isc = i32::from(ch.isc[l / 4]);
+                    let lane: i32 = (4 * l..4 * l + 4).map(|k| isc * (i32::from(ch.v[k]) * i32::from(q[k]))).sum();
+                    *acc = dd.mul_add(lane as f32, *acc);
+                }
+                if offset {
+                    off[r] = ch.m.mul_add(x[r].s[xi], off[r]);
+                }
+            }
+        }
+    }
+    std::array::from_fn(|r| tree8(acc[r]) + off[r])
+}
+
+/// `out[i][j] = xq[i] . w[rows.start + j]` for every activation row of `xq` and the weight rows `rows` of
+/// `w` (rows of `n` values as whole blocks of a [`supports`]ed `ty`), into `out` (`xq.rows x rows.len()`).
+/// One weight row at a time (streaming; see `dot`), its chunks unpacked once per four activation rows.
+pub(crate) fn dots(simd: bool, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::Range<usize>, out: &mut [f32]) {
+    let (n, t, width) = (xq.cols, xq.rows, rows.len());
+    let (be, bb) = (ty.block_elems(), ty.block_bytes());
+    let row_bytes = n / be * bb;
+    assert!(
+        supports(ty) && n % be == 0 && w.len() >= rows.end * row_bytes && out.len() == t * width,
+        "native dots shapes"
+    );
+    #[cfg(target_arch = "x86_64")]
+    let simd = simd && avx2::available();
+    let w = &w[rows.start * row_bytes..rows.end * row_bytes];
+    for r0 in (0..t).step_by(ROWS) {
+        macro_rules! run {
+            ($r:literal) => {{
+                let x: [Act<'_>; $r] = std::array::from_fn(|i| xq.act(r0 + i));
+                // A few dozen weight rows per call: its checks are amortised, its results stay in L1.
+                let mut res = [[0f32; $r]; ROWS_PER_CALL];
+                for j0 in (0..width).step_by(ROWS_PER_CALL) {
+                    let res = &mut res[..ROWS_PER_CALL.min(width - j0)];
+                    let w = &w[j0 * row_bytes..(j0 + res.len()) * row_bytes];
+                    #[cfg(target_arch = "x86_64")]
+                    if simd {
+                        // SAFETY: AVX2, FMA and F16C are present (checked above); `ty` is supported, `w`
+                        // is `res.len()` rows of whole blocks and each activation row holds `n` values.
+                        unsafe { avx2::rows::<$r>(ty, x, w, n, res) };
+                    } else {
+                        rows_portable::<$r>(ty, x, w, n, res);
+                    }
+                    #[cfg(not(target_arch = "x86_64"))]
+                    {
+                        let _ = simd;
+                        rows_portable::<$r>(ty, x, w, n, res);
+                    }
+                    for (j, res) in res.iter().enumerate() {
+                        for (i, v) in res.iter().enumerate() {
+                            out[(r0 + i) * width + j0 + j] = *v;
+                        }
+                    }
+                }
+            }};
+        }
+        match t - r0 {
+            1 => run!(1),
+            2 => run!(2),
+            3 => run!(3),
+            _ => run!(4),
+        }
+    }
+}
+
+/// [`row_portable`] for each of the consecutive weight rows in `w`, one per element of `out`.
+fn rows_portable<const R: usize>(ty: GgmlType, x: [Act<'_>; R], w: &[u8], n: usize, out: &mut [[f32; R]]) {
+    let row_bytes = n / ty.block_elems() * ty.block_bytes();
+    for (res, wr) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
+        *res = row_portable(ty, x, wr, n);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use super::{Act, GgmlType, QK};
+    use crate::quant::scale_min_k4_int;
+
+    pub(super) use crate::quant::avx2::available;
+
+    /// [`super::rows_portable`] with AVX2, the same bits.
+    ///
+    /// # Safety
+    ///
+    /// [`available`]; `ty` is [`super::supports`]ed, `w` holds `out.len()` rows of `n` values as whole
+    /// blocks, and every `x[r]` holds `n` values.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn rows<const R: usize>(ty: GgmlType, x: [Act<'_>; R], w: &[u8], n: usize, out: &mut [[f32; R]]) {
+        // One instance per type, so the unpacking is resolved at compile time.
+        match ty {
+            GgmlType::Q8_0 => rows_of::<R, 8>(x, w, n, out),
+            GgmlType::Q4_0 => rows_of::<R, 2>(x, w, n, out),
+            GgmlType::Q4_1 => rows_of::<R, 3>(x, w, n, out),
+            GgmlType::Q5_0 => rows_of::<R, 6>(x, w, n, out),
+            GgmlType::Q5_1 => rows_of::<R, 7>(x, w, n, out),
+            GgmlType::Q4K => rows_of::<R, 12>(x, w, n, out),
+            GgmlType::Q5K => rows_of::<R, 13>(x, w, n, out),
+            GgmlType::Q6K => rows_of::<R, 14>(x, w, n, out),
+            _ => unreachable!("supports() was checked"),
+        }
+    }
+
+    /// [`rows`] for the type with GGML id `T`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn rows_of<const R: usize, const T: u32>(x: [Act<'_>; R], w: &[u8], n: usize, out: &mut [[f32; R]]) {
+        let ty = GgmlType::from_id(T).expect("a GGML type id");
+        let (be, bb) = (ty.block_elems(), ty.block_bytes());
+        let (per, blocks) = (be / QK, n / be);
+        let chunks = n / QK;
+        assert!(
+            n % be == 0
+                && w.len() >= out.len() * blocks * bb
+                && x.iter().all(|x| x.q.len() >= n && x.d.len() >= chunks && x.s.len() >= chunks),
+            "rows operands"
+        );
+        // Values 0..=63 are unsigned bytes for `maddubs`; signed ones go through `|v| * sign(q, v)`.
+        let signed = matches!(T, 8 | 2 | 6 | 14);
+        let offset = super::has_offset(ty);
+        for (res, wr) in out.iter_mut().zip(w.chunks_exact(blocks * bb)) {
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut off = [0f32; R];
+            for (i, b) in wr.chunks_exact(bb).enumerate() {
+                unpack::<T>(b, &mut |c, v, isc, d, m| {
+                    let xi = i * per + c;
+                    let vabs = if signed { _mm256_sign_epi8(v, v) } else { v };
+                    for r in 0..R {
+                        // SAFETY: chunk xi < n / 32 of a row of n values (asserted above); unaligned load.
+                        let (q, xd, xs) = unsafe {
+                            (
+                                _mm256_loadu_si256(x[r].q.as_ptr().add(xi * QK).cast()),
+                                *x[r].d.get_unchecked(xi),
+                                *x[r].s.get_unchecked(xi),
+                            )
+                        };
+                        let pairs = if signed {
+                            _mm256_maddubs_epi16(vabs, _mm256_sign_epi8(q, v))
+                        } else {
+                            _mm256_maddubs_epi16(v, q)
+                        };
+                        let lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, isc));
+                        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), lanes, acc[r]);
+                        if offset {
+                            off[r] = m.mul_add(xs, off[r]);
+                        }
+                    }
+                });
+            }
+            for r in 0..R {
+                let mut lanes = [0f32; 8];
+                // SAFETY: 8 f32s; unaligned store.
+                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
+                res[r] = super::tree8(lanes) + off[r];
+            }
+        }
+    }
+
+    /// Every chunk of one block of the type with GGML id `T`, in order: `put(c, v, isc, d, m)` with the
+    /// 32 values as bytes in position order and the integer scales as 16-bit words (the first 8 for
+    /// values 0..16, the rest for 16..32), as [`super::chunk`] defines them.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn unpack<const T: u32>(b: &[u8], put: &mut impl FnMut(usize, __m256i, __m256i, f32, f32)) {
+        let ones = _mm256_set1_epi16(1);
+        match T {
+            8 => {
+                assert!(b.len() >= 34);
+                // SAFETY: bytes 2..34 of the block (asserted).
+                let v = unsafe { _mm256_loadu_si256(b.as_ptr().add(2).cast()) };
+                put(0, v, ones, f16(b, 0), 0.0);
+            }
+            2 | 3 => {
+                let at = if T == 2 { 2 } else { 4 };
+                assert!(b.len() >= at + 16);
+                // SAFETY: 16 bytes from `at`, inside the block (asserted).
+                let v = nibbles(unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) });
+                if T == 2 {
+                    put(0, _mm256_sub_epi8(v, _mm256_set1_epi8(8)), ones, f16(b, 0), 0.0);
+                } else {
+                    put(0, v, ones, f16(b, 0), f16(b, 2));
+                }
+            }
+            6 | 7 => {
+                let at = if T == 6 { 6 } else { 8 };
+                assert!(b.len() >= at + 16);
+                let qh = u32::from_le_bytes([b[at - 4], b[at - 3], b[at - 2], b[at - 1]]);
+                // SAFETY: 16 bytes from `at`, inside the block (asserted).
+                let v = nibbles(unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) });
+                let v = _mm256_or_si256(v, fifth_bits(qh));
+                if T == 6 {
+                    put(0, _mm256_sub_epi8(v, _mm256_set1_epi8(16)), ones, f16(b, 0), 0.0);
+                } else {
+                    put(0, v, ones, f16(b, 0), f16(b, 2));
+                }
+            }
+            12 | 13 => {
+                let five = T == 13;
+                assert!(b.len() >= if five { 176 } else { 144 });
+                let (d, dmin) = (f16(b, 0), f16(b, 2));
+                let qs = if five { 48 } else { 16 };
+                let m4 = _mm256_set1_epi8(0x0F);
+                // SAFETY: bytes 16..48 of a Q5_K block (asserted).
+                let qh = if five { unsafe { _mm256_loadu_si256(b.as_ptr().add(16).cast()) } } else { ones };
+                for j in 0..4 {
+                    // SAFETY: 32 bytes of the block's values (asserted).
+                    let q = unsafe { _mm256_loadu_si256(b.as_ptr().add(qs + 32 * j).cast()) };
+                    for (c, mut v) in
+                        [(2 * j, _mm256_and_si256(q, m4)), (2 * j + 1, _mm256_and_si256(_mm256_srli_epi16::<4>(q), m4))]
+                    {
+                        if five {
+                            let bit = _mm256_and_si256(
+                                _mm256_srl_epi16(qh, _mm_cvtsi32_si128(c as i32)),
+                                _mm256_set1_epi8(1),
+                            );
+                            v = _mm256_or_si256(v, _mm256_slli_epi16::<4>(bit));
+                        }
+                        let (sc, mn) = scale_min_k4_int(c, &b[4..16]);
+                        put(c, v, _mm256_set1_epi16(i16::from(sc)), d, -(dmin * f32::from(mn)));
+                    }
+                }
+            }
+            14 => {
+                assert!(b.len() >= 210);
+                let d = f16(b, 208);
+                let sc = &b[192..208];
+                let m4 = _mm256_set1_epi8(0x0F);
+                let m2 = _mm256_set1_epi8(0x03);
+                let m32 = _mm256_set1_epi8(32);
+                for n in 0..2 {
+                    // SAFETY: 32 bytes each, inside the block (asserted).
+                    let (la, lb, h) = unsafe {
+                        (
+                            _mm256_loadu_si256(b.as_ptr().add(64 * n).cast()),
+                            _mm256_loadu_si256(b.as_ptr().add(64 * n + 32).cast()),
+                            _mm256_loadu_si256(b.as_ptr().add(128 + 32 * n).cast()),
+                        )
+                    };
+                    let qs = [
+                        _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(h, m2))),
+                        _mm256_or_si256(
+                            _mm256_and_si256(lb, m4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(h), m2)),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(la), m4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(h), m2)),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4),
+                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(h), m2)),
+                        ),
+                    ];
+                    for (k, q) in qs.into_iter().enumerate() {
+                        let isc = _mm256_set_m128i(
+                            _mm_set1_epi16(i16::from(sc[8 * n + 2 * k + 1] as i8)),
+                            _mm_set1_epi16(i16::from(sc[8 * n + 2 * k] as i8)),
+                        );
+                        put(4 * n + k, _mm256_sub_epi8(q, m32), isc, d, 0.0);
+                    }
+                }
+            }
+            _ => unreachable!("a supported type"),
+        }
+    }
+
+    /// The f16 at `b[at..at + 2]`, widened (exact).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn f16(b: &[u8], at: usize) -> f32 {
+        let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+    }
+
+    /// 16 bytes of nibble pairs as 32 values: the low nibbles first, then the high ones.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn nibbles(q: __m128i) -> __m256i {
+        let m4 = _mm_set1_epi8(0x0F);
+        _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(q), m4), _mm_and_si128(q, m4))
+    }
+
+    /// Byte `k` is 16 where bit `k` of `qh` is set, else 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn fifth_bits(qh: u32) -> __m256i {
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        );
+        let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh as i32), spread);
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+        _mm256_and_si256(set, _mm256_set1_epi8(16))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::dequantize_blocks;
+
+    const TYPES: [GgmlType; 8] = [
+        GgmlType::Q8_0,
+        GgmlType::Q4_0,
+        GgmlType::Q4_1,
+        GgmlType::Q5_0,
+        GgmlType::Q5_1,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
+
+    /// Every chunk is the block's dequantized values, up to the rounding of `d * isc * v + m`.
+    #[test]
+    fn chunks_are_the_dequantized_weights() {
+        for (i, ty) in TYPES.into_iter().enumerate() {
+            let bytes = super::super::tests::random_blocks(ty, 4 * ty.block_elems(), i as u32);
+            let mut want = vec![0f32; 4 * ty.block_elems()];
+            dequantize_blocks(ty, &bytes, &mut want);
+            for (bi, b) in bytes.chunks_exact(ty.block_bytes()).enumerate() {
+                for c in 0..ty.block_elems() / QK {
+                    let ch = chunk(ty, b, c);
+                    for k in 0..QK {
+                        let got = ch.d * f32::from(ch.isc[k / 16]) * f32::from(ch.v[k]) + ch.m;
+                        let want = want[bi * ty.block_elems() + c * QK + k];
+                        assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{} chunk {c} value {k}", ty.name());
+                    }
+                }
+            }
+        }
+    }
+
+    /// The AVX2 kernel gives the portable kernel's bits for every block type, batch and weight row, and
+    /// the products are the dequantized weights' within the activations' quantization.
+    #[test]
+    fn simd_equals_portable_on_every_block_type_in_any_batch() {
+        let (n, rows, t) = (512, 37, 7);
+        let x: Vec<f32> = (0..t * n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+        let xq = Q8::new(&x, t, n).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for (i, ty) in TYPES.into_iter().enumerate() {
+            let w = super::super::tests::random_blocks(ty, rows * n, 7 + i as u32);
+            let mut f = vec![0f32; rows * n];
+            dequantize_blocks(ty, &w, &mut f);
+            let mut portable = vec![0f32; t * rows];
+            dots(false, ty, &xq, &w, 0..rows, &mut portable);
+            for r in 0..t {
+                for j in 0..rows {
+                    let exact: f32 = (0..n).map(|k| x[r * n + k] * f[j * n + k]).sum();
+                    let scale: f32 = (0..n).map(|k| (x[r * n + k] * f[j * n + k]).abs()).sum();
+                    let got = portable[r * rows + j];
+                    assert!((got - exact).abs() <= 0.02 * scale + 1e-4, "{}: {got} vs {exact}", ty.name());
+                }
+            }
+            for simd in [false, super::super::dot::simd()] {
+                let mut all = vec![0f32; t * rows];
+                dots(simd, ty, &xq, &w, 0..rows, &mut all);
+                assert_eq!(bits(&all), bits(&portable), "{} simd {simd}, every row", ty.name());
+                for (from, len) in [(0, 1), (3, 1), (1, 2), (2, 3), (0, 4), (1, 6), (0, 7)] {
+                    let xs = Q8::new(&x[from * n..(from + len) * n], len, n).unwrap();
+                    let mut got = vec![0f32; len * 2];
+                    dots(simd, ty, &xs, &w, 3..5, &mut got);
+                    let want: Vec<f32> =
+                        (from..from + len).flat_map(|r| portable[r * rows + 3..r * rows + 5].to_vec()).collect();
+                    assert_eq!(bits(&got), bits(&want), "{} simd {simd} rows {from}+{len}", ty.name());
+                }
+            }
+        }
+    }
+}
