@@ -102,8 +102,8 @@ pub struct GenerateArgs {
     /// Prompt tokens per prefill span (0: the whole prompt as one span).
     #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
     pub prefill_chunk: u64,
-    /// Arithmetic: `exact` is f32 on dequantized weights (matches transformers' fp32); `fast` decodes with
-    /// Q8_0 weights and integer dot products.
+    /// Arithmetic: `exact` is f32 on dequantized weights (matches transformers' fp32); `fast` quantizes
+    /// activations to 8 bits and computes integer dot products on the GGUF's own blocks.
     #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]
     pub precision: PrecisionArg,
     /// Threads for the forward pass: 1 to 4 per core (default: one per core).
@@ -223,7 +223,7 @@ impl KvDtype {
 pub enum PrecisionArg {
     /// f32 on dequantized weights.
     Exact,
-    /// Q8_0 weights and integer dot products at decode.
+    /// 8-bit activations and integer dot products on the GGUF's own blocks (a Q8_0 copy of f32 weights).
     Fast,
 }
 
