@@ -335,8 +335,9 @@ impl Model {
                 let Visible { from, k: ks, v: vs } = &index[rows.segment[i]];
                 let visible = (first_visible(pos) - from) as usize..=(pos - from) as usize;
                 let qv = &q[i * qd + hq * hd..i * qd + (hq + 1) * hd];
-                let mut scores: Vec<f32> =
-                    ks[visible.clone()].iter().map(|k| dot.of(qv, &k[g * hd..(g + 1) * hd]) * c.query_scale).collect();
+                let mut scores = vec![0f32; visible.clone().count()];
+                dot.of_rows(qv, &ks[visible.clone()], g * hd, &mut scores);
+                scores.iter_mut().for_each(|s| *s *= c.query_scale);
                 let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0.0;
                 for s in scores.iter_mut() {
@@ -344,10 +345,7 @@ impl Model {
                     sum += *s;
                 }
                 for (s, v) in scores.iter().zip(&vs[visible]) {
-                    let wgt = s / sum;
-                    for (o, &vv) in out.iter_mut().zip(&v[g * hd..(g + 1) * hd]) {
-                        *o += wgt * vv;
-                    }
+                    dot.add_scaled(out, s / sum, &v[g * hd..(g + 1) * hd]);
                 }
             })
         });

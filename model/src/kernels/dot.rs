@@ -95,6 +95,7 @@ fn tile_portable<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C],
 /// The CPU supports AVX2 and FMA, and every slice holds at least `n` elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
+#[inline]
 // Index loops over the small constant-size arrays keep the two kernels visibly the same sequence.
 #[allow(clippy::needless_range_loop)]
 unsafe fn tile_avx2<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
@@ -177,6 +178,82 @@ impl Dot {
     pub fn of(self, a: &[f32], b: &[f32]) -> f32 {
         assert_eq!(a.len(), b.len(), "dot product of unequal lengths");
         tile::<1, 1>(self.simd, [a], [b], a.len())[0][0]
+    }
+
+    /// `out[j] = a . rows[j][at..at + a.len()]` for every row, each with the bits of [`Dot::of`]: one call
+    /// for a query against many keys, two keys per tile.
+    pub fn of_rows(self, a: &[f32], rows: &[&[f32]], at: usize, out: &mut [f32]) {
+        let n = a.len();
+        assert!(out.len() == rows.len() && rows.iter().all(|r| r.len() >= at + n), "dot product rows");
+        #[cfg(target_arch = "x86_64")]
+        if self.simd {
+            // SAFETY: `simd` is only true when AVX2 and FMA are present; lengths asserted above.
+            return unsafe { of_rows_avx2(a, rows, at, out) };
+        }
+        for (o, r) in out.iter_mut().zip(rows) {
+            *o = tile_portable::<1, 1>([a], [&r[at..]], n)[0][0];
+        }
+    }
+
+    /// `out[i] += w * v[i]` for every `i`: a rounded product, then a rounded sum (never fused), so the
+    /// AVX2 loop gives the portable bits.
+    pub fn add_scaled(self, out: &mut [f32], w: f32, v: &[f32]) {
+        assert_eq!(out.len(), v.len(), "scaled add of unequal lengths");
+        #[cfg(target_arch = "x86_64")]
+        if self.simd {
+            // SAFETY: `simd` is only true when AVX2 and FMA are present; lengths asserted above.
+            return unsafe { add_scaled_avx2(out, w, v) };
+        }
+        for (o, &x) in out.iter_mut().zip(v) {
+            *o += w * x;
+        }
+    }
+}
+
+/// [`Dot::of_rows`] with AVX2.
+///
+/// # Safety
+///
+/// The CPU supports AVX2 and FMA; `out` has one element per row and every row holds `at + a.len()` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn of_rows_avx2(a: &[f32], rows: &[&[f32]], at: usize, out: &mut [f32]) {
+    let n = a.len();
+    let mut pairs = rows.chunks_exact(2);
+    let mut outs = out.chunks_exact_mut(2);
+    for (r, o) in (&mut pairs).zip(&mut outs) {
+        // SAFETY: the caller's contract.
+        let [[x, y]] = unsafe { tile_avx2::<1, 2>([a], [&r[0][at..], &r[1][at..]], n) };
+        o[0] = x;
+        o[1] = y;
+    }
+    for (r, o) in pairs.remainder().iter().zip(outs.into_remainder()) {
+        // SAFETY: the caller's contract.
+        *o = unsafe { tile_avx2::<1, 1>([a], [&r[at..]], n) }[0][0];
+    }
+}
+
+/// [`Dot::add_scaled`] with AVX2.
+///
+/// # Safety
+///
+/// The CPU supports AVX2; `out` and `v` have the same length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn add_scaled_avx2(out: &mut [f32], w: f32, v: &[f32]) {
+    use std::arch::x86_64::*;
+    let wv = _mm256_set1_ps(w);
+    let mut o8 = out.chunks_exact_mut(LANES);
+    let mut v8 = v.chunks_exact(LANES);
+    for (o, x) in (&mut o8).zip(&mut v8) {
+        // SAFETY: 8 f32s each; unaligned loads and store.
+        unsafe {
+            let sum = _mm256_add_ps(_mm256_loadu_ps(o.as_ptr()), _mm256_mul_ps(wv, _mm256_loadu_ps(x.as_ptr())));
+            _mm256_storeu_ps(o.as_mut_ptr(), sum);
+        }
+    }
+    for (o, &x) in o8.into_remainder().iter_mut().zip(v8.remainder()) {
+        *o += w * x;
     }
 }
 
@@ -264,5 +341,28 @@ mod tests {
         let (a, b) = (data(100, 3), data(100, 4));
         let naive: f64 = a.iter().zip(&b).map(|(&x, &y)| f64::from(x) * f64::from(y)).sum();
         assert!((f64::from(dot(&a, &b)) - naive).abs() < 1e-4);
+    }
+
+    #[test]
+    fn many_keys_and_scaled_adds_give_the_bits_of_one_at_a_time() {
+        let q = data(37, 5);
+        let keys: Vec<Vec<f32>> = (0..7).map(|i| data(37 + 11, 6 + i)).collect();
+        let rows: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
+        for simd in [false, simd()] {
+            let dot = Dot { simd };
+            let mut got = vec![0f32; rows.len()];
+            dot.of_rows(&q, &rows, 11, &mut got);
+            for (g, k) in got.iter().zip(&rows) {
+                assert_eq!(g.to_bits(), Dot { simd: false }.of(&q, &k[11..]).to_bits(), "simd {simd}");
+            }
+            let mut out = data(37, 9);
+            let mut want = out.clone();
+            dot.add_scaled(&mut out, 0.37, &q);
+            want.iter_mut().zip(&q).for_each(|(o, &x)| *o += 0.37 * x);
+            assert_eq!(
+                out.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
+            );
+        }
     }
 }
