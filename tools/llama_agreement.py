@@ -17,7 +17,6 @@ pdhost, gguf, ref = sys.argv[1:4]
 extra = sys.argv[4:]
 cases = json.load(open(ref))["cases"]
 
-L.llama_log_set(L.llama_log_callback(lambda *_: None), None)
 L.llama_backend_init()
 model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
 n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))

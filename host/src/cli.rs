@@ -344,7 +344,7 @@ pub struct ServeBenchArgs {
     #[arg(
         long,
         value_name = "URL",
-        conflicts_with_all = ["producer", "threads", "kv_dtype", "context", "prefix_cache"]
+        conflicts_with_all = ["producer", "threads", "precision", "kv_dtype", "context", "prefix_cache"]
     )]
     pub url: Option<String>,
     /// The model (a name from `pdhost models list`; default gemma3-270m, or what `--url` serves). Prompts
@@ -358,6 +358,9 @@ pub struct ServeBenchArgs {
     /// Forward-pass threads of the started server: 1 to 4 per core (default: one per core).
     #[arg(long, allow_negative_numbers = true)]
     pub threads: Option<u64>,
+    /// Arithmetic of the started server (and its producers), as `serve --precision`.
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]
+    pub precision: PrecisionArg,
     /// Element type of the started server's KV cache and spans.
     #[arg(long, value_enum, default_value_t = KvDtype::F32)]
     pub kv_dtype: KvDtype,

@@ -188,9 +188,11 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         None => {
             bar.set_message(format!("starting {name}"));
             let kv_dtype = clap::ValueEnum::to_possible_value(&args.kv_dtype).expect("not skipped");
+            let precision = clap::ValueEnum::to_possible_value(&args.precision).expect("not skipped");
             let mut cmd = Command::new(std::env::current_exe().context("locating the pdhost executable")?);
             cmd.args(["serve", "--model", &name, "--host", "127.0.0.1", "--port", "0", "--producer", &args.producer])
                 .args(["--context", &context.to_string(), "--kv-dtype", kv_dtype.get_name()])
+                .args(["--precision", precision.get_name()])
                 .args(["--prefix-cache", if args.prefix_cache == crate::cli::Switch::On { "on" } else { "off" }])
                 // Every batch waits in the server's queue, not in a 503.
                 .args(["--queue", &max_concurrency.max(16).to_string()]);
@@ -301,6 +303,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                 "producer": if started { json!(args.producer) } else { Value::Null },
                 "producers_seen": producers,
                 "threads": if started { json!(threads) } else { Value::Null },
+                "precision": if started { json!(args.precision.precision().name()) } else { Value::Null },
                 "kv_dtype": if started { json!(dtype.name()) } else { Value::Null },
                 "context": context, "repeats": repeats, "cells": cells,
                 "totals": total.json(), "summary": total.summary(), "problems": problems,
@@ -310,8 +313,9 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     } else {
         let how = match server {
             "started" => format!(
-                "a `pdhost serve` started for this run (--producer {}, {} KV, {threads} thread(s), {context}-token context)",
+                "a `pdhost serve` started for this run (--producer {}, {}, {} KV, {threads} thread(s), {context}-token context)",
                 args.producer,
+                args.precision.precision().name(),
                 dtype.name()
             ),
             _ => format!("the server at {url} ({context}-token context)"),
