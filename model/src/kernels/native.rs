@@ -162,15 +162,17 @@ pub(crate) fn dots(simd: bool, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::
     #[cfg(target_arch = "x86_64")]
     let simd = simd && avx2::available();
     let w = &w[rows.start * row_bytes..rows.end * row_bytes];
-    for r0 in (0..t).step_by(ROWS) {
-        macro_rules! run {
-            ($r:literal) => {{
-                let x: [Act<'_>; $r] = std::array::from_fn(|i| xq.act(r0 + i));
-                // A few dozen weight rows per call: its checks are amortised, its results stay in L1.
-                let mut res = [[0f32; $r]; ROWS_PER_CALL];
-                for j0 in (0..width).step_by(ROWS_PER_CALL) {
-                    let res = &mut res[..ROWS_PER_CALL.min(width - j0)];
-                    let w = &w[j0 * row_bytes..(j0 + res.len()) * row_bytes];
+    // A few dozen weight rows at a time (a few KiB, kept in L1 while every group of four activation rows
+    // passes over them), each call's checks amortised over them.
+    for j0 in (0..width).step_by(ROWS_PER_CALL) {
+        let nj = ROWS_PER_CALL.min(width - j0);
+        let w = &w[j0 * row_bytes..(j0 + nj) * row_bytes];
+        for r0 in (0..t).step_by(ROWS) {
+            macro_rules! run {
+                ($r:literal) => {{
+                    let x: [Act<'_>; $r] = std::array::from_fn(|i| xq.act(r0 + i));
+                    let mut res = [[0f32; $r]; ROWS_PER_CALL];
+                    let res = &mut res[..nj];
                     #[cfg(target_arch = "x86_64")]
                     if simd {
                         // SAFETY: AVX2, FMA and F16C are present (checked above); `ty` is supported, `w`
@@ -189,14 +191,14 @@ pub(crate) fn dots(simd: bool, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::
                             out[(r0 + i) * width + j0 + j] = *v;
                         }
                     }
-                }
-            }};
-        }
-        match t - r0 {
-            1 => run!(1),
-            2 => run!(2),
-            3 => run!(3),
-            _ => run!(4),
+                }};
+            }
+            match t - r0 {
+                1 => run!(1),
+                2 => run!(2),
+                3 => run!(3),
+                _ => run!(4),
+            }
         }
     }
 }
