@@ -111,13 +111,20 @@ fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }
 
-/// Rotates `x` (one head, `head_dim` values) for position `pos`.
-fn rope(x: &mut [f32], pos: u64, base: f32, adjacent: bool) {
-    let d = x.len();
-    for i in 0..d / 2 {
+/// The rotation of position `pos` for heads of `d` values: `(sin, cos)` of each pair's angle, computed
+/// once per position for all of its heads.
+fn rope_angles(pos: u64, base: f32, d: usize, out: &mut Vec<(f32, f32)>) {
+    out.clear();
+    out.extend((0..d / 2).map(|i| {
         let inv = 1.0 / base.powf((2 * i) as f32 / d as f32);
-        let angle = pos as f32 * inv;
-        let (sin, cos) = angle.sin_cos();
+        (pos as f32 * inv).sin_cos()
+    }));
+}
+
+/// Rotates `x` (one head, `head_dim` values) by the angles of [`rope_angles`].
+fn rope(x: &mut [f32], angles: &[(f32, f32)], adjacent: bool) {
+    let d = x.len();
+    for (i, &(sin, cos)) in angles.iter().enumerate() {
         let (a, b) = if adjacent { (2 * i, 2 * i + 1) } else { (i, i + d / 2) };
         let (x0, x1) = (x[a], x[b]);
         x[a] = x0 * cos - x1 * sin;
@@ -205,9 +212,8 @@ impl Model {
             rms_norm(&mut h, &w.attn_norm, c.eps);
             let lq = self.q8.as_ref().map(|q| &q.layers[l]);
             let q8 = |i: usize| lq.and_then(|q| q[i].as_ref());
-            let mut q = self.exec.matmul_t(&h, &w.wq, q8(0), t, c.hidden, qd);
-            let mut k = self.exec.matmul_t(&h, &w.wk, q8(1), t, c.hidden, kvd);
-            let mut v = self.exec.matmul_t(&h, &w.wv, q8(2), t, c.hidden, kvd);
+            let [mut q, mut k, mut v] =
+                self.exec.matmul_many(&h, [(&w.wq, q8(0), qd), (&w.wk, q8(1), kvd), (&w.wv, q8(2), kvd)], t, c.hidden);
             if let Some(qn) = &w.q_norm {
                 rms_norm(&mut q, qn, c.eps);
             }
@@ -218,12 +224,14 @@ impl Model {
                 Attention::Full => c.rope_global,
                 Attention::Sliding(_) => c.rope_local,
             };
+            let mut angles = Vec::with_capacity(hd / 2);
             for (i, &pos) in rows.pos.iter().enumerate() {
+                rope_angles(pos, base, hd, &mut angles);
                 for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(hd) {
-                    rope(head, pos, base, c.rope_adjacent);
+                    rope(head, &angles, c.rope_adjacent);
                 }
                 for head in k[i * kvd..(i + 1) * kvd].chunks_exact_mut(hd) {
-                    rope(head, pos, base, c.rope_adjacent);
+                    rope(head, &angles, c.rope_adjacent);
                 }
             }
             // From here on the chunk's K/V are what the cache will hold.
@@ -239,8 +247,7 @@ impl Model {
 
             let mut h = x.clone();
             rms_norm(&mut h, &w.ffn_norm, c.eps);
-            let gate = self.exec.matmul_t(&h, &w.gate, q8(4), t, c.hidden, c.ffn);
-            let up = self.exec.matmul_t(&h, &w.up, q8(5), t, c.hidden, c.ffn);
+            let [gate, up] = self.exec.matmul_many(&h, [(&w.gate, q8(4), c.ffn), (&w.up, q8(5), c.ffn)], t, c.hidden);
             let act: Vec<f32> = gate
                 .iter()
                 .zip(&up)

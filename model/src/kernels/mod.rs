@@ -72,17 +72,50 @@ impl Exec {
     /// integer ([`native`], [`q8`]). Otherwise weights held as blocks are dequantized a panel of rows at a
     /// time (see [`Weight`]): the same bits as f32.
     pub fn matmul_t(&self, x: &[f32], w: &Weight, q8: Option<&Q8>, t: usize, n_in: usize, n_out: usize) -> Vec<f32> {
+        let [out] = self.matmul_many(x, [(w, q8, n_out)], t, n_in);
+        out
+    }
+
+    /// The products of the same activations `x` (`t x n_in`) with several weights `(w, q8, n_out)`, each
+    /// as [`Exec::matmul_t`] computes it (the same bits), the activations quantized once for all of them.
+    pub fn matmul_many<const N: usize>(
+        &self,
+        x: &[f32],
+        ws: [(&Weight, Option<&Q8>, usize); N],
+        t: usize,
+        n_in: usize,
+    ) -> [Vec<f32>; N] {
         assert_eq!(x.len(), t * n_in, "activation shape");
-        assert_eq!(w.len(), n_out * n_in, "weight shape");
+        let ws = ws.map(|(w, q8, n_out)| {
+            assert_eq!(w.len(), n_out * n_in, "weight shape");
+            let q8 = q8.filter(|q| q.cols == n_in && q.rows == n_out);
+            let native = match w {
+                Weight::Blocks { ty, bytes, .. } if self.precision == Precision::Fast && native::supports(*ty) => {
+                    Some((*ty, &bytes[..]))
+                }
+                _ => None,
+            };
+            (w, q8, native, n_out)
+        });
+        let quantize = ws.iter().any(|(_, q8, native, _)| q8.is_some() || native.is_some());
+        let xq = if quantize { Q8::new(x, t, n_in) } else { None };
+        ws.map(|(w, q8, native, n_out)| self.product(x, xq.as_ref(), w, q8, native, t, n_in, n_out))
+    }
+
+    /// One product of [`Exec::matmul_many`], split across the pool by weight rows.
+    #[allow(clippy::too_many_arguments)]
+    fn product(
+        &self,
+        x: &[f32],
+        xq: Option<&Q8>,
+        w: &Weight,
+        q8: Option<&Q8>,
+        native: Option<(crate::quant::GgmlType, &[u8])>,
+        t: usize,
+        n_in: usize,
+        n_out: usize,
+    ) -> Vec<f32> {
         let simd = dot::simd();
-        let q8 = q8.filter(|q| q.cols == n_in && q.rows == n_out);
-        let native = match w {
-            Weight::Blocks { ty, bytes, .. } if self.precision == Precision::Fast && native::supports(*ty) => {
-                Some((*ty, &bytes[..]))
-            }
-            _ => None,
-        };
-        let xq = if q8.is_some() || native.is_some() { Q8::new(x, t, n_in) } else { None };
         // Weight rows per task: enough work to be worth a hand-off, and several tasks per thread when
         // there are rows enough. Which rows go together never changes a result.
         let per_task = (n_out / (4 * self.threads())).max(64).min(n_out.max(1));
@@ -93,7 +126,7 @@ impl Exec {
                 .map(|task| {
                     let rows = task * per_task..((task + 1) * per_task).min(n_out);
                     let mut out = vec![0f32; t * rows.len()];
-                    match (native, q8, &xq, w) {
+                    match (native, q8, xq, w) {
                         (Some((ty, bytes)), _, Some(xq), _) => native::dots(simd, ty, xq, bytes, rows, &mut out),
                         (_, Some(w), Some(xq), _) => q8::dots(simd, xq, w, rows, &mut out),
                         (_, _, _, Weight::F32(w)) => {
