@@ -152,6 +152,36 @@ fn row_portable<const R: usize>(ty: GgmlType, x: [Act<'_>; R], w: &[u8], n: usiz
 /// `w` (rows of `n` values as whole blocks of a [`supports`]ed `ty`), into `out` (`xq.rows x rows.len()`).
 /// One weight row at a time (streaming; see `dot`), its chunks unpacked once per four activation rows.
 pub(crate) fn dots(simd: bool, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::Range<usize>, out: &mut [f32]) {
+    dots_with(Kernel::best(simd), ty, xq, w, rows, out)
+}
+
+/// Which instructions compute the integer lanes: the bits are the same whichever runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Portable,
+    /// AVX2: `maddubs` then `madd`.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX2 with AVX-VNNI: one `vpdpbusd` for the 32-value types (the K-quants' 16-value scales keep
+    /// `maddubs`/`madd`).
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+}
+
+impl Kernel {
+    /// The fastest this CPU runs (`simd` false: the portable one).
+    fn best(simd: bool) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if simd && avx2::available() {
+            return if avx2::vnni() { Kernel::Vnni } else { Kernel::Avx2 };
+        }
+        let _ = simd;
+        Kernel::Portable
+    }
+}
+
+/// [`dots`] with a given kernel.
+fn dots_with(kernel: Kernel, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::Range<usize>, out: &mut [f32]) {
     let (n, t, width) = (xq.cols, xq.rows, rows.len());
     let (be, bb) = (ty.block_elems(), ty.block_bytes());
     let row_bytes = n / be * bb;
@@ -159,8 +189,6 @@ pub(crate) fn dots(simd: bool, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::
         supports(ty) && n % be == 0 && w.len() >= rows.end * row_bytes && out.len() == t * width,
         "native dots shapes"
     );
-    #[cfg(target_arch = "x86_64")]
-    let simd = simd && avx2::available();
     let w = &w[rows.start * row_bytes..rows.end * row_bytes];
     // A few dozen weight rows at a time (a few KiB, kept in L1 while every group of four activation rows
     // passes over them), each call's checks amortised over them.
@@ -173,18 +201,16 @@ pub(crate) fn dots(simd: bool, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::
                     let x: [Act<'_>; $r] = std::array::from_fn(|i| xq.act(r0 + i));
                     let mut res = [[0f32; $r]; ROWS_PER_CALL];
                     let res = &mut res[..nj];
-                    #[cfg(target_arch = "x86_64")]
-                    if simd {
-                        // SAFETY: AVX2, FMA and F16C are present (checked above); `ty` is supported, `w`
-                        // is `res.len()` rows of whole blocks and each activation row holds `n` values.
-                        unsafe { avx2::rows::<$r>(ty, x, w, n, res) };
-                    } else {
-                        rows_portable::<$r>(ty, x, w, n, res);
-                    }
-                    #[cfg(not(target_arch = "x86_64"))]
-                    {
-                        let _ = simd;
-                        rows_portable::<$r>(ty, x, w, n, res);
+                    match kernel {
+                        Kernel::Portable => rows_portable::<$r>(ty, x, w, n, res),
+                        // SAFETY: `Kernel::best` chose it only where AVX2, FMA and F16C are present; `ty`
+                        // is supported, `w` is `res.len()` rows of whole blocks and each activation row
+                        // holds `n` values.
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Avx2 => unsafe { avx2::rows::<$r>(ty, x, w, n, res) },
+                        // SAFETY: as above, and AVX-VNNI is present.
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Vnni => unsafe { avx2::rows_vnni::<$r>(ty, x, w, n, res) },
                     }
                     for (j, res) in res.iter().enumerate() {
                         for (i, v) in res.iter().enumerate() {
@@ -220,6 +246,11 @@ mod avx2 {
 
     pub(super) use crate::quant::avx2::available;
 
+    /// Whether this CPU has AVX-VNNI (`vpdpbusd` on 256-bit vectors).
+    pub(super) fn vnni() -> bool {
+        std::arch::is_x86_feature_detected!("avxvnni")
+    }
+
     /// [`super::rows_portable`] with AVX2, the same bits.
     ///
     /// # Safety
@@ -242,60 +273,101 @@ mod avx2 {
         }
     }
 
-    /// [`rows`] for the type with GGML id `T`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn rows_of<const R: usize, const T: u32>(x: [Act<'_>; R], w: &[u8], n: usize, out: &mut [[f32; R]]) {
-        let ty = GgmlType::from_id(T).expect("a GGML type id");
-        let (be, bb) = (ty.block_elems(), ty.block_bytes());
-        let (per, blocks) = (be / QK, n / be);
-        let chunks = n / QK;
-        assert!(
-            n % be == 0
-                && w.len() >= out.len() * blocks * bb
-                && x.iter().all(|x| x.q.len() >= n && x.d.len() >= chunks && x.s.len() >= chunks),
-            "rows operands"
-        );
-        // Values 0..=63 are unsigned bytes for `maddubs`; signed ones go through `|v| * sign(q, v)`.
-        let signed = matches!(T, 8 | 2 | 6 | 14);
-        let offset = super::has_offset(ty);
-        for (res, wr) in out.iter_mut().zip(w.chunks_exact(blocks * bb)) {
-            let mut acc = [_mm256_setzero_ps(); R];
-            let mut off = [0f32; R];
-            for (i, b) in wr.chunks_exact(bb).enumerate() {
-                unpack::<T>(b, &mut |c, v, isc, d, m| {
-                    let xi = i * per + c;
-                    let vabs = if signed { _mm256_sign_epi8(v, v) } else { v };
-                    for r in 0..R {
-                        // SAFETY: chunk xi < n / 32 of a row of n values (asserted above); unaligned load.
-                        let (q, xd, xs) = unsafe {
-                            (
-                                _mm256_loadu_si256(x[r].q.as_ptr().add(xi * QK).cast()),
-                                *x[r].d.get_unchecked(xi),
-                                *x[r].s.get_unchecked(xi),
-                            )
-                        };
-                        let pairs = if signed {
-                            _mm256_maddubs_epi16(vabs, _mm256_sign_epi8(q, v))
-                        } else {
-                            _mm256_maddubs_epi16(v, q)
-                        };
-                        let lanes = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, isc));
-                        acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), lanes, acc[r]);
-                        if offset {
-                            off[r] = m.mul_add(xs, off[r]);
-                        }
-                    }
-                });
-            }
-            for r in 0..R {
-                let mut lanes = [0f32; 8];
-                // SAFETY: 8 f32s; unaligned store.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
-                res[r] = super::tree8(lanes) + off[r];
-            }
+    /// [`rows`] with AVX-VNNI, the same bits.
+    ///
+    /// # Safety
+    ///
+    /// As [`rows`], and [`vnni`].
+    #[target_feature(enable = "avx2,fma,f16c,avxvnni")]
+    pub(super) unsafe fn rows_vnni<const R: usize>(
+        ty: GgmlType,
+        x: [Act<'_>; R],
+        w: &[u8],
+        n: usize,
+        out: &mut [[f32; R]],
+    ) {
+        match ty {
+            GgmlType::Q8_0 => rows_of_vnni::<R, 8>(x, w, n, out),
+            GgmlType::Q4_0 => rows_of_vnni::<R, 2>(x, w, n, out),
+            GgmlType::Q4_1 => rows_of_vnni::<R, 3>(x, w, n, out),
+            GgmlType::Q5_0 => rows_of_vnni::<R, 6>(x, w, n, out),
+            GgmlType::Q5_1 => rows_of_vnni::<R, 7>(x, w, n, out),
+            GgmlType::Q4K => rows_of_vnni::<R, 12>(x, w, n, out),
+            GgmlType::Q5K => rows_of_vnni::<R, 13>(x, w, n, out),
+            GgmlType::Q6K => rows_of_vnni::<R, 14>(x, w, n, out),
+            _ => unreachable!("supports() was checked"),
         }
     }
+
+    /// Defines the row kernel for the type with GGML id `T` with the given target features; with `vnni`
+    /// the 32-value types' lanes are one `vpdpbusd` (the same exact integer sums as `maddubs` then
+    /// `madd`, which never saturate here).
+    macro_rules! rows_of {
+        ($name:ident, $features:literal, $vnni:literal) => {
+            #[inline]
+            #[target_feature(enable = $features)]
+            fn $name<const R: usize, const T: u32>(x: [Act<'_>; R], w: &[u8], n: usize, out: &mut [[f32; R]]) {
+                let ty = GgmlType::from_id(T).expect("a GGML type id");
+                let (be, bb) = (ty.block_elems(), ty.block_bytes());
+                let (per, blocks) = (be / QK, n / be);
+                let chunks = n / QK;
+                assert!(
+                    n % be == 0
+                        && w.len() >= out.len() * blocks * bb
+                        && x.iter().all(|x| x.q.len() >= n && x.d.len() >= chunks && x.s.len() >= chunks),
+                    "rows operands"
+                );
+                // Values 0..=63 are unsigned bytes for `maddubs`; signed ones go through `|v| * sign(q, v)`.
+                let signed = matches!(T, 8 | 2 | 6 | 14);
+                // The K-quants scale each 16 values by an integer of their own.
+                let scaled = matches!(T, 12 | 13 | 14);
+                let offset = super::has_offset(ty);
+                for (res, wr) in out.iter_mut().zip(w.chunks_exact(blocks * bb)) {
+                    let mut acc = [_mm256_setzero_ps(); R];
+                    let mut off = [0f32; R];
+                    for (i, b) in wr.chunks_exact(bb).enumerate() {
+                        unpack::<T>(b, &mut |c, v, isc, d, m| {
+                            let xi = i * per + c;
+                            let vabs = if signed { _mm256_sign_epi8(v, v) } else { v };
+                            for r in 0..R {
+                                // SAFETY: chunk xi < n / 32 of a row of n values (asserted above); unaligned
+                                // load.
+                                let (q, xd, xs) = unsafe {
+                                    (
+                                        _mm256_loadu_si256(x[r].q.as_ptr().add(xi * QK).cast()),
+                                        *x[r].d.get_unchecked(xi),
+                                        *x[r].s.get_unchecked(xi),
+                                    )
+                                };
+                                let q = if signed { _mm256_sign_epi8(q, v) } else { q };
+                                // The `unsafe` is needed only where AVX-VNNI is not enabled (never run there).
+                                #[allow(unused_unsafe)]
+                                let lanes = if $vnni && !scaled {
+                                    // SAFETY: run only in the instance with AVX-VNNI enabled.
+                                    unsafe { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), vabs, q) }
+                                } else {
+                                    _mm256_madd_epi16(_mm256_maddubs_epi16(vabs, q), isc)
+                                };
+                                let lanes = _mm256_cvtepi32_ps(lanes);
+                                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), lanes, acc[r]);
+                                if offset {
+                                    off[r] = m.mul_add(xs, off[r]);
+                                }
+                            }
+                        });
+                    }
+                    for r in 0..R {
+                        let mut lanes = [0f32; 8];
+                        // SAFETY: 8 f32s; unaligned store.
+                        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
+                        res[r] = super::tree8(lanes) + off[r];
+                    }
+                }
+            }
+        };
+    }
+    rows_of!(rows_of, "avx2,fma,f16c", false);
+    rows_of!(rows_of_vnni, "avx2,fma,f16c,avxvnni", true);
 
     /// Every chunk of one block of the type with GGML id `T`, in order: `put(c, v, isc, d, m)` with the
     /// 32 values as bytes in position order and the integer scales as 16-bit words (the first 8 for
@@ -451,6 +523,19 @@ mod tests {
         GgmlType::Q6K,
     ];
 
+    /// Every kernel this CPU runs.
+    fn kernels() -> Vec<Kernel> {
+        let mut all = vec![Kernel::Portable];
+        #[cfg(target_arch = "x86_64")]
+        if avx2::available() {
+            all.push(Kernel::Avx2);
+            if avx2::vnni() {
+                all.push(Kernel::Vnni);
+            }
+        }
+        all
+    }
+
     /// Every chunk is the block's dequantized values, up to the rounding of `d * isc * v + m`.
     #[test]
     fn chunks_are_the_dequantized_weights() {
@@ -493,17 +578,17 @@ mod tests {
                     assert!((got - exact).abs() <= 0.02 * scale + 1e-4, "{}: {got} vs {exact}", ty.name());
                 }
             }
-            for simd in [false, super::super::dot::simd()] {
+            for kernel in kernels() {
                 let mut all = vec![0f32; t * rows];
-                dots(simd, ty, &xq, &w, 0..rows, &mut all);
-                assert_eq!(bits(&all), bits(&portable), "{} simd {simd}, every row", ty.name());
+                dots_with(kernel, ty, &xq, &w, 0..rows, &mut all);
+                assert_eq!(bits(&all), bits(&portable), "{} {kernel:?}, every row", ty.name());
                 for (from, len) in [(0, 1), (3, 1), (1, 2), (2, 3), (0, 4), (1, 6), (0, 7)] {
                     let xs = Q8::new(&x[from * n..(from + len) * n], len, n).unwrap();
                     let mut got = vec![0f32; len * 2];
-                    dots(simd, ty, &xs, &w, 3..5, &mut got);
+                    dots_with(kernel, ty, &xs, &w, 3..5, &mut got);
                     let want: Vec<f32> =
                         (from..from + len).flat_map(|r| portable[r * rows + 3..r * rows + 5].to_vec()).collect();
-                    assert_eq!(bits(&got), bits(&want), "{} simd {simd} rows {from}+{len}", ty.name());
+                    assert_eq!(bits(&got), bits(&want), "{} {kernel:?} rows {from}+{len}", ty.name());
                 }
             }
         }
