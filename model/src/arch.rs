@@ -347,8 +347,8 @@ impl Config {
         };
         if self.heads == 0
             || self.kv_heads == 0
-            || self.heads % self.kv_heads != 0
-            || self.head_dim % 2 != 0
+            || !self.heads.is_multiple_of(self.kv_heads)
+            || !self.head_dim.is_multiple_of(2)
             || self.head_dim == 0
         {
             return Err(bad(
@@ -393,7 +393,7 @@ impl Model {
                 Err(bad(what.to_string(), expected, len))
             }
         };
-        if c.heads == 0 || c.kv_heads == 0 || c.heads % c.kv_heads != 0 || c.head_dim % 2 != 0 {
+        if c.heads == 0 || c.kv_heads == 0 || !c.heads.is_multiple_of(c.kv_heads) || !c.head_dim.is_multiple_of(2) {
             return Err(LoadError::Checkpoint {
                 path: self.source.clone(),
                 what: "attention heads".into(),

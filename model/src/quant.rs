@@ -96,7 +96,7 @@ impl GgmlType {
     /// Bytes for `elems` weights, or `None` if `elems` is not a whole number of blocks.
     pub fn bytes_for(self, elems: u64) -> Option<u64> {
         let be = self.block_elems() as u64;
-        (elems % be == 0).then(|| elems / be).and_then(|blocks| blocks.checked_mul(self.block_bytes() as u64))
+        elems.is_multiple_of(be).then(|| elems / be).and_then(|blocks| blocks.checked_mul(self.block_bytes() as u64))
     }
 }
 
@@ -323,7 +323,7 @@ pub(crate) mod avx2 {
         let (be, bb) = (ty.block_elems(), ty.block_bytes());
         let row_bytes = n / be * bb;
         assert!(
-            n % be == 0 && ws.len() >= out.len() * row_bytes && x.iter().all(|x| x.len() >= n),
+            n.is_multiple_of(be) && ws.len() >= out.len() * row_bytes && x.iter().all(|x| x.len() >= n),
             "dot_rows operands"
         );
         for (lanes, w) in out.iter_mut().zip(ws.chunks_exact(row_bytes)) {

@@ -112,7 +112,7 @@ impl RingGeometry {
         if slot_count == 0 || slot_count > MAX_SLOTS {
             return Err(RingLayoutError::BadSlotCount { found: slot_count });
         }
-        if slot_stride == 0 || slot_stride % PAGE != 0 || slot_stride > MAX_SLOT_STRIDE {
+        if slot_stride == 0 || !slot_stride.is_multiple_of(PAGE) || slot_stride > MAX_SLOT_STRIDE {
             return Err(RingLayoutError::BadSlotStride { found: slot_stride });
         }
         Ok(RingGeometry { slot_count, slot_stride })

@@ -48,7 +48,7 @@ pub fn span_for(i: u64) -> (shm_format::Manifest, Vec<u8>) {
     use shm_format::testing::{pattern, tiny_dense_geometry, tiny_gemma_geometry};
     use shm_format::{Dtype, Manifest};
     let tokens = i * 16..i * 16 + 1 + i % 13;
-    let manifest = if i % 2 == 0 {
+    let manifest = if i.is_multiple_of(2) {
         Manifest::dense(&tiny_dense_geometry(), i, tokens, Dtype::Bf16).expect("uniform heads")
     } else {
         Manifest::grouped(&tiny_gemma_geometry(), i, tokens, Dtype::F32)

@@ -169,7 +169,8 @@ fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usi
     #[cfg(target_arch = "x86_64")]
     if let Weight::Blocks { ty, bytes, .. } = w {
         use crate::quant::avx2;
-        if simd && t <= dot::TILE_ROWS && avx2::supports(*ty) && n % ty.block_elems() == 0 && avx2::available() {
+        if simd && t <= dot::TILE_ROWS && avx2::supports(*ty) && n.is_multiple_of(ty.block_elems()) && avx2::available()
+        {
             let row_bytes = n / ty.block_elems() * ty.block_bytes();
             let (width, ws) = (rows.len(), &bytes[rows.start * row_bytes..rows.end * row_bytes]);
             macro_rules! run {

@@ -96,7 +96,7 @@ fn chunk(ty: GgmlType, b: &[u8], c: usize) -> Chunk {
             let qs = if five { &b[48..176] } else { &b[16..144] };
             for l in 0..QK {
                 let q = qs[32 * (c / 2) + l];
-                let mut n = if c % 2 == 0 { q & 0xF } else { q >> 4 };
+                let mut n = if c.is_multiple_of(2) { q & 0xF } else { q >> 4 };
                 if five {
                     n |= ((b[16 + l] >> c) & 1) << 4;
                 }
@@ -320,7 +320,7 @@ mod avx2 {
                 // Values 0..=63 are unsigned bytes for `maddubs`; signed ones go through `|v| * sign(q, v)`.
                 let signed = matches!(T, 8 | 2 | 6 | 14);
                 // The K-quants scale each 16 values by an integer of their own.
-                let scaled = matches!(T, 12 | 13 | 14);
+                let scaled = matches!(T, 12..=14);
                 let offset = super::has_offset(ty);
                 for (res, wr) in out.iter_mut().zip(w.chunks_exact(blocks * bb)) {
                     let mut acc = [_mm256_setzero_ps(); R];

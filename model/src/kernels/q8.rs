@@ -33,7 +33,7 @@ impl Q8 {
     /// Quantizes `w` (`rows x cols`, `cols` a multiple of 32); `None` otherwise. Per block:
     /// `d = max|w| / 127`, `q = round(w / d)` (never -128, which the AVX2 kernel relies on).
     pub fn new(w: &[f32], rows: usize, cols: usize) -> Option<Self> {
-        if cols % QK != 0 || w.len() != rows * cols {
+        if !cols.is_multiple_of(QK) || w.len() != rows * cols {
             return None;
         }
         let mut out = Q8 {
@@ -49,7 +49,7 @@ impl Q8 {
 
     /// [`Q8::new`] of a weight matrix, a panel of rows at a time (blocks are never materialised whole).
     pub fn of_weight(w: &super::Weight, rows: usize, cols: usize) -> Option<Self> {
-        if cols % QK != 0 || w.len() != rows * cols {
+        if !cols.is_multiple_of(QK) || w.len() != rows * cols {
             return None;
         }
         let mut out = Q8 {

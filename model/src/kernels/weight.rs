@@ -64,7 +64,7 @@ impl Weight {
     /// a quantized or 16-bit type, else dequantized to f32.
     pub fn from_blocks(ty: GgmlType, bytes: BlockBytes, cols: usize) -> Self {
         let be = ty.block_elems();
-        if ty != GgmlType::F32 && cols > 0 && cols % be == 0 && bytes.len() % ty.block_bytes() == 0 {
+        if ty != GgmlType::F32 && cols > 0 && cols.is_multiple_of(be) && bytes.len().is_multiple_of(ty.block_bytes()) {
             return Weight::Blocks { ty, bytes, cols };
         }
         let mut out = vec![0f32; bytes.len() / ty.block_bytes() * be];

@@ -90,7 +90,7 @@ pub unsafe trait Segment: Send {
     /// The bounds- and alignment-checked pointer to the word at `offset`.
     #[doc(hidden)]
     fn word_ptr(&self, offset: usize) -> *mut u64 {
-        assert!(offset % 8 == 0, "unaligned word offset {offset}");
+        assert!(offset.is_multiple_of(8), "unaligned word offset {offset}");
         assert!(offset.checked_add(8).is_some_and(|end| end <= self.len()), "word {offset} out of bounds");
         // SAFETY: in bounds (checked above), so the result stays inside the same allocation.
         unsafe { self.base().as_ptr().add(offset).cast() }

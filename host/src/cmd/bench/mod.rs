@@ -58,7 +58,7 @@ pub(crate) fn progress(len: u64, json: bool) -> ProgressBar {
 /// A dense span of `bytes` payload: 16 layers x 8 KV heads x 128 head dim in bf16 is 64 KiB per token.
 fn span_of(bytes: u64) -> anyhow::Result<Manifest> {
     const PER_TOKEN: u64 = 16 * 2 * 8 * 128 * 2;
-    anyhow::ensure!(bytes % PER_TOKEN == 0 && bytes > 0, "span size must be a positive multiple of 64 KiB");
+    anyhow::ensure!(bytes.is_multiple_of(PER_TOKEN) && bytes > 0, "span size must be a positive multiple of 64 KiB");
     let geometry = KvGeometry { layers: vec![LayerKv::Full { kv_heads: 8, head_dim: 128 }; 16] };
     Ok(Manifest::dense(&geometry, 1, 0..bytes / PER_TOKEN, Dtype::Bf16).expect("uniform geometry"))
 }
