@@ -5,9 +5,9 @@
 //! scale for each half of 16 (`isc`; 1 for the 32-value types), a float scale `d` and, for the types
 //! with an offset (Q4_1, Q5_1, Q4_K, Q5_K), a float offset `m`, so that weight `k` is
 //! `d * isc[k / 16] * v[k] + m`. Activations are [`Q8`] rows: per 32 values a scale `xd`, 32 integers
-//! `q` (quantized once per product, shared by every weight row) and the sum `xs` of the 32 values before
-//! quantization, so the offset's term `m * xs` carries no quantization error (llama.cpp's Q8_1 holds
-//! `xd * sum(q)`; the exact sum agrees better with f32).
+//! `q` (quantized once per input, shared by every product that reads it) and the sum `xs` of the 32
+//! values before quantization, so the offset's term `m * xs` carries no quantization error (llama.cpp's
+//! Q8_1 holds `xd * sum(q)`, the sum of the quantized values).
 //!
 //! Each output is computed in one fixed order, whatever the batch, tile or thread:
 //! 1. per chunk, lane `l` (of 8) sums `isc * v[k] * q[k]` over `k` in `4l..4l + 4`, in 32-bit integers
@@ -18,7 +18,8 @@
 //!
 //! The AVX2 kernel unpacks each chunk in registers (`maddubs` of the 8-bit values, `madd` with the
 //! integer scales: exactly the portable lanes, as no 16-bit pair can saturate: at most
-//! `2 * 128 * 127`) and loads each weight chunk once for up to four activation rows.
+//! `2 * 128 * 127`) and loads each weight chunk once for up to four activation rows. Where the CPU has
+//! AVX-VNNI, one `vpdpbusd` gives the 32-value types' lanes (the same sums, never saturating).
 
 use super::dot::tree8;
 use super::q8::{Act, Q8, QK};
