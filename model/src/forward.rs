@@ -20,7 +20,7 @@ use rayon::prelude::*;
 use shm_format::Dtype;
 
 use crate::arch::{Arch, Attention, Model};
-use crate::kernels::Dot;
+use crate::kernels::{Dot, Gate};
 
 /// One run of past K/V: consecutive positions from `start`, each row `kv_heads * head_dim` f32 values.
 /// Borrowed where the cache holds f32, widened where it holds a narrower type.
@@ -100,15 +100,6 @@ fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
             *v = *v * r * g;
         }
     }
-}
-
-fn gelu_tanh(x: f32) -> f32 {
-    const C: f32 = 0.797_884_6; // sqrt(2 / pi)
-    0.5 * x * (1.0 + (C * (x + 0.044_715 * x * x * x)).tanh())
-}
-
-fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
 }
 
 /// The rotation of position `pos` for heads of `d` values: `(sin, cos)` of each pair's angle, computed
@@ -248,14 +239,14 @@ impl Model {
             let mut h = x.clone();
             rms_norm(&mut h, &w.ffn_norm, c.eps);
             let [gate, up] = self.exec.matmul_many(&h, [(&w.gate, q8(4), c.ffn), (&w.up, q8(5), c.ffn)], t, c.hidden);
-            let act: Vec<f32> = gate
-                .iter()
-                .zip(&up)
-                .map(|(&g, &u)| match c.arch {
-                    Arch::Gemma3 => gelu_tanh(g) * u,
-                    Arch::Llama => silu(g) * u,
-                })
-                .collect();
+            let act = crate::kernels::gated(
+                match c.arch {
+                    Arch::Gemma3 => Gate::GeluTanh,
+                    Arch::Llama => Gate::Silu,
+                },
+                &gate,
+                &up,
+            );
             let mut down = self.exec.matmul_t(&act, &w.down, q8(6), t, c.ffn, c.hidden);
             if let Some(n) = &w.post_ffn_norm {
                 rms_norm(&mut down, n, c.eps);

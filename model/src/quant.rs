@@ -539,6 +539,229 @@ pub(crate) mod avx2 {
     }
 }
 
+/// AVX-512 twins of [`avx2::dot_rows`]: each block is dequantized 16 values at a time, every value by the
+/// same operations on the same operands as the portable dequantizer, and each 16 feed one vector of
+/// multiply-adds whose lane `l` is lane `l % 8` of the AVX2 kernel's accumulator `l / 8`: the same bits.
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{scale_min_k4, GgmlType};
+
+    /// Whether this CPU runs [`dot_rows`] (AVX-512F besides AVX2, FMA and F16C).
+    pub(crate) fn available() -> bool {
+        super::avx2::available() && std::arch::is_x86_feature_detected!("avx512f")
+    }
+
+    /// [`super::avx2::dot_rows`] with AVX-512: the same lanes.
+    ///
+    /// # Safety
+    ///
+    /// [`available`], `ty` is [`super::avx2::supports`]ed, `ws` holds `out.len()` rows of whole blocks,
+    /// and every `x[r]` holds at least `n` values.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    pub(crate) unsafe fn dot_rows<const R: usize>(
+        ty: GgmlType,
+        x: [&[f32]; R],
+        ws: &[u8],
+        n: usize,
+        out: &mut [[[[f32; 8]; 2]; R]],
+    ) {
+        match ty {
+            GgmlType::Q8_0 => rows_of::<R, 8>(x, ws, n, out),
+            GgmlType::Q4_0 => rows_of::<R, 2>(x, ws, n, out),
+            GgmlType::Q4_1 => rows_of::<R, 3>(x, ws, n, out),
+            GgmlType::Q5_0 => rows_of::<R, 6>(x, ws, n, out),
+            GgmlType::Q5_1 => rows_of::<R, 7>(x, ws, n, out),
+            GgmlType::Q4K => rows_of::<R, 12>(x, ws, n, out),
+            GgmlType::Q5K => rows_of::<R, 13>(x, ws, n, out),
+            GgmlType::Q6K => rows_of::<R, 14>(x, ws, n, out),
+            _ => unreachable!("supports() was checked"),
+        }
+    }
+
+    /// [`dot_rows`] for the type with GGML id `T`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    fn rows_of<const R: usize, const T: u32>(x: [&[f32]; R], ws: &[u8], n: usize, out: &mut [[[[f32; 8]; 2]; R]]) {
+        let ty = GgmlType::from_id(T).expect("a GGML type id");
+        let (be, bb) = (ty.block_elems(), ty.block_bytes());
+        let row_bytes = n / be * bb;
+        assert!(
+            n.is_multiple_of(be) && ws.len() >= out.len() * row_bytes && x.iter().all(|x| x.len() >= n),
+            "dot_rows operands"
+        );
+        for (lanes, w) in out.iter_mut().zip(ws.chunks_exact(row_bytes)) {
+            let mut acc = [_mm512_setzero_ps(); R];
+            for (i, b) in w.chunks_exact(bb).enumerate() {
+                let base = i * be;
+                block::<T>(b, &mut |at, wv| {
+                    for r in 0..R {
+                        // SAFETY: base + at + 16 <= n <= x[r].len() (asserted); unaligned load.
+                        let xv = unsafe { _mm512_loadu_ps(x[r].as_ptr().add(base + at)) };
+                        acc[r] = _mm512_fmadd_ps(xv, wv, acc[r]);
+                    }
+                });
+            }
+            for r in 0..R {
+                // SAFETY: 16 f32s, the two halves in order; unaligned store.
+                unsafe { _mm512_storeu_ps(lanes[r].as_mut_ptr().cast(), acc[r]) };
+            }
+        }
+    }
+
+    /// One block of the type with GGML id `T`, 16 values at a time in increasing position.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    fn block<const T: u32>(b: &[u8], put: &mut impl FnMut(usize, __m512)) {
+        match T {
+            8 => {
+                assert!(b.len() >= 34);
+                let d = _mm512_set1_ps(f16_at(b, 0));
+                for i in 0..2 {
+                    // SAFETY: bytes 2 + 16i .. 18 + 16i lie in the block (asserted).
+                    let q = unsafe { _mm_loadu_si128(b.as_ptr().add(2 + 16 * i).cast()) };
+                    put(16 * i, _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q))));
+                }
+            }
+            2 | 3 | 6 | 7 => {
+                let five = matches!(T, 6 | 7);
+                let at = match T {
+                    2 => 2,
+                    3 => 4,
+                    6 => 6,
+                    _ => 8,
+                };
+                assert!(b.len() >= at + 16);
+                let d = _mm512_set1_ps(f16_at(b, 0));
+                let m = if matches!(T, 3 | 7) { Some(_mm512_set1_ps(f16_at(b, 2))) } else { None };
+                // SAFETY: 16 bytes from `at` lie in the block (asserted).
+                let qs = unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) };
+                let mask = _mm_set1_epi8(0x0F);
+                let halves = [_mm_and_si128(qs, mask), _mm_and_si128(_mm_srli_epi16::<4>(qs), mask)];
+                let qh = if five { u32::from_le_bytes([b[at - 4], b[at - 3], b[at - 2], b[at - 1]]) } else { 0 };
+                for (h, v) in halves.into_iter().enumerate() {
+                    let mut q = _mm512_cvtepu8_epi32(v);
+                    if five {
+                        // Bit `16h + lane` of qh, as 16 or 0.
+                        let shifts = _mm512_add_epi32(
+                            _mm512_set1_epi32(16 * h as i32),
+                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                        );
+                        let bits = _mm512_and_si512(
+                            _mm512_srlv_epi32(_mm512_set1_epi32(qh as i32), shifts),
+                            _mm512_set1_epi32(1),
+                        );
+                        q = _mm512_or_si512(q, _mm512_slli_epi32::<4>(bits));
+                    }
+                    let q = _mm512_cvtepi32_ps(q);
+                    let zero = _mm512_set1_ps(if five { 16.0 } else { 8.0 });
+                    let value = match m {
+                        None => _mm512_mul_ps(d, _mm512_sub_ps(q, zero)),
+                        Some(m) => _mm512_add_ps(_mm512_mul_ps(d, q), m),
+                    };
+                    put(16 * h, value);
+                }
+            }
+            12 | 13 => {
+                let five = T == 13;
+                assert!(b.len() >= if five { 176 } else { 144 });
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let scales = &b[4..16];
+                let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+                let mask = _mm_set1_epi8(0x0F);
+                for j in 0..4 {
+                    let (sc1, m1) = scale_min_k4(2 * j, scales);
+                    let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+                    let (d1, min1, d2, min2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+                    for (sub, dd, mm, bit) in [(0, d1, min1, 2 * j), (32, d2, min2, 2 * j + 1)] {
+                        for part in 0..2 {
+                            // SAFETY: 16 of the sub-block's 32 bytes, inside the block (asserted).
+                            let q = unsafe { _mm_loadu_si128(qs.as_ptr().add(32 * j + 16 * part).cast()) };
+                            let v = if sub == 0 {
+                                _mm_and_si128(q, mask)
+                            } else {
+                                _mm_and_si128(_mm_srli_epi16::<4>(q), mask)
+                            };
+                            let mut n = _mm512_cvtepu8_epi32(v);
+                            if five {
+                                // SAFETY: 16 of the 32 high-bit bytes (asserted block length).
+                                let h =
+                                    _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(qh.as_ptr().add(16 * part).cast()) });
+                                let set = _mm512_and_si512(
+                                    _mm512_srlv_epi32(h, _mm512_set1_epi32(bit as i32)),
+                                    _mm512_set1_epi32(1),
+                                );
+                                n = _mm512_add_epi32(n, _mm512_slli_epi32::<4>(set));
+                            }
+                            let value = _mm512_sub_ps(
+                                _mm512_mul_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(n)),
+                                _mm512_set1_ps(mm),
+                            );
+                            put(64 * j + sub + 16 * part, value);
+                        }
+                    }
+                }
+            }
+            14 => {
+                assert!(b.len() >= 210);
+                let d = f16_at(b, 208);
+                let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+                let m4 = _mm256_set1_epi8(0x0F);
+                let m2 = _mm256_set1_epi8(0x03);
+                for n in 0..2 {
+                    // SAFETY: 32 bytes each, inside the block (asserted).
+                    let (la, lb, h) = unsafe {
+                        (
+                            _mm256_loadu_si256(ql.as_ptr().add(64 * n).cast()),
+                            _mm256_loadu_si256(ql.as_ptr().add(64 * n + 32).cast()),
+                            _mm256_loadu_si256(qh.as_ptr().add(32 * n).cast()),
+                        )
+                    };
+                    let high = [
+                        _mm256_and_si256(h, m2),
+                        _mm256_and_si256(_mm256_srli_epi16::<2>(h), m2),
+                        _mm256_and_si256(_mm256_srli_epi16::<4>(h), m2),
+                        _mm256_and_si256(_mm256_srli_epi16::<6>(h), m2),
+                    ];
+                    let qs = [
+                        _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16::<4>(high[0])),
+                        _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_slli_epi16::<4>(high[1])),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(la), m4),
+                            _mm256_slli_epi16::<4>(high[2]),
+                        ),
+                        _mm256_or_si256(
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4),
+                            _mm256_slli_epi16::<4>(high[3]),
+                        ),
+                    ];
+                    for (k, q) in qs.into_iter().enumerate() {
+                        let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
+                        for (g, half) in halves.into_iter().enumerate() {
+                            let n32 = _mm512_sub_epi32(_mm512_cvtepu8_epi32(half), _mm512_set1_epi32(32));
+                            let scale = d * f32::from(sc[8 * n + g + 2 * k] as i8);
+                            put(
+                                128 * n + 32 * k + 16 * g,
+                                _mm512_mul_ps(_mm512_set1_ps(scale), _mm512_cvtepi32_ps(n32)),
+                            );
+                        }
+                    }
+                }
+            }
+            _ => unreachable!("a supported type"),
+        }
+    }
+
+    /// The f16 at `b[at..at + 2]`, widened by the CPU (exact).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    fn f16_at(b: &[u8], at: usize) -> f32 {
+        let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -641,6 +864,43 @@ mod tests {
             dequantize(ty, &src, &mut dispatched);
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&dispatched), bits(&portable), "{}", ty.name());
+            #[cfg(target_arch = "x86_64")]
+            if avx2::supports(ty) && avx2::available() {
+                dot_rows_agree(ty, &src, &portable);
+            }
+        }
+    }
+
+    /// The AVX2 and AVX-512 row kernels give the lanes of the f32 kernel over the dequantized values: per
+    /// lane, fused multiply-adds in increasing position.
+    #[cfg(target_arch = "x86_64")]
+    fn dot_rows_agree(ty: GgmlType, src: &[u8], values: &[f32]) {
+        // Two weight rows of half the blocks each, against three activation rows.
+        let n = values.len() / 2;
+        let x: Vec<Vec<f32>> =
+            (0..3).map(|r| (0..n).map(|i| ((i * 37 + r * 11) % 101) as f32 / 50.0 - 1.0).collect()).collect();
+        let xs: [&[f32]; 3] = std::array::from_fn(|r| &x[r][..]);
+        let mut want = [[[[0f32; 8]; 2]; 3]; 2];
+        for (j, lanes) in want.iter_mut().enumerate() {
+            for (r, lanes) in lanes.iter_mut().enumerate() {
+                for k in 0..n {
+                    let l = &mut lanes[(k % 16) / 8][k % 8];
+                    *l = xs[r][k].mul_add(values[j * n + k], *l);
+                }
+            }
+        }
+        let bits = |v: &[[[[f32; 8]; 2]; 3]; 2]| {
+            v.iter().flatten().flatten().flatten().map(|f| f.to_bits()).collect::<Vec<_>>()
+        };
+        let mut got = [[[[0f32; 8]; 2]; 3]; 2];
+        // SAFETY: AVX2, FMA and F16C (checked by the caller), a supported type, two rows of whole blocks.
+        unsafe { avx2::dot_rows::<3>(ty, xs, src, n, &mut got) };
+        assert_eq!(bits(&got), bits(&want), "{} AVX2 rows", ty.name());
+        if avx512::available() {
+            let mut got = [[[[0f32; 8]; 2]; 3]; 2];
+            // SAFETY: as above, and AVX-512F (checked).
+            unsafe { avx512::dot_rows::<3>(ty, xs, src, n, &mut got) };
+            assert_eq!(bits(&got), bits(&want), "{} AVX-512 rows", ty.name());
         }
     }
 

@@ -44,6 +44,45 @@ pub(crate) fn tree8(s: [f32; LANES]) -> f32 {
     (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
+/// Which instructions run the f32 kernels: the bits are the same whichever does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    Portable,
+    /// AVX2 and FMA: an output's 16 lanes are two vectors.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX-512F: an output's 16 lanes are one vector, so a tile holds twice the outputs.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Isa {
+    /// The widest this CPU runs (`simd` false: the portable one).
+    #[inline]
+    pub(crate) fn best(simd: bool) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if simd {
+            return if std::arch::is_x86_feature_detected!("avx512f") { Isa::Avx512 } else { Isa::Avx2 };
+        }
+        let _ = simd;
+        Isa::Portable
+    }
+
+    /// Every one this CPU runs, for tests.
+    #[cfg(test)]
+    pub(crate) fn all() -> Vec<Self> {
+        let mut all = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        if simd() {
+            all.push(Isa::Avx2);
+            if Isa::best(true) == Isa::Avx512 {
+                all.push(Isa::Avx512);
+            }
+        }
+        all
+    }
+}
+
 /// Whether the AVX2/FMA kernels can run here.
 #[inline]
 pub(crate) fn simd() -> bool {
@@ -138,16 +177,64 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; 
     out
 }
 
-#[inline(always)]
-fn tile<const R: usize, const C: usize>(simd: bool, x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
-    assert!(x.iter().all(|x| x.len() >= n) && w.iter().all(|w| w.len() >= n), "dot product operands");
-    #[cfg(target_arch = "x86_64")]
-    if simd {
-        // SAFETY: `simd` is only true when AVX2 and FMA are present ([`simd`]); lengths asserted above.
-        return unsafe { tile_avx2(x, w, n) };
+/// The same outputs as [`tile_portable`], with AVX-512F: lane `l` of an output's one vector is lane
+/// `l % 8` of its vector `l / 8` in [`tile_avx2`].
+///
+/// # Safety
+///
+/// The CPU supports AVX-512F, and every slice holds at least `n` elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f")]
+#[inline]
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile_avx512<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); C]; R];
+    let whole = n / STEP * STEP;
+    let mut k = 0;
+    while k < whole {
+        let mut wv = [_mm512_setzero_ps(); C];
+        for c in 0..C {
+            // SAFETY: k + 16 <= n <= w[c].len(); unaligned load.
+            wv[c] = unsafe { _mm512_loadu_ps(w[c].as_ptr().add(k)) };
+        }
+        for r in 0..R {
+            // SAFETY: k + 16 <= n <= x[r].len(); unaligned load.
+            let xv = unsafe { _mm512_loadu_ps(x[r].as_ptr().add(k)) };
+            for c in 0..C {
+                acc[r][c] = _mm512_fmadd_ps(xv, wv[c], acc[r][c]);
+            }
+        }
+        k += STEP;
     }
-    let _ = simd;
-    tile_portable(x, w, n)
+    let mut out = [[0f32; C]; R];
+    for r in 0..R {
+        for c in 0..C {
+            let mut lanes = [[0f32; LANES]; VECS];
+            // SAFETY: 16 f32s, the two halves in order; unaligned store.
+            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr().cast(), acc[r][c]) };
+            let mut s = reduce(lanes);
+            for k in whole..n {
+                s = x[r][k].mul_add(w[c][k], s);
+            }
+            out[r][c] = s;
+        }
+    }
+    out
+}
+
+#[inline(always)]
+fn tile<const R: usize, const C: usize>(isa: Isa, x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
+    assert!(x.iter().all(|x| x.len() >= n) && w.iter().all(|w| w.len() >= n), "dot product operands");
+    match isa {
+        Isa::Portable => tile_portable(x, w, n),
+        // SAFETY: `Isa::best` gives it only where AVX2 and FMA are present; lengths asserted above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { tile_avx2(x, w, n) },
+        // SAFETY: `Isa::best` gives it only where AVX-512F is present; lengths asserted above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { tile_avx512(x, w, n) },
+    }
 }
 
 /// One dot product in the fixed order.
@@ -158,7 +245,7 @@ pub fn dot(a: &[f32], b: &[f32]) -> f32 {
 /// [`dot`] with the CPU's features looked up once, for loops of many short products (attention).
 #[derive(Clone, Copy, Debug)]
 pub struct Dot {
-    simd: bool,
+    isa: Isa,
 }
 
 impl Default for Dot {
@@ -170,14 +257,14 @@ impl Default for Dot {
 impl Dot {
     /// Looks up the CPU's features.
     pub fn new() -> Self {
-        Dot { simd: simd() }
+        Dot { isa: Isa::best(simd()) }
     }
 
     /// `a . b` in the fixed order.
     #[inline]
     pub fn of(self, a: &[f32], b: &[f32]) -> f32 {
         assert_eq!(a.len(), b.len(), "dot product of unequal lengths");
-        tile::<1, 1>(self.simd, [a], [b], a.len())[0][0]
+        tile::<1, 1>(self.isa, [a], [b], a.len())[0][0]
     }
 
     /// `out[j] = a . rows[j][at..at + a.len()]` for every row, each with the bits of [`Dot::of`]: one call
@@ -185,10 +272,14 @@ impl Dot {
     pub fn of_rows(self, a: &[f32], rows: &[&[f32]], at: usize, out: &mut [f32]) {
         let n = a.len();
         assert!(out.len() == rows.len() && rows.iter().all(|r| r.len() >= at + n), "dot product rows");
-        #[cfg(target_arch = "x86_64")]
-        if self.simd {
-            // SAFETY: `simd` is only true when AVX2 and FMA are present; lengths asserted above.
-            return unsafe { of_rows_avx2(a, rows, at, out) };
+        match self.isa {
+            // SAFETY: `Isa::best` gives it only where AVX2 and FMA are present; lengths asserted above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => return unsafe { of_rows_avx2(a, rows, at, out) },
+            // SAFETY: `Isa::best` gives it only where AVX-512F is present; lengths asserted above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => return unsafe { of_rows_avx512(a, rows, at, out) },
+            Isa::Portable => {}
         }
         for (o, r) in out.iter_mut().zip(rows) {
             *o = tile_portable::<1, 1>([a], [&r[at..]], n)[0][0];
@@ -199,10 +290,14 @@ impl Dot {
     /// AVX2 loop gives the portable bits.
     pub fn add_scaled(self, out: &mut [f32], w: f32, v: &[f32]) {
         assert_eq!(out.len(), v.len(), "scaled add of unequal lengths");
-        #[cfg(target_arch = "x86_64")]
-        if self.simd {
-            // SAFETY: `simd` is only true when AVX2 and FMA are present; lengths asserted above.
-            return unsafe { add_scaled_avx2(out, w, v) };
+        match self.isa {
+            // SAFETY: `Isa::best` gives it only where AVX2 and FMA are present; lengths asserted above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => return unsafe { add_scaled_avx2(out, w, v) },
+            // SAFETY: `Isa::best` gives it only where AVX-512F is present; lengths asserted above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => return unsafe { add_scaled_avx512(out, w, v) },
+            Isa::Portable => {}
         }
         for (o, &x) in out.iter_mut().zip(v) {
             *o += w * x;
@@ -233,6 +328,52 @@ unsafe fn of_rows_avx2(a: &[f32], rows: &[&[f32]], at: usize, out: &mut [f32]) {
     }
 }
 
+/// [`Dot::of_rows`] with AVX-512F, four keys per tile.
+///
+/// # Safety
+///
+/// The CPU supports AVX-512F; `out` has one element per row and every row holds `at + a.len()` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f")]
+unsafe fn of_rows_avx512(a: &[f32], rows: &[&[f32]], at: usize, out: &mut [f32]) {
+    let n = a.len();
+    let mut quads = rows.chunks_exact(4);
+    let mut outs = out.chunks_exact_mut(4);
+    for (r, o) in (&mut quads).zip(&mut outs) {
+        // SAFETY: the caller's contract.
+        let [res] = unsafe { tile_avx512::<1, 4>([a], [&r[0][at..], &r[1][at..], &r[2][at..], &r[3][at..]], n) };
+        o.copy_from_slice(&res);
+    }
+    for (r, o) in quads.remainder().iter().zip(outs.into_remainder()) {
+        // SAFETY: the caller's contract.
+        *o = unsafe { tile_avx512::<1, 1>([a], [&r[at..]], n) }[0][0];
+    }
+}
+
+/// [`Dot::add_scaled`] with AVX-512F.
+///
+/// # Safety
+///
+/// The CPU supports AVX-512F; `out` and `v` have the same length.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f")]
+unsafe fn add_scaled_avx512(out: &mut [f32], w: f32, v: &[f32]) {
+    use std::arch::x86_64::*;
+    let wv = _mm512_set1_ps(w);
+    let mut o16 = out.chunks_exact_mut(16);
+    let mut v16 = v.chunks_exact(16);
+    for (o, x) in (&mut o16).zip(&mut v16) {
+        // SAFETY: 16 f32s each; unaligned loads and store.
+        unsafe {
+            let sum = _mm512_add_ps(_mm512_loadu_ps(o.as_ptr()), _mm512_mul_ps(wv, _mm512_loadu_ps(x.as_ptr())));
+            _mm512_storeu_ps(o.as_mut_ptr(), sum);
+        }
+    }
+    for (o, &x) in o16.into_remainder().iter_mut().zip(v16.remainder()) {
+        *o += w * x;
+    }
+}
+
 /// [`Dot::add_scaled`] with AVX2.
 ///
 /// # Safety
@@ -258,8 +399,14 @@ unsafe fn add_scaled_avx2(out: &mut [f32], w: f32, v: &[f32]) {
 }
 
 /// `out[i][j] = x[i] . w[j]` for `t` rows of `x` (`t x n`, row-major) and every row of `w` (`cols x n`),
-/// into `out` (`t x cols`). `simd` selects the AVX2 kernel; the bits are the same either way.
+/// into `out` (`t x cols`). `simd` selects the widest kernel this CPU runs; the bits are the same either
+/// way.
 pub(crate) fn dots(simd: bool, x: &[f32], t: usize, w: &[f32], n: usize, out: &mut [f32]) {
+    dots_with(Isa::best(simd), x, t, w, n, out)
+}
+
+/// [`dots`] with the given instructions.
+pub(crate) fn dots_with(isa: Isa, x: &[f32], t: usize, w: &[f32], n: usize, out: &mut [f32]) {
     let cols = w.len() / n.max(1);
     assert!(x.len() == t * n && w.len() == cols * n && out.len() == t * cols, "dots shapes");
     // Activation rows per pass over this task's weights: 64 rows of up to 8 KiB stay in L2 while the
@@ -270,8 +417,16 @@ pub(crate) fn dots(simd: bool, x: &[f32], t: usize, w: &[f32], n: usize, out: &m
     for rb in (0..t).step_by(ROW_BLOCK) {
         let rend = (rb + ROW_BLOCK).min(t);
         // With few rows the weights' memory traffic bounds the time, and one weight row at a time
-        // streams fastest; with many rows the multiply-adds do, and wider tiles share more loads.
-        let (tile_rows, tile_cols) = if rend - rb <= TILE_ROWS { (TILE_ROWS, 1) } else { (WIDE_ROWS, TILE_COLS) };
+        // streams fastest; with many rows the multiply-adds do, and wider tiles share more loads:
+        // 4 x 4 outputs of one vector each, 4 weight vectors and an activation vector in AVX-512's 32
+        // registers.
+        let few = rend - rb <= TILE_ROWS;
+        let (tile_rows, tile_cols) = match isa {
+            _ if few => (TILE_ROWS, 1),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => (4, 4),
+            _ => (WIDE_ROWS, TILE_COLS),
+        };
         for c0 in (0..cols).step_by(tile_cols) {
             let nc = tile_cols.min(cols - c0);
             for r0 in (rb..rend).step_by(tile_rows) {
@@ -279,7 +434,7 @@ pub(crate) fn dots(simd: bool, x: &[f32], t: usize, w: &[f32], n: usize, out: &m
                 macro_rules! run {
                     ($r:literal, $c:literal) => {{
                         let res = tile::<$r, $c>(
-                            simd,
+                            isa,
                             std::array::from_fn(|i| row(r0 + i)),
                             std::array::from_fn(|j| wrow(c0 + j)),
                             n,
@@ -290,11 +445,20 @@ pub(crate) fn dots(simd: bool, x: &[f32], t: usize, w: &[f32], n: usize, out: &m
                     }};
                 }
                 match (nr, nc) {
+                    (4, 4) => run!(4, 4),
+                    (4, 3) => run!(4, 3),
+                    (4, 2) => run!(4, 2),
                     (4, _) => run!(4, 1),
+                    (3, 4) => run!(3, 4),
+                    (3, 3) => run!(3, 3),
                     (3, 2) => run!(3, 2),
                     (3, _) => run!(3, 1),
+                    (2, 4) => run!(2, 4),
+                    (2, 3) => run!(2, 3),
                     (2, 2) => run!(2, 2),
                     (2, _) => run!(2, 1),
+                    (_, 4) => run!(1, 4),
+                    (_, 3) => run!(1, 3),
                     (_, 2) => run!(1, 2),
                     _ => run!(1, 1),
                 }
@@ -323,15 +487,17 @@ mod tests {
                     alone[i * cols + j] = tile_portable::<1, 1>([&x[i * n..]], [&w[j * n..]], n)[0][0];
                 }
             }
-            for simd_on in [false, simd()] {
+            for isa in Isa::all() {
                 let mut out = vec![0f32; t * cols];
-                dots(simd_on, &x, t, &w, n, &mut out);
+                dots_with(isa, &x, t, &w, n, &mut out);
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&out), bits(&alone), "n {n}, simd {simd_on}");
+                assert_eq!(bits(&out), bits(&alone), "n {n}, {isa:?}");
                 // Any subset of rows computes the same rows.
-                let mut two = vec![0f32; 2 * cols];
-                dots(simd_on, &x[3 * n..5 * n], 2, &w, n, &mut two);
-                assert_eq!(bits(&two), bits(&alone[3 * cols..5 * cols]));
+                for (from, len) in [(3, 2), (0, 5), (2, 4), (6, 1)] {
+                    let mut some = vec![0f32; len * cols];
+                    dots_with(isa, &x[from * n..(from + len) * n], len, &w, n, &mut some);
+                    assert_eq!(bits(&some), bits(&alone[from * cols..(from + len) * cols]), "{isa:?} {from}+{len}");
+                }
             }
         }
     }
@@ -348,12 +514,12 @@ mod tests {
         let q = data(37, 5);
         let keys: Vec<Vec<f32>> = (0..7).map(|i| data(37 + 11, 6 + i)).collect();
         let rows: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
-        for simd in [false, simd()] {
-            let dot = Dot { simd };
+        for isa in Isa::all() {
+            let dot = Dot { isa };
             let mut got = vec![0f32; rows.len()];
             dot.of_rows(&q, &rows, 11, &mut got);
             for (g, k) in got.iter().zip(&rows) {
-                assert_eq!(g.to_bits(), Dot { simd: false }.of(&q, &k[11..]).to_bits(), "simd {simd}");
+                assert_eq!(g.to_bits(), Dot { isa: Isa::Portable }.of(&q, &k[11..]).to_bits(), "{isa:?}");
             }
             let mut out = data(37, 9);
             let mut want = out.clone();

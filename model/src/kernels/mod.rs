@@ -5,11 +5,13 @@
 
 use rayon::prelude::*;
 
+mod act;
 mod dot;
 mod native;
 mod q8;
 mod weight;
 
+pub use act::{gated, Gate};
 pub use dot::{dot, Dot};
 pub use q8::Q8;
 pub use weight::{BlockBytes, Weight};
@@ -99,7 +101,14 @@ impl Exec {
         });
         let quantize = ws.iter().any(|(_, q8, native, _)| q8.is_some() || native.is_some());
         let xq = if quantize { Q8::new(x, t, n_in) } else { None };
-        ws.map(|(w, q8, native, n_out)| self.product(x, xq.as_ref(), w, q8, native, t, n_in, n_out))
+        let acts = xq
+            .as_ref()
+            .filter(|_| ws.iter().any(|(_, _, native, _)| native.is_some()))
+            .map(|xq| native::Acts::new(xq, dot::simd()));
+        ws.map(|(w, q8, native, n_out)| {
+            let native = native.zip(acts.as_ref());
+            self.product(x, xq.as_ref(), w, q8, native, t, n_in, n_out)
+        })
     }
 
     /// One product of [`Exec::matmul_many`], split across the pool by weight rows.
@@ -110,7 +119,7 @@ impl Exec {
         xq: Option<&Q8>,
         w: &Weight,
         q8: Option<&Q8>,
-        native: Option<(crate::quant::GgmlType, &[u8])>,
+        native: Option<((crate::quant::GgmlType, &[u8]), &native::Acts<'_>)>,
         t: usize,
         n_in: usize,
         n_out: usize,
@@ -127,7 +136,7 @@ impl Exec {
                     let rows = task * per_task..((task + 1) * per_task).min(n_out);
                     let mut out = vec![0f32; t * rows.len()];
                     match (native, q8, xq, w) {
-                        (Some((ty, bytes)), _, Some(xq), _) => native::dots(simd, ty, xq, bytes, rows, &mut out),
+                        (Some(((ty, bytes), acts)), _, _, _) => native::dots(acts, ty, bytes, rows, &mut out),
                         (_, Some(w), Some(xq), _) => q8::dots(simd, xq, w, rows, &mut out),
                         (_, _, _, Weight::F32(w)) => {
                             dot::dots(simd, x, t, &w[rows.start * n_in..rows.end * n_in], n_in, &mut out)
@@ -173,6 +182,7 @@ fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usi
         {
             let row_bytes = n / ty.block_elems() * ty.block_bytes();
             let (width, ws) = (rows.len(), &bytes[rows.start * row_bytes..rows.end * row_bytes]);
+            let wide = crate::quant::avx512::available();
             macro_rules! run {
                 ($r:literal) => {{
                     let xs: [&[f32]; $r] = std::array::from_fn(|i| &x[i * n..(i + 1) * n]);
@@ -182,9 +192,15 @@ fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usi
                     for j0 in (0..width).step_by(ROWS_PER_CALL) {
                         let lanes = &mut lanes[..ROWS_PER_CALL.min(width - j0)];
                         let ws = &ws[j0 * row_bytes..(j0 + lanes.len()) * row_bytes];
-                        // SAFETY: AVX2, FMA and F16C are present (checked), `ty` is supported, `ws` is
-                        // `lanes.len()` rows of whole blocks and every activation row holds `n` values.
-                        unsafe { avx2::dot_rows::<$r>(*ty, xs, ws, n, lanes) };
+                        if wide {
+                            // SAFETY: AVX-512F, AVX2, FMA and F16C are present (checked), `ty` is
+                            // supported, `ws` is `lanes.len()` rows of whole blocks and every activation
+                            // row holds `n` values.
+                            unsafe { crate::quant::avx512::dot_rows::<$r>(*ty, xs, ws, n, lanes) };
+                        } else {
+                            // SAFETY: AVX2, FMA and F16C are present (checked), and as above.
+                            unsafe { avx2::dot_rows::<$r>(*ty, xs, ws, n, lanes) };
+                        }
                         for (j, lanes) in lanes.iter().enumerate() {
                             for (i, lanes) in lanes.iter().enumerate() {
                                 out[i * width + j0 + j] = dot::reduce(*lanes);

@@ -149,40 +149,83 @@ fn row_portable<const R: usize>(ty: GgmlType, x: [Act<'_>; R], w: &[u8], n: usiz
     std::array::from_fn(|r| tree8(acc[r]) + off[r])
 }
 
-/// `out[i][j] = xq[i] . w[rows.start + j]` for every activation row of `xq` and the weight rows `rows` of
-/// `w` (rows of `n` values as whole blocks of a [`supports`]ed `ty`), into `out` (`xq.rows x rows.len()`).
-/// One weight row at a time (streaming; see `dot`), its chunks unpacked once per four activation rows.
-pub(crate) fn dots(simd: bool, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::Range<usize>, out: &mut [f32]) {
-    dots_with(Kernel::best(simd), ty, xq, w, rows, out)
+/// Quantized activations as the native kernels read them: the rows of a [`Q8`] and, where the AVX-512
+/// kernel runs, the same rows laid out in pairs for it (made once per product, shared by its tasks).
+#[derive(Debug)]
+pub(crate) struct Acts<'a> {
+    q8: &'a Q8,
+    kernel: Kernel,
+    pairs: Option<Pairs>,
 }
 
-/// Which instructions compute the integer lanes: the bits are the same whichever runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Kernel {
-    Portable,
-    /// AVX2: `maddubs` then `madd`.
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    /// AVX2 with AVX-VNNI: one `vpdpbusd` for the 32-value types (the K-quants' 16-value scales keep
-    /// `maddubs`/`madd`).
-    #[cfg(target_arch = "x86_64")]
-    Vnni,
-}
+impl<'a> Acts<'a> {
+    /// The rows of `q8`, for the fastest kernel this CPU runs (`simd` false: the portable one).
+    pub(crate) fn new(q8: &'a Q8, simd: bool) -> Self {
+        Acts::with(Kernel::best(simd), q8)
+    }
 
-impl Kernel {
-    /// The fastest this CPU runs (`simd` false: the portable one).
-    fn best(simd: bool) -> Self {
+    fn with(kernel: Kernel, q8: &'a Q8) -> Self {
+        // A single row would fill half of every vector: the 256-bit kernels serve it as well.
+        let kernel = if q8.rows < 2 { kernel.narrow() } else { kernel };
         #[cfg(target_arch = "x86_64")]
-        if simd && avx2::available() {
-            return if avx2::vnni() { Kernel::Vnni } else { Kernel::Avx2 };
-        }
-        let _ = simd;
-        Kernel::Portable
+        let pairs = (kernel == Kernel::Avx512).then(|| Pairs::of(q8));
+        #[cfg(not(target_arch = "x86_64"))]
+        let pairs = None;
+        Acts { q8, kernel, pairs }
     }
 }
 
-/// [`dots`] with a given kernel.
-fn dots_with(kernel: Kernel, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::Range<usize>, out: &mut [f32]) {
+/// Activation rows in pairs, as the AVX-512 kernel reads them. Per pair and chunk: 64 bytes, the two
+/// rows' 32 values each plus 128 (unsigned bytes, for `vpdpbusd`), and 16 scales, 8 copies of each row's.
+/// Per chunk: every row's sum, side by side (the rows padded to a multiple of 16). An odd last row is
+/// paired with a row of zeros.
+#[derive(Debug)]
+struct Pairs {
+    pairs: usize,
+    chunks: usize,
+    /// Floats per chunk in `s`.
+    stride: usize,
+    q: Vec<u8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+}
+
+impl Pairs {
+    fn of(x: &Q8) -> Self {
+        let (t, chunks) = (x.rows, x.cols / QK);
+        let pairs = t.div_ceil(2);
+        let stride = (2 * pairs).next_multiple_of(16);
+        let mut out = Pairs {
+            pairs,
+            chunks,
+            stride,
+            q: vec![0x80; pairs * chunks * 2 * QK],
+            d: vec![0.0; pairs * chunks * 16],
+            s: vec![0.0; chunks * stride],
+        };
+        for r in 0..t {
+            let a = x.act(r);
+            let (p, half) = (r / 2, r % 2);
+            for c in 0..chunks {
+                let at = p * chunks + c;
+                let q = &mut out.q[at * 2 * QK + half * QK..][..QK];
+                for (dst, &v) in q.iter_mut().zip(&a.q[c * QK..(c + 1) * QK]) {
+                    *dst = (v as u8) ^ 0x80;
+                }
+                out.d[at * 16 + half * 8..][..8].fill(a.d[c]);
+                out.s[c * stride + r] = a.s[c];
+            }
+        }
+        out
+    }
+}
+
+/// `out[i][j] = x[i] . w[rows.start + j]` for every activation row of `x` and the weight rows `rows` of
+/// `w` (rows of `n` values as whole blocks of a [`supports`]ed `ty`), into `out` (`x.rows x rows.len()`).
+/// One weight row at a time (streaming; see `dot`), its chunks unpacked once per group of activation
+/// rows.
+pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<usize>, out: &mut [f32]) {
+    let xq = x.q8;
     let (n, t, width) = (xq.cols, xq.rows, rows.len());
     let (be, bb) = (ty.block_elems(), ty.block_bytes());
     let row_bytes = n / be * bb;
@@ -191,6 +234,42 @@ fn dots_with(kernel: Kernel, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::Ra
         "native dots shapes"
     );
     let w = &w[rows.start * row_bytes..rows.end * row_bytes];
+    #[cfg(target_arch = "x86_64")]
+    if let Some(pairs) = &x.pairs {
+        for j0 in (0..width).step_by(ROWS_PER_CALL) {
+            let nj = ROWS_PER_CALL.min(width - j0);
+            let w = &w[j0 * row_bytes..(j0 + nj) * row_bytes];
+            for p0 in (0..pairs.pairs).step_by(avx512::PAIRS) {
+                let mut res = [[0f32; 2 * avx512::PAIRS]; ROWS_PER_CALL];
+                let res = &mut res[..nj];
+                macro_rules! run {
+                    ($p:literal) => {
+                        // SAFETY: `pairs` exists only where `Kernel::best` chose AVX-512 (AVX-512F, BW
+                        // and VNNI present, with AVX2, FMA and F16C); `ty` is supported, `w` is
+                        // `res.len()` rows of whole blocks and `pairs` holds rows of `n` values from
+                        // pair `p0` on, `p0` a multiple of `PAIRS`.
+                        unsafe { avx512::rows::<$p>(ty, pairs, p0, w, n, res) }
+                    };
+                }
+                match pairs.pairs - p0 {
+                    1 => run!(1),
+                    2 => run!(2),
+                    3 => run!(3),
+                    4 => run!(4),
+                    5 => run!(5),
+                    6 => run!(6),
+                    7 => run!(7),
+                    _ => run!(8),
+                }
+                for (j, res) in res.iter().enumerate() {
+                    for (i, v) in res.iter().enumerate().take(t.saturating_sub(2 * p0)) {
+                        out[(2 * p0 + i) * width + j0 + j] = *v;
+                    }
+                }
+            }
+        }
+        return;
+    }
     // A few dozen weight rows at a time (a few KiB, kept in L1 while every group of four activation rows
     // passes over them), each call's checks amortised over them.
     for j0 in (0..width).step_by(ROWS_PER_CALL) {
@@ -199,19 +278,21 @@ fn dots_with(kernel: Kernel, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::Ra
         for r0 in (0..t).step_by(ROWS) {
             macro_rules! run {
                 ($r:literal) => {{
-                    let x: [Act<'_>; $r] = std::array::from_fn(|i| xq.act(r0 + i));
+                    let acts: [Act<'_>; $r] = std::array::from_fn(|i| xq.act(r0 + i));
                     let mut res = [[0f32; $r]; ROWS_PER_CALL];
                     let res = &mut res[..nj];
-                    match kernel {
-                        Kernel::Portable => rows_portable::<$r>(ty, x, w, n, res),
+                    match x.kernel {
+                        Kernel::Portable => rows_portable::<$r>(ty, acts, w, n, res),
                         // SAFETY: `Kernel::best` chose it only where AVX2, FMA and F16C are present; `ty`
                         // is supported, `w` is `res.len()` rows of whole blocks and each activation row
                         // holds `n` values.
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::Avx2 => unsafe { avx2::rows::<$r>(ty, x, w, n, res) },
+                        Kernel::Avx2 => unsafe { avx2::rows::<$r>(ty, acts, w, n, res) },
                         // SAFETY: as above, and AVX-VNNI is present.
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::Vnni => unsafe { avx2::rows_vnni::<$r>(ty, x, w, n, res) },
+                        Kernel::Vnni => unsafe { avx2::rows_vnni::<$r>(ty, acts, w, n, res) },
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::Avx512 => unreachable!("the AVX-512 kernel runs on pairs"),
                     }
                     for (j, res) in res.iter().enumerate() {
                         for (i, v) in res.iter().enumerate() {
@@ -226,6 +307,49 @@ fn dots_with(kernel: Kernel, ty: GgmlType, xq: &Q8, w: &[u8], rows: std::ops::Ra
                 3 => run!(3),
                 _ => run!(4),
             }
+        }
+    }
+}
+
+/// Which instructions compute the integer lanes: the bits are the same whichever runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Portable,
+    /// AVX2: `maddubs` then `madd`.
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    /// AVX2 with AVX-VNNI: one `vpdpbusd` for the 32-value types (the K-quants' 16-value scales keep
+    /// `maddubs`/`madd`).
+    #[cfg(target_arch = "x86_64")]
+    Vnni,
+    /// AVX-512 with VNNI: two activation rows per vector ([`Pairs`]), every type's lanes one
+    /// `vpdpbusd`.
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+}
+
+impl Kernel {
+    /// The fastest this CPU runs (`simd` false: the portable one).
+    fn best(simd: bool) -> Self {
+        #[cfg(target_arch = "x86_64")]
+        if simd && avx2::available() {
+            if avx512::available() {
+                return Kernel::Avx512;
+            }
+            return if avx2::vnni() { Kernel::Vnni } else { Kernel::Avx2 };
+        }
+        let _ = simd;
+        Kernel::Portable
+    }
+
+    /// The fastest 256-bit kernel where this is the AVX-512 one.
+    fn narrow(self) -> Self {
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 if avx2::vnni() => Kernel::Vnni,
+            #[cfg(target_arch = "x86_64")]
+            Kernel::Avx512 => Kernel::Avx2,
+            other => other,
         }
     }
 }
@@ -323,12 +447,18 @@ mod avx2 {
                 // The K-quants scale each 16 values by an integer of their own.
                 let scaled = matches!(T, 12..=14);
                 let offset = super::has_offset(ty);
+                let ones = _mm256_set1_epi16(1);
                 for (res, wr) in out.iter_mut().zip(w.chunks_exact(blocks * bb)) {
                     let mut acc = [_mm256_setzero_ps(); R];
                     let mut off = [0f32; R];
                     for (i, b) in wr.chunks_exact(bb).enumerate() {
                         unpack::<T>(b, &mut |c, v, isc, d, m| {
                             let xi = i * per + c;
+                            let isc = if scaled {
+                                _mm256_set_m128i(_mm_set1_epi16(isc[1]), _mm_set1_epi16(isc[0]))
+                            } else {
+                                ones
+                            };
                             let vabs = if signed { _mm256_sign_epi8(v, v) } else { v };
                             for r in 0..R {
                                 // SAFETY: chunk xi < n / 32 of a row of n values (asserted above); unaligned
@@ -371,12 +501,12 @@ mod avx2 {
     rows_of!(rows_of_vnni, "avx2,fma,f16c,avxvnni", true);
 
     /// Every chunk of one block of the type with GGML id `T`, in order: `put(c, v, isc, d, m)` with the
-    /// 32 values as bytes in position order and the integer scales as 16-bit words (the first 8 for
-    /// values 0..16, the rest for 16..32), as [`super::chunk`] defines them.
+    /// 32 values as signed bytes in position order and the integer scales of values 0..16 and 16..32,
+    /// as [`super::chunk`] defines them.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn unpack<const T: u32>(b: &[u8], put: &mut impl FnMut(usize, __m256i, __m256i, f32, f32)) {
-        let ones = _mm256_set1_epi16(1);
+    pub(super) fn unpack<const T: u32>(b: &[u8], put: &mut impl FnMut(usize, __m256i, [i16; 2], f32, f32)) {
+        let ones = [1, 1];
         match T {
             8 => {
                 assert!(b.len() >= 34);
@@ -415,7 +545,7 @@ mod avx2 {
                 let qs = if five { 48 } else { 16 };
                 let m4 = _mm256_set1_epi8(0x0F);
                 // SAFETY: bytes 16..48 of a Q5_K block (asserted).
-                let qh = if five { unsafe { _mm256_loadu_si256(b.as_ptr().add(16).cast()) } } else { ones };
+                let qh = if five { unsafe { _mm256_loadu_si256(b.as_ptr().add(16).cast()) } } else { m4 };
                 for j in 0..4 {
                     // SAFETY: 32 bytes of the block's values (asserted).
                     let q = unsafe { _mm256_loadu_si256(b.as_ptr().add(qs + 32 * j).cast()) };
@@ -430,7 +560,7 @@ mod avx2 {
                             v = _mm256_or_si256(v, _mm256_slli_epi16::<4>(bit));
                         }
                         let (sc, mn) = scale_min_k4_int(c, &b[4..16]);
-                        put(c, v, _mm256_set1_epi16(i16::from(sc)), d, -(dmin * f32::from(mn)));
+                        put(c, v, [i16::from(sc); 2], d, -(dmin * f32::from(mn)));
                     }
                 }
             }
@@ -466,10 +596,7 @@ mod avx2 {
                         ),
                     ];
                     for (k, q) in qs.into_iter().enumerate() {
-                        let isc = _mm256_set_m128i(
-                            _mm_set1_epi16(i16::from(sc[8 * n + 2 * k + 1] as i8)),
-                            _mm_set1_epi16(i16::from(sc[8 * n + 2 * k] as i8)),
-                        );
+                        let isc = [i16::from(sc[8 * n + 2 * k] as i8), i16::from(sc[8 * n + 2 * k + 1] as i8)];
                         put(4 * n + k, _mm256_sub_epi8(q, m32), isc, d, 0.0);
                     }
                 }
@@ -508,6 +635,137 @@ mod avx2 {
     }
 }
 
+/// The AVX-512 kernel: each vector holds one chunk's 8 lanes for two activation rows ([`Pairs`]), so
+/// every lane is the lane the portable kernel computes for that row, accumulated in the same order.
+/// Every type's lanes are one `vpdpbusd` of the activations plus 128 (unsigned) with the signed weight
+/// values, started from `-128 * sum(v)` over the lane's four weights: exactly `sum(v * q)`, in 32 bits
+/// that cannot overflow (at most `4 * 255 * 128`). The K-quants' integer scales multiply the lanes as
+/// floats, which is exact (below `2^24`: at most `4 * 32 * 127 * 128`), so it is the portable
+/// `isc * sum(v * q)`.
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    use super::{GgmlType, Pairs, QK};
+
+    /// Activation pairs per call.
+    pub(super) const PAIRS: usize = 8;
+
+    /// Whether this CPU runs it (AVX-512F, BW and VNNI, besides the AVX2 kernel's features).
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+    }
+
+    /// For each weight row of `w` (one per element of `out`), its products with the rows of pairs
+    /// `p0..p0 + P` of `x`: row `2 * (p0 + p) + h` in `out[j][2 * p + h]`.
+    ///
+    /// # Safety
+    ///
+    /// [`available`] and the AVX2 kernel's features; `ty` is [`super::supports`]ed, `w` holds
+    /// `out.len()` rows of `n` values as whole blocks, and `x` holds rows of `n` values with pairs
+    /// `p0..p0 + P`, `p0` a multiple of [`PAIRS`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn rows<const P: usize>(
+        ty: GgmlType,
+        x: &Pairs,
+        p0: usize,
+        w: &[u8],
+        n: usize,
+        out: &mut [[f32; 2 * PAIRS]],
+    ) {
+        match ty {
+            GgmlType::Q8_0 => rows_of::<P, 8>(x, p0, w, n, out),
+            GgmlType::Q4_0 => rows_of::<P, 2>(x, p0, w, n, out),
+            GgmlType::Q4_1 => rows_of::<P, 3>(x, p0, w, n, out),
+            GgmlType::Q5_0 => rows_of::<P, 6>(x, p0, w, n, out),
+            GgmlType::Q5_1 => rows_of::<P, 7>(x, p0, w, n, out),
+            GgmlType::Q4K => rows_of::<P, 12>(x, p0, w, n, out),
+            GgmlType::Q5K => rows_of::<P, 13>(x, p0, w, n, out),
+            GgmlType::Q6K => rows_of::<P, 14>(x, p0, w, n, out),
+            _ => unreachable!("supports() was checked"),
+        }
+    }
+
+    /// [`rows`] for the type with GGML id `T`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    fn rows_of<const P: usize, const T: u32>(x: &Pairs, p0: usize, w: &[u8], n: usize, out: &mut [[f32; 2 * PAIRS]]) {
+        let ty = GgmlType::from_id(T).expect("a GGML type id");
+        let (be, bb) = (ty.block_elems(), ty.block_bytes());
+        let (per, blocks, chunks) = (be / QK, n / be, n / QK);
+        assert!(
+            P <= PAIRS
+                && n.is_multiple_of(be)
+                && chunks == x.chunks
+                && p0 + P <= x.pairs
+                && p0.is_multiple_of(PAIRS)
+                && 2 * p0 + 2 * PAIRS <= x.stride
+                && x.q.len() >= x.pairs * chunks * 2 * QK
+                && x.d.len() >= x.pairs * chunks * 16
+                && x.s.len() >= chunks * x.stride
+                && w.len() >= out.len() * blocks * bb,
+            "rows operands"
+        );
+        let scaled = matches!(T, 12..=14);
+        let offset = super::has_offset(ty);
+        let zero = _mm512_setzero_si512();
+        let bias = _mm512_set1_epi8(-128);
+        for (res, wr) in out.iter_mut().zip(w.chunks_exact(blocks * bb)) {
+            let mut acc = [_mm512_setzero_ps(); P];
+            let mut off = _mm512_setzero_ps();
+            for (i, b) in wr.chunks_exact(bb).enumerate() {
+                super::avx2::unpack::<T>(b, &mut |c, v, isc, d, m| {
+                    let xi = i * per + c;
+                    let v = _mm512_broadcast_i64x4(v);
+                    // -128 * (the sum of each lane's four weights), for the bias of the activations.
+                    let start = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, v));
+                    let isc = _mm512_mask_blend_ps(
+                        0xF0F0,
+                        _mm512_set1_ps(f32::from(isc[0])),
+                        _mm512_set1_ps(f32::from(isc[1])),
+                    );
+                    let d = _mm512_set1_ps(d);
+                    for (p, acc) in acc.iter_mut().enumerate() {
+                        let at = (p0 + p) * chunks + xi;
+                        // SAFETY: pair p0 + p < pairs and chunk xi < chunks (asserted above): 64 bytes and
+                        // 16 floats inside `q` and `d`; unaligned loads.
+                        let (q, xd) = unsafe {
+                            (
+                                _mm512_loadu_si512(x.q.as_ptr().add(at * 2 * QK).cast()),
+                                _mm512_loadu_ps(x.d.as_ptr().add(at * 16)),
+                            )
+                        };
+                        let mut lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, q, v));
+                        if scaled {
+                            lanes = _mm512_mul_ps(lanes, isc);
+                        }
+                        *acc = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), lanes, *acc);
+                    }
+                    if offset {
+                        // SAFETY: 16 floats from 2 * p0 within chunk xi's `stride` (asserted above).
+                        let s = unsafe { _mm512_loadu_ps(x.s.as_ptr().add(xi * x.stride + 2 * p0)) };
+                        off = _mm512_fmadd_ps(_mm512_set1_ps(m), s, off);
+                    }
+                });
+            }
+            let mut offs = [0f32; 2 * PAIRS];
+            // SAFETY: 16 floats; unaligned store.
+            unsafe { _mm512_storeu_ps(offs.as_mut_ptr(), off) };
+            for (p, acc) in acc.iter().enumerate() {
+                let mut lanes = [0f32; 16];
+                // SAFETY: 16 floats; unaligned store.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc) };
+                for h in 0..2 {
+                    let half: [f32; 8] = std::array::from_fn(|l| lanes[8 * h + l]);
+                    res[2 * p + h] = super::tree8(half) + offs[2 * p + h];
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -532,6 +790,9 @@ mod tests {
             all.push(Kernel::Avx2);
             if avx2::vnni() {
                 all.push(Kernel::Vnni);
+            }
+            if avx512::available() {
+                all.push(Kernel::Avx512);
             }
         }
         all
@@ -570,7 +831,7 @@ mod tests {
             let mut f = vec![0f32; rows * n];
             dequantize_blocks(ty, &w, &mut f);
             let mut portable = vec![0f32; t * rows];
-            dots(false, ty, &xq, &w, 0..rows, &mut portable);
+            dots(&Acts::new(&xq, false), ty, &w, 0..rows, &mut portable);
             for r in 0..t {
                 for j in 0..rows {
                     let exact: f32 = (0..n).map(|k| x[r * n + k] * f[j * n + k]).sum();
@@ -581,12 +842,12 @@ mod tests {
             }
             for kernel in kernels() {
                 let mut all = vec![0f32; t * rows];
-                dots_with(kernel, ty, &xq, &w, 0..rows, &mut all);
+                dots(&Acts::with(kernel, &xq), ty, &w, 0..rows, &mut all);
                 assert_eq!(bits(&all), bits(&portable), "{} {kernel:?}, every row", ty.name());
                 for (from, len) in [(0, 1), (3, 1), (1, 2), (2, 3), (0, 4), (1, 6), (0, 7)] {
                     let xs = Q8::new(&x[from * n..(from + len) * n], len, n).unwrap();
                     let mut got = vec![0f32; len * 2];
-                    dots_with(kernel, ty, &xs, &w, 3..5, &mut got);
+                    dots(&Acts::with(kernel, &xs), ty, &w, 3..5, &mut got);
                     let want: Vec<f32> =
                         (from..from + len).flat_map(|r| portable[r * rows + 3..r * rows + 5].to_vec()).collect();
                     assert_eq!(bits(&got), bits(&want), "{} {kernel:?} rows {from}+{len}", ty.name());
