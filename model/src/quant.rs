@@ -591,22 +591,32 @@ pub(crate) mod avx512 {
             n.is_multiple_of(be) && ws.len() >= out.len() * row_bytes && x.iter().all(|x| x.len() >= n),
             "dot_rows operands"
         );
-        for (lanes, w) in out.iter_mut().zip(ws.chunks_exact(row_bytes)) {
-            let mut acc = [_mm512_setzero_ps(); R];
-            for (i, b) in w.chunks_exact(bb).enumerate() {
-                let base = i * be;
-                block::<T>(b, &mut |at, wv| {
-                    for r in 0..R {
-                        // SAFETY: base + at + 16 <= n <= x[r].len() (asserted); unaligned load.
-                        let xv = unsafe { _mm512_loadu_ps(x[r].as_ptr().add(base + at)) };
-                        acc[r] = _mm512_fmadd_ps(xv, wv, acc[r]);
-                    }
-                });
+        // Two weight rows at a time, block by block: each output is one chain of multiply-adds, and two
+        // chains in flight hide their latency.
+        let rows = out.len().min(ws.len() / row_bytes.max(1));
+        let mut j = 0;
+        while j < rows {
+            let pair = usize::from(j + 1 < rows);
+            let mut acc = [[_mm512_setzero_ps(); R]; 2];
+            for (i, base) in (0..n).step_by(be).enumerate() {
+                for (h, acc) in acc.iter_mut().enumerate().take(pair + 1) {
+                    let b = &ws[(j + h) * row_bytes + i * bb..][..bb];
+                    block::<T>(b, &mut |at, wv| {
+                        for r in 0..R {
+                            // SAFETY: base + at + 16 <= n <= x[r].len() (asserted); unaligned load.
+                            let xv = unsafe { _mm512_loadu_ps(x[r].as_ptr().add(base + at)) };
+                            acc[r] = _mm512_fmadd_ps(xv, wv, acc[r]);
+                        }
+                    });
+                }
             }
-            for r in 0..R {
-                // SAFETY: 16 f32s, the two halves in order; unaligned store.
-                unsafe { _mm512_storeu_ps(lanes[r].as_mut_ptr().cast(), acc[r]) };
+            for (h, acc) in acc.iter().enumerate().take(pair + 1) {
+                for r in 0..R {
+                    // SAFETY: 16 f32s, the two halves in order; unaligned store.
+                    unsafe { _mm512_storeu_ps(out[j + h][r].as_mut_ptr().cast(), acc[r]) };
+                }
             }
+            j += pair + 1;
         }
     }
 

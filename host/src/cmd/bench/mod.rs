@@ -56,6 +56,35 @@ pub(crate) fn progress(len: u64, json: bool) -> ProgressBar {
 }
 
 /// A dense span of `bytes` payload: 16 layers x 8 KV heads x 128 head dim in bf16 is 64 KiB per token.
+/// The CMake options llama.cpp is built with for the benches' llama.cpp columns: every vector extension
+/// this CPU has, named one by one instead of `-march=native`, and AMX off. On this project's machines the
+/// kernel grants AMX tile data only on request, and llama.cpp built natively runs `tilezero` without
+/// requesting it and dies of SIGILL in its first `llama_decode`; a peer that cannot run is no reference.
+pub(crate) fn llama_cpp_cmake_options() -> Vec<String> {
+    #[cfg(target_arch = "x86_64")]
+    let has = |f: &str| match f {
+        "AVX" => std::arch::is_x86_feature_detected!("avx"),
+        "AVX2" => std::arch::is_x86_feature_detected!("avx2"),
+        "FMA" => std::arch::is_x86_feature_detected!("fma"),
+        "F16C" => std::arch::is_x86_feature_detected!("f16c"),
+        "BMI2" => std::arch::is_x86_feature_detected!("bmi2"),
+        "AVX_VNNI" => std::arch::is_x86_feature_detected!("avxvnni"),
+        "AVX512" => std::arch::is_x86_feature_detected!("avx512f"),
+        "AVX512_VBMI" => std::arch::is_x86_feature_detected!("avx512vbmi"),
+        "AVX512_VNNI" => std::arch::is_x86_feature_detected!("avx512vnni"),
+        "AVX512_BF16" => std::arch::is_x86_feature_detected!("avx512bf16"),
+        _ => false,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let has = |_: &str| false;
+    let mut options = vec!["-DGGML_NATIVE=OFF".to_string()];
+    for f in ["AVX", "AVX2", "FMA", "F16C", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16"] {
+        options.push(format!("-DGGML_{f}={}", if has(f) { "ON" } else { "OFF" }));
+    }
+    options.extend(["AMX_TILE", "AMX_INT8", "AMX_BF16"].map(|f| format!("-DGGML_{f}=OFF")));
+    options
+}
+
 fn span_of(bytes: u64) -> anyhow::Result<Manifest> {
     const PER_TOKEN: u64 = 16 * 2 * 8 * 128 * 2;
     anyhow::ensure!(bytes.is_multiple_of(PER_TOKEN) && bytes > 0, "span size must be a positive multiple of 64 KiB");

@@ -256,9 +256,11 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Installs llama-cpp-python (which builds llama.cpp from source) into the pdhost home once.
+/// Installs llama-cpp-python (which builds llama.cpp from source, with
+/// [`super::llama_cpp_cmake_options`]) into the pdhost home once.
 fn llama_cpp_python(quiet: bool) -> anyhow::Result<PathBuf> {
-    let site = model::registry::home().join("llama-cpp-python");
+    // Not `llama-cpp-python`, where earlier versions installed a native build that uses AMX.
+    let site = model::registry::home().join("llama-cpp-python-noamx");
     if site.join("llama_cpp").is_dir() {
         return Ok(site);
     }
@@ -269,6 +271,7 @@ fn llama_cpp_python(quiet: bool) -> anyhow::Result<PathBuf> {
         .args(["-m", "pip", "install", "--disable-pip-version-check", "--quiet", "--target"])
         .arg(&site)
         .arg("llama-cpp-python")
+        .env("CMAKE_ARGS", super::llama_cpp_cmake_options().join(" "))
         .output()
         .context("running python3 -m pip")?;
     bar.finish_and_clear();

@@ -2,7 +2,7 @@
 //! same GGUF, the same threads, with `-np` as many slots as the widest batch and `-c` the context per slot
 //! times the slots (llama-server splits its context between slots).
 //!
-//! It is built once, into `$PDHOST_HOME/llama-server/`, from the llama.cpp sources that the
+//! It is built once, into `$PDHOST_HOME/llama-server-noamx/`, from the llama.cpp sources that the
 //! llama-cpp-python source package vendors (`vendor/llama.cpp/tools/server`), with cmake from the Python
 //! package registry in its own virtual environment: both come through pip, like the models.
 
@@ -18,9 +18,10 @@ use serde_json::{json, Value};
 const LLAMA_CPP_PYTHON: &str = "0.3.36";
 const START_TIMEOUT: Duration = Duration::from_secs(300);
 
-/// `$PDHOST_HOME/llama-server/llama-server`, built first if it is not there.
+/// `$PDHOST_HOME/llama-server-noamx/llama-server`, built first if it is not there.
 pub fn llama_server(quiet: bool) -> anyhow::Result<PathBuf> {
-    let dir = model::registry::home().join("llama-server");
+    // Not `llama-server`, where earlier versions built a native llama.cpp that uses AMX.
+    let dir = model::registry::home().join("llama-server-noamx");
     let bin = dir.join("llama-server");
     if bin.is_file() {
         return Ok(bin);
@@ -48,7 +49,8 @@ pub fn llama_server(quiet: bool) -> anyhow::Result<PathBuf> {
             .arg("-B")
             .arg(&build)
             .args(["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF"])
-            .args(["-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]))?;
+            .args(["-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"])
+            .args(super::llama_cpp_cmake_options()))?;
         let jobs = model::kernels::available_cores().to_string();
         run(Command::new(&cmake).arg("--build").arg(&build).args(["--target", "llama-server", "-j", &jobs]))?;
         std::fs::rename(build.join("bin/llama-server"), &bin).context("installing llama-server")?;
