@@ -448,65 +448,51 @@ mod avx2 {
                 let scaled = matches!(T, 12..=14);
                 let offset = super::has_offset(ty);
                 let ones = _mm256_set1_epi16(1);
-                // Two weight rows at a time, block by block: each output is one chain of multiply-adds,
-                // and two chains in flight hide their latency.
-                let row_bytes = blocks * bb;
-                let rows = out.len().min(w.len() / row_bytes.max(1));
-                let mut j = 0;
-                while j < rows {
-                    let pair = usize::from(j + 1 < rows);
-                    let mut acc = [[_mm256_setzero_ps(); R]; 2];
-                    let mut off = [[0f32; R]; 2];
-                    for i in 0..blocks {
-                        for h in 0..=pair {
-                            let (acc, off) = (&mut acc[h], &mut off[h]);
-                            let b = &w[(j + h) * row_bytes + i * bb..][..bb];
-                            unpack::<T>(b, &mut |c, v, isc, d, m| {
-                                let xi = i * per + c;
-                                let isc = if scaled {
-                                    _mm256_set_m128i(_mm_set1_epi16(isc[1]), _mm_set1_epi16(isc[0]))
-                                } else {
-                                    ones
+                for (res, wr) in out.iter_mut().zip(w.chunks_exact(blocks * bb)) {
+                    let mut acc = [_mm256_setzero_ps(); R];
+                    let mut off = [0f32; R];
+                    for (i, b) in wr.chunks_exact(bb).enumerate() {
+                        unpack::<T>(b, &mut |c, v, isc, d, m| {
+                            let xi = i * per + c;
+                            let isc = if scaled {
+                                _mm256_set_m128i(_mm_set1_epi16(isc[1]), _mm_set1_epi16(isc[0]))
+                            } else {
+                                ones
+                            };
+                            let vabs = if signed { _mm256_sign_epi8(v, v) } else { v };
+                            for r in 0..R {
+                                // SAFETY: chunk xi < n / 32 of a row of n values (asserted above); unaligned
+                                // load.
+                                let (q, xd, xs) = unsafe {
+                                    (
+                                        _mm256_loadu_si256(x[r].q.as_ptr().add(xi * QK).cast()),
+                                        *x[r].d.get_unchecked(xi),
+                                        *x[r].s.get_unchecked(xi),
+                                    )
                                 };
-                                let vabs = if signed { _mm256_sign_epi8(v, v) } else { v };
-                                for r in 0..R {
-                                    // SAFETY: chunk xi < n / 32 of a row of n values (asserted above);
-                                    // unaligned load.
-                                    let (q, xd, xs) = unsafe {
-                                        (
-                                            _mm256_loadu_si256(x[r].q.as_ptr().add(xi * QK).cast()),
-                                            *x[r].d.get_unchecked(xi),
-                                            *x[r].s.get_unchecked(xi),
-                                        )
-                                    };
-                                    let q = if signed { _mm256_sign_epi8(q, v) } else { q };
-                                    // The `unsafe` is needed only where AVX-VNNI is not enabled (never run
-                                    // there).
-                                    #[allow(unused_unsafe)]
-                                    let lanes = if $vnni && !scaled {
-                                        // SAFETY: run only in the instance with AVX-VNNI enabled.
-                                        unsafe { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), vabs, q) }
-                                    } else {
-                                        _mm256_madd_epi16(_mm256_maddubs_epi16(vabs, q), isc)
-                                    };
-                                    let lanes = _mm256_cvtepi32_ps(lanes);
-                                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), lanes, acc[r]);
-                                    if offset {
-                                        off[r] = m.mul_add(xs, off[r]);
-                                    }
+                                let q = if signed { _mm256_sign_epi8(q, v) } else { q };
+                                // The `unsafe` is needed only where AVX-VNNI is not enabled (never run there).
+                                #[allow(unused_unsafe)]
+                                let lanes = if $vnni && !scaled {
+                                    // SAFETY: run only in the instance with AVX-VNNI enabled.
+                                    unsafe { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), vabs, q) }
+                                } else {
+                                    _mm256_madd_epi16(_mm256_maddubs_epi16(vabs, q), isc)
+                                };
+                                let lanes = _mm256_cvtepi32_ps(lanes);
+                                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), lanes, acc[r]);
+                                if offset {
+                                    off[r] = m.mul_add(xs, off[r]);
                                 }
-                            });
-                        }
+                            }
+                        });
                     }
-                    for h in 0..=pair {
-                        for r in 0..R {
-                            let mut lanes = [0f32; 8];
-                            // SAFETY: 8 f32s; unaligned store.
-                            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[h][r]) };
-                            out[j + h][r] = super::tree8(lanes) + off[h][r];
-                        }
+                    for r in 0..R {
+                        let mut lanes = [0f32; 8];
+                        // SAFETY: 8 f32s; unaligned store.
+                        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
+                        res[r] = super::tree8(lanes) + off[r];
                     }
-                    j += pair + 1;
                 }
             }
         };
