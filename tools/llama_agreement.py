@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Greedy agreement of `pdhost generate` with llama.cpp on the same GGUF file.
 
-usage: PYTHONPATH=$PDHOST_HOME/llama-cpp-python tools/llama_agreement.py PDHOST GGUF REF_JSON [PDHOST ARGS...]
+usage: PYTHONPATH=$PDHOST_HOME/llama-cpp-python-noamx tools/llama_agreement.py PDHOST GGUF REF_JSON [PDHOST ARGS...]
 
 For every case of a reference file (`shared/reference/greedy_*.json`: prompt ids and an output length),
 llama.cpp (llama-cpp-python's bindings of its C API, `pdhost bench model` installs them) decodes greedily
