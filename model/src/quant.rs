@@ -375,7 +375,7 @@ pub(crate) mod avx2 {
     /// The f16 at `b[at..at + 2]`, widened by the CPU (exact, as every f16 is an f32).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    fn f16_at(b: &[u8], at: usize) -> f32 {
+    pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
         let bits = u16::from_le_bytes([b[at], b[at + 1]]);
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
     }
@@ -497,36 +497,46 @@ pub(crate) mod avx2 {
         }
     }
 
+    /// The 6-bit values (0..64, before the offset of -32) of half `n` of a Q6_K block, as four vectors
+    /// of 32 bytes: vector `k` holds values `128n + 32k .. 128n + 32k + 32`, in position order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(crate) fn q6_k_values(b: &[u8], n: usize) -> [__m256i; 4] {
+        assert!(b.len() >= 192 && n < 2);
+        let m4 = _mm256_set1_epi8(0x0F);
+        let m2 = _mm256_set1_epi8(0x03);
+        // SAFETY: the low bits at 64n..64n + 64 and the high bits at 128 + 32n..160 + 32n lie in the block
+        // (asserted).
+        let (la, lb, h) = unsafe {
+            (
+                _mm256_loadu_si256(b.as_ptr().add(64 * n).cast()),
+                _mm256_loadu_si256(b.as_ptr().add(64 * n + 32).cast()),
+                _mm256_loadu_si256(b.as_ptr().add(128 + 32 * n).cast()),
+            )
+        };
+        let high = [
+            _mm256_and_si256(h, m2),
+            _mm256_and_si256(_mm256_srli_epi16::<2>(h), m2),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(h), m2),
+            _mm256_and_si256(_mm256_srli_epi16::<6>(h), m2),
+        ];
+        [
+            _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16::<4>(high[0])),
+            _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_slli_epi16::<4>(high[1])),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(la), m4), _mm256_slli_epi16::<4>(high[2])),
+            _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4), _mm256_slli_epi16::<4>(high[3])),
+        ]
+    }
+
     /// Q6_K: `y = (d * sc) * (q - 32)` per 16-value group.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn q6_k(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
         assert!(b.len() >= 210);
         let d = f16_at(b, 208);
-        let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-        let m4 = _mm256_set1_epi8(0x0F);
-        let m2 = _mm256_set1_epi8(0x03);
+        let sc = &b[192..208];
         for n in 0..2 {
-            // SAFETY: 32 bytes each, inside the block (asserted).
-            let (la, lb, h) = unsafe {
-                (
-                    _mm256_loadu_si256(ql.as_ptr().add(64 * n).cast()),
-                    _mm256_loadu_si256(ql.as_ptr().add(64 * n + 32).cast()),
-                    _mm256_loadu_si256(qh.as_ptr().add(32 * n).cast()),
-                )
-            };
-            let high = [
-                _mm256_and_si256(h, m2),
-                _mm256_and_si256(_mm256_srli_epi16::<2>(h), m2),
-                _mm256_and_si256(_mm256_srli_epi16::<4>(h), m2),
-                _mm256_and_si256(_mm256_srli_epi16::<6>(h), m2),
-            ];
-            let qs = [
-                _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16::<4>(high[0])),
-                _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_slli_epi16::<4>(high[1])),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(la), m4), _mm256_slli_epi16::<4>(high[2])),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4), _mm256_slli_epi16::<4>(high[3])),
-            ];
+            let qs = q6_k_values(b, n);
             for (k, q) in qs.into_iter().enumerate() {
                 let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
                 for g in 0..4 {
@@ -546,6 +556,7 @@ pub(crate) mod avx2 {
 pub(crate) mod avx512 {
     use std::arch::x86_64::*;
 
+    use super::avx2::f16_at;
     use super::{scale_min_k4, GgmlType};
 
     /// Whether this CPU runs [`dot_rows`] (AVX-512F besides AVX2, FMA and F16C).
@@ -716,36 +727,9 @@ pub(crate) mod avx512 {
             14 => {
                 assert!(b.len() >= 210);
                 let d = f16_at(b, 208);
-                let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-                let m4 = _mm256_set1_epi8(0x0F);
-                let m2 = _mm256_set1_epi8(0x03);
+                let sc = &b[192..208];
                 for n in 0..2 {
-                    // SAFETY: 32 bytes each, inside the block (asserted).
-                    let (la, lb, h) = unsafe {
-                        (
-                            _mm256_loadu_si256(ql.as_ptr().add(64 * n).cast()),
-                            _mm256_loadu_si256(ql.as_ptr().add(64 * n + 32).cast()),
-                            _mm256_loadu_si256(qh.as_ptr().add(32 * n).cast()),
-                        )
-                    };
-                    let high = [
-                        _mm256_and_si256(h, m2),
-                        _mm256_and_si256(_mm256_srli_epi16::<2>(h), m2),
-                        _mm256_and_si256(_mm256_srli_epi16::<4>(h), m2),
-                        _mm256_and_si256(_mm256_srli_epi16::<6>(h), m2),
-                    ];
-                    let qs = [
-                        _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16::<4>(high[0])),
-                        _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_slli_epi16::<4>(high[1])),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(la), m4),
-                            _mm256_slli_epi16::<4>(high[2]),
-                        ),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4),
-                            _mm256_slli_epi16::<4>(high[3]),
-                        ),
-                    ];
+                    let qs = super::avx2::q6_k_values(b, n);
                     for (k, q) in qs.into_iter().enumerate() {
                         let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
                         for (g, half) in halves.into_iter().enumerate() {
@@ -761,14 +745,6 @@ pub(crate) mod avx512 {
             }
             _ => unreachable!("a supported type"),
         }
-    }
-
-    /// The f16 at `b[at..at + 2]`, widened by the CPU (exact).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-    fn f16_at(b: &[u8], at: usize) -> f32 {
-        let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
     }
 }
 

@@ -370,6 +370,7 @@ mod avx2 {
     use crate::quant::scale_min_k4_int;
 
     pub(super) use crate::quant::avx2::available;
+    use crate::quant::avx2::f16_at as f16;
 
     /// Whether this CPU has AVX-VNNI (`vpdpbusd` on 256-bit vectors).
     pub(super) fn vnni() -> bool {
@@ -568,33 +569,9 @@ mod avx2 {
                 assert!(b.len() >= 210);
                 let d = f16(b, 208);
                 let sc = &b[192..208];
-                let m4 = _mm256_set1_epi8(0x0F);
-                let m2 = _mm256_set1_epi8(0x03);
                 let m32 = _mm256_set1_epi8(32);
                 for n in 0..2 {
-                    // SAFETY: 32 bytes each, inside the block (asserted).
-                    let (la, lb, h) = unsafe {
-                        (
-                            _mm256_loadu_si256(b.as_ptr().add(64 * n).cast()),
-                            _mm256_loadu_si256(b.as_ptr().add(64 * n + 32).cast()),
-                            _mm256_loadu_si256(b.as_ptr().add(128 + 32 * n).cast()),
-                        )
-                    };
-                    let qs = [
-                        _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16::<4>(_mm256_and_si256(h, m2))),
-                        _mm256_or_si256(
-                            _mm256_and_si256(lb, m4),
-                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(h), m2)),
-                        ),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(la), m4),
-                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(h), m2)),
-                        ),
-                        _mm256_or_si256(
-                            _mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4),
-                            _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(h), m2)),
-                        ),
-                    ];
+                    let qs = crate::quant::avx2::q6_k_values(b, n);
                     for (k, q) in qs.into_iter().enumerate() {
                         let isc = [i16::from(sc[8 * n + 2 * k] as i8), i16::from(sc[8 * n + 2 * k + 1] as i8)];
                         put(4 * n + k, _mm256_sub_epi8(q, m32), isc, d, 0.0);
@@ -603,14 +580,6 @@ mod avx2 {
             }
             _ => unreachable!("a supported type"),
         }
-    }
-
-    /// The f16 at `b[at..at + 2]`, widened (exact).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn f16(b: &[u8], at: usize) -> f32 {
-        let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
     }
 
     /// 16 bytes of nibble pairs as 32 values: the low nibbles first, then the high ones.
