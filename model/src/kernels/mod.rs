@@ -172,8 +172,8 @@ const ROWS_PER_CALL: usize = 32;
 
 /// [`dot::dots`] over weight rows `rows` held as blocks, into `out` (`t x rows.len()`). A few rows (decode)
 /// read each weight row straight from its blocks, dequantized in registers into the f32 kernel's own
-/// accumulators ([`crate::quant::avx2::dot_rows`]); otherwise see [`panels`]. The bits are the same
-/// either way.
+/// accumulators ([`crate::quant::avx2::dot_rows`], or its AVX-512 twin); otherwise see [`panels`]. The
+/// bits are the same either way.
 fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usize>, n: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if let Weight::Blocks { ty, bytes, .. } = w {
