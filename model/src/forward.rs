@@ -342,9 +342,8 @@ impl Model {
                     *s = (*s - max).exp();
                     sum += *s;
                 }
-                for (s, v) in scores.iter().zip(&vs[visible]) {
-                    dot.add_scaled(out, s / sum, &v[g * hd..(g + 1) * hd]);
-                }
+                scores.iter_mut().for_each(|s| *s /= sum);
+                dot.add_scaled_rows(out, &scores, &vs[visible], g * hd);
             })
         });
         attn

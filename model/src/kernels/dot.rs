@@ -286,6 +286,28 @@ impl Dot {
         }
     }
 
+    /// [`Dot::add_scaled`] of every row in order: `out[i] += w[k] * rows[k][at + i]` for `k = 0, 1, ...`,
+    /// the same bits, with each element kept in a register across a few rows at a time (attention's
+    /// weighted sum of values: one pass over `out` per few keys, not per key).
+    pub fn add_scaled_rows(self, out: &mut [f32], w: &[f32], rows: &[&[f32]], at: usize) {
+        let n = out.len();
+        assert!(w.len() == rows.len() && rows.iter().all(|r| r.len() >= at + n), "scaled add rows");
+        match self.isa {
+            // SAFETY: `Isa::best` gives it only where AVX2 and FMA are present; lengths asserted above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => return unsafe { add_scaled_rows_avx2(out, w, rows, at) },
+            // SAFETY: `Isa::best` gives it only where AVX-512F is present; lengths asserted above.
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => return unsafe { add_scaled_rows_avx512(out, w, rows, at) },
+            Isa::Portable => {}
+        }
+        for (&w, r) in w.iter().zip(rows) {
+            for (o, &x) in out.iter_mut().zip(&r[at..at + n]) {
+                *o += w * x;
+            }
+        }
+    }
+
     /// `out[i] += w * v[i]` for every `i`: a rounded product, then a rounded sum (never fused), so the
     /// AVX2 loop gives the portable bits.
     pub fn add_scaled(self, out: &mut [f32], w: f32, v: &[f32]) {
@@ -304,6 +326,86 @@ impl Dot {
         }
     }
 }
+
+/// Rows per pass of the scaled-add kernels: their vectors stay in L1 while `out` passes once.
+const ADD_ROWS: usize = 8;
+
+macro_rules! add_scaled_rows_kernel {
+    ($name:ident, $features:literal, $lanes:literal, $set1:ident, $load:ident, $store:ident, $add:ident, $mul:ident) => {
+        /// [`Dot::add_scaled_rows`] with these vectors.
+        ///
+        /// # Safety
+        ///
+        /// The CPU has the target features; `w` has one weight per row and every row holds
+        /// `at + out.len()` values.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(out: &mut [f32], w: &[f32], rows: &[&[f32]], at: usize) {
+            use std::arch::x86_64::*;
+            let n = out.len();
+            let whole = n / $lanes * $lanes;
+            // Four vectors of `out` at a time: four independent chains of additions.
+            let quads = n / (4 * $lanes) * (4 * $lanes);
+            for (ws, rs) in w.chunks(ADD_ROWS).zip(rows.chunks(ADD_ROWS)) {
+                let ptrs: [*const f32; ADD_ROWS] =
+                    std::array::from_fn(|k| rs.get(k).map_or(std::ptr::null(), |r| r[at..].as_ptr()));
+                for i in (0..quads).step_by(4 * $lanes) {
+                    // SAFETY: i + 4 lanes <= n = out.len(); unaligned loads.
+                    let mut acc: [_; 4] = std::array::from_fn(|v| unsafe { $load(out.as_ptr().add(i + v * $lanes)) });
+                    for (&wk, &r) in ws.iter().zip(&ptrs) {
+                        let wk = $set1(wk);
+                        for (v, acc) in acc.iter_mut().enumerate() {
+                            // SAFETY: at + i + 4 lanes <= at + n <= the row's length (the caller's contract).
+                            let x = unsafe { $load(r.add(i + v * $lanes)) };
+                            *acc = $add(*acc, $mul(wk, x));
+                        }
+                    }
+                    for (v, acc) in acc.into_iter().enumerate() {
+                        // SAFETY: as the loads above; unaligned store.
+                        unsafe { $store(out.as_mut_ptr().add(i + v * $lanes), acc) };
+                    }
+                }
+                for i in (quads..whole).step_by($lanes) {
+                    // SAFETY: i + lanes <= n = out.len(); unaligned load.
+                    let mut acc = unsafe { $load(out.as_ptr().add(i)) };
+                    for (&wk, &r) in ws.iter().zip(&ptrs) {
+                        // SAFETY: at + i + lanes <= at + n <= the row's length (the caller's contract).
+                        let x = unsafe { $load(r.add(i)) };
+                        acc = $add(acc, $mul($set1(wk), x));
+                    }
+                    // SAFETY: as the load above; unaligned store.
+                    unsafe { $store(out.as_mut_ptr().add(i), acc) };
+                }
+                for (&wk, r) in ws.iter().zip(rs) {
+                    for (o, &x) in out[whole..].iter_mut().zip(&r[at + whole..at + n]) {
+                        *o += wk * x;
+                    }
+                }
+            }
+        }
+    };
+}
+
+add_scaled_rows_kernel!(
+    add_scaled_rows_avx2,
+    "avx2,fma",
+    8,
+    _mm256_set1_ps,
+    _mm256_loadu_ps,
+    _mm256_storeu_ps,
+    _mm256_add_ps,
+    _mm256_mul_ps
+);
+add_scaled_rows_kernel!(
+    add_scaled_rows_avx512,
+    "avx2,fma,avx512f",
+    16,
+    _mm512_set1_ps,
+    _mm512_loadu_ps,
+    _mm512_storeu_ps,
+    _mm512_add_ps,
+    _mm512_mul_ps
+);
 
 /// [`Dot::of_rows`] with AVX2.
 ///
@@ -512,7 +614,7 @@ mod tests {
     #[test]
     fn many_keys_and_scaled_adds_give_the_bits_of_one_at_a_time() {
         let q = data(37, 5);
-        let keys: Vec<Vec<f32>> = (0..7).map(|i| data(37 + 11, 6 + i)).collect();
+        let keys: Vec<Vec<f32>> = (0..19).map(|i| data(37 + 11, 6 + i)).collect();
         let rows: Vec<&[f32]> = keys.iter().map(|k| &k[..]).collect();
         for isa in Isa::all() {
             let dot = Dot { isa };
@@ -520,6 +622,21 @@ mod tests {
             dot.of_rows(&q, &rows, 11, &mut got);
             for (g, k) in got.iter().zip(&rows) {
                 assert_eq!(g.to_bits(), Dot { isa: Isa::Portable }.of(&q, &k[11..]).to_bits(), "{isa:?}");
+            }
+            // Many rows in one call: the bits of one call per row, for widths with and without whole
+            // groups of four vectors.
+            let ws: Vec<f32> = (0..rows.len()).map(|i| 0.1 + i as f32 * 0.13).collect();
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            for n in [37, 150] {
+                let wide: Vec<Vec<f32>> = (0..rows.len()).map(|i| data(n + 11, 30 + i)).collect();
+                let wide: Vec<&[f32]> = wide.iter().map(|k| &k[..]).collect();
+                let mut many = data(n, 8);
+                let mut one_by_one = many.clone();
+                dot.add_scaled_rows(&mut many, &ws, &wide, 11);
+                for (&w, r) in ws.iter().zip(&wide) {
+                    Dot { isa: Isa::Portable }.add_scaled(&mut one_by_one, w, &r[11..11 + n]);
+                }
+                assert_eq!(bits(&many), bits(&one_by_one), "{isa:?} rows of {n}");
             }
             let mut out = data(37, 9);
             let mut want = out.clone();
