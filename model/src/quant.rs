@@ -179,13 +179,9 @@ pub(crate) fn dequantize_blocks(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
                 }
             }
             GgmlType::Q4K => {
-                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-                let scales = &b[4..16];
                 let qs = &b[16..144];
                 for j in 0..4 {
-                    let (sc1, m1) = scale_min_k4(2 * j, scales);
-                    let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
-                    let (d1, min1, d2, min2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+                    let [(d1, min1), (d2, min2)] = k_scales(b, j);
                     let q = &qs[32 * j..32 * j + 32];
                     for l in 0..32 {
                         y[64 * j + l] = d1 * f32::from(q[l] & 0xF) - min1;
@@ -194,14 +190,10 @@ pub(crate) fn dequantize_blocks(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
                 }
             }
             GgmlType::Q5K => {
-                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-                let scales = &b[4..16];
                 let qh = &b[16..48];
                 let qs = &b[48..176];
                 for j in 0..4 {
-                    let (sc1, m1) = scale_min_k4(2 * j, scales);
-                    let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
-                    let (d1, min1, d2, min2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+                    let [(d1, min1), (d2, min2)] = k_scales(b, j);
                     let (u1, u2) = (1u8 << (2 * j), 2u8 << (2 * j));
                     let q = &qs[32 * j..32 * j + 32];
                     for l in 0..32 {
@@ -253,6 +245,61 @@ pub(crate) fn scale_min_k4_int(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
+/// The float scales and minimums `(d * sc, dmin * m)` of sub-blocks `2j` and `2j + 1` of a Q4_K or Q5_K
+/// block `b`: what every dequantizer multiplies and subtracts.
+#[inline(always)]
+pub(crate) fn k_scales(b: &[u8], j: usize) -> [(f32, f32); 2] {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    [2 * j, 2 * j + 1].map(|sub| {
+        let (sc, m) = scale_min_k4(sub, &b[4..16]);
+        (d * sc, dmin * m)
+    })
+}
+
+/// Runs `$body` with `$t` a `const u32`, the GGML type id of `$ty`, one of the integer block types
+/// (`avx2::supports`): the kernels are generic over the id, one instance per type, so each unpacks its
+/// blocks without a branch on the type.
+macro_rules! by_block_type {
+    ($ty:expr, $t:ident => $body:expr) => {
+        match $ty {
+            $crate::quant::GgmlType::Q8_0 => {
+                const $t: u32 = 8;
+                $body
+            }
+            $crate::quant::GgmlType::Q4_0 => {
+                const $t: u32 = 2;
+                $body
+            }
+            $crate::quant::GgmlType::Q4_1 => {
+                const $t: u32 = 3;
+                $body
+            }
+            $crate::quant::GgmlType::Q5_0 => {
+                const $t: u32 = 6;
+                $body
+            }
+            $crate::quant::GgmlType::Q5_1 => {
+                const $t: u32 = 7;
+                $body
+            }
+            $crate::quant::GgmlType::Q4K => {
+                const $t: u32 = 12;
+                $body
+            }
+            $crate::quant::GgmlType::Q5K => {
+                const $t: u32 = 13;
+                $body
+            }
+            $crate::quant::GgmlType::Q6K => {
+                const $t: u32 = 14;
+                $body
+            }
+            _ => unreachable!("supports() was checked"),
+        }
+    };
+}
+pub(crate) use by_block_type;
+
 /// AVX2 twins of the portable dequantizer for the block types, value for value the same: every value is
 /// the same operations on the same operands (a product and a sum are never fused), eight at a time. Each
 /// block hands its vectors, in increasing position, to a consumer: a store ([`dequantize`]) or the
@@ -261,7 +308,7 @@ pub(crate) fn scale_min_k4_int(j: usize, q: &[u8]) -> (u8, u8) {
 pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::{scale_min_k4, GgmlType};
+    use super::GgmlType;
 
     /// Whether [`dequantize`] and [`dot_rows`] handle `ty`.
     pub(crate) fn supports(ty: GgmlType) -> bool {
@@ -459,14 +506,10 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     fn q4_k(b: &[u8], put: &mut impl FnMut(usize, __m256), five: bool) {
         assert!(b.len() >= if five { 176 } else { 144 });
-        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-        let scales = &b[4..16];
         let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
         let mask = _mm_set1_epi8(0x0F);
         for j in 0..4 {
-            let (sc1, m1) = scale_min_k4(2 * j, scales);
-            let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
-            let (d1, min1, d2, min2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+            let [(d1, min1), (d2, min2)] = super::k_scales(b, j);
             // SAFETY: the sub-block's 32 bytes, inside the block (asserted).
             let q = unsafe {
                 [_mm_loadu_si128(qs.as_ptr().add(32 * j).cast()), _mm_loadu_si128(qs.as_ptr().add(32 * j + 16).cast())]
@@ -557,7 +600,7 @@ pub(crate) mod avx512 {
     use std::arch::x86_64::*;
 
     use super::avx2::f16_at;
-    use super::{scale_min_k4, GgmlType};
+    use super::GgmlType;
 
     /// Whether this CPU runs [`dot_rows`] (AVX-512F besides AVX2, FMA and F16C).
     pub(crate) fn available() -> bool {
@@ -578,17 +621,7 @@ pub(crate) mod avx512 {
         n: usize,
         out: &mut [[[[f32; 8]; 2]; R]],
     ) {
-        match ty {
-            GgmlType::Q8_0 => rows_of::<R, 8>(x, ws, n, out),
-            GgmlType::Q4_0 => rows_of::<R, 2>(x, ws, n, out),
-            GgmlType::Q4_1 => rows_of::<R, 3>(x, ws, n, out),
-            GgmlType::Q5_0 => rows_of::<R, 6>(x, ws, n, out),
-            GgmlType::Q5_1 => rows_of::<R, 7>(x, ws, n, out),
-            GgmlType::Q4K => rows_of::<R, 12>(x, ws, n, out),
-            GgmlType::Q5K => rows_of::<R, 13>(x, ws, n, out),
-            GgmlType::Q6K => rows_of::<R, 14>(x, ws, n, out),
-            _ => unreachable!("supports() was checked"),
-        }
+        super::by_block_type!(ty, T => rows_of::<R, T>(x, ws, n, out))
     }
 
     /// [`dot_rows`] for the type with GGML id `T`.
@@ -687,14 +720,10 @@ pub(crate) mod avx512 {
             12 | 13 => {
                 let five = T == 13;
                 assert!(b.len() >= if five { 176 } else { 144 });
-                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-                let scales = &b[4..16];
                 let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
                 let mask = _mm_set1_epi8(0x0F);
                 for j in 0..4 {
-                    let (sc1, m1) = scale_min_k4(2 * j, scales);
-                    let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
-                    let (d1, min1, d2, min2) = (d * sc1, dmin * m1, d * sc2, dmin * m2);
+                    let [(d1, min1), (d2, min2)] = super::k_scales(b, j);
                     for (sub, dd, mm, bit) in [(0, d1, min1, 2 * j), (32, d2, min2, 2 * j + 1)] {
                         for part in 0..2 {
                             // SAFETY: 16 of the sub-block's 32 bytes, inside the block (asserted).

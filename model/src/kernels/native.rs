@@ -385,18 +385,7 @@ mod avx2 {
     /// blocks, and every `x[r]` holds `n` values.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn rows<const R: usize>(ty: GgmlType, x: [Act<'_>; R], w: &[u8], n: usize, out: &mut [[f32; R]]) {
-        // One instance per type, so the unpacking is resolved at compile time.
-        match ty {
-            GgmlType::Q8_0 => rows_of::<R, 8>(x, w, n, out),
-            GgmlType::Q4_0 => rows_of::<R, 2>(x, w, n, out),
-            GgmlType::Q4_1 => rows_of::<R, 3>(x, w, n, out),
-            GgmlType::Q5_0 => rows_of::<R, 6>(x, w, n, out),
-            GgmlType::Q5_1 => rows_of::<R, 7>(x, w, n, out),
-            GgmlType::Q4K => rows_of::<R, 12>(x, w, n, out),
-            GgmlType::Q5K => rows_of::<R, 13>(x, w, n, out),
-            GgmlType::Q6K => rows_of::<R, 14>(x, w, n, out),
-            _ => unreachable!("supports() was checked"),
-        }
+        crate::quant::by_block_type!(ty, T => rows_of::<R, T>(x, w, n, out))
     }
 
     /// [`rows`] with AVX-VNNI, the same bits.
@@ -412,17 +401,7 @@ mod avx2 {
         n: usize,
         out: &mut [[f32; R]],
     ) {
-        match ty {
-            GgmlType::Q8_0 => rows_of_vnni::<R, 8>(x, w, n, out),
-            GgmlType::Q4_0 => rows_of_vnni::<R, 2>(x, w, n, out),
-            GgmlType::Q4_1 => rows_of_vnni::<R, 3>(x, w, n, out),
-            GgmlType::Q5_0 => rows_of_vnni::<R, 6>(x, w, n, out),
-            GgmlType::Q5_1 => rows_of_vnni::<R, 7>(x, w, n, out),
-            GgmlType::Q4K => rows_of_vnni::<R, 12>(x, w, n, out),
-            GgmlType::Q5K => rows_of_vnni::<R, 13>(x, w, n, out),
-            GgmlType::Q6K => rows_of_vnni::<R, 14>(x, w, n, out),
-            _ => unreachable!("supports() was checked"),
-        }
+        crate::quant::by_block_type!(ty, T => rows_of_vnni::<R, T>(x, w, n, out))
     }
 
     /// Defines the row kernel for the type with GGML id `T` with the given target features; with `vnni`
@@ -644,17 +623,7 @@ mod avx512 {
         n: usize,
         out: &mut [[f32; 2 * PAIRS]],
     ) {
-        match ty {
-            GgmlType::Q8_0 => rows_of::<P, 8>(x, p0, w, n, out),
-            GgmlType::Q4_0 => rows_of::<P, 2>(x, p0, w, n, out),
-            GgmlType::Q4_1 => rows_of::<P, 3>(x, p0, w, n, out),
-            GgmlType::Q5_0 => rows_of::<P, 6>(x, p0, w, n, out),
-            GgmlType::Q5_1 => rows_of::<P, 7>(x, p0, w, n, out),
-            GgmlType::Q4K => rows_of::<P, 12>(x, p0, w, n, out),
-            GgmlType::Q5K => rows_of::<P, 13>(x, p0, w, n, out),
-            GgmlType::Q6K => rows_of::<P, 14>(x, p0, w, n, out),
-            _ => unreachable!("supports() was checked"),
-        }
+        crate::quant::by_block_type!(ty, T => rows_of::<P, T>(x, p0, w, n, out))
     }
 
     /// [`rows`] for the type with GGML id `T`.
