@@ -32,14 +32,21 @@ impl SpanView<'_> {
 /// `bytes` must be exactly one frame: shorter is `Truncated`, longer is `TrailingBytes`.
 pub fn decode_frame(bytes: &[u8]) -> Result<SpanView<'_>, SpanError> {
     let header = parse_header_prefix(bytes)?;
-    let found = bytes.len() as u64;
+    check_frame_len(&header, bytes)?;
+    decode_body(header, bytes, frame_checksum(bytes))
+}
+
+/// `frame` is exactly the `frame_len` bytes the header declares: shorter is `Truncated`, longer is
+/// `TrailingBytes`.
+fn check_frame_len(header: &HeaderInfo, frame: &[u8]) -> Result<(), SpanError> {
+    let found = frame.len() as u64;
     if found < header.frame_len {
         return Err(SpanError::Truncated { expected: header.frame_len, found });
     }
     if found > header.frame_len {
         return Err(SpanError::TrailingBytes { expected: header.frame_len, found });
     }
-    decode_body(header, bytes, frame_checksum(bytes))
+    Ok(())
 }
 
 /// Parses the fixed header from the first 64 bytes of `bytes`.
@@ -51,23 +58,26 @@ pub fn parse_header_prefix(bytes: &[u8]) -> Result<HeaderInfo, SpanError> {
 }
 
 /// Validates a frame whose header has been parsed and whose checksum has been computed over exactly
-/// `frame` (length `header.frame_len`) — the ring reader computes it while copying.
+/// `frame` — the ring reader computes it while copying. A `frame` that is not exactly `header.frame_len`
+/// bytes is `Truncated` or `TrailingBytes`.
 pub fn decode_body(header: HeaderInfo, frame: &[u8], computed_checksum: u64) -> Result<SpanView<'_>, SpanError> {
-    debug_assert_eq!(frame.len() as u64, header.frame_len);
+    check_frame_len(&header, frame)?;
     verify_prefix(&header, frame, computed_checksum)?;
     let manifest = decode_manifest(&frame[header.manifest_range()], header.payload_len)?;
     Ok(SpanView { header, manifest, payload: &frame[header.payload_offset as usize..] })
 }
 
 /// The frame-level checks besides the manifest: the checksum computed over the reader's copy equals the
-/// header's, and the padding between manifest and payload is zero. `prefix` holds at least the frame's
-/// first `payload_offset` bytes.
+/// header's, and the padding between manifest and payload is zero. `prefix` must hold at least the frame's
+/// first `payload_offset` bytes; fewer is `Truncated`.
 pub fn verify_prefix(header: &HeaderInfo, prefix: &[u8], computed_checksum: u64) -> Result<(), SpanError> {
     if computed_checksum != header.checksum {
         return Err(SpanError::ChecksumMismatch { expected: header.checksum, found: computed_checksum });
     }
     let manifest_end = header.manifest_range().end;
-    let padding = &prefix[manifest_end..header.payload_offset as usize];
+    let Some(padding) = prefix.get(manifest_end..header.payload_offset as usize) else {
+        return Err(SpanError::Truncated { expected: header.payload_offset, found: prefix.len() as u64 });
+    };
     if let Some(i) = padding.iter().position(|&b| b != 0) {
         return Err(SpanError::NonZeroPadding { offset: (manifest_end + i) as u64, found: padding[i] });
     }

@@ -130,6 +130,26 @@ fn every_bit_flip_truncation_and_extension_is_rejected() {
     }
 }
 
+/// The public halves of `decode_frame` that the ring reader calls on its own copy check their input's
+/// length too: any other length is a typed error, never a slice panic (in release builds as in debug).
+#[test]
+fn decode_body_and_verify_prefix_refuse_a_wrong_length() {
+    for f in fixtures().into_iter().filter(|f| f.verdict.is_none()) {
+        let header = parse_header_prefix(&f.bytes).unwrap();
+        let checksum = frame_checksum(&f.bytes);
+        assert!(decode_body(header, &f.bytes, checksum).is_ok(), "{}", f.name);
+        for len in [0, HEADER_LEN, header.payload_offset as usize - 1, f.bytes.len() - 1] {
+            let e = decode_body(header, &f.bytes[..len], checksum).unwrap_err();
+            assert_eq!(e, SpanError::Truncated { expected: header.frame_len, found: len as u64 }, "{}", f.name);
+        }
+        let longer = [&f.bytes[..], &[0u8; 8]].concat();
+        assert_eq!(decode_body(header, &longer, checksum).unwrap_err().kind(), "trailing_bytes");
+        let short = &f.bytes[..header.payload_offset as usize - 1];
+        let e = verify_prefix(&header, short, checksum).unwrap_err();
+        assert_eq!(e, SpanError::Truncated { expected: header.payload_offset, found: short.len() as u64 });
+    }
+}
+
 fn arb_layer() -> impl Strategy<Value = LayerKv> {
     prop_oneof![
         (1u32..4, 1u32..6).prop_map(|(kv_heads, head_dim)| LayerKv::Full { kv_heads, head_dim }),
