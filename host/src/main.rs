@@ -17,7 +17,10 @@ fn main() -> ExitCode {
         return pdhost_producer::main(args.collect());
     }
     pdhost_producer::keep_freed_memory();
-    pdhost::supervisor::harden_host();
+    if let Err(e) = pdhost::supervisor::harden_host() {
+        cmd::errln!("error: making the host non-dumpable (prctl PR_SET_DUMPABLE 0): {e}");
+        return ExitCode::FAILURE;
+    }
     let cli = match cli::Cli::try_parse() {
         Ok(cli) => cli,
         // `pdhost` or `pdhost models` alone: the help, as clap shows it, is the useful answer.

@@ -332,10 +332,19 @@ pub struct Producer {
 }
 
 /// Makes this process non-dumpable: no core dumps of host memory, and no ptrace attach or
-/// `/proc/<pid>/mem` reads by other processes of the same user (producers included).
-pub fn harden_host() {
+/// `/proc/<pid>/mem` reads by other processes of the same user (producers included). The setting is read
+/// back: a host that could not harden itself says so rather than run exposed.
+pub fn harden_host() -> std::io::Result<()> {
     // SAFETY: prctl with integer arguments.
-    unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    match unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) } {
+        0 => Ok(()),
+        -1 => Err(std::io::Error::last_os_error()),
+        found => Err(std::io::Error::other(format!("PR_GET_DUMPABLE: expected 0 after setting it, found {found}"))),
+    }
 }
 
 fn signal_name(sig: i32) -> String {
@@ -929,6 +938,13 @@ mod tests {
             mismatch(ours, &dtype),
             "producer faulty: describe: dtype: expected 0 (f32), 1 (f16) or 2 (bf16), found 9"
         );
+    }
+
+    #[test]
+    fn the_host_is_not_dumpable_once_hardened() {
+        harden_host().expect("PR_SET_DUMPABLE");
+        // SAFETY: prctl with integer arguments.
+        assert_eq!(unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) }, 0);
     }
 
     #[test]

@@ -404,7 +404,19 @@ pub trait Backend: Sized + Send + 'static {
 #[derive(Debug)]
 pub struct Handle<B> {
     backend: B,
-    layers: Vec<PdhostLayer>,
+    /// Every layer array `describe` has handed out: the ABI promises each stays valid until `close`.
+    /// Describing the same layers again hands out the same array, so the list does not grow.
+    described: Vec<Box<[PdhostLayer]>>,
+}
+
+impl<B> Handle<B> {
+    /// The array holding `layers`, kept until the handle is closed.
+    fn keep(&mut self, layers: Vec<PdhostLayer>) -> &[PdhostLayer] {
+        if self.described.last().is_none_or(|last| **last != layers[..]) {
+            self.described.push(layers.into_boxed_slice());
+        }
+        self.described.last().expect("just kept")
+    }
 }
 
 /// Copies `message` into the caller's buffer, truncated and NUL-terminated.
@@ -471,7 +483,7 @@ pub unsafe fn open_impl<B: Backend>(
             let text = std::str::from_utf8(bytes)
                 .map_err(|e| BackendError::new(PdhostStatus::BadConfig, format!("config is not UTF-8: {e}")))?;
             let backend = B::open(text)?;
-            let handle = Box::new(Handle { backend, layers: Vec::new() });
+            let handle = Box::new(Handle { backend, described: Vec::new() });
             *out = Box::into_raw(handle).cast();
             Ok(())
         })
@@ -497,14 +509,14 @@ pub unsafe fn describe_impl<B: Backend>(
             }
             let handle = &mut *backend.cast::<Handle<B>>();
             let d = handle.backend.describe();
-            handle.layers = d.layers;
+            let layers = handle.keep(d.layers);
             let size = (*out).struct_size;
             let filled = PdhostDescription {
                 struct_size: size.min(size_of::<PdhostDescription>() as u32),
                 layout: d.layout as u32,
                 dtype: d.dtype as u32,
-                num_layers: handle.layers.len() as u32,
-                layers: handle.layers.as_ptr(),
+                num_layers: layers.len() as u32,
+                layers: layers.as_ptr(),
                 fingerprint: d.fingerprint,
             };
             // Write no more than the producer's struct holds.
@@ -636,4 +648,83 @@ macro_rules! export_backend {
             &TABLE.0
         }
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use std::cell::Cell;
+
+    use super::*;
+
+    /// A backend whose description gains a layer each time `grow` is set.
+    struct Toy {
+        layers: Cell<u32>,
+        grow: Cell<bool>,
+    }
+
+    fn layer(head_dim: u32) -> PdhostLayer {
+        PdhostLayer { kind: PdhostLayerKind::Full as u32, kv_heads: 1, head_dim, window: 0, state_elems: 0 }
+    }
+
+    impl Backend for Toy {
+        fn open(_: &str) -> Result<Self, BackendError> {
+            Ok(Toy { layers: Cell::new(2), grow: Cell::new(false) })
+        }
+        fn describe(&self) -> Description {
+            if self.grow.get() {
+                self.layers.set(self.layers.get() + 1);
+            }
+            Description {
+                layout: PdhostLayout::Grouped,
+                dtype: PdhostDtype::F32,
+                layers: (0..self.layers.get()).map(|l| layer(8 + l)).collect(),
+                fingerprint: 0,
+            }
+        }
+        fn prefill(&mut self, _: &Prefill<'_>, _: &mut Writer<'_>) -> Result<(), BackendError> {
+            Ok(())
+        }
+    }
+
+    fn describe(backend: *mut PdhostBackend) -> PdhostDescription {
+        let mut d = PdhostDescription {
+            struct_size: size_of::<PdhostDescription>() as u32,
+            layout: 0,
+            dtype: 0,
+            num_layers: 0,
+            layers: std::ptr::null(),
+            fingerprint: 0,
+        };
+        // SAFETY: an open handle, a valid out-pointer, no error buffer.
+        let code = unsafe { describe_impl::<Toy>(backend, &mut d, std::ptr::null_mut(), 0) };
+        assert_eq!(code, PdhostStatus::Ok as u32);
+        d
+    }
+
+    /// The layers of a description, read through its pointer.
+    fn layers(d: &PdhostDescription) -> Vec<PdhostLayer> {
+        // SAFETY: the ABI promises `num_layers` layers at `layers` until close; the test checks it.
+        unsafe { std::slice::from_raw_parts(d.layers, d.num_layers as usize) }.to_vec()
+    }
+
+    /// `describe` may be called again; every array it handed out stays valid until `close`.
+    #[test]
+    fn described_layers_stay_valid_until_close() {
+        let mut backend = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; an empty config.
+        let code = unsafe { open_impl::<Toy>(std::ptr::null(), 0, &mut backend, std::ptr::null_mut(), 0) };
+        assert_eq!(code, PdhostStatus::Ok as u32);
+        let first = describe(backend);
+        let again = describe(backend);
+        assert_eq!(again.layers, first.layers, "the same layers are handed out as the same array");
+        assert_eq!(layers(&first), vec![layer(8), layer(9)]);
+
+        // SAFETY: the handle is a `Handle<Toy>` made by `open_impl::<Toy>`.
+        unsafe { &*backend.cast::<Handle<Toy>>() }.backend.grow.set(true);
+        let grown = describe(backend);
+        assert_eq!(layers(&grown), vec![layer(8), layer(9), layer(10)]);
+        assert_eq!(layers(&first), vec![layer(8), layer(9)], "the first array is still there");
+        // SAFETY: the handle came from `open_impl::<Toy>` and is not used again.
+        unsafe { close_impl::<Toy>(backend) };
+    }
 }

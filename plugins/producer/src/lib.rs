@@ -142,7 +142,10 @@ fn confine(parent: Option<i32>) {
             eprintln!("pdhost-producer: PR_SET_NO_NEW_PRIVS failed: {}", std::io::Error::last_os_error());
             std::process::exit(1);
         }
-        libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0);
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+            eprintln!("pdhost-producer: PR_SET_PDEATHSIG failed: {}", std::io::Error::last_os_error());
+            std::process::exit(1);
+        }
         if parent.is_some_and(|p| libc::getppid() != p) {
             std::process::exit(1);
         }
