@@ -17,6 +17,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub use pdhost_producer::protocol::PrefillCall;
+use pdhost_plugin_abi::PdhostStatus;
 use pdhost_producer::protocol::{self, BadDescription, Described, FromProducer, RecvError, ToProducer};
 use rustix::event::{PollFd, PollFlags};
 use shm_format::ring::RingGeometry;
@@ -171,6 +172,15 @@ pub enum ProducerError {
         /// What the host was waiting for.
         during: &'static str,
     },
+    /// The backend panicked inside `prefill` (the `PANIC` status): its state is unknown, so the producer
+    /// was killed and the next request starts a new one.
+    #[error("producer {name}: {message}; restarting it")]
+    Panicked {
+        /// Producer.
+        name: String,
+        /// Its reason.
+        message: String,
+    },
     /// The backend's prefill returned an error status.
     #[error("producer {name}: {message}")]
     Backend {
@@ -256,6 +266,7 @@ impl ProducerError {
             ProducerError::DescribeMismatch { .. } => "describe_mismatch",
             ProducerError::Exited { .. } => "producer_exited",
             ProducerError::Timeout { .. } => "timeout",
+            ProducerError::Panicked { .. } => "backend_panic",
             ProducerError::Backend { .. } => "backend_error",
             ProducerError::Ring { source, .. } => source.kind(),
             ProducerError::Rejected { source, .. } => source.kind(),
@@ -705,7 +716,8 @@ impl Producer {
         }
         match self.request(call, started) {
             Ok(pending) => Ok(pending),
-            // A backend that says it failed broke no rule: it keeps running.
+            // A backend that says it failed broke no rule: it keeps running. One that panicked may have
+            // left anything behind in its process, so that process goes (`Panicked` falls through).
             Err(e @ ProducerError::Backend { .. }) => Err(self.refuse(e)),
             Err(e) => Err(self.fail(e)),
         }
@@ -742,10 +754,14 @@ impl Producer {
                 FromProducer::Done { request_id: r, sequence, backend_ns, frame_ns } if r == request_id => {
                     Ok(Pending { request_id, sequence, backend_ns, frame_ns, started })
                 }
-                FromProducer::Failed { request_id: r, status, message } if r == request_id => {
-                    let status = pdhost_plugin_abi::PdhostStatus::from_raw(status)
-                        .map_or_else(|| format!("status {status}"), |s| s.name().to_string());
-                    Err(ProducerError::Backend { name: name.clone(), status, message })
+                FromProducer::Failed { request_id: r, status: code, message } if r == request_id => {
+                    match PdhostStatus::from_raw(code) {
+                        Some(PdhostStatus::Panic) => Err(ProducerError::Panicked { name: name.clone(), message }),
+                        status => {
+                            let status = status.map_or_else(|| format!("status {code}"), |s| s.name().to_string());
+                            Err(ProducerError::Backend { name: name.clone(), status, message })
+                        }
+                    }
                 }
                 other => Err(ProducerError::Protocol {
                     name: name.clone(),

@@ -21,6 +21,7 @@ fn expected(mode: &str, dense: bool) -> Option<&'static [&'static str]> {
             &["producer_exited"]
         }
         "hang" | "slow" => &["timeout"],
+        "panic" => &["backend_panic"],
         "wrong_layer_count" if dense => &["layer_count_mismatch"],
         "wrong_layer_count" => &["group_kind_mismatch"],
         "missing_group" if dense => &["dense_payload_len"],
@@ -157,6 +158,7 @@ fault_tests!(
     segv_before,
     segv_mid,
     segv_after,
+    panic,
     hang,
     slow,
     exit_mid,

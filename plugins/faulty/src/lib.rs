@@ -11,7 +11,7 @@
 //! (default: every request); `layout` is `dense` (default) or `grouped`. Without `fault` it behaves.
 //!
 //! Everything a misbehaving vendor library could do from inside the producer process is fair: crash in
-//! three ways at three points, hang, stall, exit cleanly mid-request, emit spans whose manifest lies about
+//! three ways at three points, panic, stall, exit cleanly mid-request, emit spans whose manifest lies about
 //! layers, groups, shapes, dtype, tokens or model, emit frames whose header lies about lengths and ring
 //! coordinates or changes after commit, attack the host's segments, and write garbage on the control
 //! socket.
@@ -38,6 +38,7 @@ pub const MODES: &[&str] = &[
     "hang",
     "slow",
     "exit_mid",
+    "panic",
     "wrong_layer_count",
     "missing_group",
     "extra_group",
@@ -181,6 +182,14 @@ impl Backend for Faulty {
             die();
         }
         match mode.as_str() {
+            // Half the regions written, then a Rust panic: the ABI's guard reports `PANIC`, and the state
+            // this instance is left in is anyone's guess.
+            "panic" => {
+                self.inner.compute(request)?;
+                let manifest = self.inner.manifest(request);
+                self.inner.write_regions(&manifest, writer, Some(manifest.entries.len() / 2))?;
+                panic!("faulty: panic mode, request {}", request.request_id)
+            }
             "hang" => loop {
                 std::thread::sleep(Duration::from_secs(3600));
             },
