@@ -196,6 +196,28 @@ pub enum Switch {
     On,
 }
 
+/// `bench serve --stream`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum StreamArg {
+    /// Streamed responses only.
+    On,
+    /// Whole responses only.
+    Off,
+    /// A cell of each.
+    Both,
+}
+
+impl StreamArg {
+    /// The `stream` settings a cell is run with, whole responses first.
+    pub fn cells(self) -> &'static [bool] {
+        match self {
+            StreamArg::On => &[true],
+            StreamArg::Off => &[false],
+            StreamArg::Both => &[false, true],
+        }
+    }
+}
+
 /// Element type of the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum KvDtype {
@@ -384,9 +406,9 @@ pub struct ServeBenchArgs {
     /// Timed batches per cell (1 to 100).
     #[arg(long, allow_negative_numbers = true, default_value_t = 3)]
     pub repeats: u64,
-    /// `on`: streamed responses (server-sent events), `off`: whole ones, `both`: a cell of each.
-    #[arg(long, default_value = "both", value_parser = ["on", "off", "both"])]
-    pub stream: String,
+    /// Streamed responses (server-sent events), whole ones, or a cell of each.
+    #[arg(long, value_enum, default_value_t = StreamArg::Both)]
+    pub stream: StreamArg,
     /// After the matrix, run the same cells against llama.cpp's `llama-server` on the same GGUF with the
     /// same threads (`-np` the widest concurrency, at least 4; `-c` the context per slot), and print
     /// both side by side. It is built from source into $PDHOST_HOME on first use (several minutes).

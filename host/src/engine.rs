@@ -45,6 +45,7 @@ pub enum OnFailure {
 
 /// Why a request failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum EngineError {
     /// The host's own span did not fit its cache (capacity, sequence limits).
     #[error(transparent)]

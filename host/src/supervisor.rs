@@ -16,8 +16,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-pub use pdhost_producer::protocol::PrefillCall;
 use pdhost_plugin_abi::PdhostStatus;
+pub use pdhost_producer::protocol::PrefillCall;
 use pdhost_producer::protocol::{self, BadDescription, Described, FromProducer, RecvError, ToProducer};
 use rustix::event::{PollFd, PollFlags};
 use shm_format::ring::RingGeometry;
@@ -837,9 +837,25 @@ impl Drop for Producer {
     }
 }
 
+/// A built-in backend's library was not found.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "backend {name}: expected {file} in {}, found none (build it with `cargo build --release --workspace`, or \
+     set PDHOST_PLUGIN_DIR)",
+    .looked.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
+)]
+pub struct MissingBackend {
+    /// The backend's name.
+    pub name: String,
+    /// The library's file name.
+    pub file: String,
+    /// The directories searched, in order.
+    pub looked: Vec<PathBuf>,
+}
+
 /// Where the libraries of the built-in backends live: `$PDHOST_PLUGIN_DIR`, else next to the running
 /// executable or in its `deps/` (where cargo puts a dependency's cdylib).
-pub fn builtin_backend(name: &str) -> Result<PathBuf, String> {
+pub fn builtin_backend(name: &str) -> Result<PathBuf, MissingBackend> {
     let file = format!("libpdhost_backend_{name}.so");
     let mut dirs = Vec::new();
     if let Some(dir) = std::env::var_os("PDHOST_PLUGIN_DIR") {
@@ -852,14 +868,10 @@ pub fn builtin_backend(name: &str) -> Result<PathBuf, String> {
             dirs.push(up.join("deps"));
         }
     }
-    dirs.iter().map(|d| d.join(&file)).find(|p| p.is_file()).ok_or_else(|| {
-        let looked: Vec<String> = dirs.iter().map(|d| d.display().to_string()).collect();
-        format!(
-            "backend {name}: expected {file} in {}, found none (build it with `cargo build --release --workspace`, \
-             or set PDHOST_PLUGIN_DIR)",
-            looked.join(", ")
-        )
-    })
+    match dirs.iter().map(|d| d.join(&file)).find(|p| p.is_file()) {
+        Some(path) => Ok(path),
+        None => Err(MissingBackend { name: name.to_string(), file, looked: dirs }),
+    }
 }
 
 #[cfg(test)]

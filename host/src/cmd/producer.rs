@@ -38,9 +38,7 @@ impl Choice<'_> {
     ) -> anyhow::Result<Option<Producer>> {
         let (name, backend) = match self.producer {
             "local" => return Ok(None),
-            builtin @ ("rngd" | "gpu" | "faulty") => {
-                (builtin.to_string(), supervisor::builtin_backend(builtin).map_err(anyhow::Error::msg)?)
-            }
+            builtin @ ("rngd" | "gpu" | "faulty") => (builtin.to_string(), supervisor::builtin_backend(builtin)?),
             path if path.ends_with(".so") || path.contains('/') => {
                 let p = PathBuf::from(path);
                 if !p.is_file() {

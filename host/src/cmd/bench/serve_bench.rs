@@ -98,11 +98,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     if args.inputs.is_empty() {
         return Err(Invalid::new(Field::Inputs, "at least one value", "none").into());
     }
-    let streams: &[bool] = match args.stream.as_str() {
-        "on" => &[true],
-        "off" => &[false],
-        _ => &[false, true],
-    };
+    let streams = args.stream.cells();
     let threads = request::check_threads(args.threads)?;
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
