@@ -166,6 +166,8 @@ pub fn copy_and_checksum<S: Segment>(data: &S, base: usize, header: &[u8; HEADER
 mod xxh3 {
     use std::arch::x86_64::*;
 
+    use crate::segment::shared;
+
     /// Inputs up to this length use XXH3's short and mid-size algorithms, not the striped one.
     pub const MIDSIZE_MAX: usize = 240;
     const STRIPE: usize = 64;
@@ -277,10 +279,11 @@ mod xxh3 {
         // read back from the private copy. The chunk holds them: it is at least 1024 bytes or the whole
         // frame, and `covered >= 192 > 64`, so none of them is header.
         let covered = blocks * BLOCK + stripes * STRIPE;
-        // SAFETY: start <= covered < len; both ranges are in bounds and do not overlap.
+        // SAFETY: start <= covered < len; both ranges are in bounds and do not overlap. The final stripe
+        // is read back from the private copy, which holds it now.
         unsafe {
-            std::ptr::copy_nonoverlapping(src.add(covered), base.add(covered), len - covered);
-            accumulate(&mut a, base.add(len - STRIPE), secret.add(SECRET_LEN - STRIPE - 7), std::ptr::null_mut());
+            shared::copy(src.add(covered), std::slice::from_raw_parts_mut(base.add(covered), len - covered));
+            accumulate(&mut a, private(base.add(len - STRIPE)), secret.add(SECRET_LEN - STRIPE - 7));
         }
         store(&a, acc);
         merge(acc, &SECRET[11..], (len as u64).wrapping_mul(PRIME64_1))
@@ -301,8 +304,10 @@ mod xxh3 {
         }
     }
 
-    /// Stripe `p` of the frame: from the private header for `p == 0`, else loaded from `src + p` and stored
-    /// to `dst + p` on the way (`dst` addresses frame position 0).
+    /// Stripe `p` of the frame: from the private header for `p == 0`, else read from shared memory at
+    /// `src + p` (volatile loads, each byte once) and stored to `dst + p` on the way (`dst` addresses frame
+    /// position 0). The stripe is hashed from the registers that were stored, so the checksum is that of
+    /// the copy whatever the producer writes meanwhile.
     ///
     /// # Safety
     ///
@@ -319,30 +324,41 @@ mod xxh3 {
     ) {
         // SAFETY: forwarded from the caller.
         unsafe {
-            if p == 0 {
-                accumulate(acc, header.as_ptr(), key, std::ptr::null_mut())
+            let data = if p == 0 {
+                private(header.as_ptr())
             } else {
-                accumulate(acc, src.add(p), key, dst.wrapping_add(p))
-            }
+                let data: [__m256i; 2] = [shared::read(src.add(p)), shared::read(src.add(p + 32))];
+                _mm256_storeu_si256(dst.wrapping_add(p).cast(), data[0]);
+                _mm256_storeu_si256(dst.wrapping_add(p + 32).cast(), data[1]);
+                data
+            };
+            accumulate(acc, data, key)
         }
     }
 
-    /// One stripe: `acc[i ^ 1] += data[i]; acc[i] += lo32(data[i] ^ key[i]) * hi32(data[i] ^ key[i])`,
-    /// storing the 64 data bytes to `store` unless it is null.
+    /// The 64 bytes at `input`, in private memory.
     ///
     /// # Safety
     ///
-    /// AVX2; 64 readable bytes at `input` and `key`; 64 writable bytes at `store` unless it is null.
+    /// AVX2; 64 readable bytes at `input`.
     #[target_feature(enable = "avx2")]
     #[inline]
-    unsafe fn accumulate(acc: &mut [__m256i; 2], input: *const u8, key: *const u8, store: *mut u8) {
-        for (j, a) in acc.iter_mut().enumerate() {
-            // SAFETY: the caller guarantees 64 readable bytes at `input` and `key`, 64 writable at `store`.
+    unsafe fn private(input: *const u8) -> [__m256i; 2] {
+        // SAFETY: the caller's promise.
+        unsafe { [_mm256_loadu_si256(input.cast()), _mm256_loadu_si256(input.add(32).cast())] }
+    }
+
+    /// One stripe: `acc[i ^ 1] += data[i]; acc[i] += lo32(data[i] ^ key[i]) * hi32(data[i] ^ key[i])`.
+    ///
+    /// # Safety
+    ///
+    /// AVX2; 64 readable bytes at `key`.
+    #[target_feature(enable = "avx2")]
+    #[inline]
+    unsafe fn accumulate(acc: &mut [__m256i; 2], data: [__m256i; 2], key: *const u8) {
+        for (j, (a, data)) in acc.iter_mut().zip(data).enumerate() {
+            // SAFETY: the caller guarantees 64 readable bytes at `key`.
             unsafe {
-                let data = _mm256_loadu_si256(input.add(32 * j).cast());
-                if !store.is_null() {
-                    _mm256_storeu_si256(store.add(32 * j).cast(), data);
-                }
                 let data_key = _mm256_xor_si256(data, _mm256_loadu_si256(key.add(32 * j).cast()));
                 let data_key_hi = _mm256_shuffle_epi32::<0x31>(data_key);
                 let product = _mm256_mul_epu32(data_key, data_key_hi);

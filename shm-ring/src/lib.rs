@@ -4,8 +4,9 @@
 //! The host end is [`RingReader`]: it creates every segment, reads each shared header word once into a
 //! private copy, validates it against geometry it keeps privately, copies the frame out, checksums the
 //! copy, re-checks the commit word and only then hands the span on. The producer end is [`RingWriter`].
-//! All access to shared bytes goes through [`segment::Segment`], which never forms a Rust reference over
-//! memory the other side can write.
+//! All access to shared bytes goes through [`segment::Segment`] (and the fused copy-and-checksum kernel,
+//! within a range the segment checked), which never forms a Rust reference over memory the other side can
+//! write and reads it only with volatile loads.
 
 mod copy;
 pub mod doorbell;

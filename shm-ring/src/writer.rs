@@ -159,14 +159,17 @@ impl<C: Segment, D: Segment> SlotWriter<'_, C, D> {
     /// The frame area of the slot.
     ///
     /// The producer owns this memory: the host maps it read-only and never writes it, so a unique
-    /// reference to it is sound in this process.
+    /// reference to it is sound in this process. The host may read it at any time, even now; those
+    /// reads are volatile and change nothing here, and what they see is the host's to validate.
     pub fn frame_mut(&mut self) -> &mut [u8] {
         let offset = self.ring.geometry.frame_offset(self.slot) as usize;
         let len = self.ring.geometry.frame_capacity() as usize;
         assert!(offset + len <= self.ring.data.len());
         // SAFETY: in bounds of the writable data mapping (checked above; `RingWriter::new` asserted it is
-        // writable). The slot is this producer's until it commits, and only this process writes the data
-        // segment; the `&mut self` borrow makes the slice unique within this process.
+        // writable). Only this process can write the data segment: the host maps it read-only and the
+        // memfd is sealed against resizing, so nothing changes these bytes behind the slice (the host's
+        // concurrent reads are volatile loads in another process and change nothing). The slot is this
+        // producer's until it commits, and the `&mut self` borrow makes the slice unique in this process.
         unsafe { std::slice::from_raw_parts_mut(self.ring.data.base().as_ptr().add(offset), len) }
     }
 

@@ -4,9 +4,16 @@
 //! every access and never form a Rust reference into the region (another process may write it at any
 //! time). Implementations: [`memfd::MemfdSegment`] (real shared memory) and [`heap::HeapSegment`] (an
 //! in-process stand-in so the protocol can be tested without the OS).
+//!
+//! Every read of a region another process may write is a volatile access ([`shared`]): a memfd mapping
+//! is memory outside any Rust allocation, where a volatile read is one machine load the compiler may
+//! neither elide, repeat nor merge with another, so a concurrent write by the peer is not a data race
+//! of this program, only a value the read returns. What that value is, torn or not, is the reader's
+//! business: the host validates and checksums its private copy, never the region.
 
 pub mod heap;
 pub mod memfd;
+pub(crate) mod shared;
 
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -32,14 +39,29 @@ pub unsafe trait Segment: Send {
 
     /// Copies `dst.len()` bytes at `offset` into private memory.
     ///
-    /// The copy is a plain `memcpy` from the mapping: the bytes may change under it, in which case `dst`
-    /// holds some mixture, which is why callers checksum and validate the *copy*, never the region.
+    /// The copy is made of volatile loads ([`shared::copy`]): the bytes may change under it, in which case
+    /// `dst` holds some mixture, which is why callers checksum and validate the *copy*, never the region.
     fn copy_out(&self, offset: usize, dst: &mut [u8]) {
         let end = offset.checked_add(dst.len()).expect("segment range overflows");
         assert!(end <= self.len(), "copy of {}..{end} outside a {}-byte segment", offset, self.len());
         // SAFETY: `offset..end` is inside the mapped region (checked above; the trait guarantees the
         // mapping lives as long as `self`), and `dst` is private memory that cannot overlap a shared mapping.
         // No reference to the source is formed, so concurrent writes by the peer cannot violate aliasing.
+        unsafe { shared::copy(self.base().as_ptr().add(offset), dst) }
+    }
+
+    /// A plain `memcpy` of `dst.len()` bytes at `offset`: the physical reference `pdhost bench` puts
+    /// beside the ring's volatile copies.
+    ///
+    /// # Safety
+    ///
+    /// Nothing writes `offset..offset + dst.len()` during the call (a benchmark that owns both ends).
+    #[doc(hidden)]
+    unsafe fn memcpy_out(&self, offset: usize, dst: &mut [u8]) {
+        let end = offset.checked_add(dst.len()).expect("segment range overflows");
+        assert!(end <= self.len(), "copy of {}..{end} outside a {}-byte segment", offset, self.len());
+        // SAFETY: in bounds (checked above), `dst` is private, and nothing writes the source meanwhile
+        // (the caller's promise), so the plain copy races with nothing.
         unsafe { std::ptr::copy_nonoverlapping(self.base().as_ptr().add(offset), dst.as_mut_ptr(), dst.len()) }
     }
 
