@@ -92,6 +92,15 @@ pub struct GenerateArgs {
     /// 3600).
     #[arg(long, allow_negative_numbers = true, default_value_t = 120.0, value_name = "SECONDS")]
     pub producer_timeout: f64,
+    /// The producers' sandbox (docs/plugin-abi.md, "Sandbox"). `on`: once its backend is open, a producer
+    /// that starts a process, signals another one or opens a socket is stopped (`sandbox_violation`), and
+    /// opening files is refused. `off`: for a vendor SDK that needs more.
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub sandbox: Switch,
+    /// Cap on each producer's private memory, in MiB (RLIMIT_DATA; default: half of this machine's
+    /// memory). A producer that dies at its cap is reported as `memory_limit`.
+    #[arg(long, allow_negative_numbers = true, value_name = "MIB")]
+    pub producer_memory: Option<u64>,
     /// Element type of the KV cache, and of the producer's spans (`bf16` gives the RNGD contract's wire
     /// format; `f32` matches transformers' fp32 exactly).
     #[arg(long, value_enum, default_value_t = KvDtype::F32)]
@@ -167,6 +176,15 @@ pub struct ServeArgs {
     /// Seconds a producer may take to answer one prefill (and to start) before it is killed (at most 3600).
     #[arg(long, default_value_t = 120.0, value_name = "SECONDS", allow_negative_numbers = true)]
     pub producer_timeout: f64,
+    /// The producers' sandbox (docs/plugin-abi.md, "Sandbox"): `on` stops a producer whose backend
+    /// starts a process, signals another one or opens a socket, and refuses its file opens; `off` for a
+    /// vendor SDK that needs more.
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub sandbox: Switch,
+    /// Cap on each producer's private memory, in MiB (RLIMIT_DATA; default: half of this machine's
+    /// memory). A producer that dies at its cap is reported as `memory_limit`.
+    #[arg(long, allow_negative_numbers = true, value_name = "MIB")]
+    pub producer_memory: Option<u64>,
     /// Element type of the KV cache and of the producer's spans.
     #[arg(long, value_enum, default_value_t = KvDtype::F32)]
     pub kv_dtype: KvDtype,

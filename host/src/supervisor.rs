@@ -74,6 +74,10 @@ pub struct ProducerSpec {
     pub request_timeout: Duration,
     /// Restarts.
     pub restart: RestartPolicy,
+    /// The producer's seccomp filters, on once its backend is open (`pdhost_producer::sandbox`).
+    pub sandbox: bool,
+    /// The producer's cap on private memory (`RLIMIT_DATA`), in bytes.
+    pub memory_limit: Option<u64>,
 }
 
 impl ProducerSpec {
@@ -161,6 +165,36 @@ pub enum ProducerError {
         status: String,
         /// What the host was waiting for.
         during: &'static str,
+    },
+    /// The producer made a system call its sandbox forbids (`SIGSYS`): it was stopped on the spot.
+    #[error(
+        "producer {name} was stopped by its sandbox while {during}: the backend made a system call the \
+         sandbox forbids (starting a process, signalling another one, the network, ...; see \
+         docs/plugin-abi.md, or run it with --sandbox off)"
+    )]
+    Sandbox {
+        /// Producer.
+        name: String,
+        /// What the host was waiting for.
+        during: &'static str,
+    },
+    /// The producer died by a signal with its memory at its cap.
+    #[error(
+        "producer {name} exited {status} while {during}, at its memory limit (peak {} MiB of {} MiB)",
+        *peak >> 20,
+        *limit >> 20
+    )]
+    MemoryLimit {
+        /// Producer.
+        name: String,
+        /// `by SIGNAME`.
+        status: String,
+        /// What the host was waiting for.
+        during: &'static str,
+        /// Peak resident memory in bytes.
+        peak: u64,
+        /// The cap in bytes.
+        limit: u64,
     },
     /// No answer before the deadline; the producer was killed.
     #[error("producer {name}: no answer within {} while {during}; killed it", words::duration(*waited))]
@@ -265,6 +299,8 @@ impl ProducerError {
             ProducerError::StartFailed { .. } => "start_failed",
             ProducerError::DescribeMismatch { .. } => "describe_mismatch",
             ProducerError::Exited { .. } => "producer_exited",
+            ProducerError::Sandbox { .. } => "sandbox_violation",
+            ProducerError::MemoryLimit { .. } => "memory_limit",
             ProducerError::Timeout { .. } => "timeout",
             ProducerError::Panicked { .. } => "backend_panic",
             ProducerError::Backend { .. } => "backend_error",
@@ -358,6 +394,19 @@ pub fn harden_host() -> std::io::Result<()> {
     }
 }
 
+/// The peak resident memory of the exited (not yet reaped) process behind `pidfd`, in bytes: `waitid` with
+/// `WNOWAIT` reports its resource usage and leaves it for the reap.
+fn peak_memory(pidfd: BorrowedFd<'_>) -> Option<u64> {
+    // SAFETY: both out-structs are zeroed plain C structs that the kernel fills; `pidfd` is a live pidfd.
+    unsafe {
+        let mut info: libc::siginfo_t = std::mem::zeroed();
+        let mut usage: libc::rusage = std::mem::zeroed();
+        let flags = libc::WEXITED | libc::WNOWAIT | libc::WNOHANG;
+        let r = libc::syscall(libc::SYS_waitid, libc::P_PIDFD, pidfd.as_raw_fd(), &mut info, flags, &mut usage);
+        (r == 0 && info.si_pid() != 0).then(|| usage.ru_maxrss as u64 * 1024)
+    }
+}
+
 fn signal_name(sig: i32) -> String {
     match sig {
         libc::SIGKILL => "SIGKILL".into(),
@@ -367,6 +416,7 @@ fn signal_name(sig: i32) -> String {
         libc::SIGTERM => "SIGTERM".into(),
         libc::SIGILL => "SIGILL".into(),
         libc::SIGFPE => "SIGFPE".into(),
+        libc::SIGSYS => "SIGSYS".into(),
         other => format!("signal {other}"),
     }
 }
@@ -533,8 +583,13 @@ impl Producer {
             .arg(std::process::id().to_string())
             .arg("--fds")
             .arg(numbers.join(","))
+            .arg("--sandbox")
+            .arg(if self.spec.sandbox { "on" } else { "off" })
             .stdin(Stdio::null())
             .stdout(Stdio::null());
+        if let Some(bytes) = self.spec.memory_limit {
+            cmd.arg("--memory-limit").arg(bytes.to_string());
+        }
         self.metrics.starts += 1;
         let spawned = cmd.spawn();
         drop(passed);
@@ -647,18 +702,34 @@ impl Producer {
 
     /// The producer is gone (or going): wait briefly for its exit status.
     fn exited(&self, running: &mut Running, during: &'static str) -> ProducerError {
+        let name = self.spec.name.clone();
         let mut fds = [PollFd::from_borrowed_fd(running.pidfd.as_fd(), PollFlags::IN)];
         let ts = rustix::event::Timespec { tv_sec: 2, tv_nsec: 0 };
         let _ = rustix::event::poll(&mut fds, Some(&ts));
-        let status = match running.child.try_wait() {
+        // Read before the reap below: the peak memory of the exited process.
+        let peak = peak_memory(running.pidfd.as_fd());
+        let signal = match running.child.try_wait() {
             Ok(Some(s)) => match (s.code(), s.signal()) {
-                (Some(code), _) => format!("with status {code}"),
-                (None, Some(sig)) => format!("by {}", signal_name(sig)),
-                _ => "with an unknown status".to_string(),
+                (Some(code), _) => {
+                    return ProducerError::Exited { name, status: format!("with status {code}"), during }
+                }
+                (None, Some(sig)) => sig,
+                _ => return ProducerError::Exited { name, status: "with an unknown status".into(), during },
             },
-            _ => "(closed its control socket)".to_string(),
+            _ => return ProducerError::Exited { name, status: "(closed its control socket)".into(), during },
         };
-        ProducerError::Exited { name: self.spec.name.clone(), status, during }
+        let status = format!("by {}", signal_name(signal));
+        if signal == libc::SIGSYS && self.spec.sandbox {
+            return ProducerError::Sandbox { name, during };
+        }
+        match (self.spec.memory_limit, peak) {
+            // An allocation refused at the cap aborts a Rust or C++ backend, or faults a C one; the
+            // kernel's OOM killer sends SIGKILL. Any of them with the peak near the cap is the cap.
+            (Some(limit), Some(peak)) if peak >= limit / 4 * 3 => {
+                ProducerError::MemoryLimit { name, status, during, peak, limit }
+            }
+            _ => ProducerError::Exited { name, status, during },
+        }
     }
 
     /// Kills (if needed) and reaps a process, and drops its ring.
@@ -916,6 +987,8 @@ mod tests {
             start_timeout: Duration::from_secs(1),
             request_timeout: Duration::from_secs(1),
             restart: RestartPolicy::default(),
+            sandbox: true,
+            memory_limit: None,
         };
         Producer::new(spec, geometry)
     }

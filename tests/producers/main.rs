@@ -17,6 +17,10 @@ use pdhost::kv::SeqId;
 use pdhost::supervisor::{builtin_backend, Producer, ProducerSpec, RestartPolicy};
 use shm_format::Dtype;
 
+/// Each test producer's cap on private memory: the tiny checkpoints need far less, and the `eat_memory`
+/// fault reaches it within its request timeout.
+const MEMORY_LIMIT: u64 = 512 << 20;
+
 /// One test at a time in this binary.
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
@@ -65,6 +69,8 @@ fn producer(engine: &Engine, backend: PathBuf, config: serde_json::Value, timeou
             max_restarts: 1000,
             window: Duration::from_secs(60),
         },
+        sandbox: true,
+        memory_limit: Some(MEMORY_LIMIT),
     };
     Producer::new(spec, engine.kv.geometry().clone())
 }

@@ -15,7 +15,7 @@ use pdhost::request::{self, Field, Invalid, Limits, RawRequest};
 use serde_json::json;
 
 use super::{errln, StdoutError};
-use crate::cli::GenerateArgs;
+use crate::cli::{GenerateArgs, Switch};
 
 /// A model whose metadata and tokenizer are read and whose weights are not yet: requests are checked
 /// against its limits before the slow part.
@@ -147,6 +147,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         precision: args.precision,
         threads,
         timeout,
+        sandbox: args.sandbox == Switch::On,
+        memory_limit: super::producer::memory_limit(args.producer_memory)?,
     };
     let mut producer = choice.producer(&opened.path, &geometry, dtype, chunk_tokens)?;
     let mut engine = Engine::new(model, dtype, page_size, max_len, 1)?;

@@ -23,6 +23,21 @@ pub struct Choice<'a> {
     pub threads: usize,
     /// Deadline for start-up and for each request (checked).
     pub timeout: Duration,
+    /// The producer's seccomp filters.
+    pub sandbox: bool,
+    /// Its memory cap in bytes ([`memory_limit`]).
+    pub memory_limit: u64,
+}
+
+/// `--producer-memory` in bytes: at least 64 MiB and at most this machine's memory; by default half of it.
+pub fn memory_limit(mib: Option<u64>) -> Result<u64, Invalid> {
+    let total = rustix::system::sysinfo();
+    let total_mib = (total.totalram as u64 * u64::from(total.mem_unit)) >> 20;
+    let mib = match mib {
+        None => total_mib / 2,
+        Some(m) => pdhost::request::check_count(Field::ProducerMemory, m, 64, total_mib.max(64))?,
+    };
+    Ok(mib << 20)
 }
 
 impl Choice<'_> {
@@ -83,6 +98,8 @@ impl Choice<'_> {
             start_timeout: timeout,
             request_timeout: timeout,
             restart: RestartPolicy::default(),
+            sandbox: self.sandbox,
+            memory_limit: Some(self.memory_limit),
         };
         Ok(Some(Producer::new(spec, geometry.clone())))
     }

@@ -12,7 +12,7 @@ use pdhost::server::worker::Loaded;
 use pdhost::server::{ServeConfig, Server};
 
 use super::generate::Opened;
-use crate::cli::ServeArgs;
+use crate::cli::{ServeArgs, Switch};
 
 /// The context a server gives each request unless told otherwise (the incident's deployment).
 const DEFAULT_CONTEXT: u64 = 9216;
@@ -66,6 +66,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         precision: args.precision,
         threads,
         timeout,
+        sandbox: args.sandbox == Switch::On,
+        memory_limit: super::producer::memory_limit(args.producer_memory)?,
     };
     let chunk_tokens = if prefill_chunk == 0 { max_len as usize } else { prefill_chunk };
     let count = request::check_count(Field::Producers, args.producers, 1, MAX_PRODUCERS)?;

@@ -53,6 +53,8 @@ pub enum Field {
     PrefillChunk,
     /// Seconds a producer may take.
     ProducerTimeout,
+    /// `--producer-memory`.
+    ProducerMemory,
     /// JSON for the backend.
     BackendConfig,
     /// The producer.
@@ -114,6 +116,7 @@ impl Field {
             Field::PageSize => "--page-size",
             Field::PrefillChunk => "--prefill-chunk",
             Field::ProducerTimeout => "--producer-timeout",
+            Field::ProducerMemory => "--producer-memory",
             Field::BackendConfig => "--backend-config",
             Field::Producer => "--producer",
             Field::Context => "--context",

@@ -11,7 +11,8 @@
 //! (default: every request); `layout` is `dense` (default) or `grouped`. Without `fault` it behaves.
 //!
 //! Everything a misbehaving vendor library could do from inside the producer process is fair: crash in
-//! three ways at three points, panic, stall, exit cleanly mid-request, emit spans whose manifest lies about
+//! three ways at three points, panic, try what the sandbox forbids (fork a daemon, signal the host,
+//! exec, connect, open a file) or eat memory, stall, exit cleanly mid-request, emit spans whose manifest lies about
 //! layers, groups, shapes, dtype, tokens or model, emit frames whose header lies about lengths and ring
 //! coordinates or changes after commit, attack the host's segments, and write garbage on the control
 //! socket.
@@ -39,6 +40,12 @@ pub const MODES: &[&str] = &[
     "slow",
     "exit_mid",
     "panic",
+    "fork_daemon",
+    "signal_host",
+    "exec",
+    "connect",
+    "open_file",
+    "eat_memory",
     "wrong_layer_count",
     "missing_group",
     "extra_group",
@@ -189,6 +196,60 @@ impl Backend for Faulty {
                 let manifest = self.inner.manifest(request);
                 self.inner.write_regions(&manifest, writer, Some(manifest.entries.len() / 2))?;
                 panic!("faulty: panic mode, request {}", request.request_id)
+            }
+            // What a vendor library could try from inside `prefill`; the sandbox stops each.
+            "fork_daemon" => {
+                // Double fork: the grandchild, reparented away from the producer, would outlive it.
+                // SAFETY: fork in a process whose other threads hold no locks the children need; the
+                // children only sleep or exit.
+                unsafe {
+                    match libc::fork() {
+                        0 => {
+                            if libc::fork() == 0 {
+                                libc::setsid();
+                                libc::sleep(3600);
+                            }
+                            libc::_exit(0);
+                        }
+                        -1 => {}
+                        child => {
+                            libc::waitpid(child, std::ptr::null_mut(), 0);
+                        }
+                    }
+                }
+                self.behave(request, writer)
+            }
+            "signal_host" => {
+                // SAFETY: plain system calls.
+                unsafe { libc::kill(libc::getppid(), libc::SIGKILL) };
+                self.behave(request, writer)
+            }
+            "exec" => {
+                let program = c"/bin/true";
+                let argv = [program.as_ptr(), std::ptr::null()];
+                // SAFETY: a NUL-terminated path and a null-terminated argument vector.
+                unsafe { libc::execv(program.as_ptr(), argv.as_ptr()) };
+                self.behave(request, writer)
+            }
+            "connect" => {
+                let _ = std::net::TcpStream::connect(("127.0.0.1", 9));
+                self.behave(request, writer)
+            }
+            "open_file" => {
+                let text = std::fs::read_to_string("/etc/hostname").map_err(|e| {
+                    BackendError::new(PdhostStatus::BackendError, format!("faulty: reading /etc/hostname: {e}"))
+                })?;
+                std::hint::black_box(text);
+                self.behave(request, writer)
+            }
+            "eat_memory" => {
+                // Touch every page of 64 MiB blocks until an allocation fails, which aborts the process.
+                let mut eaten: Vec<Vec<u8>> = Vec::new();
+                loop {
+                    let mut block = vec![0u8; 64 << 20];
+                    block.iter_mut().step_by(4096).for_each(|b| *b = 1);
+                    eaten.push(block);
+                }
             }
             "hang" => loop {
                 std::thread::sleep(Duration::from_secs(3600));
@@ -391,12 +452,21 @@ fn die_exit0() -> ! {
 }
 
 /// Descriptors of this process that are Unix sockets: the producer's control socket.
-fn control_sockets() -> Vec<i32> {
-    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
-    fds.iter()
-        .filter(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().starts_with("socket:")))
-        .filter_map(|e| e.file_name().to_string_lossy().parse().ok())
+/// This process's open descriptors and what each refers to, found without opening anything (the sandbox
+/// refuses `open`, so `/proc/self/fd` cannot be listed): each number is probed and its link read.
+fn open_fds() -> Vec<(i32, String)> {
+    (0..4096)
+        // SAFETY: F_GETFD on a descriptor number only reads its flags.
+        .filter(|&fd| unsafe { libc::fcntl(fd, libc::F_GETFD) } >= 0)
+        .filter_map(|fd| {
+            let target = std::fs::read_link(format!("/proc/self/fd/{fd}")).ok()?;
+            Some((fd, target.to_string_lossy().into_owned()))
+        })
         .collect()
+}
+
+fn control_sockets() -> Vec<i32> {
+    open_fds().into_iter().filter(|(_, target)| target.starts_with("socket:")).map(|(fd, _)| fd).collect()
 }
 
 /// Tries to resize or write the host's control segment and to resize the data segment, through every
@@ -404,11 +474,7 @@ fn control_sockets() -> Vec<i32> {
 /// sealed its segments properly).
 fn attack_segments() -> Vec<String> {
     let mut allowed = Vec::new();
-    let fds = std::fs::read_dir("/proc/self/fd").map(|d| d.flatten().collect::<Vec<_>>()).unwrap_or_default();
-    for entry in fds {
-        let Ok(target) = std::fs::read_link(entry.path()) else { continue };
-        let target = target.to_string_lossy().into_owned();
-        let Ok(fd) = entry.file_name().to_string_lossy().parse::<i32>() else { continue };
+    for (fd, target) in open_fds() {
         let control = target.starts_with("/memfd:") && target.contains(".control");
         let data = target.starts_with("/memfd:") && target.contains(".data");
         if !control && !data {

@@ -10,6 +10,7 @@
 //! itself trusts the host (it reads ring geometry from the host's control segment).
 
 pub mod protocol;
+pub mod sandbox;
 
 use std::ffi::{c_char, c_void, CStr, OsString};
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -39,10 +40,14 @@ struct Args {
     parent: Option<i32>,
     /// Control segment, data segment, doorbell to the host, doorbell from the host, control socket.
     fds: [i32; 5],
+    /// Whether the seccomp filters of [`sandbox`] go on after the backend is open.
+    sandbox: bool,
+    /// `RLIMIT_DATA` in bytes.
+    memory_limit: Option<u64>,
 }
 
 const USAGE: &str = "usage: pdhost-producer --backend LIB.so --fds CONTROL,DATA,TO_HOST,FROM_HOST,SOCKET \
-[--config JSON] [--parent-pid PID]
+[--config JSON] [--parent-pid PID] [--sandbox on|off] [--memory-limit BYTES]
 
 Started by the pdhost host, which passes its ring and control socket as the inherited descriptors --fds
 names; see docs/plugin-abi.md.";
@@ -50,6 +55,7 @@ names; see docs/plugin-abi.md.";
 fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
     let mut it = args.into_iter();
     let (mut backend, mut config, mut parent, mut fds) = (None, "{}".to_string(), None, None);
+    let (mut sandbox, mut memory_limit) = (true, None);
     while let Some(flag) = it.next() {
         let flag = flag.to_string_lossy().into_owned();
         let mut value = || it.next().ok_or_else(|| format!("{flag}: expected a value, found the end of the arguments"));
@@ -71,13 +77,30 @@ fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
                         format!("--fds: expected five distinct descriptor numbers above 2, found {v:?}")
                     })?);
             }
+            "--sandbox" => {
+                sandbox = match value()?.to_string_lossy().as_ref() {
+                    "on" => true,
+                    "off" => false,
+                    other => return Err(format!("--sandbox: expected on or off, found {other:?}")),
+                }
+            }
+            "--memory-limit" => {
+                let v = value()?;
+                memory_limit = Some(
+                    v.to_string_lossy()
+                        .parse()
+                        .ok()
+                        .filter(|&b: &u64| b > 0)
+                        .ok_or_else(|| format!("--memory-limit: expected a number of bytes, found {v:?}"))?,
+                )
+            }
             "--help" | "-h" => return Err(USAGE.into()),
             other => return Err(format!("unexpected argument {other:?}\n{USAGE}")),
         }
     }
     let backend = backend.ok_or_else(|| format!("expected --backend LIB.so, found none\n{USAGE}"))?;
     let fds = fds.ok_or_else(|| format!("expected --fds, found none\n{USAGE}"))?;
-    Ok(Args { backend, config, parent, fds })
+    Ok(Args { backend, config, parent, fds, sandbox, memory_limit })
 }
 
 /// Keeps freed heap memory in the process instead of returning it to the kernel (glibc's defaults trim the
@@ -243,6 +266,7 @@ struct Framing {
 }
 
 fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(), Fatal> {
+    sandbox::limit_memory(args.memory_limit).map_err(fatal("limits"))?;
     let loaded = load(&args.backend).map_err(|e| fatal("load")(format!("{}: {e}", args.backend.display())))?;
     let table = loaded.table;
     let mut err = [0u8; ERR_CAP];
@@ -257,6 +281,9 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(),
     let instance = Instance { loaded: &loaded, handle };
     let (framing, described) = describe(&instance)?;
     let mut ring = RingWriter::open(ring_fds).map_err(|e| fatal("ring")(e.to_string()))?;
+    if args.sandbox {
+        sandbox::confine_backend().map_err(fatal("sandbox"))?;
+    }
     protocol::send(socket, &FromProducer::Ready(described)).map_err(|e| fatal("socket")(e.to_string()))?;
 
     loop {

@@ -84,6 +84,8 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         precision: PrecisionArg::Exact,
         threads,
         timeout: Duration::from_secs(600),
+        sandbox: true,
+        memory_limit: super::super::producer::memory_limit(None)?,
     };
     let absolute = std::path::absolute(&path)?;
     let mut producer = choice

@@ -1,0 +1,168 @@
+//! What a producer may do once its backend is open.
+//!
+//! A backend is vendor code in the producer's process. Before it is loaded, the producer ranks itself
+//! first for the kernel's OOM killer (`oom_score_adj` 1000, so a backend that eats memory dies before the
+//! host does) and, when the host gives one, caps its private memory (`RLIMIT_DATA`). After the backend is
+//! opened and described, and before the first prefill, it installs seccomp filters on every thread
+//! ([`confine_backend`]):
+//!
+//! - **Killed on the spot** (`SIGSYS`, which the host reports as `sandbox_violation`): starting a process
+//!   (`fork`, `vfork`, a `clone` without `CLONE_THREAD`, `execve`), signalling any process but itself
+//!   (`kill`, `tgkill`, `rt_sigqueueinfo` and `rt_tgsigqueueinfo` with another pid, `tkill`,
+//!   `pidfd_send_signal`), reaching into another process (`ptrace`, `process_vm_readv`/`writev`,
+//!   `pidfd_getfd`), the network (`socket`, `socketpair`, `connect`, `bind`, `listen`, `accept`),
+//!   `io_uring` (whose operations seccomp cannot see), and the kernel's administration (`mount`,
+//!   `unshare`, `setns`, `chroot`, `bpf`, `perf_event_open`, `userfaultfd`, modules, `kexec`, `reboot`,
+//!   swap, keyrings, file handles).
+//! - **Refused with `EACCES`**: opening a path (`open`, `openat`, `openat2`, `creat`) and changing the
+//!   file system (unlink, rename, mkdir, rmdir, links, truncate, chmod, chown, mknod). A library may
+//!   open files lazily (a panic's backtrace reads the executable); a refused open is an error it can
+//!   report, which reaches the host as `backend_error`.
+//! - **`clone3` answers `ENOSYS`**: seccomp cannot read its flags, and the C library then creates threads
+//!   with `clone`, whose flags the filter checks.
+//!
+//! Everything else is allowed: memory, threads, futexes, time, and the descriptors the producer already
+//! holds. The filters are a deny list on purpose: an allow list breaks the first vendor library whose
+//! allocator or thread pool uses one more system call. `--sandbox off` turns the filters off for a backend
+//! that needs more (a Python SDK); the OOM rank and the memory cap stay.
+
+use std::collections::BTreeMap;
+
+use seccompiler::{
+    apply_filter_all_threads, BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition,
+    SeccompFilter, SeccompRule, TargetArch,
+};
+
+/// Ranks this process first for the OOM killer and caps its private writable memory at `memory_limit`
+/// bytes, before any backend code runs.
+pub fn limit_memory(memory_limit: Option<u64>) -> Result<(), String> {
+    std::fs::write("/proc/self/oom_score_adj", "1000").map_err(|e| format!("oom_score_adj 1000: {e}"))?;
+    if let Some(bytes) = memory_limit {
+        let limit = libc::rlimit { rlim_cur: bytes, rlim_max: bytes };
+        // SAFETY: setrlimit reads the struct it is given.
+        if unsafe { libc::setrlimit(libc::RLIMIT_DATA, &limit) } != 0 {
+            return Err(format!("RLIMIT_DATA {bytes}: {}", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+/// Installs the filters above on every thread of this process. From here on, a forbidden call kills the
+/// process or fails, as listed in the module's documentation.
+pub fn confine_backend() -> Result<(), String> {
+    let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(|e| format!("seccomp: {e}"))?;
+    let me = std::process::id() as u64;
+    let programs = [
+        filter(killed(me)?, SeccompAction::KillProcess, arch)?,
+        filter(unconditional(REFUSED), SeccompAction::Errno(libc::EACCES as u32), arch)?,
+        filter(unconditional(&[libc::SYS_clone3]), SeccompAction::Errno(libc::ENOSYS as u32), arch)?,
+    ];
+    for program in &programs {
+        apply_filter_all_threads(program).map_err(|e| format!("seccomp: {e}"))?;
+    }
+    Ok(())
+}
+
+/// System calls that stop the producer outright.
+const KILLED: &[i64] = &[
+    libc::SYS_fork,
+    libc::SYS_vfork,
+    libc::SYS_execve,
+    libc::SYS_execveat,
+    libc::SYS_tkill,
+    libc::SYS_pidfd_send_signal,
+    libc::SYS_pidfd_getfd,
+    libc::SYS_ptrace,
+    libc::SYS_process_vm_readv,
+    libc::SYS_process_vm_writev,
+    libc::SYS_socket,
+    libc::SYS_socketpair,
+    libc::SYS_connect,
+    libc::SYS_bind,
+    libc::SYS_listen,
+    libc::SYS_accept,
+    libc::SYS_accept4,
+    libc::SYS_io_uring_setup,
+    libc::SYS_io_uring_enter,
+    libc::SYS_io_uring_register,
+    libc::SYS_mount,
+    libc::SYS_umount2,
+    libc::SYS_pivot_root,
+    libc::SYS_chroot,
+    libc::SYS_unshare,
+    libc::SYS_setns,
+    libc::SYS_bpf,
+    libc::SYS_perf_event_open,
+    libc::SYS_userfaultfd,
+    libc::SYS_init_module,
+    libc::SYS_finit_module,
+    libc::SYS_delete_module,
+    libc::SYS_kexec_load,
+    libc::SYS_kexec_file_load,
+    libc::SYS_reboot,
+    libc::SYS_swapon,
+    libc::SYS_swapoff,
+    libc::SYS_keyctl,
+    libc::SYS_add_key,
+    libc::SYS_request_key,
+    libc::SYS_name_to_handle_at,
+    libc::SYS_open_by_handle_at,
+];
+
+/// System calls that name a path to open or change: refused with `EACCES`.
+const REFUSED: &[i64] = &[
+    libc::SYS_open,
+    libc::SYS_openat,
+    libc::SYS_openat2,
+    libc::SYS_creat,
+    libc::SYS_unlink,
+    libc::SYS_unlinkat,
+    libc::SYS_rename,
+    libc::SYS_renameat,
+    libc::SYS_renameat2,
+    libc::SYS_mkdir,
+    libc::SYS_mkdirat,
+    libc::SYS_rmdir,
+    libc::SYS_link,
+    libc::SYS_linkat,
+    libc::SYS_symlink,
+    libc::SYS_symlinkat,
+    libc::SYS_truncate,
+    libc::SYS_chmod,
+    libc::SYS_fchmodat,
+    libc::SYS_chown,
+    libc::SYS_lchown,
+    libc::SYS_fchownat,
+    libc::SYS_mknod,
+    libc::SYS_mknodat,
+];
+
+fn unconditional(calls: &[i64]) -> BTreeMap<i64, Vec<SeccompRule>> {
+    calls.iter().map(|&call| (call, Vec::new())).collect()
+}
+
+/// [`KILLED`], plus a `clone` that does not create a thread and a signal sent to another process.
+fn killed(me: u64) -> Result<BTreeMap<i64, Vec<SeccompRule>>, String> {
+    let rule = |arg: u8, op: SeccompCmpOp, value: u64| {
+        SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value)
+            .and_then(|c| SeccompRule::new(vec![c]))
+            .map_err(|e| format!("seccomp rule: {e}"))
+    };
+    let mut rules = unconditional(KILLED);
+    rules.insert(libc::SYS_clone, vec![rule(0, SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64), 0)?]);
+    for call in [libc::SYS_kill, libc::SYS_tgkill, libc::SYS_rt_sigqueueinfo, libc::SYS_rt_tgsigqueueinfo] {
+        rules.insert(call, vec![rule(0, SeccompCmpOp::Ne, me)?]);
+    }
+    Ok(rules)
+}
+
+/// One filter: `action` for the calls (and conditions) in `rules`, everything else allowed.
+fn filter(
+    rules: BTreeMap<i64, Vec<SeccompRule>>,
+    action: SeccompAction,
+    arch: TargetArch,
+) -> Result<BpfProgram, String> {
+    SeccompFilter::new(rules, SeccompAction::Allow, action, arch)
+        .and_then(BpfProgram::try_from)
+        .map_err(|e| format!("seccomp filter: {e}"))
+}
