@@ -375,6 +375,57 @@ pub enum Bench {
     ///
     /// Exit status: 0 when every response was equal to its reference, 1 when one differed or failed.
     Serve(ServeBenchArgs),
+    /// Faults under load: a `pdhost serve` with 4 slots and 2 `faulty` producers failing at random, fed
+    /// `--requests` at `--concurrency` over HTTP, with clients that disconnect, malformed requests, a
+    /// producer killed from outside every `--kill-every` seconds and one stopped (a hang), then a SIGTERM
+    /// drain. Reports how every request ended (lost must be 0), every completed response against its
+    /// single-request reference, latency under faults, and the server's memory, descriptors, threads,
+    /// children and /dev/shm before and after.
+    ///
+    /// Exit status: 0 when nothing was lost, every completed response was equal and the resources stayed
+    /// flat; 1 otherwise.
+    Soak(SoakBenchArgs),
+}
+
+/// `pdhost bench soak`.
+#[derive(Debug, Args)]
+pub struct SoakBenchArgs {
+    /// The model (a name from `pdhost models list`). The soak measures the serving machinery, so the
+    /// default is the smaller one.
+    #[arg(long, default_value = "smollm2-135m")]
+    pub model: String,
+    /// Requests sent in all (1 to 100000).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1000)]
+    pub requests: u64,
+    /// Requests in flight at once (1 to 64).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 8)]
+    pub concurrency: u64,
+    /// Share of prefills the `faulty` producers fail, each in one of its modes chosen at random (0 to 1).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.25)]
+    pub fault_rate: f64,
+    /// Share of requests whose client disconnects at a random moment: before the first token
+    /// (mid-prefill) or mid-stream (0 to 1).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.1)]
+    pub disconnect_rate: f64,
+    /// Share of requests that are malformed, oversized or invalid (0 to 1).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.05)]
+    pub bad_rate: f64,
+    /// Seconds between SIGKILLs of a producer from outside (0: none); the first interval also stops one
+    /// with SIGSTOP.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 10.0, value_name = "SECONDS")]
+    pub kill_every: f64,
+    /// Output tokens per request (`max_tokens`, greedy; 1 to 256).
+    #[arg(long, allow_negative_numbers = true, default_value_t = 16)]
+    pub max_tokens: u64,
+    /// Seed of the faults, the request mix and the disconnect moments.
+    #[arg(long, default_value_t = 7)]
+    pub seed: u64,
+    /// Forward-pass threads of the server (default: one per core).
+    #[arg(long, allow_negative_numbers = true)]
+    pub threads: Option<u64>,
+    /// Print one JSON object instead of a report.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// `pdhost bench serve`.

@@ -99,6 +99,16 @@ pub enum Field {
     DrainTimeout,
     /// Bench model: sequences decoded at once.
     Batch,
+    /// Bench soak: requests sent.
+    Requests,
+    /// Bench soak: share of requests a producer fails.
+    FaultRate,
+    /// Bench soak: share of clients that disconnect.
+    DisconnectRate,
+    /// Bench soak: share of malformed requests.
+    BadRate,
+    /// Bench soak: seconds between producer kills.
+    KillEvery,
 }
 
 impl Field {
@@ -139,6 +149,11 @@ impl Field {
             Field::LongPrompt => "--long-prompt",
             Field::DrainTimeout => "--drain-timeout",
             Field::Batch => "--batch",
+            Field::Requests => "--requests",
+            Field::FaultRate => "--fault-rate",
+            Field::DisconnectRate => "--disconnect-rate",
+            Field::BadRate => "--bad-rate",
+            Field::KillEvery => "--kill-every",
         }
     }
 

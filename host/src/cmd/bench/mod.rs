@@ -24,6 +24,7 @@ mod model_bench;
 mod pd_bench;
 mod peer;
 mod serve_bench;
+mod soak;
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     match &args.which {
@@ -32,6 +33,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         Bench::Model(a) => model_bench::run(a),
         Bench::Pd(a) => pd_bench::run(a),
         Bench::Serve(a) => serve_bench::run(a),
+        Bench::Soak(a) => soak::run(a),
     }
 }
 

@@ -799,6 +799,26 @@ impl Server {
         self.terminate();
     }
 
+    /// The server's process id.
+    pub(super) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGTERM, and how it exited: `Ok` with its status when it exited within [`STOP_TIMEOUT`], else it is
+    /// killed and `Err` says so.
+    pub(super) fn drain(mut self) -> Result<std::process::ExitStatus, String> {
+        let _ =
+            rustix::process::kill_process(rustix::process::Pid::from_child(&self.child), rustix::process::Signal::TERM);
+        let deadline = Instant::now() + STOP_TIMEOUT;
+        while Instant::now() < deadline {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Ok(status);
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err(format!("still running {} s after SIGTERM; killed it", STOP_TIMEOUT.as_secs()))
+    }
+
     fn terminate(&mut self) {
         if let Ok(Some(_)) = self.child.try_wait() {
             return;
