@@ -98,6 +98,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
 
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .thread_keep_alive(pdhost::server::BLOCKING_KEEP_ALIVE)
         .enable_all()
         .build()
         .context("starting the async runtime")?;

@@ -41,6 +41,8 @@ use worker::{Event, Job};
 
 /// The largest request body.
 pub const MAX_BODY: usize = 4 << 20;
+/// How long an idle thread of the async runtime's blocking pool (which tokenizes text prompts) is kept.
+pub const BLOCKING_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// What the server is told at start.
 #[derive(Debug, Clone)]

@@ -9,7 +9,7 @@
 //! - **Killed on the spot** (`SIGSYS`, which the host reports as `sandbox_violation`): starting a process
 //!   (`fork`, `vfork`, a `clone` without `CLONE_THREAD`, `execve`), signalling any process but itself
 //!   (`kill`, `tgkill`, `rt_sigqueueinfo` and `rt_tgsigqueueinfo` with another pid, `tkill`,
-//!   `pidfd_send_signal`), reaching into another process (`ptrace`, `process_vm_readv`/`writev`,
+//!   `pidfd_send_signal`), changing its parent-death signal (`prctl(PR_SET_PDEATHSIG)`), reaching into another process (`ptrace`, `process_vm_readv`/`writev`,
 //!   `pidfd_getfd`), the network (`socket`, `socketpair`, `connect`, `bind`, `listen`, `accept`),
 //!   `io_uring` (whose operations seccomp cannot see), and the kernel's administration (`mount`,
 //!   `unshare`, `setns`, `chroot`, `bpf`, `perf_event_open`, `userfaultfd`, modules, `kexec`, `reboot`,
@@ -153,6 +153,8 @@ fn killed(me: u64) -> Result<BTreeMap<i64, Vec<SeccompRule>>, String> {
     for call in [libc::SYS_kill, libc::SYS_tgkill, libc::SYS_rt_sigqueueinfo, libc::SYS_rt_tgsigqueueinfo] {
         rules.insert(call, vec![rule(0, SeccompCmpOp::Ne, me)?]);
     }
+    // Clearing the parent-death signal would let a hung producer outlive its host.
+    rules.insert(libc::SYS_prctl, vec![rule(0, SeccompCmpOp::Eq, libc::PR_SET_PDEATHSIG as u64)?]);
     Ok(rules)
 }
 

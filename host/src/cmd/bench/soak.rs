@@ -284,18 +284,12 @@ fn send(agent: &ureq::Agent, url: &str, prompt: &[u32], reference: &Value, args:
 
 fn send_bad(agent: &ureq::Agent, url: &str, n: usize) -> Ending {
     let (what, body) = BAD[n];
-    let big;
-    let body = if body.is_empty() {
-        big = format!(r#"{{"prompt": "{}", "max_tokens": 4}}"#, "a".repeat(5 << 20));
-        big.as_str()
-    } else {
-        body
-    };
+    if body.is_empty() {
+        return send_oversized(url, what);
+    }
     let r = agent.post(&format!("{url}/v1/completions")).header("content-type", "application/json").send(body);
     let mut r = match r {
         Ok(r) => r,
-        // A server may close the connection on a body over its limit once it has answered.
-        Err(e) if n == BAD.len() - 1 => return Ending::BadAnswered(format!("{what}: {e}")),
         Err(e) => return Ending::Lost(format!("{what}: {e}")),
     };
     let status = r.status().as_u16();
@@ -306,6 +300,31 @@ fn send_bad(agent: &ureq::Agent, url: &str, n: usize) -> Ending {
         Ending::Rejected
     } else {
         Ending::BadAnswered(format!("{what}: status {status}, {}", request::shorten(&text)))
+    }
+}
+
+/// A request announcing a 5 MiB body: the server must refuse it with 413 from its `Content-Length` alone.
+/// The headers are written by hand and the body never follows, so the client does not race the server's
+/// early answer while still writing.
+fn send_oversized(url: &str, what: &str) -> Ending {
+    use std::io::Write as _;
+    let address = url.trim_start_matches("http://");
+    let answer = std::net::TcpStream::connect(address).and_then(|mut tcp| {
+        tcp.set_read_timeout(Some(REQUEST_TIMEOUT))?;
+        write!(
+            tcp,
+            "POST /v1/completions HTTP/1.1\r\nhost: {address}\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n",
+            5 << 20
+        )?;
+        let mut line = String::new();
+        BufReader::new(tcp).read_line(&mut line)?;
+        Ok(line)
+    });
+    match answer {
+        Ok(line) if line.starts_with("HTTP/1.1 413") => Ending::Rejected,
+        Ok(line) => Ending::BadAnswered(format!("{what}: {}", line.trim())),
+        Err(e) => Ending::Lost(format!("{what}: {e}")),
     }
 }
 
@@ -493,6 +512,9 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
             work(next.load(Ordering::Relaxed) + concurrency, true);
             std::thread::sleep(Duration::from_millis(500));
         }
+        // Past the keep-alive of the server's blocking threads (tokenizing text prompts), so that the
+        // count of threads is the server's own.
+        std::thread::sleep(pdhost::server::BLOCKING_KEEP_ALIVE + Duration::from_secs(1));
     };
 
     // Warm-up: the first `concurrency` requests, then both producers up.
