@@ -4,7 +4,8 @@
 //! the host created (the descriptors named by `--fds`), and then serves prefill requests from the
 //! control socket: for each, it reserves a ring slot, writes the frame header and manifest, lets the
 //! backend write K/V straight into the slot through the writer's regions, seals the checksum and commits.
-//! It dies with its parent (`PR_SET_PDEATHSIG`) and exits when the control socket closes.
+//! It dies with its parent (`PR_SET_PDEATHSIG`) and exits when the control socket closes. Once the backend
+//! is open, it runs under the [`sandbox`]'s seccomp filters (unless the host says `--sandbox off`).
 //!
 //! Everything the producer writes is untrusted by the host, which validates every frame; the producer
 //! itself trusts the host (it reads ring geometry from the host's control segment).
