@@ -92,7 +92,7 @@ pub struct GenerateArgs {
     /// 3600).
     #[arg(long, allow_negative_numbers = true, default_value_t = 120.0, value_name = "SECONDS")]
     pub producer_timeout: f64,
-    /// The producers' sandbox (docs/plugin-abi.md, "Sandbox"). `on`: once its backend is open, a producer
+    /// The producers' sandbox (docs/plugin-abi.md, "The sandbox around you"). `on`: once its backend is open, a producer
     /// that starts a process, signals another one or opens a socket is stopped (`sandbox_violation`), and
     /// opening files is refused. `off`: for a vendor SDK that needs more.
     #[arg(long, value_enum, default_value_t = Switch::On)]
@@ -176,7 +176,7 @@ pub struct ServeArgs {
     /// Seconds a producer may take to answer one prefill (and to start) before it is killed (at most 3600).
     #[arg(long, default_value_t = 120.0, value_name = "SECONDS", allow_negative_numbers = true)]
     pub producer_timeout: f64,
-    /// The producers' sandbox (docs/plugin-abi.md, "Sandbox"): `on` stops a producer whose backend
+    /// The producers' sandbox (docs/plugin-abi.md, "The sandbox around you"): `on` stops a producer whose backend
     /// starts a process, signals another one or opens a socket, and refuses its file opens; `off` for a
     /// vendor SDK that needs more.
     #[arg(long, value_enum, default_value_t = Switch::On)]
