@@ -31,7 +31,7 @@ fn a_hundred_requests_under_faults_lose_nothing() {
     assert!(n(&v["completed"]) >= 50 && n(&v["cancelled"]) > 0, "{v:#}");
     assert!(n(&v["bad"]["rejected"]) > 0 && n(&v["bad"]["answered_otherwise"]) == 0, "{v:#}");
     assert!(n(&v["prefill"]["remote"]) > 0, "some prefills ran in the producers: {v:#}");
-    assert!(n(&v["server"]["producer_restarts"].as_f64().map_or(Value::Null, |r| Value::from(r as u64))) > 0, "{v:#}");
+    assert!(v["server"]["producer_restarts"].as_f64().is_some_and(|r| r > 0.0), "{v:#}");
     assert_eq!(n(&v["external"]["sigstop"]), 1, "{v:#}");
     assert_eq!(v["resources"]["flat"], true, "{v:#}");
     assert_eq!((v["drain"]["ok"].as_bool(), n(&v["drain"]["producers_left"])), (Some(true), 0), "{v:#}");

@@ -205,19 +205,12 @@ fn children_of(pid: i32) -> Vec<i32> {
 /// Sends request `i` of the mix and says how it ended.
 fn send(agent: &ureq::Agent, url: &str, prompt: &[u32], reference: &Value, args: &SoakBenchArgs, i: u64) -> Ending {
     let t = Instant::now();
-    let (body, stream, hang_up) = match kind_of(args, i) {
+    let (stream, hang_up) = match kind_of(args, i) {
         Kind::Bad(n) => return send_bad(agent, url, n),
-        Kind::Good { stream } => {
-            (json!({"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}), stream, None)
-        }
-        Kind::Disconnect { after } => {
-            (json!({"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0}), true, Some(after))
-        }
+        Kind::Good { stream } => (stream, None),
+        Kind::Disconnect { after } => (true, Some(after)),
     };
-    let mut body = body;
-    if stream {
-        body["stream"] = json!(true);
-    }
+    let body = json!({"prompt": prompt, "max_tokens": args.max_tokens, "temperature": 0, "stream": stream});
     let mut r = match agent.post(&format!("{url}/v1/completions")).send_json(&body) {
         Ok(r) => r,
         Err(e) => return Ending::Lost(format!("request {i}: {e}")),
