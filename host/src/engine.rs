@@ -80,13 +80,16 @@ pub struct Remote {
     /// `Some(wire dtype)` when prefix-cache hits may be prefilled remotely; `None` when the backend is
     /// not known yet or cannot take a request's context (then remote requests never hit).
     pub hits: Option<Dtype>,
+    /// The most tokens the backend takes in one call (its capabilities), when it says: remote prefills
+    /// are chunked to it.
+    pub max_tokens: Option<u64>,
 }
 
 impl Remote {
     /// What `producer` is, as far as it is known now.
     pub fn of(producer: &Producer) -> Self {
         let hits = producer.wire_dtype().filter(|_| producer.takes_context() == Some(true));
-        Remote { name: producer.name().to_string(), hits }
+        Remote { name: producer.name().to_string(), hits, max_tokens: producer.max_tokens() }
     }
 }
 
@@ -487,11 +490,14 @@ impl Engine {
                     Err(e) => {
                         self.fall_back(&mut p, prompt, e);
                         if on_failure == OnFailure::Fail {
+                            producer.release(request_id);
                             return Err(p.take_fallback().expect("just set").into());
                         }
                     }
                 }
             }
+            // No more calls for this request: the backend may free what it keeps of it.
+            producer.release(request_id);
         }
         while let Some((start, part)) = p.next_chunk(prompt) {
             self.prefill_chunk(&mut p, start, part)?;
@@ -510,6 +516,10 @@ impl Engine {
         chunk: usize,
         remote: Option<&Remote>,
     ) -> Prefilling {
+        let chunk = match remote.and_then(|r| r.max_tokens) {
+            Some(max) if chunk == 0 || chunk as u64 > max => max as usize,
+            _ => chunk,
+        };
         let mut p = Prefilling::new(seq, request_id, head.len(), chunk, remote.map(|r| r.name.as_str()));
         p.rounding = match remote {
             Some(r) => r.hits,

@@ -46,6 +46,22 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // Logs go to stderr: a server's request lines, and for every command its producers' output and
+    // warnings. `RUST_LOG` overrides the level.
+    // A server's lines carry the time; a one-shot command's do not.
+    let serving = matches!(cli.command, cli::Command::Serve(_));
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| if serving { "info" } else { "warn" }.into());
+    let logs = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(filter)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    if serving {
+        logs.init();
+    } else {
+        logs.without_time().init();
+    }
     let result = match cli.command {
         cli::Command::InspectSpan(args) => cmd::inspect::run(&args),
         cli::Command::Bench(args) => cmd::bench::run(&args),

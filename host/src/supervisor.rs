@@ -78,6 +78,9 @@ pub struct ProducerSpec {
     pub sandbox: bool,
     /// The producer's cap on private memory (`RLIMIT_DATA`), in bytes.
     pub memory_limit: Option<u64>,
+    /// The identity of the model the host runs (`model::identity`): a backend that reports another is
+    /// refused at the handshake. `None`: not checked.
+    pub identity: Option<String>,
 }
 
 impl ProducerSpec {
@@ -139,10 +142,36 @@ pub enum ProducerError {
     StartFailed {
         /// Producer.
         name: String,
-        /// `load`, `open`, `describe`, `ring`.
+        /// `load`, `open`, `describe`, `capabilities`, `ring`.
         stage: String,
+        /// The backend's status code, 0 when the producer failed on its own.
+        status: u32,
         /// Its reason.
         message: String,
+    },
+    /// The backend loaded another model than the host's: same KV shape perhaps, but other weights,
+    /// tokenizer or rope.
+    #[error("producer {name}: describe: model identity: {what}: expected {expected}, found {found}")]
+    IdentityMismatch {
+        /// Producer.
+        name: String,
+        /// `weights`, `tokenizer`, `rope`, or `identity` (unreadable).
+        what: &'static str,
+        /// The host's.
+        expected: String,
+        /// The backend's.
+        found: String,
+    },
+    /// An earlier start failed in a way every start would repeat (a bad config, a library without the
+    /// entry symbol, another model): the producer is not started again.
+    #[error("producer {name}: not restarted, since every start would fail the same way: {reason}")]
+    StartRefused {
+        /// Producer.
+        name: String,
+        /// The first failure's kind.
+        kind: &'static str,
+        /// The first failure, in full.
+        reason: String,
     },
     /// The backend describes a model the host does not run.
     #[error("producer {name}: describe: {what}: expected {expected}, found {found}")]
@@ -213,6 +242,15 @@ pub enum ProducerError {
         /// Producer.
         name: String,
         /// Its reason.
+        message: String,
+    },
+    /// The backend returned OK but left a region unwritten, in whole or in part: nothing was committed,
+    /// and the producer keeps running.
+    #[error("producer {name}: {message}")]
+    Unwritten {
+        /// Producer.
+        name: String,
+        /// The layer, K or V, and the bytes.
         message: String,
     },
     /// The backend's prefill returned an error status.
@@ -298,6 +336,9 @@ impl ProducerError {
             ProducerError::Spawn { .. } => "spawn_failed",
             ProducerError::StartFailed { .. } => "start_failed",
             ProducerError::DescribeMismatch { .. } => "describe_mismatch",
+            ProducerError::IdentityMismatch { .. } => "identity_mismatch",
+            ProducerError::StartRefused { kind, .. } => kind,
+            ProducerError::Unwritten { .. } => "unwritten_region",
             ProducerError::Exited { .. } => "producer_exited",
             ProducerError::Sandbox { .. } => "sandbox_violation",
             ProducerError::MemoryLimit { .. } => "memory_limit",
@@ -310,6 +351,28 @@ impl ProducerError {
             ProducerError::RestartLimit { .. } => "restart_limit",
             ProducerError::BackingOff { .. } => "backing_off",
             ProducerError::Io { .. } => "io",
+        }
+    }
+}
+
+impl ProducerError {
+    /// Whether every start of the same producer would fail the same way, so that restarting is pointless:
+    /// a library that does not load as a backend, a config the backend refuses, a description or an
+    /// identity the host does not run.
+    pub fn repeats_on_every_start(&self) -> bool {
+        let refused = |code: u32| {
+            [PdhostStatus::BadConfig, PdhostStatus::Unsupported, PdhostStatus::InvalidArgument]
+                .iter()
+                .any(|&s| s as u32 == code)
+        };
+        match self {
+            ProducerError::DescribeMismatch { .. } | ProducerError::IdentityMismatch { .. } => true,
+            ProducerError::StartFailed { stage, status, .. } => match stage.as_str() {
+                "load" => true,
+                "open" | "describe" | "capabilities" => refused(*status) || *status == 0,
+                _ => false,
+            },
+            _ => false,
         }
     }
 }
@@ -344,6 +407,10 @@ struct Running {
     ring: HostRing,
     socket: UnixStream,
     described: Described,
+    /// Requests this process was asked to prefill and not yet told are over.
+    open_requests: std::collections::HashSet<u64>,
+    /// Disconnects when the threads logging the process's stdout and stderr are done.
+    logging: crossbeam_channel::Receiver<()>,
 }
 
 /// A producer's reply to [`Producer::submit`]: its span is committed in the ring, waiting for
@@ -376,6 +443,8 @@ pub struct Producer {
     failed: bool,
     backoff: Duration,
     not_before: Instant,
+    /// Set by a start failure that every start would repeat: its kind and text.
+    start_refused: Option<(&'static str, String)>,
 }
 
 /// Makes this process non-dumpable: no core dumps of host memory, and no ptrace attach or
@@ -447,6 +516,96 @@ fn wait_readable(socket: BorrowedFd<'_>, pidfd: BorrowedFd<'_>, deadline: Instan
     }
 }
 
+/// The backend's configuration: what the host knows of the model's shape (`num_layers`, `layers`,
+/// `kv_heads`, `head_dim`, `window`, `layer_shapes`, `max_tokens`; `docs/plugin-abi.md` lists them with
+/// their types), then the user's keys, which override the host's. A config that is not a JSON object is
+/// passed as it is, for the backend to refuse.
+fn config_with_shape(config: &str, geometry: &KvGeometry, max_tokens: u64) -> String {
+    let Ok(serde_json::Value::Object(user)) = serde_json::from_str::<serde_json::Value>(config) else {
+        return config.to_string();
+    };
+    let letter = |l: &LayerKv| match l {
+        LayerKv::Full { .. } => 'F',
+        LayerKv::Sliding { .. } => 'S',
+        LayerKv::Recurrent { .. } => 'R',
+    };
+    // Arrays, not objects: a minimal flat-JSON parser looking for `"window"` must not find a layer's.
+    let shape = |l: &LayerKv| match *l {
+        LayerKv::Full { kv_heads, head_dim } => serde_json::json!(["full", kv_heads, head_dim]),
+        LayerKv::Sliding { window, kv_heads, head_dim } => serde_json::json!(["sliding", kv_heads, head_dim, window]),
+        LayerKv::Recurrent { state_elems } => serde_json::json!(["recurrent", state_elems]),
+    };
+    let mut out = serde_json::json!({
+        "num_layers": geometry.layers.len(),
+        "layers": geometry.layers.iter().map(letter).collect::<String>(),
+        "layer_shapes": geometry.layers.iter().map(shape).collect::<Vec<_>>(),
+        "max_tokens": max_tokens,
+    });
+    let host = out.as_object_mut().expect("an object");
+    if let Some((kv_heads, head_dim)) = geometry.uniform_heads() {
+        host.insert("kv_heads".into(), kv_heads.into());
+        host.insert("head_dim".into(), head_dim.into());
+    }
+    let windows: std::collections::BTreeSet<u32> = geometry
+        .layers
+        .iter()
+        .filter_map(|l| if let LayerKv::Sliding { window, .. } = l { Some(*window) } else { None })
+        .collect();
+    if let [window] = windows.iter().collect::<Vec<_>>()[..] {
+        host.insert("window".into(), (*window).into());
+    }
+    host.extend(user);
+    out.to_string()
+}
+
+/// Reads a producer's stdout and stderr on two threads until the process closes them, logging each line
+/// tagged with the producer and its pid. A line longer than 4 KiB is cut there. The receiver disconnects
+/// once both threads are done.
+fn log_output(
+    name: &str,
+    pid: u32,
+    stdout: Option<std::process::ChildStdout>,
+    stderr: Option<std::process::ChildStderr>,
+) -> crossbeam_channel::Receiver<()> {
+    let (done, logging) = crossbeam_channel::bounded::<()>(0);
+    let pump = |stream: &'static str, from: Box<dyn std::io::Read + Send>| {
+        let (name, done) = (name.to_string(), done.clone());
+        let spawned = std::thread::Builder::new().name(format!("{name}-{stream}")).spawn(move || {
+            let _done = done;
+            use std::io::{BufRead, Read};
+            let mut reader = std::io::BufReader::new(from);
+            let mut line = Vec::new();
+            loop {
+                line.clear();
+                match Read::take(&mut reader, 4096).read_until(b'\n', &mut line) {
+                    Ok(0) | Err(_) => return,
+                    Ok(_) => {
+                        let text = String::from_utf8_lossy(&line);
+                        let text = text.trim_end();
+                        // A backend's stderr is its diagnostics: shown by default. Its stdout only at
+                        // the info level (a server's default).
+                        match (text.is_empty(), stream) {
+                            (true, _) => {}
+                            (false, "stderr") => tracing::warn!(producer = %name, pid, stream, "{text}"),
+                            (false, _) => tracing::info!(producer = %name, pid, stream, "{text}"),
+                        }
+                    }
+                }
+            }
+        });
+        // Without the thread the pipe fills and the producer blocks on a write: then it times out and
+        // is restarted, which is the supervisor's ordinary path.
+        drop(spawned);
+    };
+    if let Some(out) = stdout {
+        pump("stdout", Box::new(out));
+    }
+    if let Some(err) = stderr {
+        pump("stderr", Box::new(err));
+    }
+    logging
+}
+
 /// Inheritable duplicates of the descriptors a producer needs, to be closed in the host right after the
 /// spawn. The originals stay close-on-exec.
 ///
@@ -476,6 +635,7 @@ impl Producer {
             failed: false,
             backoff: Duration::ZERO,
             not_before: Instant::now(),
+            start_refused: None,
         }
     }
 
@@ -524,10 +684,37 @@ impl Producer {
         move |source| ProducerError::Io { name: self.spec.name.clone(), op, source }
     }
 
+    /// The most tokens one prefill call may carry, as the running backend says (`None`: no limit, or not
+    /// running).
+    pub fn max_tokens(&self) -> Option<u64> {
+        self.running.as_ref().map(|r| r.described.capabilities.max_tokens).filter(|&m| m > 0)
+    }
+
+    /// The request is over (finished, failed or cancelled): tells the backend, if this process prefilled
+    /// any of it, so that it can free what it keeps. Costs one message and no wait.
+    pub fn release(&mut self, request_id: u64) {
+        if let Some(running) = self.running.as_mut() {
+            if running.open_requests.remove(&request_id) {
+                // A producer that went away is found out by the next request.
+                let _ = protocol::send(&running.socket, &ToProducer::Release { request_id });
+            }
+        }
+    }
+
     fn ensure_running(&mut self) -> Result<&mut Running, ProducerError> {
+        if let Some((kind, reason)) = &self.start_refused {
+            return Err(ProducerError::StartRefused { name: self.spec.name.clone(), kind, reason: reason.clone() });
+        }
         if self.running.is_none() {
-            let running = self.spawn()?;
-            self.running = Some(running);
+            match self.spawn() {
+                Ok(running) => self.running = Some(running),
+                Err(e) => {
+                    if e.repeats_on_every_start() {
+                        self.start_refused = Some((e.kind(), e.to_string()));
+                    }
+                    return Err(e);
+                }
+            }
         }
         Ok(self.running.as_mut().expect("just started"))
     }
@@ -578,7 +765,7 @@ impl Producer {
             .arg("--backend")
             .arg(&self.spec.backend)
             .arg("--config")
-            .arg(&self.spec.config)
+            .arg(config_with_shape(&self.spec.config, &self.geometry, self.max_span_tokens()))
             .arg("--parent-pid")
             .arg(std::process::id().to_string())
             .arg("--fds")
@@ -586,7 +773,8 @@ impl Producer {
             .arg("--sandbox")
             .arg(if self.spec.sandbox { "on" } else { "off" })
             .stdin(Stdio::null())
-            .stdout(Stdio::null());
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
         if let Some(bytes) = self.spec.memory_limit {
             cmd.arg("--memory-limit").arg(bytes.to_string());
         }
@@ -594,11 +782,12 @@ impl Producer {
         let spawned = cmd.spawn();
         drop(passed);
         drop(child_socket);
-        let child = spawned.map_err(|source| ProducerError::Spawn {
+        let mut child = spawned.map_err(|source| ProducerError::Spawn {
             name: name.clone(),
             program: self.spec.program.display().to_string(),
             source,
         })?;
+        let logging = log_output(&name, child.id(), child.stdout.take(), child.stderr.take());
         let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("a child pid is positive");
         let pidfd = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
             Ok(fd) => fd,
@@ -609,7 +798,15 @@ impl Producer {
                 return Err(self.io("pidfd_open")(e.into()));
             }
         };
-        let mut running = Running { child, pidfd, ring, socket, described: Described::default() };
+        let mut running = Running {
+            child,
+            pidfd,
+            ring,
+            socket,
+            described: Described::default(),
+            open_requests: Default::default(),
+            logging,
+        };
         // Until Ready, the process counts as failed: a crash during start-up is a restart next time.
         self.failed = true;
         let deadline = Instant::now() + self.spec.start_timeout;
@@ -622,9 +819,9 @@ impl Producer {
         };
         let described = match message {
             FromProducer::Ready(d) => d,
-            FromProducer::StartFailed { stage, message } => {
+            FromProducer::StartFailed { stage, status, message } => {
                 self.reap(running);
-                return Err(ProducerError::StartFailed { name, stage, message });
+                return Err(ProducerError::StartFailed { name, stage, status, message });
             }
             other => {
                 self.reap(running);
@@ -664,7 +861,38 @@ impl Producer {
         }
         d.layout_name().map_err(described)?;
         d.wire_dtype().map_err(described)?;
+        let Some(ours) = &self.spec.identity else { return Ok(()) };
+        match &d.identity {
+            None => {
+                let why = match d.abi_minor {
+                    0 | 1 => format!(" (it was built against ABI 1.{}, before identities)", d.abi_minor),
+                    _ => String::new(),
+                };
+                tracing::warn!(
+                    producer = %self.spec.name,
+                    "the backend reports no model identity{why}: nothing proves it loaded the host's model \
+                     ({ours})"
+                )
+            }
+            Some(theirs) => {
+                let parsed = model::identity::ModelIdentity::parse(ours).expect("the host's own identity parses");
+                if let Some(m) = parsed.mismatch(theirs) {
+                    return Err(ProducerError::IdentityMismatch {
+                        name: self.spec.name.clone(),
+                        what: m.what,
+                        expected: m.expected,
+                        found: m.found,
+                    });
+                }
+            }
+        }
         Ok(())
+    }
+
+    /// The most tokens a span of this producer's slots can hold (f32 K/V, the widest wire dtype).
+    fn max_span_tokens(&self) -> u64 {
+        let per_token = span_bytes(&self.geometry, Dtype::F32, 1).max(1);
+        self.spec.slot_capacity.saturating_sub(256 << 10) / per_token
     }
 
     /// Waits for one message from the producer until `deadline`. On a timeout the producer is killed.
@@ -737,6 +965,9 @@ impl Producer {
         // SIGKILL, then wait: no zombie, and the ring (dropped with `running`) is unmapped and closed.
         let _ = running.child.kill();
         let _ = running.child.wait();
+        // Its pipes are closed now, unless a process it started holds them: wait a little for the
+        // logging threads to read the last lines and close the host's ends.
+        let _ = running.logging.recv_timeout(Duration::from_secs(1));
     }
 
     /// Counts a refused request by its reason.
@@ -780,16 +1011,18 @@ impl Producer {
         match self.ensure_running() {
             Ok(_) => {}
             // No process was involved: count the refusal, but do not lengthen the backoff.
-            Err(e @ (ProducerError::BackingOff { .. } | ProducerError::RestartLimit { .. })) => {
-                return Err(self.refuse(e))
-            }
+            Err(
+                e @ (ProducerError::BackingOff { .. }
+                | ProducerError::RestartLimit { .. }
+                | ProducerError::StartRefused { .. }),
+            ) => return Err(self.refuse(e)),
             Err(e) => return Err(self.fail(e)),
         }
         match self.request(call, started) {
             Ok(pending) => Ok(pending),
             // A backend that says it failed broke no rule: it keeps running. One that panicked may have
             // left anything behind in its process, so that process goes (`Panicked` falls through).
-            Err(e @ ProducerError::Backend { .. }) => Err(self.refuse(e)),
+            Err(e @ (ProducerError::Backend { .. } | ProducerError::Unwritten { .. })) => Err(self.refuse(e)),
             Err(e) => Err(self.fail(e)),
         }
     }
@@ -815,6 +1048,7 @@ impl Producer {
         let name = self.spec.name.clone();
         let deadline = started + self.spec.request_timeout;
         let mut running = self.running.take().expect("ensured");
+        running.open_requests.insert(request_id);
         let result = (|| {
             let request = ToProducer::Prefill(call.clone());
             if protocol::send(&running.socket, &request).is_err() {
@@ -824,6 +1058,9 @@ impl Producer {
             match reply {
                 FromProducer::Done { request_id: r, sequence, backend_ns, frame_ns } if r == request_id => {
                     Ok(Pending { request_id, sequence, backend_ns, frame_ns, started })
+                }
+                FromProducer::Unwritten { request_id: r, message } if r == request_id => {
+                    Err(ProducerError::Unwritten { name: name.clone(), message })
                 }
                 FromProducer::Failed { request_id: r, status: code, message } if r == request_id => {
                     match PdhostStatus::from_raw(code) {
@@ -989,6 +1226,7 @@ mod tests {
             restart: RestartPolicy::default(),
             sandbox: true,
             memory_limit: None,
+            identity: None,
         };
         Producer::new(spec, geometry)
     }
@@ -1039,6 +1277,24 @@ mod tests {
             mismatch(ours, &dtype),
             "producer faulty: describe: dtype: expected 0 (f32), 1 (f16) or 2 (bf16), found 9"
         );
+    }
+
+    #[test]
+    fn the_config_carries_the_shape_and_the_user_overrides_it() {
+        let geometry = gemma3_270m(256);
+        let config = config_with_shape(r#"{"model": "m.gguf", "head_dim": 16}"#, &geometry, 4096);
+        let c: serde_json::Value = serde_json::from_str(&config).unwrap();
+        assert_eq!(c["num_layers"], 18);
+        assert_eq!(c["layers"], "SSSSSFSSSSSFSSSSSF");
+        assert_eq!(
+            (c["kv_heads"].clone(), c["window"].clone(), c["max_tokens"].clone()),
+            (1.into(), 512.into(), 4096.into())
+        );
+        assert_eq!(c["layer_shapes"][5], serde_json::json!(["full", 1, 256]));
+        assert_eq!(c["layer_shapes"][0], serde_json::json!(["sliding", 1, 256, 512]));
+        assert_eq!((c["model"].clone(), c["head_dim"].clone()), ("m.gguf".into(), 16.into()), "the user's keys win");
+        // Not an object: passed on for the backend to refuse.
+        assert_eq!(config_with_shape("[1]", &geometry, 1), "[1]");
     }
 
     #[test]

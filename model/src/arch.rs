@@ -138,6 +138,8 @@ pub struct Model {
     pub lm_head: Option<Weight>,
     /// Where it came from.
     pub source: PathBuf,
+    /// Which weights, tokenizer and rope it is ([`crate::identity`]).
+    pub identity: crate::identity::ModelIdentity,
     /// Precision and threads of the forward pass.
     pub exec: Exec,
     /// Q8_0 copies of the linear weights not held as integer blocks, in `fast` precision.
@@ -532,6 +534,7 @@ impl Model {
             layers: layer_weights,
             final_norm: t("output_norm.weight")?,
             lm_head: opt_m("output.weight")?,
+            identity: gguf_identity(g, &config)?,
             config,
             source: g.path().into(),
             exec: Exec::new(Precision::Exact, 1),
@@ -595,6 +598,7 @@ impl Model {
             layers: layer_weights,
             final_norm: norm("model.norm.weight")?,
             lm_head: tensors.get("lm_head.weight").cloned().map(Weight::F32),
+            identity: hf_identity(dir, &config)?,
             config,
             source: dir.into(),
             exec: Exec::new(Precision::Exact, 1),
@@ -605,15 +609,33 @@ impl Model {
     }
 }
 
-/// Every tensor of every `*.safetensors` file in `dir`, as f32.
-fn load_safetensors(dir: &Path) -> Result<HashMap<String, Vec<f32>>, LoadError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| LoadError::Io { path, source }
-    };
-    let mut out = HashMap::new();
+/// The identity of a GGUF model: its tensor data, its token strings, its rope bases.
+pub fn gguf_identity(g: &Gguf, config: &Config) -> Result<crate::identity::ModelIdentity, GgufError> {
+    let start = g.tensors.values().map(|t| t.offset).min().unwrap_or(0);
+    let end = g.tensors.values().map(|t| t.offset + t.len).max().unwrap_or(0);
+    let weights = crate::identity::digest(g.data_bytes(start, end));
+    let tokens: Vec<&str> = g
+        .get_array("tokenizer.ggml.tokens")
+        .map(|a| {
+            a.iter().filter_map(|v| if let crate::gguf::Value::Str(s) = v { Some(s.as_str()) } else { None }).collect()
+        })
+        .unwrap_or_default();
+    let tokenizer = crate::identity::digest(tokens.join("\n").as_bytes());
+    Ok(crate::identity::ModelIdentity::new(weights, tokenizer, config.rope_global, config.rope_local))
+}
+
+/// The identity of a checkpoint directory: its safetensors files, its `tokenizer.json`, its rope bases.
+pub fn hf_identity(dir: &Path, config: &Config) -> Result<crate::identity::ModelIdentity, LoadError> {
+    let io = |source| LoadError::Io { path: dir.into(), source };
+    let weights = crate::identity::digest_files(&safetensors_files(dir)?).map_err(io)?;
+    let tokenizer = crate::identity::digest_tokenizer_json(dir).map_err(io)?;
+    Ok(crate::identity::ModelIdentity::new(weights, tokenizer, config.rope_global, config.rope_local))
+}
+
+/// The `*.safetensors` files of `dir`, in name order (at least one).
+fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(io(dir))?
+        .map_err(|source| LoadError::Io { path: dir.into(), source })?
         .filter_map(Result::ok)
         .map(|e| e.path())
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
@@ -627,7 +649,17 @@ fn load_safetensors(dir: &Path) -> Result<HashMap<String, Vec<f32>>, LoadError> 
             found: "none".into(),
         });
     }
-    for path in files {
+    Ok(files)
+}
+
+/// Every tensor of every `*.safetensors` file in `dir`, as f32.
+fn load_safetensors(dir: &Path) -> Result<HashMap<String, Vec<f32>>, LoadError> {
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| LoadError::Io { path, source }
+    };
+    let mut out = HashMap::new();
+    for path in safetensors_files(dir)? {
         let bytes = std::fs::read(&path).map_err(io(&path))?;
         let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| LoadError::Checkpoint {
             path: path.clone(),

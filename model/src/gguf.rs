@@ -432,6 +432,13 @@ impl Gguf {
         Ok(&self.map[t.offset as usize..(t.offset + t.len) as usize])
     }
 
+    /// The bytes of the tensor data from file offset `start` to `end` (every tensor's data lies inside
+    /// the file, checked in `open`).
+    pub fn data_bytes(&self, start: u64, end: u64) -> &[u8] {
+        let end = (end as usize).min(self.map.len());
+        &self.map[(start as usize).min(end)..end]
+    }
+
     /// A tensor's raw bytes, shared with the mapping (which lives as long as any of them).
     pub fn tensor_shared(&self, name: &str) -> Result<crate::kernels::BlockBytes, GgufError> {
         let t = self.tensor(name)?;

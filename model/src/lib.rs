@@ -11,6 +11,7 @@ pub mod arch;
 pub mod chat;
 pub mod forward;
 pub mod gguf;
+pub mod identity;
 pub mod kernels;
 pub mod quant;
 pub mod registry;

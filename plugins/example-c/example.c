@@ -6,13 +6,17 @@
  * V of a position are a fixed function of (layer, token id, position, head, dim), so chunked and whole
  * prefill agree, and the conformance suite can check what arrives against the backend run in-process.
  *
- * Configuration (JSON, flat; unknown keys ignored):
- *   {"layers": "SSSFSSSF", "kv_heads": 1, "head_dim": 16, "window": 8}
- * `layers` has one letter per model layer: S sliding (over `window` tokens), F full attention.
+ * Configuration (JSON; unknown keys ignored): the host passes the model's shape in it, so a backend
+ * learns its layers without parsing the model's files (docs/plugin-abi.md lists every key):
+ *   {"layers": "SSSFSSSF", "kv_heads": 1, "head_dim": 16, "window": 8, ...}
+ * `layers` has one letter per model layer: S sliding (over `window` tokens), F full attention. This
+ * stand-in reads only those four flat keys, with a parser that finds the first occurrence of each; a
+ * real backend would use a JSON library.
  *
  * Build: cc -std=c11 -O2 -fPIC -shared -I plugins/abi/include plugins/example-c/example.c -o libexample.so
  */
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,7 +118,9 @@ static uint32_t example_open(const uint8_t *config, size_t config_len, PdhostBac
 }
 
 static uint32_t example_describe(PdhostBackend *b, PdhostDescription *out, char *err, size_t err_cap) {
-    if (b == NULL || out == NULL || out->struct_size < sizeof(PdhostDescription)) {
+    /* A producer of an older minor version passes a shorter struct: fill the fields of 1.0, and later
+     * ones only where its struct_size covers them. */
+    if (b == NULL || out == NULL || out->struct_size < offsetof(PdhostDescription, identity)) {
         set_error(err, err_cap, "describe: null or short description");
         return PDHOST_STATUS_INVALID_ARGUMENT;
     }
@@ -123,6 +129,10 @@ static uint32_t example_describe(PdhostBackend *b, PdhostDescription *out, char 
     out->num_layers = b->num_layers;
     out->layers = b->layers;
     out->fingerprint = 0; /* let the producer derive it from the layers */
+    if (out->struct_size >= offsetof(PdhostDescription, identity) + sizeof out->identity) {
+        /* A stand-in has no weights to name; a real backend reports the identity of what it loaded. */
+        out->identity = NULL;
+    }
     return PDHOST_STATUS_OK;
 }
 
@@ -152,8 +162,11 @@ static uint32_t example_prefill(PdhostBackend *b, const PdhostPrefill *request, 
         uint64_t len = 0;
         uint32_t status = writer->region(writer->ctx, entry, &region, &len);
         if (status != PDHOST_STATUS_OK) {
-            set_error(err, err_cap, "prefill: the producer refused a region");
-            return status;
+            /* The writer's code says why it refused; this function's own status is that it did. */
+            char message[96];
+            snprintf(message, sizeof message, "prefill: the producer refused region %u (status %u)", entry, status);
+            set_error(err, err_cap, message);
+            return PDHOST_STATUS_WRITER_REFUSED;
         }
         if (len != request->n_tokens * row * sizeof(float)) {
             set_error(err, err_cap, "prefill: region length is not tokens x kv_heads x head_dim x 4");
@@ -173,6 +186,13 @@ static uint32_t example_prefill(PdhostBackend *b, const PdhostPrefill *request, 
     return PDHOST_STATUS_OK;
 }
 
+/* The end of a request (1.2): this backend keeps nothing per request, so there is nothing to free. A
+ * backend that keeps earlier chunks' K/V for chunked prefill frees them here. */
+static void example_release(PdhostBackend *b, uint64_t request_id) {
+    (void)b;
+    (void)request_id;
+}
+
 static void example_close(PdhostBackend *b) {
     free(b);
 }
@@ -187,6 +207,8 @@ static const PdhostBackendV1 TABLE = {
     .describe = example_describe,
     .prefill = example_prefill,
     .close = example_close,
+    .release = example_release,
+    /* .capabilities and .set_log stay NULL: no limits beyond the description, and no logging. */
 };
 
 const PdhostBackendV1 *pdhost_backend_v1(void) {

@@ -263,3 +263,116 @@ fn a_prefix_cache_hit_prefills_only_the_rest_and_changes_no_bit() {
         assert_eq!(got.logits_hash, want.logits_hash, "{case}: bit-identical logits");
     }
 }
+
+/// The host passes the model's shape in the backend's config: the C example, which reads its layers,
+/// heads, head size and window from there, opens with no config of its own and conforms.
+#[test]
+fn open_carries_the_shape() {
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::F32);
+    let mut p = producer(&e, PathBuf::from(env!("EXAMPLE_C_BACKEND")), serde_json::json!({}), Duration::from_secs(30));
+    p.start().unwrap_or_else(|err| panic!("the host's shape keys are enough to open: {err}"));
+    let (seq, report) =
+        e.prefill(&PROMPT, 4, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail }).unwrap();
+    assert!(report.remote && report.fallback.is_none());
+    e.release(seq);
+    assert_eq!(p.metrics().spans_accepted, PROMPT.len().div_ceil(4) as u64);
+}
+
+/// A start-up failure that every start would repeat is not retried: the second request is refused at
+/// once, naming the first failure, and no second process is started.
+#[test]
+fn no_restart_follows_a_failure_that_every_start_repeats() {
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::F32);
+    let cases: Vec<(PathBuf, serde_json::Value, &str)> = vec![
+        (
+            PathBuf::from(env!("EXAMPLE_C_BACKEND")),
+            serde_json::json!({"layers": "SSSF", "kv_heads": 1, "head_dim": 16, "window": 8}),
+            "describe_mismatch",
+        ),
+        (builtin("rngd"), config(&gemma(), Dtype::F32, serde_json::json!({"dtype": "f8"})), "start_failed"),
+        (root().join("no-such-backend.so"), serde_json::json!({}), "start_failed"),
+    ];
+    for (library, config, kind) in cases {
+        let mut p = producer(&e, library, config, Duration::from_secs(30));
+        let first = p.start().expect_err("the start fails");
+        assert_eq!(first.kind(), kind, "{first}");
+        for _ in 0..2 {
+            let err = e
+                .prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail })
+                .expect_err("refused");
+            let pdhost::engine::EngineError::Producer(err) = err else { panic!("{err}") };
+            assert!(matches!(*err, ProducerError::StartRefused { .. }), "{err}");
+            assert_eq!(err.kind(), kind, "the first failure's kind");
+            assert!(err.to_string().contains(&first.to_string()), "names the first failure: {err}");
+        }
+        assert_eq!((p.metrics().starts, p.metrics().restarts), (1, 0), "{kind}: one start, no restart");
+    }
+    // A failure that may pass (the backend could not load its model) is still retried.
+    let mut p =
+        producer(&e, builtin("rngd"), serde_json::json!({"model": "/nonexistent/model.gguf"}), Duration::from_secs(30));
+    assert_eq!(p.start().expect_err("no model").kind(), "start_failed");
+    assert_eq!(p.start().expect_err("still no model").kind(), "start_failed");
+    assert_eq!(p.metrics().starts, 2);
+}
+
+/// A backend that loaded other weights of exactly the same shape (one byte of one tensor differs) is
+/// refused at the handshake, naming both identities, and not restarted.
+#[test]
+fn a_backend_with_other_weights_of_the_same_shape_is_refused() {
+    let _serial = serial();
+    let e = engine(&gemma(), Dtype::F32);
+    let dir = std::env::temp_dir().join(format!("pdhost-other-weights-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for entry in std::fs::read_dir(gemma()).unwrap().flatten() {
+        std::fs::copy(entry.path(), dir.join(entry.file_name())).unwrap();
+    }
+    let weights = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x01;
+    std::fs::write(&weights, bytes).unwrap();
+
+    let mut p = producer(&e, builtin("rngd"), config(&dir, Dtype::F32, serde_json::json!({})), Duration::from_secs(30));
+    let err = p.start().expect_err("other weights");
+    assert_eq!(err.kind(), "identity_mismatch", "{err}");
+    let ours = format!("{:016x}", e.model.identity.weights);
+    let text = err.to_string();
+    assert!(text.contains("model identity: weights: expected ") && text.contains(&ours), "{text}");
+    assert_eq!(p.start().expect_err("not restarted").kind(), "identity_mismatch");
+    assert_eq!(p.metrics().starts, 1);
+    // The same files, unchanged: accepted.
+    let mut same =
+        producer(&e, builtin("rngd"), config(&gemma(), Dtype::F32, serde_json::json!({})), Duration::from_secs(30));
+    same.start().unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The end-of-request entry: once the host releases a request, the backend no longer holds its K/V, so a
+/// chunk continuing it is refused; before the release the same chunk continues it.
+#[test]
+fn the_end_of_request_entry_is_called() {
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::F32);
+    let mut p =
+        producer(&e, builtin("rngd"), config(&gemma(), Dtype::F32, serde_json::json!({})), Duration::from_secs(30));
+    let call = |seq: pdhost::kv::SeqId, start: usize, end: usize| pdhost::supervisor::PrefillCall {
+        request_id: seq.0,
+        start_pos: start as u64,
+        tokens: PROMPT[start..end].to_vec(),
+        context: Vec::new(),
+    };
+    // Not released: the second chunk continues the first.
+    let (kept, _) = e.prefill(&[], 0, PrefillBy::Local).unwrap();
+    p.prefill(&mut e.kv, kept, &call(kept, 0, 4)).unwrap();
+    p.prefill(&mut e.kv, kept, &call(kept, 4, 8)).expect("the backend still holds the request");
+    // Released after its first chunk: the backend has let it go.
+    let (released, _) = e.prefill(&[], 0, PrefillBy::Local).unwrap();
+    p.prefill(&mut e.kv, released, &call(released, 0, 4)).unwrap();
+    p.release(released.0);
+    let err = p.prefill(&mut e.kv, released, &call(released, 4, 8)).expect_err("released");
+    assert!(matches!(err, ProducerError::Backend { .. }), "{err}");
+    assert!(err.to_string().contains("expected the request in progress"), "{err}");
+    assert_eq!(p.metrics().restarts, 0);
+}

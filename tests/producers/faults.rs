@@ -26,6 +26,7 @@ fn expected(mode: &str, dense: bool) -> Option<&'static [&'static str]> {
         // The sandbox refuses the open with EACCES; the backend reports it.
         "open_file" => &["backend_error"],
         "eat_memory" => &["memory_limit"],
+        "skip_region" | "short_write" => &["unwritten_region"],
         "wrong_layer_count" if dense => &["layer_count_mismatch"],
         "wrong_layer_count" => &["group_kind_mismatch"],
         "missing_group" if dense => &["dense_payload_len"],
@@ -107,7 +108,7 @@ fn check(mode: &str) {
         let restarts = p.metrics().restarts;
         match &gen.report.fallback {
             // A backend that reports an error broke no rule: its producer keeps serving.
-            Some(reason) if reason.kind() == "backend_error" => {
+            Some(reason) if ["backend_error", "unwritten_region"].contains(&reason.kind()) => {
                 assert_eq!(restarts, 0, "{mode} {layout}: the producer was kept")
             }
             Some(_) => assert_eq!(restarts, 1, "{mode} {layout}: the broken producer was replaced once"),
@@ -174,6 +175,8 @@ fault_tests!(
     connect,
     open_file,
     eat_memory,
+    skip_region,
+    short_write,
     hang,
     slow,
     exit_mid,

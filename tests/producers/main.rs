@@ -71,6 +71,7 @@ fn producer(engine: &Engine, backend: PathBuf, config: serde_json::Value, timeou
         },
         sandbox: true,
         memory_limit: Some(MEMORY_LIMIT),
+        identity: Some(engine.model.identity.to_string()),
     };
     Producer::new(spec, engine.kv.geometry().clone())
 }

@@ -62,6 +62,14 @@ impl Opened {
         self.gguf.as_ref().map(model::chat::ChatTemplate::from_gguf)
     }
 
+    /// The model's identity (`model::identity`), without loading its weights.
+    pub fn identity(&self) -> anyhow::Result<model::identity::ModelIdentity> {
+        Ok(match &self.gguf {
+            Some(gguf) => model::arch::gguf_identity(gguf, &self.config).context("hashing the weights")?,
+            None => model::arch::hf_identity(&self.path, &self.config)?,
+        })
+    }
+
     /// Reads the weights (the slow part, with a spinner).
     pub fn load(&self, quiet: bool) -> anyhow::Result<Model> {
         let spinner = super::models::Bar::new(quiet);
@@ -150,7 +158,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         sandbox: args.sandbox == Switch::On,
         memory_limit: super::producer::memory_limit(args.producer_memory)?,
     };
-    let mut producer = choice.producer(&opened.path, &geometry, dtype, chunk_tokens)?;
+    let mut producer = choice.producer(&opened.path, &geometry, &model.identity, dtype, chunk_tokens)?;
     let mut engine = Engine::new(model, dtype, page_size, max_len, 1)?;
     if let Some(p) = producer.as_mut() {
         // Start the producer (load its model) before the clock of the request starts; a start-up failure

@@ -4,6 +4,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::Context;
+use model::identity::ModelIdentity;
 use pdhost::request::{Field, Invalid};
 use pdhost::supervisor::{self, Producer, ProducerSpec, RestartPolicy};
 use shm_format::{Dtype, KvGeometry};
@@ -44,10 +45,12 @@ impl Choice<'_> {
     /// The producer these flags name (not started yet), or `None` for `local`. Its spans carry `dtype`
     /// (the cache's, so remote prefill stays bit-identical to local) unless the backend config says
     /// otherwise, and hold up to `chunk_tokens` tokens.
+    /// A backend that reports another model identity than `identity` is refused at its handshake.
     pub fn producer(
         &self,
         model_path: &Path,
         geometry: &KvGeometry,
+        identity: &ModelIdentity,
         dtype: Dtype,
         chunk_tokens: usize,
     ) -> anyhow::Result<Option<Producer>> {
@@ -100,6 +103,7 @@ impl Choice<'_> {
             restart: RestartPolicy::default(),
             sandbox: self.sandbox,
             memory_limit: Some(self.memory_limit),
+            identity: Some(identity.to_string()),
         };
         Ok(Some(Producer::new(spec, geometry.clone())))
     }

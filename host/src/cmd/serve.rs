@@ -34,12 +34,6 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let slots = request::check_count(Field::Slots, args.slots, 1, MAX_SLOTS)? as u32;
     let backend_config = input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
     let source = input::model_source(&args.model)?;
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
-        .with_target(false)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
 
     let mut opened = Opened::open(&source, true)?;
     let context = args.context.unwrap_or(DEFAULT_CONTEXT.min(opened.config.context as u64));
@@ -72,8 +66,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let chunk_tokens = if prefill_chunk == 0 { max_len as usize } else { prefill_chunk };
     let count = request::check_count(Field::Producers, args.producers, 1, MAX_PRODUCERS)?;
     let mut producers = Vec::new();
+    let identity = if choice.producer == "local" { None } else { Some(opened.identity()?) };
     for _ in 0..count {
-        producers.extend(choice.producer(&opened.path, &geometry, dtype, chunk_tokens)?);
+        let Some(identity) = &identity else { break };
+        producers.extend(choice.producer(&opened.path, &geometry, identity, dtype, chunk_tokens)?);
     }
     let on_failure = args.on_producer_failure.policy();
     let chat = match opened.chat_template() {

@@ -267,10 +267,13 @@ impl<'t> Scheduler<'_, 't> {
                         return;
                     }
                 } else {
+                    // The request's last call to this producer (or it was cancelled).
+                    producer.release(a.prefill.request_id());
                     self.pool.rest(index, producer);
                 }
             }
             Err(e) => {
+                producer.release(a.prefill.request_id());
                 self.pool.rest(index, producer);
                 let head = &a.job.request.prompt[..a.job.request.prompt.len() - 1];
                 self.loaded.engine.fall_back(&mut a.prefill, head, e);

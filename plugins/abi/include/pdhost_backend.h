@@ -20,8 +20,11 @@
  * The minor version: fields appended since 1.0. A producer accepts any minor version of its major.
  *
  * - 1.1: [`PdhostPrefill::n_context`] and [`PdhostPrefill::context_ids`] (prefix-cache hits).
+ * - 1.2: [`PdhostBackendV1::release`] (end of a request), [`PdhostBackendV1::capabilities`],
+ *   [`PdhostBackendV1::set_log`] (a logging callback) and [`PdhostDescription::identity`] (the model's
+ *   identity, checked at the handshake).
  */
-#define PDHOST_ABI_MINOR 1
+#define PDHOST_ABI_MINOR 2
 
 /**
  * Result codes. Every ABI function returns one of these as a `u32`.
@@ -138,6 +141,35 @@ typedef uint32_t PdhostLayerKind;
 #endif // __cplusplus
 
 /**
+ * Severity of a backend's log line, for [`PdhostLogFn`].
+ */
+enum PdhostLogLevel
+#ifdef __cplusplus
+  : uint32_t
+#endif // __cplusplus
+ {
+  /**
+   * Something is wrong.
+   */
+  PDHOST_LOG_LEVEL_ERROR = 0,
+  /**
+   * Something may be wrong.
+   */
+  PDHOST_LOG_LEVEL_WARN = 1,
+  /**
+   * Progress worth seeing.
+   */
+  PDHOST_LOG_LEVEL_INFO = 2,
+  /**
+   * Detail for the backend's author.
+   */
+  PDHOST_LOG_LEVEL_DEBUG = 3,
+};
+#ifndef __cplusplus
+typedef uint32_t PdhostLogLevel;
+#endif // __cplusplus
+
+/**
  * An open backend instance, opaque to the producer (an incomplete type in C).
  */
 typedef struct PdhostBackend PdhostBackend;
@@ -197,6 +229,13 @@ typedef struct PdhostDescription {
    * fingerprint covers exactly the KV geometry; `docs/wire-format.md` defines it).
    */
   uint64_t fingerprint;
+  /**
+   * (1.2) The identity of the model the backend loaded, NUL-terminated, as the backend computed it from
+   * the weights, tokenizer and rope parameters it loaded (`docs/plugin-abi.md` defines the text). The
+   * host refuses a backend whose identity differs from its own. Null: no identity (served, with a
+   * warning). The producer sets it null before the call.
+   */
+  const char *identity;
 } PdhostDescription;
 
 /**
@@ -299,6 +338,41 @@ typedef struct PdhostWriter {
 } PdhostWriter;
 
 /**
+ * What a backend can emit and take, filled in by [`PdhostBackendV1::capabilities`] (1.2).
+ */
+typedef struct PdhostCapabilities {
+  /**
+   * `sizeof(PdhostCapabilities)` as the producer knows it; set by the producer before the call.
+   */
+  uint32_t struct_size;
+  /**
+   * The wire dtypes the backend can emit: bit `d` set for [`PdhostDtype`] `d` (`1 << PDHOST_DTYPE_F32`
+   * and so on). 0: only the described one.
+   */
+  uint32_t dtypes;
+  /**
+   * The layouts it can emit: bit `l` set for [`PdhostLayout`] `l`. 0: only the described one.
+   */
+  uint32_t layouts;
+  /**
+   * Reserved, zero.
+   */
+  uint32_t reserved;
+  /**
+   * The most tokens one `prefill` call may carry (the host chunks longer prompts); 0: no limit.
+   */
+  uint64_t max_tokens;
+} PdhostCapabilities;
+
+/**
+ * The logging callback a producer hands its backend through [`PdhostBackendV1::set_log`]: `len` bytes
+ * of UTF-8 at `message` (no NUL needed) at a [`PdhostLogLevel`], with the `ctx` given to `set_log`. It may
+ * be called from any thread, at any time until `close` returns; the host's log shows each line tagged
+ * with the producer.
+ */
+typedef void (*PdhostLogFn)(void *ctx, uint32_t level, const char *message, size_t len);
+
+/**
  * The vtable a backend's entry symbol returns. Static: it lives as long as the library is loaded.
  */
 typedef struct PdhostBackendV1 {
@@ -350,6 +424,28 @@ typedef struct PdhostBackendV1 {
    * Releases the instance. The handle is invalid afterwards.
    */
   void (*close)(struct PdhostBackend *backend);
+  /**
+   * (1.2, may be null) The end of request `request_id`: no more `prefill` calls for it will come, so
+   * the backend may free what it keeps for it (the K/V of earlier chunks). Called once for each
+   * request the backend was asked to prefill, when the request finishes, fails or is cancelled, from
+   * the thread that calls `prefill`. Request ids are unique for the life of the host process, across
+   * producer restarts; a restarted producer is never told of requests its predecessor saw.
+   */
+  void (*release)(struct PdhostBackend *backend, uint64_t request_id);
+  /**
+   * (1.2, may be null) Fills `*out` (whose `struct_size` the producer sets) with what the backend can
+   * do. Called once, after `describe`. Null: no limits beyond the description.
+   */
+  uint32_t (*capabilities)(struct PdhostBackend *backend,
+                           struct PdhostCapabilities *out,
+                           char *err,
+                           size_t err_cap);
+  /**
+   * (1.2, may be null) Called once, before `open`, with the producer's logging callback and its
+   * context. A backend that logs keeps both and calls `log(ctx, level, message, len)` instead of
+   * writing to stdout or stderr (which the host also logs, untagged by level).
+   */
+  void (*set_log)(PdhostLogFn log, void *ctx);
 } PdhostBackendV1;
 
 /**

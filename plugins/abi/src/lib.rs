@@ -24,7 +24,10 @@ pub const PDHOST_ABI_MAJOR: u32 = 1;
 /// The minor version: fields appended since 1.0. A producer accepts any minor version of its major.
 ///
 /// - 1.1: [`PdhostPrefill::n_context`] and [`PdhostPrefill::context_ids`] (prefix-cache hits).
-pub const PDHOST_ABI_MINOR: u32 = 1;
+/// - 1.2: [`PdhostBackendV1::release`] (end of a request), [`PdhostBackendV1::capabilities`],
+///   [`PdhostBackendV1::set_log`] (a logging callback) and [`PdhostDescription::identity`] (the model's
+///   identity, checked at the handshake).
+pub const PDHOST_ABI_MINOR: u32 = 2;
 /// The one symbol a backend exports, NUL-terminated.
 pub const ENTRY_SYMBOL: &[u8] = b"pdhost_backend_v1\0";
 
@@ -146,7 +149,49 @@ pub struct PdhostDescription {
     /// The model fingerprint the backend claims, or 0 to let the producer derive it from `layers` (the
     /// fingerprint covers exactly the KV geometry; `docs/wire-format.md` defines it).
     pub fingerprint: u64,
+    /// (1.2) The identity of the model the backend loaded, NUL-terminated, as the backend computed it from
+    /// the weights, tokenizer and rope parameters it loaded (`docs/plugin-abi.md` defines the text). The
+    /// host refuses a backend whose identity differs from its own. Null: no identity (served, with a
+    /// warning). The producer sets it null before the call.
+    pub identity: *const c_char,
 }
+
+/// What a backend can emit and take, filled in by [`PdhostBackendV1::capabilities`] (1.2).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PdhostCapabilities {
+    /// `sizeof(PdhostCapabilities)` as the producer knows it; set by the producer before the call.
+    pub struct_size: u32,
+    /// The wire dtypes the backend can emit: bit `d` set for [`PdhostDtype`] `d` (`1 << PDHOST_DTYPE_F32`
+    /// and so on). 0: only the described one.
+    pub dtypes: u32,
+    /// The layouts it can emit: bit `l` set for [`PdhostLayout`] `l`. 0: only the described one.
+    pub layouts: u32,
+    /// Reserved, zero.
+    pub reserved: u32,
+    /// The most tokens one `prefill` call may carry (the host chunks longer prompts); 0: no limit.
+    pub max_tokens: u64,
+}
+
+/// Severity of a backend's log line, for [`PdhostLogFn`].
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PdhostLogLevel {
+    /// Something is wrong.
+    Error = 0,
+    /// Something may be wrong.
+    Warn = 1,
+    /// Progress worth seeing.
+    Info = 2,
+    /// Detail for the backend's author.
+    Debug = 3,
+}
+
+/// The logging callback a producer hands its backend through [`PdhostBackendV1::set_log`]: `len` bytes
+/// of UTF-8 at `message` (no NUL needed) at a [`PdhostLogLevel`], with the `ctx` given to `set_log`. It may
+/// be called from any thread, at any time until `close` returns; the host's log shows each line tagged
+/// with the producer.
+pub type PdhostLogFn = unsafe extern "C" fn(ctx: *mut c_void, level: u32, message: *const c_char, len: usize);
 
 /// One prefill call: tokens `start_pos .. start_pos + n_tokens` of request `request_id`.
 #[repr(C)]
@@ -257,7 +302,31 @@ pub struct PdhostBackendV1 {
     ) -> u32,
     /// Releases the instance. The handle is invalid afterwards.
     pub close: unsafe extern "C" fn(backend: *mut PdhostBackend),
+    /// (1.2, may be null) The end of request `request_id`: no more `prefill` calls for it will come, so
+    /// the backend may free what it keeps for it (the K/V of earlier chunks). Called once for each
+    /// request the backend was asked to prefill, when the request finishes, fails or is cancelled, from
+    /// the thread that calls `prefill`. Request ids are unique for the life of the host process, across
+    /// producer restarts; a restarted producer is never told of requests its predecessor saw.
+    pub release: Option<unsafe extern "C" fn(backend: *mut PdhostBackend, request_id: u64)>,
+    /// (1.2, may be null) Fills `*out` (whose `struct_size` the producer sets) with what the backend can
+    /// do. Called once, after `describe`. Null: no limits beyond the description.
+    pub capabilities: Option<
+        unsafe extern "C" fn(
+            backend: *mut PdhostBackend,
+            out: *mut PdhostCapabilities,
+            err: *mut c_char,
+            err_cap: usize,
+        ) -> u32,
+    >,
+    /// (1.2, may be null) Called once, before `open`, with the producer's logging callback and its
+    /// context. A backend that logs keeps both and calls `log(ctx, level, message, len)` instead of
+    /// writing to stdout or stderr (which the host also logs, untagged by level).
+    pub set_log: Option<unsafe extern "C" fn(log: PdhostLogFn, ctx: *mut c_void)>,
 }
+
+/// cbindgen:ignore
+/// The size of a 1.0 vtable (through `close`): the least a producer accepts.
+pub const PDHOST_BACKEND_V1_0_SIZE: usize = std::mem::offset_of!(PdhostBackendV1, release);
 
 /// The type of the entry symbol.
 pub type PdhostEntryFn = unsafe extern "C" fn() -> *const PdhostBackendV1;
@@ -301,6 +370,32 @@ pub struct Description {
     pub layers: Vec<PdhostLayer>,
     /// The claimed fingerprint, or 0.
     pub fingerprint: u64,
+    /// The model identity (`docs/plugin-abi.md`), or `None`.
+    pub identity: Option<String>,
+}
+
+/// What a Rust backend can do; [`export_backend!`] turns it into a [`PdhostCapabilities`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Capabilities {
+    /// Wire dtypes it can emit (empty: only the described one).
+    pub dtypes: Vec<PdhostDtype>,
+    /// Layouts it can emit (empty: only the described one).
+    pub layouts: Vec<PdhostLayout>,
+    /// The most tokens one prefill call may carry; 0: no limit.
+    pub max_tokens: u64,
+}
+
+impl Capabilities {
+    /// The C struct, `struct_size` left for the caller.
+    pub fn to_raw(&self) -> PdhostCapabilities {
+        PdhostCapabilities {
+            struct_size: size_of::<PdhostCapabilities>() as u32,
+            dtypes: self.dtypes.iter().fold(0, |bits, &d| bits | 1 << d as u32),
+            layouts: self.layouts.iter().fold(0, |bits, &l| bits | 1 << l as u32),
+            reserved: 0,
+            max_tokens: self.max_tokens,
+        }
+    }
 }
 
 /// One prefill call, borrowed from the producer.
@@ -398,6 +493,37 @@ pub trait Backend: Sized + Send + 'static {
     fn describe(&self) -> Description;
     /// Computes one prefill and fills the writer's regions (or its frame).
     fn prefill(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError>;
+    /// The end of a request: free what is kept for it (1.2). By default, nothing.
+    fn release(&mut self, request_id: u64) {
+        let _ = request_id;
+    }
+    /// What the backend can do (1.2). By default: only what it describes, no token limit.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+    }
+}
+
+/// The producer's logging callback, once [`PdhostBackendV1::set_log`] gave it (a library holds one
+/// backend's statics).
+static LOG: std::sync::OnceLock<(PdhostLogFn, usize)> = std::sync::OnceLock::new();
+
+/// The `set_log` trampoline of [`export_backend!`]: keeps the first callback given.
+///
+/// # Safety
+///
+/// `log` and `ctx` stay valid until the backend is closed, as the ABI promises.
+pub unsafe fn set_log_impl(log: PdhostLogFn, ctx: *mut c_void) {
+    let _ = LOG.set((log, ctx as usize));
+}
+
+/// Logs one line through the producer's callback (or to stderr before one was given, or under a producer
+/// older than 1.2).
+pub fn log(level: PdhostLogLevel, message: &str) {
+    match LOG.get() {
+        // SAFETY: the callback and context the producer gave, valid until close; `len` bytes at `message`.
+        Some(&(f, ctx)) => unsafe { f(ctx as *mut c_void, level as u32, message.as_ptr().cast(), message.len()) },
+        None => eprintln!("{message}"),
+    }
 }
 
 /// What [`export_backend!`] keeps behind the opaque handle.
@@ -407,6 +533,8 @@ pub struct Handle<B> {
     /// Every layer array `describe` has handed out: the ABI promises each stays valid until `close`.
     /// Describing the same layers again hands out the same array, so the list does not grow.
     described: Vec<Box<[PdhostLayer]>>,
+    /// Likewise every identity string.
+    identities: Vec<std::ffi::CString>,
 }
 
 impl<B> Handle<B> {
@@ -416,6 +544,16 @@ impl<B> Handle<B> {
             self.described.push(layers.into_boxed_slice());
         }
         self.described.last().expect("just kept")
+    }
+
+    /// The NUL-terminated copy of `identity`, kept until the handle is closed; null for none (or one
+    /// holding a NUL, which no C string can carry).
+    fn keep_identity(&mut self, identity: Option<String>) -> *const c_char {
+        let Some(text) = identity.and_then(|i| std::ffi::CString::new(i).ok()) else { return std::ptr::null() };
+        if self.identities.last() != Some(&text) {
+            self.identities.push(text);
+        }
+        self.identities.last().expect("just kept").as_ptr()
     }
 }
 
@@ -483,7 +621,7 @@ pub unsafe fn open_impl<B: Backend>(
             let text = std::str::from_utf8(bytes)
                 .map_err(|e| BackendError::new(PdhostStatus::BadConfig, format!("config is not UTF-8: {e}")))?;
             let backend = B::open(text)?;
-            let handle = Box::new(Handle { backend, described: Vec::new() });
+            let handle = Box::new(Handle { backend, described: Vec::new(), identities: Vec::new() });
             *out = Box::into_raw(handle).cast();
             Ok(())
         })
@@ -509,6 +647,7 @@ pub unsafe fn describe_impl<B: Backend>(
             }
             let handle = &mut *backend.cast::<Handle<B>>();
             let d = handle.backend.describe();
+            let identity = handle.keep_identity(d.identity);
             let layers = handle.keep(d.layers);
             let size = (*out).struct_size;
             let filled = PdhostDescription {
@@ -518,6 +657,7 @@ pub unsafe fn describe_impl<B: Backend>(
                 num_layers: layers.len() as u32,
                 layers: layers.as_ptr(),
                 fingerprint: d.fingerprint,
+                identity,
             };
             // Write no more than the producer's struct holds.
             let n = (size as usize).min(size_of::<PdhostDescription>());
@@ -566,6 +706,49 @@ pub unsafe fn prefill_impl<B: Backend>(
             let prefill = Prefill { request_id: r.request_id, start_pos: r.start_pos, tokens, context };
             let mut w = Writer::from_raw(&*writer);
             handle.backend.prefill(&prefill, &mut w)
+        })
+    }
+}
+
+/// The `release` trampoline of [`export_backend!`]. A panic is caught and dropped: the request is over
+/// either way.
+///
+/// # Safety
+///
+/// `backend` came from `open_impl::<B>`.
+pub unsafe fn release_impl<B: Backend>(backend: *mut PdhostBackend, request_id: u64) {
+    if backend.is_null() {
+        return;
+    }
+    // SAFETY: the handle is a `Handle<B>` by the caller's promise.
+    let handle = unsafe { &mut *backend.cast::<Handle<B>>() };
+    let _ = catch_unwind(AssertUnwindSafe(|| handle.backend.release(request_id)));
+}
+
+/// The `capabilities` trampoline of [`export_backend!`].
+///
+/// # Safety
+///
+/// `backend` came from `open_impl::<B>`; `out` points to a `PdhostCapabilities` of `struct_size` bytes.
+pub unsafe fn capabilities_impl<B: Backend>(
+    backend: *mut PdhostBackend,
+    out: *mut PdhostCapabilities,
+    err: *mut c_char,
+    err_cap: usize,
+) -> u32 {
+    // SAFETY: forwarded; pointers are checked before use.
+    unsafe {
+        guard(err, err_cap, || {
+            if backend.is_null() || out.is_null() {
+                return Err(BackendError::new(PdhostStatus::InvalidArgument, "null pointer"));
+            }
+            let handle = &*backend.cast::<Handle<B>>();
+            let size = (*out).struct_size;
+            let mut filled = handle.backend.capabilities().to_raw();
+            filled.struct_size = size.min(size_of::<PdhostCapabilities>() as u32);
+            let n = (size as usize).min(size_of::<PdhostCapabilities>());
+            std::ptr::copy_nonoverlapping((&raw const filled).cast::<u8>(), out.cast::<u8>(), n);
+            Ok(())
         })
     }
 }
@@ -628,6 +811,23 @@ macro_rules! export_backend {
                 // SAFETY: the ABI contract is forwarded unchanged.
                 unsafe { $crate::close_impl::<$backend>(backend) }
             }
+            unsafe extern "C" fn release(backend: *mut $crate::PdhostBackend, request_id: u64) {
+                // SAFETY: the ABI contract is forwarded unchanged.
+                unsafe { $crate::release_impl::<$backend>(backend, request_id) }
+            }
+            unsafe extern "C" fn capabilities(
+                backend: *mut $crate::PdhostBackend,
+                out: *mut $crate::PdhostCapabilities,
+                err: *mut ::std::ffi::c_char,
+                err_cap: usize,
+            ) -> u32 {
+                // SAFETY: the ABI contract is forwarded unchanged.
+                unsafe { $crate::capabilities_impl::<$backend>(backend, out, err, err_cap) }
+            }
+            unsafe extern "C" fn set_log(log: $crate::PdhostLogFn, ctx: *mut ::std::ffi::c_void) {
+                // SAFETY: the ABI contract is forwarded unchanged.
+                unsafe { $crate::set_log_impl(log, ctx) }
+            }
             struct Table($crate::PdhostBackendV1);
             // SAFETY: the table is immutable and its only pointer is to a static C string.
             unsafe impl Sync for Table {}
@@ -644,6 +844,9 @@ macro_rules! export_backend {
                 describe,
                 prefill,
                 close,
+                release: Some(release),
+                capabilities: Some(capabilities),
+                set_log: Some(set_log),
             });
             &TABLE.0
         }
@@ -679,6 +882,7 @@ mod tests {
                 dtype: PdhostDtype::F32,
                 layers: (0..self.layers.get()).map(|l| layer(8 + l)).collect(),
                 fingerprint: 0,
+                identity: None,
             }
         }
         fn prefill(&mut self, _: &Prefill<'_>, _: &mut Writer<'_>) -> Result<(), BackendError> {
@@ -694,6 +898,7 @@ mod tests {
             num_layers: 0,
             layers: std::ptr::null(),
             fingerprint: 0,
+            identity: std::ptr::null(),
         };
         // SAFETY: an open handle, a valid out-pointer, no error buffer.
         let code = unsafe { describe_impl::<Toy>(backend, &mut d, std::ptr::null_mut(), 0) };

@@ -20,7 +20,8 @@ use model::forward::VecKv;
 use model::gguf::Gguf;
 use model::kernels::Precision;
 use pdhost_plugin_abi::{
-    BackendError, Description, PdhostDtype, PdhostLayer, PdhostLayerKind, PdhostLayout, PdhostStatus, Prefill, Writer,
+    BackendError, Capabilities, Description, PdhostDtype, PdhostLayer, PdhostLayerKind, PdhostLayout, PdhostStatus,
+    Prefill, Writer,
 };
 use shm_format::{Dtype, EntryKind, KvGeometry, LayerKv, Manifest};
 
@@ -176,6 +177,37 @@ impl ModelBackend {
             },
             layers: self.geometry.layers.iter().map(|&l| layer_desc(l)).collect(),
             fingerprint: self.geometry.fingerprint().0,
+            identity: Some(self.model.identity.to_string()),
+        }
+    }
+
+    /// What `capabilities` returns: any wire dtype (the `dtype` key), this backend's layout, no token
+    /// limit.
+    pub fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            dtypes: vec![PdhostDtype::F32, PdhostDtype::F16, PdhostDtype::Bf16],
+            layouts: vec![self.layout],
+            max_tokens: 0,
+        }
+    }
+
+    /// The end of request `request_id`: if it is the request in progress, its K/V moves to the store of
+    /// earlier requests (where a later prefix-cache hit may find it), so no later chunk can continue it.
+    pub fn release(&mut self, request_id: u64) {
+        if self.past.as_ref().is_some_and(|p| p.request_id == request_id) {
+            let past = self.past.take().expect("checked");
+            self.store.push_back(past);
+            self.trim_store();
+        }
+    }
+
+    /// Drops the oldest stored requests until the store fits its budget.
+    fn trim_store(&mut self) {
+        let bytes = |p: &Past| p.kv.k.iter().chain(&p.kv.v).map(|l| l.len() * 4).sum::<usize>();
+        let mut total: usize = self.store.iter().map(bytes).sum();
+        while total > self.store_bytes {
+            let Some(oldest) = self.store.pop_front() else { break };
+            total -= bytes(&oldest);
         }
     }
 
@@ -264,12 +296,7 @@ impl ModelBackend {
             self.context_stats.computed += (context.len() - have) as u64;
         }
         // The store keeps the newest requests that fit its budget.
-        let bytes = |p: &Past| p.kv.k.iter().chain(&p.kv.v).map(|l| l.len() * 4).sum::<usize>();
-        let mut total: usize = self.store.iter().map(bytes).sum();
-        while total > self.store_bytes {
-            let Some(oldest) = self.store.pop_front() else { break };
-            total -= bytes(&oldest);
-        }
+        self.trim_store();
         past
     }
 

@@ -11,7 +11,7 @@
 //! (default: every request); `layout` is `dense` (default) or `grouped`. Without `fault` it behaves.
 //!
 //! Everything a misbehaving vendor library could do from inside the producer process is fair: crash in
-//! three ways at three points, panic, try what the sandbox forbids (fork a daemon, signal the host,
+//! three ways at three points, panic, leave a region unwritten or half-written, try what the sandbox forbids (fork a daemon, signal the host,
 //! exec, connect, open a file) or eat memory, stall, exit cleanly mid-request, emit spans whose manifest lies about
 //! layers, groups, shapes, dtype, tokens or model, emit frames whose header lies about lengths and ring
 //! coordinates or changes after commit, attack the host's segments, and write garbage on the control
@@ -20,7 +20,9 @@
 use std::time::Duration;
 
 use pdhost_backend_kit::ModelBackend;
-use pdhost_plugin_abi::{Backend, BackendError, Description, PdhostLayout, PdhostStatus, Prefill, Writer};
+use pdhost_plugin_abi::{
+    Backend, BackendError, Capabilities, Description, PdhostLayout, PdhostStatus, Prefill, Writer,
+};
 use shm_format::{
     seal_frame, write_prefix, Dtype, Entry, EntryKind, FrameCoords, Group, GroupKind, Layout, CHECKSUM_OFFSET,
 };
@@ -46,6 +48,8 @@ pub const MODES: &[&str] = &[
     "connect",
     "open_file",
     "eat_memory",
+    "skip_region",
+    "short_write",
     "wrong_layer_count",
     "missing_group",
     "extra_group",
@@ -150,6 +154,14 @@ impl Backend for Faulty {
         self.inner.describe()
     }
 
+    fn release(&mut self, request_id: u64) {
+        self.inner.release(request_id)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+
     fn prefill(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
         let Some(mode) = self.mode_for(request.request_id).map(str::to_string) else {
             return self.behave(request, writer);
@@ -196,6 +208,21 @@ impl Backend for Faulty {
                 let manifest = self.inner.manifest(request);
                 self.inner.write_regions(&manifest, writer, Some(manifest.entries.len() / 2))?;
                 panic!("faulty: panic mode, request {}", request.request_id)
+            }
+            // OK returned with the last region never taken, or written only in its first half: the
+            // producer finds the fill it put there and commits nothing.
+            "skip_region" | "short_write" => {
+                self.inner.compute(request)?;
+                let manifest = self.inner.manifest(request);
+                let last = manifest.entries.len() - 1;
+                self.inner.write_regions(&manifest, writer, Some(last))?;
+                if mode == "short_write" {
+                    let e = &manifest.entries[last];
+                    let payload = self.inner.payload(&manifest);
+                    let half = (e.len / 2) as usize;
+                    writer.region(last as u32)?[..half].copy_from_slice(&payload[e.offset as usize..][..half]);
+                }
+                Ok(())
             }
             // What a vendor library could try from inside `prefill`; the sandbox stops each.
             "fork_daemon" => {

@@ -20,11 +20,12 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use pdhost_plugin_abi::{
-    PdhostBackend, PdhostBackendV1, PdhostDescription, PdhostEntryFn, PdhostFrame, PdhostLayout, PdhostPrefill,
-    PdhostStatus, PdhostWriter, ENTRY_SYMBOL, PDHOST_ABI_MAJOR,
+    PdhostBackend, PdhostBackendV1, PdhostCapabilities, PdhostDescription, PdhostEntryFn, PdhostFrame, PdhostLayout,
+    PdhostLogLevel, PdhostPrefill, PdhostStatus, PdhostWriter, ENTRY_SYMBOL, PDHOST_ABI_MAJOR,
+    PDHOST_BACKEND_V1_0_SIZE,
 };
-use protocol::{Described, FromProducer, LayerDesc, PrefillCall, ToProducer};
-use shm_format::{seal_frame, write_prefix, Dtype, Fingerprint, FrameCoords, KvGeometry, Manifest};
+use protocol::{CapabilitiesDesc, Described, FromProducer, LayerDesc, PrefillCall, ToProducer};
+use shm_format::{seal_frame, write_prefix, Dtype, EntryKind, Fingerprint, FrameCoords, KvGeometry, Manifest};
 use shm_ring::segment::memfd::MemfdSegment;
 use shm_ring::RingWriter;
 
@@ -145,9 +146,9 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
     let socket = UnixStream::from(socket);
     match serve(&args, [control, data, to_host, from_host], &socket) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(Fatal { stage, message }) => {
+        Err(Fatal { stage, status, message }) => {
             // The host reports the failure it receives; say it here only when the host cannot hear it.
-            let failed = FromProducer::StartFailed { stage: stage.into(), message: message.clone() };
+            let failed = FromProducer::StartFailed { stage: stage.into(), status, message: message.clone() };
             if protocol::send(&socket, &failed).is_err() {
                 eprintln!("pdhost-producer: {stage}: {message}");
             }
@@ -178,11 +179,18 @@ fn confine(parent: Option<i32>) {
 
 struct Fatal {
     stage: &'static str,
+    /// The backend's status code, 0 when the producer itself failed.
+    status: u32,
     message: String,
 }
 
 fn fatal(stage: &'static str) -> impl Fn(String) -> Fatal {
-    move |message| Fatal { stage, message }
+    move |message| Fatal { stage, status: 0, message }
+}
+
+/// A start-up failure the backend reported with `code`.
+fn backend_fatal(stage: &'static str, code: u32, err: &[u8]) -> Fatal {
+    Fatal { stage, status: code, message: format!("{}: {}", status_text(code), err_text(err)) }
 }
 
 /// The loaded library and its vtable. The vtable is copied out: it is static in the library, which stays
@@ -216,11 +224,22 @@ fn load(path: &std::path::Path) -> Result<Loaded, String> {
     if major != PDHOST_ABI_MAJOR {
         return Err(format!("ABI major version: expected {PDHOST_ABI_MAJOR}, found {major}"));
     }
-    if (size as usize) < size_of::<PdhostBackendV1>() {
-        return Err(format!("vtable size: expected at least {} bytes, found {size}", size_of::<PdhostBackendV1>()));
+    if (size as usize) < PDHOST_BACKEND_V1_0_SIZE {
+        return Err(format!("vtable size: expected at least {PDHOST_BACKEND_V1_0_SIZE} bytes, found {size}"));
     }
-    // SAFETY: the table is at least as large as the v1 struct, and static in the library.
-    let table = unsafe { *table };
+    // A table of an older minor version ends early: the fields it lacks stay null (`None`).
+    let mut copy = std::mem::MaybeUninit::<PdhostBackendV1>::zeroed();
+    // SAFETY: the backend's table holds `size` bytes, and at most the struct's size is copied into a
+    // zeroed struct; every field past the 1.0 ones is an `Option` of a function pointer, for which all-zero
+    // bytes are `None`, and the 1.0 ones are all copied (checked above).
+    let table = unsafe {
+        std::ptr::copy_nonoverlapping(
+            table.cast::<u8>(),
+            copy.as_mut_ptr().cast::<u8>(),
+            (size as usize).min(size_of::<PdhostBackendV1>()),
+        );
+        copy.assume_init()
+    };
     let name = if table.name.is_null() {
         "unnamed".to_string()
     } else {
@@ -238,6 +257,25 @@ fn err_text(buf: &[u8]) -> String {
         "no reason given".into()
     } else {
         text
+    }
+}
+
+/// The logging callback the producer hands a 1.2 backend: one line on stderr, which the host reads and
+/// logs tagged with this producer.
+unsafe extern "C" fn log_line(_ctx: *mut c_void, level: u32, message: *const c_char, len: usize) {
+    if message.is_null() {
+        return;
+    }
+    // SAFETY: the ABI promises `len` readable bytes at `message` for the call.
+    let bytes = unsafe { std::slice::from_raw_parts(message.cast::<u8>(), len.min(64 << 10)) };
+    let level = match level {
+        l if l == PdhostLogLevel::Error as u32 => "error",
+        l if l == PdhostLogLevel::Warn as u32 => "warn",
+        l if l == PdhostLogLevel::Info as u32 => "info",
+        _ => "debug",
+    };
+    for line in String::from_utf8_lossy(bytes).lines() {
+        eprintln!("{level}: {line}");
     }
 }
 
@@ -269,17 +307,7 @@ struct Framing {
 fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(), Fatal> {
     sandbox::limit_memory(args.memory_limit).map_err(fatal("limits"))?;
     let loaded = load(&args.backend).map_err(|e| fatal("load")(format!("{}: {e}", args.backend.display())))?;
-    let table = loaded.table;
-    let mut err = [0u8; ERR_CAP];
-    let mut handle = std::ptr::null_mut();
-    // SAFETY: the ABI's `open`: config bytes and lengths, out-pointer and error buffer all valid.
-    let code = unsafe {
-        (table.open)(args.config.as_ptr(), args.config.len(), &mut handle, err.as_mut_ptr().cast::<c_char>(), ERR_CAP)
-    };
-    if code != PdhostStatus::Ok as u32 || handle.is_null() {
-        return Err(fatal("open")(format!("{}: {}", status_text(code), err_text(&err))));
-    }
-    let instance = Instance { loaded: &loaded, handle };
+    let instance = open(&loaded, &args.config)?;
     let (framing, described) = describe(&instance)?;
     let mut ring = RingWriter::open(ring_fds).map_err(|e| fatal("ring")(e.to_string()))?;
     if args.sandbox {
@@ -294,6 +322,13 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(),
         };
         let call = match message {
             ToProducer::Shutdown => return Ok(()),
+            ToProducer::Release { request_id } => {
+                if let Some(release) = instance.loaded.table.release {
+                    // SAFETY: the ABI's `release` on an open handle.
+                    unsafe { release(instance.handle, request_id) };
+                }
+                continue;
+            }
             ToProducer::Prefill(call) => call,
         };
         let reply = prefill(&instance, &framing, &mut ring, &call);
@@ -301,6 +336,44 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(),
             return Ok(());
         }
     }
+}
+
+/// Hands a 1.2 backend the logging callback, then opens it with `config`.
+fn open<'l>(loaded: &'l Loaded, config: &str) -> Result<Instance<'l>, Fatal> {
+    let table = loaded.table;
+    if let Some(set_log) = table.set_log {
+        // SAFETY: the ABI's `set_log`, before `open`; the callback is a static function and needs no context.
+        unsafe { set_log(log_line, std::ptr::null_mut()) };
+    }
+    let mut err = [0u8; ERR_CAP];
+    let mut handle = std::ptr::null_mut();
+    // SAFETY: the ABI's `open`: config bytes and lengths, out-pointer and error buffer all valid.
+    let code =
+        unsafe { (table.open)(config.as_ptr(), config.len(), &mut handle, err.as_mut_ptr().cast::<c_char>(), ERR_CAP) };
+    if code != PdhostStatus::Ok as u32 || handle.is_null() {
+        return Err(backend_fatal("open", code, &err));
+    }
+    Ok(Instance { loaded, handle })
+}
+
+/// The identity text a backend described: at most 4 KiB up to its NUL, or `None` for a null pointer.
+///
+/// # Safety
+///
+/// `ptr` is null or points to a NUL-terminated string, valid until the backend is closed.
+unsafe fn identity_text(ptr: *const c_char) -> Option<String> {
+    if ptr.is_null() {
+        return None;
+    }
+    let mut bytes = Vec::new();
+    while bytes.len() < 4096 {
+        // SAFETY: byte by byte up to the NUL, which the caller promises; never past 4 KiB.
+        match unsafe { *ptr.add(bytes.len()) } as u8 {
+            0 => break,
+            b => bytes.push(b),
+        }
+    }
+    Some(String::from_utf8_lossy(&bytes).into_owned())
 }
 
 fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
@@ -312,14 +385,19 @@ fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
         num_layers: 0,
         layers: std::ptr::null(),
         fingerprint: 0,
+        identity: std::ptr::null(),
     };
     let table = instance.loaded.table;
     // SAFETY: the ABI's `describe` on an open handle with a valid out-pointer and error buffer.
     let code = unsafe { (table.describe)(instance.handle, &mut d, err.as_mut_ptr().cast::<c_char>(), ERR_CAP) };
     let bad = fatal("describe");
     if code != PdhostStatus::Ok as u32 {
-        return Err(bad(format!("{}: {}", status_text(code), err_text(&err))));
+        return Err(backend_fatal("describe", code, &err));
     }
+    // A backend of an older minor version wrote only the fields it knows; the rest are as set above.
+    // SAFETY: null, or a NUL-terminated string valid until close (the ABI's promise).
+    let identity = unsafe { identity_text(d.identity) };
+    let capabilities = capabilities(instance)?;
     if d.num_layers == 0 || d.layers.is_null() || d.num_layers > 1 << 16 {
         return Err(bad(format!("layers: expected 1..=65536 described layers, found {}", d.num_layers)));
     }
@@ -341,6 +419,8 @@ fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
                 state_elems: l.state_elems,
             })
             .collect(),
+        identity,
+        capabilities,
     };
     let described_wrong = |e: protocol::BadDescription| bad(e.to_string());
     let geometry = described.geometry().map_err(described_wrong)?;
@@ -360,6 +440,19 @@ fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
     Ok((Framing { geometry, layout, dtype, fingerprint }, described))
 }
 
+/// What a 1.2 backend says it can do; all zero for an older one.
+fn capabilities(instance: &Instance<'_>) -> Result<CapabilitiesDesc, Fatal> {
+    let Some(query) = instance.loaded.table.capabilities else { return Ok(CapabilitiesDesc::default()) };
+    let mut c = PdhostCapabilities { struct_size: size_of::<PdhostCapabilities>() as u32, ..Default::default() };
+    let mut err = [0u8; ERR_CAP];
+    // SAFETY: the ABI's `capabilities` on an open handle with a valid out-pointer and error buffer.
+    let code = unsafe { query(instance.handle, &mut c, err.as_mut_ptr().cast::<c_char>(), ERR_CAP) };
+    if code != PdhostStatus::Ok as u32 {
+        return Err(backend_fatal("capabilities", code, &err));
+    }
+    Ok(CapabilitiesDesc { dtypes: c.dtypes, layouts: c.layouts, max_tokens: c.max_tokens })
+}
+
 /// The writer's context during one `prefill` call.
 struct SlotCtx {
     /// Start of the slot's frame area (writable mapping).
@@ -368,6 +461,8 @@ struct SlotCtx {
     payload_offset: u64,
     /// `(offset, len)` of each entry inside the payload.
     entries: Vec<(u64, u64)>,
+    /// The frame's length as the prefix declares it (what a whole-frame backend is expected to write).
+    frame_len: u64,
     taken: Vec<bool>,
     whole_frame: bool,
     coords: shm_format::FrameCoords,
@@ -388,9 +483,12 @@ unsafe extern "C" fn region(ctx: *mut c_void, entry: u32, ptr: *mut *mut u8, len
     }
     ctx.taken[entry as usize] = true;
     // SAFETY: `payload_offset + offset + n <= frame_len <= capacity`, checked when the prefix was written,
-    // so the region lies inside the slot's frame area; out-pointers were checked non-null.
+    // so the region lies inside the slot's frame area; out-pointers were checked non-null. The region is
+    // filled with FILL first, so that bytes an earlier frame left there can never pass as this span's.
     unsafe {
-        *ptr = ctx.frame.add((ctx.payload_offset + offset) as usize);
+        let start = ctx.frame.add((ctx.payload_offset + offset) as usize);
+        std::ptr::write_bytes(start, FILL, n as usize);
+        *ptr = start;
         *len = n;
     }
     PdhostStatus::Ok as u32
@@ -406,8 +504,11 @@ unsafe extern "C" fn whole_frame(ctx: *mut c_void, out: *mut PdhostFrame) -> u32
         return PdhostStatus::WriterRefused as u32;
     }
     ctx.whole_frame = true;
-    // SAFETY: `out` was checked non-null; the frame area is `capacity` bytes of the writable slot.
+    // SAFETY: `out` was checked non-null; the frame area is `capacity` bytes of the writable slot, of which
+    // the first `frame_len <= capacity` (checked when the prefix was written) are filled with FILL, so an
+    // earlier frame's bytes cannot pass as this one's.
     unsafe {
+        std::ptr::write_bytes(ctx.frame, FILL, ctx.frame_len as usize);
         *out = PdhostFrame {
             ptr: ctx.frame,
             capacity: ctx.capacity,
@@ -419,6 +520,53 @@ unsafe extern "C" fn whole_frame(ctx: *mut c_void, out: *mut PdhostFrame) -> u32
     PdhostStatus::Ok as u32
 }
 
+/// The byte every region is filled with before the backend gets it. An element of all one bits is a NaN in
+/// every wire dtype, so it is never K/V a backend meant to write: one left after `prefill` is a short write.
+const FILL: u8 = 0xFF;
+
+/// Elements of `bytes` (of `size` bytes each) still all [`FILL`]: how many, and the byte offset of the
+/// first.
+fn unwritten(bytes: &[u8], size: usize) -> Option<(usize, usize)> {
+    let filled = |e: &[u8]| e.iter().all(|&b| b == FILL);
+    if !may_hold_fill(bytes, size) {
+        return None;
+    }
+    let count = match size {
+        2 => bytes.chunks_exact(2).filter(|c| u16::from_ne_bytes([c[0], c[1]]) == u16::MAX).count(),
+        4 => bytes.chunks_exact(4).filter(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]) == u32::MAX).count(),
+        _ => bytes.chunks_exact(size).filter(|c| filled(c)).count(),
+    };
+    (count > 0).then(|| (count, bytes.chunks_exact(size).position(filled).expect("counted") * size))
+}
+
+/// Whether `bytes` may hold an element (of `size` bytes, at offsets from 0) that is all [`FILL`]: false
+/// means certainly none. Eight bytes at a time, by the zero-lane test on the inverted word (a lane of `!w`
+/// is zero exactly when that element of `w` is all ones), which the compiler vectorises: the common case,
+/// a region fully written, costs one read of it.
+fn may_hold_fill(bytes: &[u8], size: usize) -> bool {
+    let (low, high) = match size {
+        2 => (0x0001_0001_0001_0001u64, 0x8000_8000_8000_8000u64),
+        4 => (0x0000_0001_0000_0001, 0x8000_0000_8000_0000),
+        _ => return true,
+    };
+    let words = bytes.chunks_exact(8);
+    let tail = !words.remainder().is_empty();
+    let any = words.fold(0u64, |acc, c| {
+        let y = !u64::from_le_bytes(c.try_into().expect("8 bytes"));
+        acc | (y.wrapping_sub(low) & !y & high)
+    });
+    any != 0 || tail
+}
+
+/// Why a span was not committed.
+#[derive(Debug)]
+enum SpanFailure {
+    /// The backend (or the writer) returned this status.
+    Status(PdhostStatus, String),
+    /// The backend returned OK without writing every byte of every region.
+    Unwritten(String),
+}
+
 /// Builds one span in `frame` (a ring slot, or a private buffer in [`run_in_process`]): header and manifest
 /// first, then the backend's K/V through the writer's regions (or its own whole frame), then the checksum.
 /// Returns the frame's length and the time inside the backend.
@@ -428,13 +576,14 @@ fn frame_span(
     frame: &mut [u8],
     coords: FrameCoords,
     call: &PrefillCall,
-) -> Result<(u64, Duration), (PdhostStatus, String)> {
+) -> Result<(u64, Duration), SpanFailure> {
     let PrefillCall { request_id, start_pos, ref tokens, ref context } = *call;
     if tokens.is_empty() {
-        return Err((PdhostStatus::InvalidArgument, "prefill: expected at least one token, found none".into()));
+        let message = "prefill: expected at least one token, found none".into();
+        return Err(SpanFailure::Status(PdhostStatus::InvalidArgument, message));
     }
     if !context.is_empty() && context.len() as u64 != start_pos {
-        return Err((
+        return Err(SpanFailure::Status(
             PdhostStatus::InvalidArgument,
             format!("prefill context: expected {start_pos} token ids (start_pos), found {}", context.len()),
         ));
@@ -452,7 +601,7 @@ fn frame_span(
         .filter(|info| info.frame_len <= frame.len() as u64)
         .ok_or_else(|| {
             let need = manifest.payload_len();
-            (
+            SpanFailure::Status(
                 PdhostStatus::WriterRefused,
                 format!("span of {need} payload bytes does not fit a {}-byte ring slot", frame.len()),
             )
@@ -462,6 +611,7 @@ fn frame_span(
         capacity: frame.len() as u64,
         payload_offset: info.payload_offset,
         entries: manifest.entries.iter().map(|e| (e.offset, e.len)).collect(),
+        frame_len: info.frame_len,
         taken: vec![false; manifest.entries.len()],
         whole_frame: false,
         coords,
@@ -493,7 +643,7 @@ fn frame_span(
     let backend = t.elapsed();
     if code != PdhostStatus::Ok as u32 {
         let status = PdhostStatus::from_raw(code).unwrap_or(PdhostStatus::BackendError);
-        return Err((status, format!("backend prefill: {}: {}", status_text(code), err_text(&err))));
+        return Err(SpanFailure::Status(status, format!("backend prefill: {}: {}", status_text(code), err_text(&err))));
     }
     if ctx.whole_frame {
         // The backend wrote the whole frame; whatever its header says is for the host to judge.
@@ -503,13 +653,32 @@ fn frame_span(
             shm_format::HeaderInfo::parse(&header).map_or(frame.len() as u64, |h| h.frame_len.min(frame.len() as u64));
         return Ok((len, backend));
     }
-    // A region never handed out still holds an older frame's bytes, which would pass every check as
-    // plausible K/V: refuse to commit.
+    // A region never handed out still holds an older frame's bytes, and one written only in part holds
+    // the fill: either would reach the host as K/V no one computed. Refuse to commit.
+    let entries = manifest.entries.len();
+    let name = |i: usize| {
+        let e = &manifest.entries[i];
+        let kind = match e.kind {
+            EntryKind::K => "K",
+            EntryKind::V => "V",
+            EntryKind::State => "state",
+        };
+        format!("layer {} {kind} (entry {i} of {entries})", e.layer)
+    };
     if let Some(missing) = ctx.taken.iter().position(|&t| !t) {
-        return Err((
-            PdhostStatus::BackendError,
-            format!("backend returned OK without writing entry {missing} of {}", ctx.taken.len()),
-        ));
+        return Err(SpanFailure::Unwritten(format!("backend returned OK without writing {}", name(missing))));
+    }
+    let size = framing.dtype.size() as usize;
+    for (i, &(offset, len)) in ctx.entries.iter().enumerate() {
+        let start = (info.payload_offset + offset) as usize;
+        if let Some((count, first)) = unwritten(&frame[start..start + len as usize], size) {
+            return Err(SpanFailure::Unwritten(format!(
+                "backend returned OK with {} written only in part: {count} of {} elements left unwritten, \
+                 the first at byte {first} of {len}",
+                name(i),
+                len as usize / size
+            )));
+        }
     }
     seal_frame(&mut frame[..info.frame_len as usize]);
     Ok((info.frame_len, backend))
@@ -542,7 +711,10 @@ fn prefill(
                 frame_ns,
             }
         }
-        Err((status, message)) => FromProducer::Failed { request_id, status: status as u32, message },
+        Err(SpanFailure::Status(status, message)) => {
+            FromProducer::Failed { request_id, status: status as u32, message }
+        }
+        Err(SpanFailure::Unwritten(message)) => FromProducer::Unwritten { request_id, message },
     }
 }
 
@@ -556,26 +728,45 @@ pub fn run_in_process(
     capacity: usize,
 ) -> Result<(Described, Vec<Vec<u8>>), String> {
     let loaded = load(backend)?;
-    let mut err = [0u8; ERR_CAP];
-    let mut handle = std::ptr::null_mut();
-    // SAFETY: as in `serve`.
-    let code = unsafe {
-        (loaded.table.open)(config.as_ptr(), config.len(), &mut handle, err.as_mut_ptr().cast::<c_char>(), ERR_CAP)
-    };
-    if code != PdhostStatus::Ok as u32 || handle.is_null() {
-        return Err(format!("open: {}: {}", status_text(code), err_text(&err)));
-    }
-    let instance = Instance { loaded: &loaded, handle };
+    let instance = open(&loaded, config).map_err(|f| format!("{}: {}", f.stage, f.message))?;
     let (framing, described) = describe(&instance).map_err(|f| format!("{}: {}", f.stage, f.message))?;
     let mut frames = Vec::new();
     for (request_id, start_pos, tokens) in calls {
         let mut buf = vec![0u8; capacity];
         let call =
             PrefillCall { request_id: *request_id, start_pos: *start_pos, tokens: tokens.clone(), context: Vec::new() };
-        let (len, _) = frame_span(&instance, &framing, &mut buf, FrameCoords::default(), &call)
-            .map_err(|(s, m)| format!("{}: {m}", s.name()))?;
+        let (len, _) =
+            frame_span(&instance, &framing, &mut buf, FrameCoords::default(), &call).map_err(|f| match f {
+                SpanFailure::Status(s, m) => format!("{}: {m}", s.name()),
+                SpanFailure::Unwritten(m) => m,
+            })?;
         buf.truncate(len as usize);
         frames.push(buf);
     }
     Ok((described, frames))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unwritten_elements_are_found_in_every_element_size() {
+        let mut region = vec![FILL; 64];
+        assert_eq!(unwritten(&region, 4), Some((16, 0)));
+        region[..40].fill(0);
+        assert_eq!(unwritten(&region, 4), Some((6, 40)));
+        assert_eq!(unwritten(&region, 2), Some((12, 40)));
+        // An element with some bits set by the backend is written, whatever its value.
+        region[40] = 0x7F;
+        assert_eq!(unwritten(&region, 4), Some((5, 44)));
+        region.fill(0x12);
+        assert_eq!(unwritten(&region, 4), None);
+        assert_eq!(unwritten(&region, 2), None);
+        assert!(!may_hold_fill(&region, 2) && !may_hold_fill(&region, 4));
+        // Lanes that are all ones only across an element boundary are not an element of the fill.
+        region[2..6].fill(FILL);
+        assert_eq!(unwritten(&region, 4), None);
+        assert_eq!(unwritten(&region, 2), Some((2, 2)));
+    }
 }

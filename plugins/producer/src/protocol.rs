@@ -19,6 +19,11 @@ pub const MAX_FROM_PRODUCER: u32 = 4 << 20;
 pub enum ToProducer {
     /// Prefill tokens `start_pos..` of a request into one span.
     Prefill(PrefillCall),
+    /// The request is over (finished, failed or cancelled): the backend may free its state. No reply.
+    Release {
+        /// The request.
+        request_id: u64,
+    },
     /// Close the backend and exit 0.
     Shutdown,
 }
@@ -67,6 +72,21 @@ pub struct Described {
     pub fingerprint: u64,
     /// Per model layer.
     pub layers: Vec<LayerDesc>,
+    /// The model identity the backend reported (ABI 1.2), or `None`.
+    pub identity: Option<String>,
+    /// What it can do (ABI 1.2); all zero when it does not say.
+    pub capabilities: CapabilitiesDesc,
+}
+
+/// A backend's capabilities, as `PdhostCapabilities` gives them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CapabilitiesDesc {
+    /// Bit per `PdhostDtype` it can emit; 0: the described one.
+    pub dtypes: u32,
+    /// Bit per `PdhostLayout`; 0: the described one.
+    pub layouts: u32,
+    /// Most tokens per prefill call; 0: no limit.
+    pub max_tokens: u64,
 }
 
 /// A field of a [`Described`] that names no known value: which field, what it may be, and what it holds.
@@ -135,6 +155,8 @@ pub enum FromProducer {
     StartFailed {
         /// `load`, `open`, `describe` or `ring`.
         stage: String,
+        /// The backend's `PdhostStatus` code when the backend failed, 0 when the producer did.
+        status: u32,
         /// One line.
         message: String,
     },
@@ -148,6 +170,14 @@ pub enum FromProducer {
         backend_ns: u64,
         /// Nanoseconds the producer spent framing: slot wait, header and manifest, checksum, commit.
         frame_ns: u64,
+    },
+    /// The backend returned OK but left bytes of a region unwritten (or a region not taken): nothing was
+    /// committed.
+    Unwritten {
+        /// The request.
+        request_id: u64,
+        /// One line naming the layer, K or V, and the bytes.
+        message: String,
     },
     /// The backend failed; nothing was committed.
     Failed {
@@ -174,6 +204,7 @@ impl FromProducer {
             FromProducer::Failed { request_id, status, .. } => {
                 format!("a Failed reply for request {request_id} (status {status})")
             }
+            FromProducer::Unwritten { request_id, .. } => format!("an Unwritten reply for request {request_id}"),
         }
     }
 }

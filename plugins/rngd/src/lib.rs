@@ -4,7 +4,7 @@
 //! the `model` crate's forward pass on the CPU stands in for the device.
 
 use pdhost_backend_kit::ModelBackend;
-use pdhost_plugin_abi::{Backend, BackendError, Description, PdhostLayout, Prefill, Writer};
+use pdhost_plugin_abi::{Backend, BackendError, Capabilities, Description, PdhostLayout, Prefill, Writer};
 use shm_format::Dtype;
 
 /// The backend instance.
@@ -18,6 +18,14 @@ impl Backend for Rngd {
 
     fn describe(&self) -> Description {
         self.0.describe()
+    }
+
+    fn release(&mut self, request_id: u64) {
+        self.0.release(request_id)
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.0.capabilities()
     }
 
     fn prefill(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {

@@ -89,7 +89,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     };
     let absolute = std::path::absolute(&path)?;
     let mut producer = choice
-        .producer(&absolute, &geometry, dtype, longest)?
+        .producer(&absolute, &geometry, &model.identity, dtype, longest)?
         .context("--producer: expected a remote producer to compare with local, found local")?;
     let mut engine = Engine::new(model, dtype, 64, longest as u64 + decode + 1, 1)?;
     let bar = super::progress(args.tokens.len() as u64 * (iters + 1), args.json);
