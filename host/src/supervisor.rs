@@ -164,7 +164,7 @@ pub enum ProducerError {
     },
     /// An earlier start failed in a way every start would repeat (a bad config, a library without the
     /// entry symbol, another model): the producer is not started again.
-    #[error("producer {name}: not restarted, since every start would fail the same way: {reason}")]
+    #[error("producer {name}: not started again, since every start would fail the same way: {reason}")]
     StartRefused {
         /// Producer.
         name: String,
@@ -710,7 +710,10 @@ impl Producer {
                 Ok(running) => self.running = Some(running),
                 Err(e) => {
                     if e.repeats_on_every_start() {
-                        self.start_refused = Some((e.kind(), e.to_string()));
+                        let text = e.to_string();
+                        let prefix = format!("producer {}: ", self.spec.name);
+                        let reason = text.strip_prefix(&prefix).map_or(text.clone(), str::to_string);
+                        self.start_refused = Some((e.kind(), reason));
                     }
                     return Err(e);
                 }

@@ -305,7 +305,8 @@ fn no_restart_follows_a_failure_that_every_start_repeats() {
             let pdhost::engine::EngineError::Producer(err) = err else { panic!("{err}") };
             assert!(matches!(*err, ProducerError::StartRefused { .. }), "{err}");
             assert_eq!(err.kind(), kind, "the first failure's kind");
-            assert!(err.to_string().contains(&first.to_string()), "names the first failure: {err}");
+            let reason = first.to_string().split_once(": ").unwrap().1.to_string();
+            assert!(err.to_string().contains(&reason), "names the first failure: {err}");
         }
         assert_eq!((p.metrics().starts, p.metrics().restarts), (1, 0), "{kind}: one start, no restart");
     }
@@ -375,4 +376,21 @@ fn the_end_of_request_entry_is_called() {
     assert!(matches!(err, ProducerError::Backend { .. }), "{err}");
     assert!(err.to_string().contains("expected the request in progress"), "{err}");
     assert_eq!(p.metrics().restarts, 0);
+}
+
+/// A backend that takes at most 4 tokens per call says so in its capabilities, and the host chunks a
+/// prompt asked for in one span to fit.
+#[test]
+fn the_host_chunks_to_the_backends_capability() {
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::Bf16);
+    let c = config(&gemma(), Dtype::Bf16, serde_json::json!({"call_limit": 4}));
+    let mut p = producer(&e, builtin("faulty"), c, Duration::from_secs(30));
+    p.start().unwrap();
+    assert_eq!(p.max_tokens(), Some(4));
+    let (seq, report) =
+        e.prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail }).unwrap();
+    assert!(report.remote && report.fallback.is_none());
+    assert_eq!(p.metrics().spans_accepted, PROMPT.len().div_ceil(4) as u64, "spans of at most 4 tokens");
+    e.release(seq);
 }

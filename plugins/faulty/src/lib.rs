@@ -4,11 +4,13 @@
 //! ```json
 //! {"model": "...", "fault": "kill_mid", "layout": "grouped", "on_requests": [1], "delay_ms": 2000}
 //! {"model": "...", "fault": "random", "seed": 7, "rate": 0.3}
+//! {"model": "...", "call_limit": 4}
 //! ```
 //!
 //! `fault` is one of [`MODES`] or `random` (a mode per request chosen by hashing `seed` and the request
 //! id, so the choice survives producer restarts); `on_requests` limits the fault to those request ids
 //! (default: every request); `layout` is `dense` (default) or `grouped`. Without `fault` it behaves.
+//! `call_limit` makes it report (and enforce) a capability of that many tokens per prefill call.
 //!
 //! Everything a misbehaving vendor library could do from inside the producer process is fair: crash in
 //! three ways at three points, panic, leave a region unwritten or half-written, try what the sandbox forbids (fork a daemon, signal the host,
@@ -87,6 +89,8 @@ pub struct Faulty {
     seed: u64,
     rate: f64,
     delay: Duration,
+    /// The capability `max_tokens` it reports (`call_limit`; 0: none), and enforces.
+    call_limit: u64,
 }
 
 fn splitmix(mut z: u64) -> u64 {
@@ -147,6 +151,7 @@ impl Backend for Faulty {
             seed: json.get("seed").and_then(|s| s.as_u64()).unwrap_or(0),
             rate: json.get("rate").and_then(|r| r.as_f64()).unwrap_or(0.3),
             delay: Duration::from_millis(json.get("delay_ms").and_then(|d| d.as_u64()).unwrap_or(2000)),
+            call_limit: json.get("call_limit").and_then(|d| d.as_u64()).unwrap_or(0),
         })
     }
 
@@ -159,10 +164,16 @@ impl Backend for Faulty {
     }
 
     fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
+        Capabilities { max_tokens: self.call_limit, ..self.inner.capabilities() }
     }
 
     fn prefill(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
+        if self.call_limit > 0 && request.tokens.len() as u64 > self.call_limit {
+            return Err(BackendError::new(
+                PdhostStatus::Unsupported,
+                format!("expected at most {} tokens per call, found {}", self.call_limit, request.tokens.len()),
+            ));
+        }
         let Some(mode) = self.mode_for(request.request_id).map(str::to_string) else {
             return self.behave(request, writer);
         };
