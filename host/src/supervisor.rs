@@ -520,7 +520,7 @@ fn wait_readable(socket: BorrowedFd<'_>, pidfd: BorrowedFd<'_>, deadline: Instan
 /// `kv_heads`, `head_dim`, `window`, `layer_shapes`, `max_tokens`; `docs/plugin-abi.md` lists them with
 /// their types), then the user's keys, which override the host's. A config that is not a JSON object is
 /// passed as it is, for the backend to refuse.
-fn config_with_shape(config: &str, geometry: &KvGeometry, max_tokens: u64) -> String {
+fn config_with_shape(config: &str, geometry: &KvGeometry, max_tokens: u64, rope: Option<(f64, f64)>) -> String {
     let Ok(serde_json::Value::Object(user)) = serde_json::from_str::<serde_json::Value>(config) else {
         return config.to_string();
     };
@@ -542,6 +542,10 @@ fn config_with_shape(config: &str, geometry: &KvGeometry, max_tokens: u64) -> St
         "max_tokens": max_tokens,
     });
     let host = out.as_object_mut().expect("an object");
+    if let Some((global, local)) = rope {
+        host.insert("rope_theta".into(), global.into());
+        host.insert("rope_local_theta".into(), local.into());
+    }
     if let Some((kv_heads, head_dim)) = geometry.uniform_heads() {
         host.insert("kv_heads".into(), kv_heads.into());
         host.insert("head_dim".into(), head_dim.into());
@@ -584,10 +588,16 @@ fn log_output(
                         let text = text.trim_end();
                         // A backend's stderr is its diagnostics: shown by default. Its stdout only at
                         // the info level (a server's default).
-                        match (text.is_empty(), stream) {
-                            (true, _) => {}
-                            (false, "stderr") => tracing::warn!(producer = %name, pid, stream, "{text}"),
-                            (false, _) => tracing::info!(producer = %name, pid, stream, "{text}"),
+                        // A line from the logging callback carries its level (`@pdhost:info text`).
+                        let tagged = text.strip_prefix(pdhost_producer::LOG_TAG).and_then(|t| t.split_once(' '));
+                        match (text.is_empty(), stream, tagged) {
+                            (true, ..) => {}
+                            (false, "stderr", Some(("error", t))) => tracing::error!(producer = %name, pid, "{t}"),
+                            (false, "stderr", Some(("warn", t))) => tracing::warn!(producer = %name, pid, "{t}"),
+                            (false, "stderr", Some(("info", t))) => tracing::info!(producer = %name, pid, "{t}"),
+                            (false, "stderr", Some(("debug", t))) => tracing::debug!(producer = %name, pid, "{t}"),
+                            (false, "stderr", _) => tracing::warn!(producer = %name, pid, stream, "{text}"),
+                            (false, ..) => tracing::info!(producer = %name, pid, stream, "{text}"),
                         }
                     }
                 }
@@ -768,7 +778,7 @@ impl Producer {
             .arg("--backend")
             .arg(&self.spec.backend)
             .arg("--config")
-            .arg(config_with_shape(&self.spec.config, &self.geometry, self.max_span_tokens()))
+            .arg(config_with_shape(&self.spec.config, &self.geometry, self.max_span_tokens(), self.rope()))
             .arg("--parent-pid")
             .arg(std::process::id().to_string())
             .arg("--fds")
@@ -839,6 +849,27 @@ impl Producer {
             self.reap(running);
             return Err(e);
         }
+        let c = described.capabilities;
+        if c != Default::default() {
+            let bits = |mask: u32, names: &[&str]| {
+                let named: Vec<&str> = (0..names.len()).filter(|&i| mask & 1 << i != 0).map(|i| names[i]).collect();
+                if named.is_empty() {
+                    "the described one".to_string()
+                } else {
+                    named.join(", ")
+                }
+            };
+            let max = match c.max_tokens {
+                0 => "no limit".to_string(),
+                n => n.to_string(),
+            };
+            tracing::info!(
+                producer = %name,
+                "backend capabilities: dtypes {}; layouts {}; tokens per call {max}",
+                bits(c.dtypes, &["f32", "f16", "bf16"]),
+                bits(c.layouts, &["dense", "grouped"])
+            );
+        }
         running.described = described;
         Ok(running)
     }
@@ -890,6 +921,13 @@ impl Producer {
             }
         }
         Ok(())
+    }
+
+    /// The global and local rope bases of the host's model, from its identity.
+    fn rope(&self) -> Option<(f64, f64)> {
+        let identity = model::identity::ModelIdentity::parse(self.spec.identity.as_deref()?)?;
+        let (global, local) = identity.rope.split_once('/')?;
+        Some((global.parse().ok()?, local.parse().ok()?))
     }
 
     /// The most tokens a span of this producer's slots can hold (f32 K/V, the widest wire dtype).
@@ -1285,7 +1323,7 @@ mod tests {
     #[test]
     fn the_config_carries_the_shape_and_the_user_overrides_it() {
         let geometry = gemma3_270m(256);
-        let config = config_with_shape(r#"{"model": "m.gguf", "head_dim": 16}"#, &geometry, 4096);
+        let config = config_with_shape(r#"{"model": "m.gguf", "head_dim": 16}"#, &geometry, 4096, Some((1e6, 1e4)));
         let c: serde_json::Value = serde_json::from_str(&config).unwrap();
         assert_eq!(c["num_layers"], 18);
         assert_eq!(c["layers"], "SSSSSFSSSSSFSSSSSF");
@@ -1297,7 +1335,8 @@ mod tests {
         assert_eq!(c["layer_shapes"][0], serde_json::json!(["sliding", 1, 256, 512]));
         assert_eq!((c["model"].clone(), c["head_dim"].clone()), ("m.gguf".into(), 16.into()), "the user's keys win");
         // Not an object: passed on for the backend to refuse.
-        assert_eq!(config_with_shape("[1]", &geometry, 1), "[1]");
+        assert_eq!((c["rope_theta"].as_f64(), c["rope_local_theta"].as_f64()), (Some(1e6), Some(1e4)));
+        assert_eq!(config_with_shape("[1]", &geometry, 1, None), "[1]");
     }
 
     #[test]

@@ -260,6 +260,10 @@ fn err_text(buf: &[u8]) -> String {
     }
 }
 
+/// How a line on stderr says it came through the logging callback, at a level: `@pdhost:warn text`. The
+/// host logs such a line at its level, and any other stderr line as a warning.
+pub const LOG_TAG: &str = "@pdhost:";
+
 /// The logging callback the producer hands a 1.2 backend: one line on stderr, which the host reads and
 /// logs tagged with this producer.
 unsafe extern "C" fn log_line(_ctx: *mut c_void, level: u32, message: *const c_char, len: usize) {
@@ -275,7 +279,7 @@ unsafe extern "C" fn log_line(_ctx: *mut c_void, level: u32, message: *const c_c
         _ => "debug",
     };
     for line in String::from_utf8_lossy(bytes).lines() {
-        eprintln!("{level}: {line}");
+        eprintln!("{LOG_TAG}{level} {line}");
     }
 }
 
