@@ -34,6 +34,18 @@ pub enum Command {
     /// cache, then decodes, reading K/V back from the cache. Without --json the text streams as it is
     /// generated and a one-line summary follows.
     Generate(GenerateArgs),
+    /// Check a backend against the host's own prefill: the conformance kit for backend authors.
+    ///
+    /// Runs the backend in a real producer (sandbox on) on --model and checks, in order: start and
+    /// handshake (description, identity, capabilities); spans accepted for three prompts (9, 33 and 70
+    /// tokens), whole and in chunks of 7, with no region left unwritten; every layer's K/V within
+    /// --kv-tolerance (relative L2) of local prefill at the same chunking; greedy decode equal to local
+    /// decode, or parting only at a near-tie (--tie-margin); a request at a 1 ms deadline killed, and the
+    /// next served by a restarted producer; and TTFT against local. Prints each check and a per-layer
+    /// error table (or --json). Exit status: 0 when every check passes, 1 when one fails, 2 on a usage
+    /// error.
+    #[command(name = "check-backend")]
+    CheckBackend(CheckBackendArgs),
     /// Serve the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/models`, `/health`).
     ///
     /// Prefill runs in a producer subprocess (`--producer rngd` by default), decode in the host. Requests
@@ -50,6 +62,45 @@ pub enum Command {
 }
 
 /// `pdhost generate`.
+/// `pdhost check-backend`.
+#[derive(Debug, Args)]
+pub struct CheckBackendArgs {
+    /// The backend: `rngd`, `gpu`, `faulty`, or a backend library (PATH.so).
+    pub backend: String,
+    /// A known model name (fetched on first use), a .gguf file, or a Hugging Face checkpoint directory.
+    #[arg(long, default_value = "gemma3-270m")]
+    pub model: String,
+    /// JSON object merged into the backend's configuration (over the host's keys; docs/plugin-abi.md).
+    #[arg(long, value_name = "JSON")]
+    pub backend_config: Option<String>,
+    /// The largest relative L2 error of any layer's K or V against local prefill. The default fits a
+    /// backend that computes what the host computes; a backend on another numerical stack sets its own.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-2)]
+    pub kv_tolerance: f64,
+    /// The largest gap between the local logits of two tokens for greedy decode to part there as a
+    /// near-tie.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-2)]
+    pub tie_margin: f64,
+    /// Tokens decoded per prompt in the greedy check (1 to 256).
+    #[arg(long, default_value_t = 16)]
+    pub decode_tokens: u64,
+    /// Element type of the KV cache, and of the spans the host asks for.
+    #[arg(long, value_enum, default_value_t = KvDtype::F32)]
+    pub kv_dtype: KvDtype,
+    /// Arithmetic of the host (and asked of the backend).
+    #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]
+    pub precision: PrecisionArg,
+    /// Threads for the forward pass: 1 to 4 per core (default: one per core).
+    #[arg(long, allow_negative_numbers = true)]
+    pub threads: Option<u64>,
+    /// Seconds the backend may take to start and to answer each prefill.
+    #[arg(long, default_value_t = 120.0)]
+    pub producer_timeout: f64,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
 #[derive(Debug, Args)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompt_ids"])))]
 pub struct GenerateArgs {

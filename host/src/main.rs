@@ -67,6 +67,7 @@ fn main() -> ExitCode {
         cli::Command::Bench(args) => cmd::bench::run(&args),
         cli::Command::Models(args) => cmd::models::run(&args),
         cli::Command::Generate(args) => cmd::generate::run(&args),
+        cli::Command::CheckBackend(args) => cmd::check::run(&args),
         cli::Command::Serve(args) => cmd::serve::run(&args),
     };
     match result {

@@ -649,6 +649,11 @@ impl Producer {
         }
     }
 
+    /// Replaces the deadline of each prefill request.
+    pub fn set_request_timeout(&mut self, timeout: Duration) {
+        self.spec.request_timeout = timeout;
+    }
+
     /// Replaces the restart policy (the restarts already counted stay counted).
     pub fn set_restart_policy(&mut self, policy: RestartPolicy) {
         self.spec.restart = policy;
@@ -672,6 +677,11 @@ impl Producer {
     /// `"dense"` or `"grouped"`: what the running backend described.
     pub fn layout(&self) -> Option<&'static str> {
         self.running.as_ref().map(|r| r.described.layout_name().expect("checked at the handshake"))
+    }
+
+    /// The model identity the running backend reported (checked equal to the host's at the handshake).
+    pub fn identity(&self) -> Option<&str> {
+        self.running.as_ref().and_then(|r| r.described.identity.as_deref())
     }
 
     /// The element type of the running backend's spans.

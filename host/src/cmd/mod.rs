@@ -1,6 +1,7 @@
 //! One module per command, and how every command writes its output.
 
 pub mod bench;
+pub mod check;
 pub mod generate;
 pub mod inspect;
 pub mod models;

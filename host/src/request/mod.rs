@@ -109,6 +109,10 @@ pub enum Field {
     BadRate,
     /// Bench soak: seconds between producer kills.
     KillEvery,
+    /// Check-backend: the largest relative L2 error of a layer's K/V.
+    KvTolerance,
+    /// Check-backend: the largest logit gap that counts as a near-tie.
+    TieMargin,
 }
 
 impl Field {
@@ -154,6 +158,8 @@ impl Field {
             Field::DisconnectRate => "--disconnect-rate",
             Field::BadRate => "--bad-rate",
             Field::KillEvery => "--kill-every",
+            Field::KvTolerance => "--kv-tolerance",
+            Field::TieMargin => "--tie-margin",
         }
     }
 

@@ -1,0 +1,410 @@
+//! `pdhost check-backend`: the conformance kit for backend authors. It runs a backend through a real
+//! producer against the host's own local prefill on the same model, and says, check by check, whether it
+//! holds: start and handshake, spans accepted whole and chunked, per-layer K/V error within a tolerance,
+//! greedy agreement up to near-ties, behaviour at a deadline, and timings.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use model::forward::NoPast;
+use pdhost::engine::{Engine, OnFailure, PrefillBy, Request, Sampling};
+use pdhost::kv::SeqId;
+use pdhost::request::{self, Field, Invalid};
+use pdhost::supervisor::{Producer, RestartPolicy};
+use serde::Serialize;
+use shm_format::Dtype;
+
+use super::generate::Opened;
+use super::outln;
+use crate::cli::CheckBackendArgs;
+
+/// Prompt lengths the checks use: short, one past a power of two, and longer than a small window.
+const PROMPT_LENS: [usize; 3] = [9, 33, 70];
+/// The chunk size of the chunked runs (not a divisor of any prompt length, so the last chunk is short).
+const CHUNK: usize = 7;
+
+/// One check's outcome.
+#[derive(Debug, Serialize)]
+struct Check {
+    name: &'static str,
+    ok: bool,
+    detail: String,
+}
+
+/// The K/V error of one layer against local prefill, over every prompt and chunking.
+#[derive(Debug, Default, Clone, Copy, Serialize)]
+struct LayerError {
+    layer: u32,
+    max_abs: f64,
+    rel_l2: f64,
+    min_cosine: f64,
+}
+
+/// Accumulates one layer's error over several comparisons.
+#[derive(Debug, Default, Clone, Copy)]
+struct ErrorSum {
+    max_abs: f64,
+    diff2: f64,
+    ref2: f64,
+    min_cosine: f64,
+    compared: bool,
+}
+
+impl ErrorSum {
+    fn add(&mut self, ours: &[f32], theirs: &[f32]) {
+        let (mut dot, mut a2, mut b2) = (0f64, 0f64, 0f64);
+        for (&a, &b) in ours.iter().zip(theirs) {
+            let (a, b) = (f64::from(a), f64::from(b));
+            self.max_abs = self.max_abs.max((a - b).abs());
+            self.diff2 += (a - b) * (a - b);
+            dot += a * b;
+            a2 += a * a;
+            b2 += b * b;
+        }
+        self.ref2 += a2;
+        let cosine = if a2 == 0.0 && b2 == 0.0 {
+            1.0
+        } else {
+            (dot / (a2.sqrt() * b2.sqrt()).max(f64::MIN_POSITIVE)).clamp(-1.0, 1.0)
+        };
+        self.min_cosine = if self.compared { self.min_cosine.min(cosine) } else { cosine };
+        self.compared = true;
+    }
+
+    fn finish(&self, layer: u32) -> LayerError {
+        let rel_l2 = if self.ref2 == 0.0 { self.diff2.sqrt() } else { (self.diff2 / self.ref2).sqrt() };
+        LayerError { layer, max_abs: self.max_abs, rel_l2, min_cosine: self.min_cosine }
+    }
+}
+
+/// A layer's K and V of `seq`, as f32 (a NaN makes every error NaN, which fails the tolerance).
+fn layer_f32(engine: &Engine, seq: SeqId, layer: u32) -> (Vec<f32>, Vec<f32>) {
+    let read = engine.kv.read(seq, layer).expect("every layer of a prefilled sequence reads");
+    let dtype = read.dtype();
+    let (k, v) = read.to_bytes();
+    let convert = |bytes: &[u8]| {
+        let mut out = vec![0f32; bytes.len() / dtype.size() as usize];
+        pdhost::kv::convert::to_f32(dtype, bytes, &mut out);
+        out
+    };
+    (convert(&k), convert(&v))
+}
+
+/// Deterministic prompts of the given lengths, inside the vocabulary, avoiding the lowest ids (special
+/// tokens in both shipped models).
+fn prompts(vocab: usize) -> Vec<Vec<u32>> {
+    let span = (vocab.saturating_sub(4)).max(1) as u64;
+    PROMPT_LENS
+        .iter()
+        .enumerate()
+        .map(|(p, &len)| (0..len as u64).map(|i| (4 + (i * 7919 + p as u64 * 104_729) % span) as u32).collect())
+        .collect()
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    backend: String,
+    model: String,
+    ok: bool,
+    checks: Vec<Check>,
+    layers: Vec<LayerError>,
+}
+
+pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
+    let threads = request::check_threads(args.threads)?;
+    let timeout = request::check_timeout(Field::ProducerTimeout, args.producer_timeout)?;
+    let backend_config = request::input::check_backend_config(args.backend_config.as_deref(), &args.backend)?;
+    if args.backend == "local" {
+        return Err(Invalid::new(Field::Producer, "a backend (rngd, gpu, faulty or a PATH.so)", "local").into());
+    }
+    let positive = |field, v: f64| {
+        if v.is_finite() && v >= 0.0 {
+            Ok(v)
+        } else {
+            Err(Invalid::new(field, "a finite number of at least 0", format_args!("{v}")))
+        }
+    };
+    let tolerance = positive(Field::KvTolerance, args.kv_tolerance)?;
+    let tie_margin = positive(Field::TieMargin, args.tie_margin)?;
+    let decode = request::check_count(Field::DecodeTokens, args.decode_tokens, 1, 256)? as usize;
+    let source = request::input::model_source(&args.model)?;
+    let opened = Opened::open(&source, args.json)?;
+    let mut model = opened.load(args.json)?;
+    model.configure(args.precision.precision(), threads);
+    let dtype = args.kv_dtype.dtype();
+    let geometry = model.config.kv_geometry();
+    let vocab = model.config.vocab;
+    let prompts = prompts(vocab);
+    let longest = PROMPT_LENS.iter().max().copied().unwrap_or(1);
+    let choice = super::producer::Choice {
+        producer: &args.backend,
+        backend_config,
+        precision: args.precision,
+        threads,
+        timeout,
+        sandbox: true,
+        memory_limit: super::producer::memory_limit(None)?,
+    };
+    let mut producer = choice
+        .producer(&opened.path, &geometry, &model.identity, dtype, longest)?
+        .context("expected a backend to check")?;
+    producer.set_restart_policy(RestartPolicy {
+        initial_backoff: Duration::ZERO,
+        max_backoff: Duration::ZERO,
+        ..RestartPolicy::default()
+    });
+    let max_len = (longest + decode + 1) as u64;
+    let mut engine = Engine::new(model, dtype, 16, max_len, 4)?;
+    let bar = super::bench::progress(6, args.json);
+    let mut checks = Vec::new();
+
+    bar.set_message("start and handshake");
+    let started = producer.start();
+    checks.push(match &started {
+        Ok(()) => Check { name: "start", ok: true, detail: described(&producer) },
+        Err(e) => Check { name: "start", ok: false, detail: e.to_string() },
+    });
+    bar.inc(1);
+
+    let mut layers = Vec::new();
+    if started.is_ok() {
+        bar.set_message("spans, whole and chunked");
+        let (spans, errors) = spans_and_errors(&mut engine, &mut producer, &prompts);
+        let sums = errors.unwrap_or_default();
+        checks.push(spans);
+        bar.inc(1);
+        layers = sums.iter().enumerate().map(|(l, s)| s.finish(l as u32)).collect();
+        checks.push(kv_check(&layers, tolerance));
+        bar.inc(1);
+
+        bar.set_message("greedy decode against local");
+        checks.push(greedy(&mut engine, &mut producer, &prompts, decode, tie_margin));
+        bar.inc(1);
+
+        bar.set_message("deadline");
+        checks.push(deadline(&mut engine, &mut producer, &prompts[0], timeout));
+        bar.inc(1);
+
+        bar.set_message("timings");
+        checks.push(timings(&mut engine, &mut producer, prompts.last().expect("three prompts")));
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    producer.shutdown();
+
+    let ok = checks.iter().all(|c| c.ok) && checks.len() == 6;
+    let report = Report { backend: producer.name().to_string(), model: opened.name.clone(), ok, checks, layers };
+    if args.json {
+        outln!("{}", serde_json::to_string(&report)?)?;
+    } else {
+        print_report(&report)?;
+    }
+    Ok(if ok { ExitCode::SUCCESS } else { ExitCode::FAILURE })
+}
+
+/// What the running backend described, in words.
+fn described(p: &Producer) -> String {
+    let mut text = format!(
+        "{} layout, {} on the wire",
+        p.layout().unwrap_or("unknown"),
+        p.wire_dtype().map_or("unknown", Dtype::name)
+    );
+    if let Some(max) = p.max_tokens() {
+        text += &format!(", at most {max} tokens per call");
+    }
+    text += match p.identity() {
+        Some(_) => ", model identity equal to the host's",
+        None => ", no model identity (nothing proves which weights it loaded)",
+    };
+    text
+}
+
+/// Every prompt prefilled remotely whole and in chunks of [`CHUNK`], each compared layer by layer with the
+/// host's local prefill at the same chunking.
+fn spans_and_errors(
+    engine: &mut Engine,
+    producer: &mut Producer,
+    prompts: &[Vec<u32>],
+) -> (Check, Option<Vec<ErrorSum>>) {
+    let n_layers = engine.kv.geometry().layers.len() as u32;
+    let mut sums = vec![ErrorSum::default(); n_layers as usize];
+    let before = producer.metrics().spans_accepted;
+    for prompt in prompts {
+        for chunk in [0, CHUNK] {
+            let by = PrefillBy::Remote { producer, on_failure: OnFailure::Fail };
+            let remote = match engine.prefill(prompt, chunk, by) {
+                Ok((seq, _)) => seq,
+                Err(e) => {
+                    let detail = format!("a {}-token prompt, chunk {chunk}: {e}", prompt.len());
+                    return (Check { name: "spans", ok: false, detail }, None);
+                }
+            };
+            let (local, _) = engine.prefill(prompt, chunk, PrefillBy::Local).expect("local prefill");
+            for (layer, sum) in sums.iter_mut().enumerate() {
+                let (rk, rv) = layer_f32(engine, remote, layer as u32);
+                let (lk, lv) = layer_f32(engine, local, layer as u32);
+                sum.add(&lk, &rk);
+                sum.add(&lv, &rv);
+            }
+            engine.release(remote);
+            engine.release(local);
+        }
+    }
+    let spans = producer.metrics().spans_accepted - before;
+    let detail = format!(
+        "{spans} spans accepted: prompts of {} tokens, whole and in chunks of {CHUNK}",
+        PROMPT_LENS.map(|l| l.to_string()).join(", ")
+    );
+    (Check { name: "spans", ok: true, detail }, Some(sums))
+}
+
+fn kv_check(layers: &[LayerError], tolerance: f64) -> Check {
+    let worst = layers.iter().copied().max_by(|a, b| a.rel_l2.total_cmp(&b.rel_l2).then(a.layer.cmp(&b.layer)));
+    match worst {
+        None => Check { name: "kv", ok: false, detail: "no K/V compared (the spans check failed)".into() },
+        Some(w) if w.rel_l2.is_nan() || w.rel_l2 > tolerance => Check {
+            name: "kv",
+            ok: false,
+            detail: format!(
+                "layer {}: K/V relative L2 error against local prefill: expected at most {tolerance}, found {:.3e} \
+                 (max abs {:.3e}, min cosine {:.6})",
+                w.layer, w.rel_l2, w.max_abs, w.min_cosine
+            ),
+        },
+        Some(w) => Check {
+            name: "kv",
+            ok: true,
+            detail: format!(
+                "every layer within relative L2 {tolerance} of local prefill (worst: layer {}, {:.3e})",
+                w.layer, w.rel_l2
+            ),
+        },
+    }
+}
+
+/// Greedy decode after remote prefill against after local prefill: the ids must agree, or part at a
+/// near-tie of the local logits (a gap of at most `margin` between the two chosen tokens).
+fn greedy(engine: &mut Engine, producer: &mut Producer, prompts: &[Vec<u32>], decode: usize, margin: f64) -> Check {
+    let (mut equal, mut ties) = (0, 0);
+    for prompt in prompts {
+        let req = Request { prompt: prompt.clone(), max_tokens: decode, prefill_chunk: 0, sampling: Sampling::Greedy };
+        let remote =
+            match engine.generate_with(&req, PrefillBy::Remote { producer, on_failure: OnFailure::Fail }, |_| {}) {
+                Ok(g) => g.output,
+                Err(e) => {
+                    return Check { name: "greedy", ok: false, detail: format!("{}-token prompt: {e}", prompt.len()) }
+                }
+            };
+        let local = engine.generate(&req, |_| {}).expect("local generation").output;
+        let Some(at) = remote.iter().zip(&local).position(|(a, b)| a != b) else {
+            equal += 1;
+            continue;
+        };
+        // The local logits where the two part.
+        let mut context = prompt.clone();
+        context.extend_from_slice(&local[..at]);
+        let logits = engine.model.forward(&context, 0, &NoPast, false).logits;
+        let gap = f64::from(logits[local[at] as usize] - logits[remote[at] as usize]);
+        if gap <= margin {
+            ties += 1;
+            continue;
+        }
+        return Check {
+            name: "greedy",
+            ok: false,
+            detail: format!(
+                "{}-token prompt, output token {at}: expected {} (as local prefill decodes), found {}; the local \
+                 logits prefer it by {gap:.4}, more than the near-tie margin {margin}",
+                prompt.len(),
+                local[at],
+                remote[at]
+            ),
+        };
+    }
+    Check {
+        name: "greedy",
+        ok: true,
+        detail: format!(
+            "{equal} of {} prompts decode {decode} identical tokens, {ties} part at a near-tie",
+            prompts.len()
+        ),
+    }
+}
+
+/// A request under a deadline it cannot meet (1 µs: it passes before the reply can come) is killed with `timeout`, and a new producer serves the
+/// next request: a backend whose `open` cannot run again after a kill (a lock left behind, a device not
+/// released) fails here.
+fn deadline(engine: &mut Engine, producer: &mut Producer, prompt: &[u32], timeout: Duration) -> Check {
+    let starts = producer.metrics().starts;
+    producer.set_request_timeout(Duration::from_micros(1));
+    let short = engine.prefill(prompt, 0, PrefillBy::Remote { producer, on_failure: OnFailure::Fail });
+    producer.set_request_timeout(timeout);
+    let first = match short {
+        Err(pdhost::engine::EngineError::Producer(e)) if e.kind() == "timeout" => "killed at a 1 µs deadline",
+        other => {
+            let found = match other {
+                Ok((seq, _)) => {
+                    engine.release(seq);
+                    "a span".to_string()
+                }
+                Err(e) => e.to_string(),
+            };
+            let detail = format!("at a 1 µs deadline: expected a timeout, found {found}");
+            return Check { name: "deadline", ok: false, detail };
+        }
+    };
+    match engine.prefill(prompt, 0, PrefillBy::Remote { producer, on_failure: OnFailure::Fail }) {
+        Ok((seq, _)) => {
+            engine.release(seq);
+            let restarted = producer.metrics().starts - starts;
+            Check { name: "deadline", ok: true, detail: format!("{first}; {restarted} restart(s), then served") }
+        }
+        Err(e) => Check { name: "deadline", ok: false, detail: format!("{first}; the next request: {e}") },
+    }
+}
+
+/// TTFT of the longest prompt, remote against local (informational: never fails).
+fn timings(engine: &mut Engine, producer: &mut Producer, prompt: &[u32]) -> Check {
+    let req = Request { prompt: prompt.to_vec(), max_tokens: 1, prefill_chunk: 0, sampling: Sampling::Greedy };
+    let t = Instant::now();
+    let remote = engine.generate_with(&req, PrefillBy::Remote { producer, on_failure: OnFailure::Fail }, |_| {});
+    let remote_ms = t.elapsed().as_secs_f64() * 1e3;
+    let t = Instant::now();
+    let _ = engine.generate(&req, |_| {});
+    let local_ms = t.elapsed().as_secs_f64() * 1e3;
+    let detail = match remote {
+        Ok(g) => format!(
+            "{}-token prompt: TTFT {remote_ms:.1} ms remote ({:.1} ms in the backend, {:.2} MiB of K/V) against \
+             {local_ms:.1} ms local",
+            prompt.len(),
+            g.report.remote_times.backend.as_secs_f64() * 1e3,
+            g.bytes as f64 / (1 << 20) as f64
+        ),
+        Err(e) => format!("not measured: {e}"),
+    };
+    Check { name: "timings", ok: true, detail }
+}
+
+fn print_report(r: &Report) -> anyhow::Result<()> {
+    outln!("check-backend {} on {}", r.backend, r.model)?;
+    for c in &r.checks {
+        outln!("  {} {:<8} {}", if c.ok { "PASS" } else { "FAIL" }, c.name, c.detail)?;
+    }
+    if !r.layers.is_empty() {
+        outln!("  per-layer K/V error against local prefill:")?;
+        outln!("    layer      max abs       rel L2   min cosine")?;
+        for l in &r.layers {
+            outln!("    {:>5} {:>12.2e} {:>12.2e} {:>12.8}", l.layer, l.max_abs, l.rel_l2, l.min_cosine)?;
+        }
+    }
+    let failed: Vec<&str> = r.checks.iter().filter(|c| !c.ok).map(|c| c.name).collect();
+    if failed.is_empty() && r.ok {
+        outln!("all {} checks pass", r.checks.len())?;
+    } else if failed.is_empty() {
+        outln!("FAIL: the checks after start did not run")?;
+    } else {
+        outln!("FAIL: {}", failed.join(", "))?;
+    }
+    Ok(())
+}
