@@ -65,7 +65,8 @@ pub enum Command {
 /// `pdhost check-backend`.
 #[derive(Debug, Args)]
 pub struct CheckBackendArgs {
-    /// The backend: `rngd`, `gpu`, `faulty`, or a backend library (PATH.so).
+    /// The backend: `rngd`, `gpu`, `faulty`, a Python class `py:MODULE:CLASS`, or a backend library
+    /// (PATH.so).
     pub backend: String,
     /// A known model name (fetched on first use), a .gguf file, or a Hugging Face checkpoint directory.
     #[arg(long, default_value = "gemma3-270m")]
@@ -125,9 +126,9 @@ pub struct GenerateArgs {
     #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
     pub context: Option<u64>,
     /// Who prefills: `rngd` (dense K/V, the RNGD-NPU contract), `gpu` (grouped K/V, one tensor set per
-    /// attention group),
-    /// `faulty` (fault injection, see --backend-config), a backend library `PATH.so`, or `local` (the host
-    /// itself). Producers run as subprocesses; their spans are validated before they land in the cache.
+    /// attention group), `faulty` (fault injection, see --backend-config), a Python class
+    /// `py:MODULE:CLASS` (docs/plugin-abi.md, "Python backends"), a backend library `PATH.so`, or `local`
+    /// (the host itself). Producers run as subprocesses; their spans are validated before they land in the cache.
     #[arg(long, default_value = "rngd")]
     pub producer: String,
     /// JSON object merged into the backend's configuration (at most 64 KiB, nested at most 16 deep), e.g.
@@ -211,7 +212,8 @@ pub struct ServeArgs {
     /// Requests that may wait beyond the slots; past that the answer is 503 with Retry-After.
     #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
     pub queue: u64,
-    /// Who prefills: `rngd`, `gpu`, `faulty`, a backend library `PATH.so`, or `local` (see `generate`).
+    /// Who prefills: `rngd`, `gpu`, `faulty`, `py:MODULE:CLASS`, a backend library `PATH.so`, or `local`
+    /// (see `generate`).
     #[arg(long, default_value = "rngd")]
     pub producer: String,
     /// Producer processes (1 to 8): this many prompts prefill at once, each while the live sequences
@@ -493,7 +495,7 @@ pub struct ServeBenchArgs {
     /// are tokenized with its tokenizer.
     #[arg(long)]
     pub model: Option<String>,
-    /// Who prefills in the started server: `rngd`, `gpu`, `faulty`, a backend library `PATH.so`, or
+    /// Who prefills in the started server: `rngd`, `gpu`, `faulty`, `py:MODULE:CLASS`, a backend library `PATH.so`, or
     /// `local`.
     #[arg(long, default_value = "rngd")]
     pub producer: String,

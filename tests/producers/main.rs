@@ -4,6 +4,7 @@
 
 mod conformance;
 mod faults;
+mod python;
 mod soak;
 
 use std::path::PathBuf;

@@ -41,6 +41,25 @@ pub fn memory_limit(mib: Option<u64>) -> Result<u64, Invalid> {
     Ok(mib << 20)
 }
 
+/// `py:MODULE:CLASS` split into a dotted module path and a class name, both Python identifiers.
+fn python_class(producer: &str) -> Result<(String, String), Invalid> {
+    let identifier = |s: &str| {
+        s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    let rest = producer.strip_prefix("py:").unwrap_or(producer);
+    match rest.split_once(':') {
+        Some((module, class)) if module.split('.').all(identifier) && identifier(class) => {
+            Ok((module.to_string(), class.to_string()))
+        }
+        _ => Err(Invalid::new(
+            Field::Producer,
+            "py:MODULE:CLASS (a Python module path and a class in it)",
+            format_args!("{producer:?}"),
+        )),
+    }
+}
+
 impl Choice<'_> {
     /// The producer these flags name (not started yet), or `None` for `local`. Its spans carry `dtype`
     /// (the cache's, so remote prefill stays bit-identical to local) unless the backend config says
@@ -54,9 +73,15 @@ impl Choice<'_> {
         dtype: Dtype,
         chunk_tokens: usize,
     ) -> anyhow::Result<Option<Producer>> {
+        let mut python_keys = None;
         let (name, backend) = match self.producer {
             "local" => return Ok(None),
             builtin @ ("rngd" | "gpu" | "faulty") => (builtin.to_string(), supervisor::builtin_backend(builtin)?),
+            python if python.starts_with("py:") => {
+                let (module, class) = python_class(python)?;
+                python_keys = Some((module, class));
+                (python.to_string(), supervisor::builtin_backend("python")?)
+            }
             path if path.ends_with(".so") || path.contains('/') => {
                 let p = PathBuf::from(path);
                 if !p.is_file() {
@@ -72,7 +97,7 @@ impl Choice<'_> {
             other => {
                 return Err(Invalid::new(
                     Field::Producer,
-                    "local, rngd, gpu, faulty or a PATH.so",
+                    "local, rngd, gpu, faulty, py:MODULE:CLASS or a PATH.so",
                     format_args!("{other:?}"),
                 )
                 .into())
@@ -87,6 +112,11 @@ impl Choice<'_> {
             },
             "threads": self.threads,
         });
+        if let Some((module, class)) = python_keys {
+            let keys = config.as_object_mut().expect("an object");
+            keys.insert("python_module".into(), module.into());
+            keys.insert("python_class".into(), class.into());
+        }
         config.as_object_mut().expect("an object").extend(self.backend_config.clone());
         let timeout = self.timeout;
         let spec = ProducerSpec {

@@ -440,8 +440,13 @@ fn peer_table(cells: &[Cell], peer: &[super::peer::PeerCell], threads: usize) ->
 fn check_producer(producer: &str) -> Result<(), Invalid> {
     match producer {
         "local" | "rngd" | "gpu" | "faulty" => Ok(()),
+        python if python.starts_with("py:") => Ok(()),
         path if (path.ends_with(".so") || path.contains('/')) && std::path::Path::new(path).is_file() => Ok(()),
-        other => Err(Invalid::new(Field::Producer, "local, rngd, gpu, faulty or a PATH.so", format_args!("{other:?}"))),
+        other => Err(Invalid::new(
+            Field::Producer,
+            "local, rngd, gpu, faulty, py:MODULE:CLASS or a PATH.so",
+            format_args!("{other:?}"),
+        )),
     }
 }
 

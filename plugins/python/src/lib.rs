@@ -1,0 +1,342 @@
+//! Python backends: this cdylib embeds CPython and runs a Python class as a pdhost backend, so that a
+//! vendor whose SDK is Python (torch, vLLM, furiosa-llm) writes the backend contract in Python. The
+//! producer loads this library like any other; confinement, deadlines and crash handling are the
+//! producer's and hold unchanged: a Python exception is the backend's error text, a hang is a timeout, a
+//! crash of the interpreter is a producer crash.
+//!
+//! Configuration: `python_module` and `python_class` name the class (`--producer py:MODULE:CLASS` sets
+//! both), `python_path` (a list of directories) goes in front of `sys.path`; everything else, the host's
+//! keys included, reaches the class as a dict. The class (docs/plugin-abi.md, "Python backends"):
+//!
+//! ```python
+//! class Backend:
+//!     def open(self, config: dict) -> None: ...
+//!     def describe(self) -> dict: ...          # layout, dtype, layers, and optionally identity, max_tokens
+//!     def prefill(self, request: int, tokens: list[int], start: int, writer) -> None: ...
+//!     def release(self, request: int) -> None: ...   # optional
+//! ```
+//!
+//! `writer.region(i)` hands out entry `i` as a writable `memoryview` of bytes over the ring slot itself (no
+//! copy; `numpy.frombuffer` or `torch.frombuffer` view it in place); `writer.entries` is their number.
+
+use pdhost_plugin_abi::{
+    BackendError, Capabilities, Description, PdhostDtype, PdhostLayer, PdhostLayerKind, PdhostLayout, PdhostStatus,
+    Prefill, Writer,
+};
+use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+/// An instance of the Python class, and what it described at open.
+#[derive(Debug)]
+pub struct PyBackend {
+    instance: Py<PyAny>,
+    description: Description,
+    max_tokens: u64,
+}
+
+// SAFETY: the producer calls a backend from one thread at a time (docs/plugin-abi.md, threading), and
+// every touch of the Python object holds the GIL.
+unsafe impl Send for PyBackend {}
+
+fn bad_config(message: impl Into<String>) -> BackendError {
+    BackendError::new(PdhostStatus::BadConfig, message)
+}
+
+/// A Python exception as one line: its type, its message, and where it was raised.
+fn exception_text(py: Python<'_>, err: &PyErr) -> String {
+    let kind = err.get_type(py).name().map_or_else(|_| "exception".to_string(), |n| n.to_string());
+    let mut text = format!("{kind}: {}", err.value(py));
+    if let Some(tb) = err.traceback(py) {
+        let mut frame = tb.into_any();
+        while let Ok(next) = frame.getattr("tb_next") {
+            if next.is_none() {
+                break;
+            }
+            frame = next;
+        }
+        let file = frame.getattr("tb_frame").and_then(|f| f.getattr("f_code")).and_then(|c| c.getattr("co_filename"));
+        let line = frame.getattr("tb_lineno");
+        if let (Ok(file), Ok(line)) = (file, line) {
+            text += &format!(" (at {file}:{line})");
+        }
+    }
+    text.replace('\n', " ")
+}
+
+fn backend_error(py: Python<'_>, what: &str, err: &PyErr) -> BackendError {
+    BackendError::new(PdhostStatus::BackendError, format!("{what}: {}", exception_text(py, err)))
+}
+
+/// What `describe()` returned, checked.
+fn description(d: &Bound<'_, PyAny>) -> Result<(Description, u64), String> {
+    let get = |key: &str| d.get_item(key).map_err(|_| format!("describe(): expected a {key:?} key, found none"));
+    let text = |key: &str| -> Result<String, String> {
+        get(key)?.extract::<String>().map_err(|_| format!("describe()[{key:?}]: expected a string"))
+    };
+    let layout = match text("layout")?.as_str() {
+        "dense" => PdhostLayout::Dense,
+        "grouped" => PdhostLayout::Grouped,
+        other => return Err(format!("describe()[\"layout\"]: expected dense or grouped, found {other:?}")),
+    };
+    let dtype = match text("dtype")?.as_str() {
+        "f32" => PdhostDtype::F32,
+        "f16" => PdhostDtype::F16,
+        "bf16" => PdhostDtype::Bf16,
+        other => return Err(format!("describe()[\"dtype\"]: expected f32, f16 or bf16, found {other:?}")),
+    };
+    let mut layers = Vec::new();
+    let list = get("layers")?;
+    let items = list.try_iter().map_err(|_| "describe()[\"layers\"]: expected a list of dicts".to_string())?;
+    for (i, item) in items.enumerate() {
+        let item = item.map_err(|e| e.to_string())?;
+        let field = |key: &str| -> Result<u64, String> {
+            match item.get_item(key) {
+                Ok(v) => v.extract::<u64>().map_err(|_| format!("layer {i} {key:?}: expected a non-negative integer")),
+                Err(_) => Ok(0),
+            }
+        };
+        let kind: String = item
+            .get_item("kind")
+            .and_then(|k| k.extract())
+            .map_err(|_| format!("layer {i}: expected a \"kind\" of full, sliding or recurrent"))?;
+        let kind = match kind.as_str() {
+            "full" => PdhostLayerKind::Full,
+            "sliding" => PdhostLayerKind::Sliding,
+            "recurrent" => PdhostLayerKind::Recurrent,
+            other => return Err(format!("layer {i} kind: expected full, sliding or recurrent, found {other:?}")),
+        };
+        let small = |key: &str| -> Result<u32, String> {
+            u32::try_from(field(key)?).map_err(|_| format!("layer {i} {key:?}: expected at most {}", u32::MAX))
+        };
+        layers.push(PdhostLayer {
+            kind: kind as u32,
+            kv_heads: small("kv_heads")?,
+            head_dim: small("head_dim")?,
+            window: small("window")?,
+            state_elems: field("state_elems")?,
+        });
+    }
+    let identity = match d.get_item("identity") {
+        Ok(v) if !v.is_none() => {
+            Some(v.extract::<String>().map_err(|_| "describe()[\"identity\"]: expected a string")?)
+        }
+        _ => None,
+    };
+    let max_tokens = match d.get_item("max_tokens") {
+        Ok(v) if !v.is_none() => v.extract::<u64>().map_err(|_| "describe()[\"max_tokens\"]: expected an integer")?,
+        _ => 0,
+    };
+    Ok((Description { layout, dtype, layers, fingerprint: 0, identity }, max_tokens))
+}
+
+/// One region's bytes, exported through the buffer protocol so that every view of it (a memoryview, a
+/// cast of one, a numpy array over one) is counted: after `prefill` returns, a count above zero means
+/// Python still reaches the ring slot.
+#[pyclass(unsendable)]
+struct Region {
+    ptr: *mut u8,
+    len: usize,
+    exports: std::cell::Cell<usize>,
+}
+
+#[pymethods]
+impl Region {
+    /// Exports the region, writable, as unsigned bytes.
+    ///
+    /// # Safety
+    ///
+    /// Called by the interpreter with a `Py_buffer` to fill (the buffer protocol).
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let this = slf.borrow();
+        // SAFETY: `view` is the interpreter's to fill; `ptr` and `len` are the region, valid while the
+        // export count is checked (the producer fails the call when it is not zero after `prefill`).
+        let status = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                this.ptr.cast(),
+                this.len as pyo3::ffi::Py_ssize_t,
+                0,
+                flags,
+            )
+        };
+        if status != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        this.exports.set(this.exports.get() + 1);
+        Ok(())
+    }
+
+    /// A view of the region was released.
+    ///
+    /// # Safety
+    ///
+    /// Called by the interpreter for a buffer `__getbuffer__` filled.
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {
+        self.exports.set(self.exports.get().saturating_sub(1));
+    }
+}
+
+/// The writer a Python `prefill` gets: `region(i)` hands out entry `i` once, as a writable memoryview
+/// over the ring slot. Valid only during the call: afterwards every view is released, and `region`
+/// refuses.
+#[pyclass(unsendable)]
+struct PyWriter {
+    /// The producer's writer, for the duration of one `prefill` call; null after it.
+    writer: *mut Writer<'static>,
+    /// The views handed out, released when the call returns, and the regions under them.
+    views: Vec<(u32, Py<PyAny>, Py<Region>)>,
+    #[pyo3(get)]
+    entries: u32,
+}
+
+#[pymethods]
+impl PyWriter {
+    /// Entry `entry`'s destination as a writable memoryview of bytes.
+    fn region(&mut self, py: Python<'_>, entry: u32) -> PyResult<Py<PyAny>> {
+        if self.writer.is_null() {
+            return Err(PyValueError::new_err("the writer is only valid during prefill"));
+        }
+        if entry >= self.entries {
+            return Err(PyIndexError::new_err(format!("region {entry}: expected 0 to {}", self.entries - 1)));
+        }
+        // SAFETY: `writer` points to the `Writer` of the `prefill` call in progress (it is nulled before
+        // that call returns), used from the thread that made the call.
+        let writer = unsafe { &mut *self.writer };
+        let region =
+            writer.region(entry).map_err(|e| PyValueError::new_err(format!("region {entry}: {}", e.message)))?;
+        // The region is `len` writable bytes of the ring slot, valid until `prefill` returns; `finish`
+        // checks that no view of it is left by then.
+        let exported =
+            Bound::new(py, Region { ptr: region.as_mut_ptr(), len: region.len(), exports: Default::default() })?;
+        let view = py.import("builtins")?.getattr("memoryview")?.call1((exported.clone(),))?;
+        self.views.push((entry, view.clone().unbind(), exported.unbind()));
+        Ok(view.unbind())
+    }
+}
+
+impl PyWriter {
+    /// Ends the call: no more regions, and every view handed out released. A view the backend kept (a
+    /// cast, a slice, a numpy array over a region) would still reach the ring slot after the host took
+    /// it, and it cannot be revoked: the call then fails as a `PANIC`, so that the host kills this
+    /// process, and the view with it.
+    fn finish(&mut self, py: Python<'_>) -> Result<(), BackendError> {
+        self.writer = std::ptr::null_mut();
+        let mut kept = Vec::new();
+        for (entry, view, region) in self.views.drain(..) {
+            let _ = view.bind(py).call_method0("release");
+            drop(view);
+            if region.borrow(py).exports.get() > 0 {
+                kept.push(entry.to_string());
+            }
+        }
+        if kept.is_empty() {
+            return Ok(());
+        }
+        Err(BackendError::new(
+            PdhostStatus::Panic,
+            format!(
+                "prefill returned with a view of region(s) {} still alive (a cast, slice or array of the \
+                 memoryview kept past the call): it would reach a slot the host owns",
+                kept.join(", ")
+            ),
+        ))
+    }
+}
+
+impl pdhost_plugin_abi::Backend for PyBackend {
+    fn open(config: &str) -> Result<Self, BackendError> {
+        let json: serde_json::Value =
+            serde_json::from_str(config).map_err(|e| bad_config(format!("config: expected JSON, found {e}")))?;
+        let name = |key: &str| {
+            json.get(key).and_then(|v| v.as_str()).map(str::to_string).ok_or_else(|| {
+                bad_config(format!("config: expected {key:?} (set by --producer py:MODULE:CLASS), found none"))
+            })
+        };
+        let (module, class) = (name("python_module")?, name("python_class")?);
+        let path: Vec<String> = match json.get("python_path") {
+            None => Vec::new(),
+            Some(p) => serde_json::from_value(p.clone())
+                .map_err(|_| bad_config("config python_path: expected a list of directories"))?,
+        };
+        Python::initialize();
+        Python::attach(|py| {
+            let sys = py.import("sys").map_err(|e| backend_error(py, "import sys", &e))?;
+            let sys_path = sys.getattr("path").and_then(|p| p.cast_into::<PyList>().map_err(Into::into));
+            let sys_path = sys_path.map_err(|e| backend_error(py, "sys.path", &e))?;
+            for dir in path.iter().rev() {
+                sys_path.insert(0, dir).map_err(|e| backend_error(py, "sys.path", &e))?;
+            }
+            // A module or class that is not there is not there on the next start either: BAD_CONFIG.
+            let module_obj = py
+                .import(module.as_str())
+                .map_err(|e| bad_config(format!("importing {module}: {}", exception_text(py, &e))))?;
+            let cls = module_obj
+                .getattr(class.as_str())
+                .map_err(|_| bad_config(format!("{module}: expected a class {class}, found none")))?;
+            let instance = cls.call0().map_err(|e| backend_error(py, &format!("{module}.{class}()"), &e))?;
+            let loads =
+                py.import("json").and_then(|j| j.getattr("loads")).map_err(|e| backend_error(py, "json", &e))?;
+            let config_obj = loads.call1((config,)).map_err(|e| backend_error(py, "config", &e))?;
+            let config_dict = config_obj.cast::<PyDict>().map_err(|_| bad_config("config: expected a JSON object"))?;
+            instance.call_method1("open", (config_dict,)).map_err(|e| backend_error(py, "open", &e))?;
+            let described = instance.call_method0("describe").map_err(|e| backend_error(py, "describe", &e))?;
+            let (description, max_tokens) = description(&described).map_err(bad_config)?;
+            Ok(PyBackend { instance: instance.unbind(), description, max_tokens })
+        })
+    }
+
+    fn describe(&self) -> Description {
+        self.description.clone()
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities { max_tokens: self.max_tokens, ..Capabilities::default() }
+    }
+
+    fn prefill(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
+        if !request.context.is_empty() {
+            return Err(BackendError::new(
+                PdhostStatus::Unsupported,
+                "a request that starts past position 0 (a prefix-cache hit): Python backends do not take one yet",
+            ));
+        }
+        Python::attach(|py| {
+            let entries = writer.entries();
+            // SAFETY (of the cast): the pointer is used only by `PyWriter::region` during this call, and
+            // `finish` nulls it before the call returns, whatever Python did.
+            let raw = (writer as *mut Writer<'_>).cast::<Writer<'static>>();
+            let py_writer = Bound::new(py, PyWriter { writer: raw, views: Vec::new(), entries })
+                .map_err(|e| backend_error(py, "writer", &e))?;
+            let tokens = PyList::new(py, request.tokens).map_err(|e| backend_error(py, "tokens", &e))?;
+            let called = self
+                .instance
+                .bind(py)
+                .call_method1("prefill", (request.request_id, tokens, request.start_pos, py_writer.clone()));
+            let finished = py_writer.borrow_mut().finish(py);
+            called.map_err(|e| backend_error(py, "prefill", &e))?;
+            finished
+        })
+    }
+
+    fn release(&mut self, request_id: u64) {
+        Python::attach(|py| {
+            let instance = self.instance.bind(py);
+            if instance.hasattr("release").unwrap_or(false) {
+                if let Err(e) = instance.call_method1("release", (request_id,)) {
+                    pdhost_plugin_abi::log(
+                        pdhost_plugin_abi::PdhostLogLevel::Warn,
+                        &format!("release({request_id}): {}", exception_text(py, &e)),
+                    );
+                }
+            }
+        })
+    }
+}
+
+pdhost_plugin_abi::export_backend!(PyBackend, c"python");

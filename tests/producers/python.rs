@@ -1,0 +1,102 @@
+//! Python backends (`plugins/python`, `--producer py:MODULE:CLASS`) through a real producer: one that
+//! works, and one per way to fail, each a typed error with a correct fallback (tests/python holds them).
+
+use std::time::Duration;
+
+use pdhost::engine::{EngineError, OnFailure, PrefillBy, Request, Sampling};
+
+use super::*;
+
+const PROMPT: [u32; 10] = [2, 100, 20, 30, 40, 7, 8, 9, 10, 11];
+
+fn python(engine: &Engine, class: &str, timeout: Duration) -> Producer {
+    let config = serde_json::json!({
+        "python_module": "pdhost_test_backends",
+        "python_class": class,
+        "python_path": [root().join("tests/python")],
+    });
+    producer(engine, builtin("python"), config, timeout)
+}
+
+fn request() -> Request {
+    Request { prompt: PROMPT.to_vec(), max_tokens: 4, prefill_chunk: 4, sampling: Sampling::Greedy }
+}
+
+#[test]
+fn a_python_backend_writes_spans_in_place_whole_and_chunked() {
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::F32);
+    let before = snapshot();
+    let mut p = python(&e, "StandIn", Duration::from_secs(30));
+    p.start().unwrap_or_else(|err| panic!("start: {err}"));
+    assert_eq!(p.layout(), Some("dense"));
+    for chunk in [0, 3] {
+        let (seq, report) =
+            e.prefill(&PROMPT, chunk, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail }).unwrap();
+        assert!(report.remote && report.fallback.is_none());
+        // The stand-in's first value of layer 3 (full attention: every position is there), K, token 2
+        // at position 0, head 0, dim 0.
+        let (k, _) = e.kv.read(seq, 3).unwrap().to_bytes();
+        let first = f32::from_le_bytes(k[..4].try_into().unwrap());
+        let mut h: u64 = 1469598103934665603;
+        for part in [3u64, 0, 2, 0, 0, 0] {
+            h = (h ^ part).wrapping_mul(1099511628211);
+        }
+        assert_eq!(first, (h >> 40) as f32 / (1u32 << 23) as f32 - 1.0, "the bytes Python wrote landed");
+        e.release(seq);
+    }
+    assert_eq!(p.metrics().spans_accepted, 1 + PROMPT.len().div_ceil(3) as u64);
+    assert_eq!(p.metrics().restarts, 0);
+    drop(p);
+    assert_eq!(snapshot(), before, "nothing leaked");
+}
+
+/// Each failure: its kind, its text, whether the producer was replaced, and a fallback equal to local.
+#[test]
+fn python_failures_are_typed_and_fall_back() {
+    let _serial = serial();
+    let reference = engine(&gemma(), Dtype::F32).generate(&request(), |_| {}).unwrap().output;
+    let cases: [(&str, &str, &str, u64); 5] = [
+        ("Raises", "backend_error", "ValueError: the device is not there (at ", 0),
+        ("Hangs", "timeout", "no answer within", 1),
+        ("WrongShape", "describe_mismatch", "expected sliding window 8 with 1 KV head of size 16, found", 0),
+        ("ShortWrite", "unwritten_region", "layer 7 V (entry 15 of 16) written only in part", 0),
+        ("KeepsAView", "backend_panic", "view of region(s) 0 still alive", 1),
+    ];
+    for (class, kind, text, restarts) in cases {
+        let mut e = engine(&gemma(), Dtype::F32);
+        let before = snapshot();
+        let mut p = python(&e, class, Duration::from_millis(1500));
+        let by = PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fallback };
+        let gen = e.generate_with(&request(), by, |_| {}).unwrap_or_else(|err| panic!("{class}: {err}"));
+        let reason = gen.report.fallback.as_ref().unwrap_or_else(|| panic!("{class}: expected a fallback"));
+        assert_eq!(reason.kind(), kind, "{class}: {reason}");
+        assert!(reason.to_string().contains(text) && !reason.to_string().contains('\n'), "{class}: {reason}");
+        assert_eq!(gen.output, reference, "{class}: the fallback equals local prefill");
+        // With `fail`, the same reason ends the request.
+        let by = PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail };
+        match e.generate_with(&request(), by, |_| {}) {
+            Err(EngineError::Producer(err)) => assert_eq!(err.kind(), kind, "{class}: {err}"),
+            other => panic!("{class}: expected {kind}, found {:?}", other.map(|g| g.output)),
+        }
+        let m = p.metrics();
+        assert_eq!(m.restarts.min(1), restarts, "{class}: restarts {}", m.restarts);
+        if kind == "describe_mismatch" {
+            assert_eq!(m.starts, 1, "{class}: not started again");
+        }
+        drop(p);
+        assert_eq!(snapshot(), before, "{class}: nothing leaked");
+    }
+}
+
+#[test]
+fn a_missing_python_class_is_a_config_error_that_is_not_retried() {
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::F32);
+    let mut p = python(&e, "NoSuchClass", Duration::from_secs(30));
+    let err = p.start().expect_err("no class");
+    assert!(err.to_string().contains("bad_config: pdhost_test_backends: expected a class NoSuchClass"), "{err}");
+    let again = e.prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail });
+    assert!(matches!(again, Err(EngineError::Producer(ref e)) if e.kind() == "start_failed"));
+    assert_eq!(p.metrics().starts, 1);
+}

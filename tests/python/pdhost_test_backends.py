@@ -1,0 +1,88 @@
+"""Python backends for the tests (tests/producers/python.rs): one that works, and one per way to fail.
+
+Each reads the model's shape from the config the host passes, so it works on any model; its K/V is a
+stand-in (a fixed function of layer, K or V, token, position, head and dim), not the model's.
+"""
+
+import struct
+
+
+def _shape(config):
+    """(layer kinds string, kv_heads, head_dim, window) from the host's config keys."""
+    return config["layers"], config["kv_heads"], config["head_dim"], config.get("window", 0)
+
+
+def _value(layer, kind, token, pos, head, dim):
+    h = 1469598103934665603
+    for part in (layer, kind, token, pos, head, dim):
+        h = ((h ^ part) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return (h >> 40) / float(1 << 23) - 1.0
+
+
+class StandIn:
+    """Dense f32 K/V of the stand-in, written into the regions in place."""
+
+    head_dim_offset = 0
+
+    def open(self, config):
+        self.layers, self.kv_heads, self.head_dim, self.window = _shape(config)
+        self.released = []
+
+    def describe(self):
+        layers = []
+        for letter in self.layers:
+            kind = "sliding" if letter == "S" else "full"
+            layers.append({"kind": kind, "kv_heads": self.kv_heads,
+                           "head_dim": self.head_dim + self.head_dim_offset, "window": self.window})
+        return {"layout": "dense", "dtype": "f32", "layers": layers}
+
+    def values(self, entry, tokens, start):
+        layer, kind = divmod(entry, 2)
+        return [_value(layer, kind, t, start + i, h, d)
+                for i, t in enumerate(tokens) for h in range(self.kv_heads) for d in range(self.head_dim)]
+
+    def prefill(self, request, tokens, start, writer):
+        for entry in range(writer.entries):
+            region = writer.region(entry)
+            values = self.values(entry, tokens, start)
+            struct.pack_into("<%df" % len(values), region, 0, *values)
+
+    def release(self, request):
+        self.released.append(request)
+
+
+class Raises(StandIn):
+    def prefill(self, request, tokens, start, writer):
+        raise ValueError("the device is not there")
+
+
+class Hangs(StandIn):
+    def prefill(self, request, tokens, start, writer):
+        while True:
+            pass
+
+
+class WrongShape(StandIn):
+    head_dim_offset = 1
+
+
+class ShortWrite(StandIn):
+    def prefill(self, request, tokens, start, writer):
+        for entry in range(writer.entries):
+            region = writer.region(entry)
+            values = self.values(entry, tokens, start)
+            if entry == writer.entries - 1:
+                values = values[: len(values) // 2]
+            struct.pack_into("<%df" % len(values), region, 0, *values)
+
+
+class KeepsAView(StandIn):
+    """Keeps a view into a region past prefill: refused, since it would reach a slot the host owns."""
+
+    def prefill(self, request, tokens, start, writer):
+        for entry in range(writer.entries):
+            region = writer.region(entry)
+            values = self.values(entry, tokens, start)
+            struct.pack_into("<%df" % len(values), region, 0, *values)
+            if entry == 0:
+                self.kept = region.cast("f")
