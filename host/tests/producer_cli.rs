@@ -63,7 +63,14 @@ fn fail_policy_ends_the_request_with_one_line() {
 #[test]
 fn bad_producer_flags_get_clear_errors() {
     for (args, text) in [
-        (&["--producer", "nosuch"][..], "--producer: expected local, rngd, gpu, faulty or a PATH.so, found \"nosuch\""),
+        (
+            &["--producer", "nosuch"][..],
+            "--producer: expected local, rngd, gpu, faulty, py:MODULE:CLASS or a PATH.so, found \"nosuch\"",
+        ),
+        (
+            &["--producer", "py:no-module"][..],
+            "--producer: expected py:MODULE:CLASS (a Python module path and a class in it), found \"py:no-module\"",
+        ),
         (
             &["--producer", "/nonexistent/lib.so"][..],
             "expected a backend library file, found /nonexistent/lib.so: nothing there",
