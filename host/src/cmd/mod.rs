@@ -1,5 +1,6 @@
 //! One module per command, and how every command writes its output.
 
+pub mod backends;
 pub mod bench;
 pub mod check;
 pub mod generate;

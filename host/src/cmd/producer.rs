@@ -14,7 +14,7 @@ use crate::cli::PrecisionArg;
 /// The flags that pick and configure a producer.
 #[derive(Debug)]
 pub struct Choice<'a> {
-    /// `local`, `rngd`, `gpu`, `faulty` or a library path.
+    /// `local`, `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS` or a library path.
     pub producer: &'a str,
     /// Merged into the backend's configuration (checked by `request::input::check_backend_config`).
     pub backend_config: serde_json::Map<String, serde_json::Value>,
@@ -73,13 +73,24 @@ impl Choice<'_> {
         dtype: Dtype,
         chunk_tokens: usize,
     ) -> anyhow::Result<Option<Producer>> {
-        let mut python_keys = None;
+        let mut python_keys = serde_json::Map::new();
         let (name, backend) = match self.producer {
             "local" => return Ok(None),
             builtin @ ("rngd" | "gpu" | "faulty") => (builtin.to_string(), supervisor::builtin_backend(builtin)?),
+            "torch" => {
+                // A Python class too, in an environment of its own, made on first use.
+                let env = super::backends::torch(false)?;
+                python_keys.insert("python_module".into(), "pdhost_torch".into());
+                python_keys.insert("python_class".into(), "TorchBackend".into());
+                let path = [&env.module_dir, &env.site_packages].map(|p| p.display().to_string());
+                python_keys.insert("python_path".into(), path.to_vec().into());
+                python_keys.insert("cache_dir".into(), env.checkpoints.display().to_string().into());
+                ("torch".to_string(), supervisor::builtin_backend("python")?)
+            }
             python if python.starts_with("py:") => {
                 let (module, class) = python_class(python)?;
-                python_keys = Some((module, class));
+                python_keys.insert("python_module".into(), module.into());
+                python_keys.insert("python_class".into(), class.into());
                 (python.to_string(), supervisor::builtin_backend("python")?)
             }
             path if path.ends_with(".so") || path.contains('/') => {
@@ -97,7 +108,7 @@ impl Choice<'_> {
             other => {
                 return Err(Invalid::new(
                     Field::Producer,
-                    "local, rngd, gpu, faulty, py:MODULE:CLASS or a PATH.so",
+                    "local, rngd, gpu, faulty, torch, py:MODULE:CLASS or a PATH.so",
                     format_args!("{other:?}"),
                 )
                 .into())
@@ -112,11 +123,7 @@ impl Choice<'_> {
             },
             "threads": self.threads,
         });
-        if let Some((module, class)) = python_keys {
-            let keys = config.as_object_mut().expect("an object");
-            keys.insert("python_module".into(), module.into());
-            keys.insert("python_class".into(), class.into());
-        }
+        config.as_object_mut().expect("an object").extend(python_keys);
         config.as_object_mut().expect("an object").extend(self.backend_config.clone());
         let timeout = self.timeout;
         let spec = ProducerSpec {

@@ -23,6 +23,9 @@ use pdhost_plugin_abi::{
     BackendError, Capabilities, Description, PdhostDtype, PdhostLayer, PdhostLayerKind, PdhostLayout, PdhostStatus,
     Prefill, Writer,
 };
+use std::os::unix::ffi::{OsStrExt as _, OsStringExt as _};
+use std::path::{Path, PathBuf};
+
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -38,6 +41,83 @@ pub struct PyBackend {
 // SAFETY: the producer calls a backend from one thread at a time (docs/plugin-abi.md, threading), and
 // every touch of the Python object holds the GIL.
 unsafe impl Send for PyBackend {}
+
+/// Finds the libpython this library runs on, and makes its symbols global. The producer loads this
+/// library, and with it libpython, with `RTLD_LOCAL`, so an extension module the interpreter loads later
+/// (numpy's, torch's) would not find the C API it links against (`undefined symbol: PyObject_SelfIter`).
+/// Opening libpython again by the path it was loaded from, with `RTLD_NOLOAD | RTLD_GLOBAL`, promotes the
+/// loaded copy; it loads nothing new.
+fn promote_libpython() -> Result<PathBuf, BackendError> {
+    let mut info = std::mem::MaybeUninit::<libc::Dl_info>::zeroed();
+    // SAFETY: `dladdr` fills `info` for an address in a loaded object; `Py_IsInitialized` is libpython's.
+    let found = unsafe { libc::dladdr(pyo3::ffi::Py_IsInitialized as *const libc::c_void, info.as_mut_ptr()) };
+    // SAFETY: `dladdr` returned non-zero, so it filled `info`.
+    let path = (found != 0).then(|| unsafe { info.assume_init() }.dli_fname).filter(|p| !p.is_null());
+    let Some(path) = path else {
+        return Err(bad_config("libpython: expected dladdr to name the loaded interpreter library, found nothing"));
+    };
+    // SAFETY: `path` is the NUL-terminated name dladdr returned; NOLOAD only re-flags a loaded object.
+    let handle = unsafe { libc::dlopen(path, libc::RTLD_NOW | libc::RTLD_GLOBAL | libc::RTLD_NOLOAD) };
+    if handle.is_null() {
+        return Err(bad_config("libpython: it could not be made global (dlopen with RTLD_NOLOAD failed)"));
+    }
+    // The handle is deliberately kept: the interpreter stays loaded for the process's life.
+    // SAFETY: `path` is a NUL-terminated string owned by the loader, valid while the object is loaded.
+    let path = unsafe { std::ffi::CStr::from_ptr(path) };
+    Ok(PathBuf::from(std::ffi::OsStr::from_bytes(path.to_bytes())))
+}
+
+/// The installation prefix of `libpython` (`libpython3.11.so.1.0`): the nearest directory above it that
+/// holds its standard library (`lib/python3.11/os.py`): `/usr` for a distribution's, the version's own
+/// directory for pyenv's.
+fn stdlib_home(libpython: &Path) -> Option<PathBuf> {
+    let name = libpython.file_name()?.to_str()?;
+    let version = name.strip_prefix("lib")?.split(".so").next()?;
+    let real = std::fs::canonicalize(libpython).ok()?;
+    real.ancestors().skip(1).find(|dir| dir.join("lib").join(version).join("os.py").is_file()).map(Path::to_path_buf)
+}
+
+/// Starts the interpreter with the standard library of the libpython it runs on. Left to itself, CPython
+/// finds its home through `python3` on `PATH`; under pyenv that is another build's standard library, whose
+/// extension modules need symbols this libpython lacks (`_ssl`: `undefined symbol: _PyModule_Add`). A
+/// `PYTHONHOME` the user set wins. Signal handlers stay the producer's, as with pyo3's own start.
+fn initialize(libpython: &Path) -> Result<(), BackendError> {
+    // SAFETY: callable at any time.
+    if unsafe { pyo3::ffi::Py_IsInitialized() } != 0 {
+        return Ok(());
+    }
+    let home = if std::env::var_os("PYTHONHOME").is_some() { None } else { stdlib_home(libpython) };
+    let home = home.map(|h| std::ffi::CString::new(h.into_os_string().into_vec())).transpose();
+    let home = home.map_err(|_| bad_config("libpython: its home has a NUL byte"))?;
+    let failed = |what: &str, status: pyo3::ffi::PyStatus| {
+        // SAFETY: a status's message is null or a static C string.
+        let message = (!status.err_msg.is_null()).then(|| unsafe { std::ffi::CStr::from_ptr(status.err_msg) });
+        bad_config(format!("{what}: {}", message.map_or("failed".into(), |m| m.to_string_lossy())))
+    };
+    let mut config = std::mem::MaybeUninit::<pyo3::ffi::PyConfig>::uninit();
+    let config = config.as_mut_ptr();
+    // SAFETY: `config` is initialised by `PyConfig_InitPythonConfig` before any other use, its strings are
+    // set through the API, and it is cleared once the interpreter has copied what it needs.
+    unsafe {
+        pyo3::ffi::PyConfig_InitPythonConfig(config);
+        (*config).install_signal_handlers = 0;
+        if let Some(home) = &home {
+            let status = pyo3::ffi::PyConfig_SetBytesString(config, &raw mut (*config).home, home.as_ptr());
+            if pyo3::ffi::PyStatus_Exception(status) != 0 {
+                pyo3::ffi::PyConfig_Clear(config);
+                return Err(failed("setting the interpreter's home", status));
+            }
+        }
+        let status = pyo3::ffi::Py_InitializeFromConfig(config);
+        pyo3::ffi::PyConfig_Clear(config);
+        if pyo3::ffi::PyStatus_Exception(status) != 0 {
+            return Err(failed("starting the interpreter", status));
+        }
+        // As pyo3's own start does: the interpreter is then ready for `Python::attach` from this thread.
+        pyo3::ffi::PyEval_SaveThread();
+    }
+    Ok(())
+}
 
 fn bad_config(message: impl Into<String>) -> BackendError {
     BackendError::new(PdhostStatus::BadConfig, message)
@@ -264,7 +344,8 @@ impl pdhost_plugin_abi::Backend for PyBackend {
             Some(p) => serde_json::from_value(p.clone())
                 .map_err(|_| bad_config("config python_path: expected a list of directories"))?,
         };
-        Python::initialize();
+        let libpython = promote_libpython()?;
+        initialize(&libpython)?;
         Python::attach(|py| {
             let sys = py.import("sys").map_err(|e| backend_error(py, "import sys", &e))?;
             let sys_path = sys.getattr("path").and_then(|p| p.cast_into::<PyList>().map_err(Into::into));

@@ -439,12 +439,12 @@ fn peer_table(cells: &[Cell], peer: &[super::peer::PeerCell], threads: usize) ->
 /// `--producer` as `pdhost serve` takes it, checked before the server starts.
 fn check_producer(producer: &str) -> Result<(), Invalid> {
     match producer {
-        "local" | "rngd" | "gpu" | "faulty" => Ok(()),
+        "local" | "rngd" | "gpu" | "faulty" | "torch" => Ok(()),
         python if python.starts_with("py:") => Ok(()),
         path if (path.ends_with(".so") || path.contains('/')) && std::path::Path::new(path).is_file() => Ok(()),
         other => Err(Invalid::new(
             Field::Producer,
-            "local, rngd, gpu, faulty, py:MODULE:CLASS or a PATH.so",
+            "local, rngd, gpu, faulty, torch, py:MODULE:CLASS or a PATH.so",
             format_args!("{other:?}"),
         )),
     }
