@@ -166,6 +166,13 @@ class TorchBackend:
         if wire not in wire_types:
             raise ValueError(f"dtype: expected f32, bf16 or f16, found {wire!r}")
         self.wire, self.wire_name = wire_types[wire], wire
+        # transformers' K rotates halves of each head (dims i and i + d/2); a host whose rope rotates adjacent
+        # pairs (a GGUF Llama: llama.cpp's converter permuted the Q/K rows) holds K with those dims at 2i
+        # and 2i + 1. Same attention scores, other bytes: K is sent in the host's order.
+        pairs = config.get("rope_pairs", "halves")
+        if pairs not in ("halves", "adjacent"):
+            raise ValueError(f"rope_pairs: expected halves or adjacent, found {pairs!r}")
+        self.adjacent = pairs == "adjacent"
         self.device = torch.device(config.get("device") or ("cuda" if torch.cuda.is_available() else "cpu"))
         if config.get("threads"):
             torch.set_num_threads(int(config["threads"]))
@@ -278,6 +285,9 @@ class TorchBackend:
             for entry, (layer, kv) in enumerate(self.entries):
                 held = cache.layers[layer]
                 src = (held.keys if kv == 0 else held.values)[0, :, start : start + n, :].transpose(0, 1)
+                if kv == 0 and self.adjacent:  # [n, heads, 2, d/2] -> [n, heads, d/2, 2]: dim i to 2i, i + d/2 to 2i + 1
+                    rows, heads, dim = src.shape
+                    src = src.reshape(rows, heads, 2, dim // 2).transpose(-1, -2).reshape(rows, heads, dim)
                 dst = torch.frombuffer(writer.region(entry), dtype=self.wire).view(src.shape)
                 dst.copy_(src)
                 del dst

@@ -133,7 +133,6 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
     let mut model = opened.load(args.json)?;
     model.configure(args.precision.precision(), threads);
     let dtype = args.kv_dtype.dtype();
-    let geometry = model.config.kv_geometry();
     let vocab = model.config.vocab;
     let prompts = prompts(vocab);
     let longest = PROMPT_LENS.iter().max().copied().unwrap_or(1);
@@ -147,7 +146,7 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
         memory_limit: super::producer::memory_limit(None)?,
     };
     let mut producer = choice
-        .producer(&opened.path, &geometry, &model.identity, dtype, longest)?
+        .producer(&opened.path, &model.config, &model.identity, dtype, longest)?
         .context("expected a backend to check")?;
     producer.set_restart_policy(RestartPolicy {
         initial_backoff: Duration::ZERO,

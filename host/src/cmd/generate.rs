@@ -158,7 +158,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         sandbox: args.sandbox == Switch::On,
         memory_limit: super::producer::memory_limit(args.producer_memory)?,
     };
-    let mut producer = choice.producer(&opened.path, &geometry, &model.identity, dtype, chunk_tokens)?;
+    let mut producer = choice.producer(&opened.path, &opened.config, &model.identity, dtype, chunk_tokens)?;
     let mut engine = Engine::new(model, dtype, page_size, max_len, 1)?;
     if let Some(p) = producer.as_mut() {
         // Start the producer (load its model) before the clock of the request starts; a start-up failure

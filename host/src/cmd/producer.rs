@@ -7,7 +7,7 @@ use anyhow::Context;
 use model::identity::ModelIdentity;
 use pdhost::request::{Field, Invalid};
 use pdhost::supervisor::{self, Producer, ProducerSpec, RestartPolicy};
-use shm_format::{Dtype, KvGeometry};
+use shm_format::Dtype;
 
 use crate::cli::PrecisionArg;
 
@@ -68,7 +68,7 @@ impl Choice<'_> {
     pub fn producer(
         &self,
         model_path: &Path,
-        geometry: &KvGeometry,
+        model: &model::arch::Config,
         identity: &ModelIdentity,
         dtype: Dtype,
         chunk_tokens: usize,
@@ -114,8 +114,11 @@ impl Choice<'_> {
                 .into())
             }
         };
+        let geometry = &model.kv_geometry();
         let mut config = serde_json::json!({
             "model": model_path,
+            // Which head dimensions rope rotates together, so which order K's head dims are in.
+            "rope_pairs": if model.rope_adjacent { "adjacent" } else { "halves" },
             "dtype": dtype.name(),
             "precision": match self.precision {
                 PrecisionArg::Exact => "exact",

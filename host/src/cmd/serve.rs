@@ -69,7 +69,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let identity = if choice.producer == "local" { None } else { Some(opened.identity()?) };
     for _ in 0..count {
         let Some(identity) = &identity else { break };
-        producers.extend(choice.producer(&opened.path, &geometry, identity, dtype, chunk_tokens)?);
+        producers.extend(choice.producer(&opened.path, &opened.config, identity, dtype, chunk_tokens)?);
     }
     let on_failure = args.on_producer_failure.policy();
     let chat = match opened.chat_template() {

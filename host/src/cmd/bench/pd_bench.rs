@@ -77,7 +77,6 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     let mut model = Model::from_gguf(&gguf).context("loading the weights")?;
     model.configure(Precision::Exact, threads);
     let dtype = args.kv_dtype.dtype();
-    let geometry = model.config.kv_geometry();
     let choice = Choice {
         producer: &args.producer,
         backend_config: serde_json::Map::new(),
@@ -89,7 +88,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     };
     let absolute = std::path::absolute(&path)?;
     let mut producer = choice
-        .producer(&absolute, &geometry, &model.identity, dtype, longest)?
+        .producer(&absolute, &model.config, &model.identity, dtype, longest)?
         .context("--producer: expected a remote producer to compare with local, found local")?;
     let mut engine = Engine::new(model, dtype, 64, longest as u64 + decode + 1, 1)?;
     let bar = super::progress(args.tokens.len() as u64 * (iters + 1), args.json);

@@ -1,0 +1,150 @@
+//! The `torch` producer: prefill by PyTorch and transformers, another numerical stack than the host's, in
+//! an environment pdhost makes in its own cache on first use. Its K/V is close to the host's but not
+//! equal; the host's greedy output on it must equal transformers' references up to near-ties, on both
+//! real models and both tiny checkpoints, whole and chunked, beyond the sliding window. A checkpoint with
+//! other weights of the same shape is refused at the handshake.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+
+use serde_json::Value;
+
+const PDHOST: &str = env!("CARGO_BIN_EXE_pdhost");
+
+fn reference_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/reference")
+}
+
+fn json_file(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn ids(v: &Value) -> Vec<u64> {
+    v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap()).collect()
+}
+
+fn pdhost(args: &[&str]) -> Output {
+    Command::new(PDHOST).args(args).stdin(Stdio::null()).output().unwrap()
+}
+
+/// `generate --producer torch --json`, which must have prefilled remotely, in grouped spans.
+fn torch_generate(model: &str, prompt: &[&str], max: usize, extra: &[&str]) -> Value {
+    let max = max.to_string();
+    let args = [&["generate", "--model", model, "--max-tokens", &max, "--json", "--producer", "torch"], prompt, extra];
+    let out = pdhost(&args.concat());
+    assert!(out.status.success(), "{model} {extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let prefill = &v["prefill"];
+    let what = format!("{model} {extra:?}: {prefill}");
+    assert_eq!((&prefill["where"], &prefill["producer"]), (&"remote".into(), &"torch".into()), "{what}");
+    assert_eq!((&prefill["layout"], &prefill["fallback_reason"]), (&"grouped".into(), &Value::Null), "{what}");
+    v
+}
+
+/// Output ids equal the reference case's up to its first near-tie (a margin under 0.01, as the references'
+/// README says: there fp32 rounding of either stack may pick the other token).
+fn assert_agrees(case: &Value, got: &Value, what: &str) {
+    let want = ids(&case["output_ids"]);
+    let margins: Vec<f64> = case["margins"].as_array().unwrap().iter().map(|m| m.as_f64().unwrap()).collect();
+    let stop = margins.iter().position(|&m| m < 0.01).unwrap_or(want.len());
+    let got = ids(&got["output_ids"]);
+    assert_eq!(&got[..stop.min(got.len())], &want[..stop], "{what}: {}", case["name"]);
+}
+
+/// The real models on the 744-token prompt, longer than Gemma's 512-token window: whole, and in 200-token
+/// spans at nonzero offsets (the backend continues its transformers cache across chunks), and a short one.
+#[test]
+fn both_real_models_through_torch_equal_the_references_beyond_the_window() {
+    let prompts = json_file(&reference_dir().join("prompts.json"));
+    let text = |name: &str| {
+        prompts.as_array().unwrap().iter().find(|p| p["name"] == name).unwrap()["text"].as_str().unwrap().to_string()
+    };
+    for (model, file, case, extra) in [
+        ("gemma3-270m", "greedy_gemma3_270m.json", "lgpl_650w", &["--prefill-chunk", "200"][..]),
+        ("gemma3-270m", "greedy_gemma3_270m.json", "lgpl_650w", &[][..]),
+        ("smollm2-135m", "greedy_smollm2_135m.json", "lgpl_650w", &["--prefill-chunk", "256"][..]),
+        ("smollm2-135m", "greedy_smollm2_135m.json", "short_recipe", &[][..]),
+    ] {
+        let reference = json_file(&reference_dir().join(file));
+        let case = reference["cases"].as_array().unwrap().iter().find(|c| c["name"] == case).unwrap();
+        let want = ids(&case["output_ids"]).len();
+        let v = torch_generate(model, &["--prompt", &text(case["name"].as_str().unwrap())], want, extra);
+        assert_eq!(v["prompt_ids"], case["prompt_ids"], "{model}: prompt ids");
+        if !extra.is_empty() {
+            assert!(v["prefill"]["spans"].as_u64().unwrap() > 2, "{model} {extra:?}: {}", v["prefill"]);
+        }
+        assert_agrees(case, &v, &format!("{model} {extra:?}"));
+    }
+}
+
+/// The tiny checkpoints (a directory each, loaded as it is): Gemma 3's with an 8-token window on a
+/// 30-token prompt, Llama's on 20 tokens, whole and chunked.
+#[test]
+fn the_tiny_checkpoints_through_torch_equal_the_references() {
+    for (name, case, chunk) in
+        [("tiny_gemma3_8l", "tiny_gemma3_8l_30", "7"), ("tiny_llama_4l", "tiny_llama_4l_20", "6")]
+    {
+        let dir = reference_dir().join(name);
+        let reference = json_file(&dir.join("reference.json"));
+        let case = reference["cases"].as_array().unwrap().iter().find(|c| c["name"] == case).unwrap();
+        let prompt = ids(&case["prompt_ids"]).iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+        let want = ids(&case["output_ids"]).len();
+        for extra in [&[][..], &["--prefill-chunk", chunk]] {
+            let v = torch_generate(dir.to_str().unwrap(), &["--prompt-ids", &prompt], want, extra);
+            assert_agrees(case, &v, &format!("{name} {extra:?}"));
+        }
+    }
+}
+
+/// A copy of a checkpoint with one weight changed has the same shape, so every geometry check passes; the
+/// backend's model identity names other weights, and the host refuses it before any request.
+#[test]
+fn a_checkpoint_with_other_weights_is_refused_at_the_handshake() {
+    let dir = std::env::temp_dir().join(format!("pdhost-torch-other-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let original = reference_dir().join("tiny_llama_4l");
+    for name in ["config.json", "generation_config.json", "model.safetensors"] {
+        std::fs::copy(original.join(name), dir.join(name)).unwrap();
+    }
+    let weights = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&weights).unwrap();
+    let last = bytes.len() - 2; // inside the last tensor's data: an f32's upper bits
+    bytes[last] ^= 0x01;
+    std::fs::write(&weights, bytes).unwrap();
+
+    let config = serde_json::json!({"torch_model": dir}).to_string();
+    let model = original.to_str().unwrap();
+    let args = ["generate", "--model", model, "--prompt-ids", "1,12,168,176", "--max-tokens", "2", "--json"];
+    let out = pdhost(&[&args[..], &["--producer", "torch", "--backend-config", &config]].concat());
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let prefill = &v["prefill"];
+    assert_eq!((&prefill["where"], &prefill["fallback_kind"]), (&"local".into(), &"identity_mismatch".into()), "{v}");
+    let reason = prefill["fallback_reason"].as_str().unwrap();
+    assert!(reason.contains("weights") && reason.contains("expected") && reason.contains("found"), "{reason}");
+    assert_eq!(prefill["producer_metrics"]["starts"], 1, "refused once, not restarted: {prefill}");
+
+    let fail = pdhost(
+        &[&args[..], &["--producer", "torch", "--backend-config", &config, "--on-producer-failure", "fail"]].concat(),
+    );
+    let stderr = String::from_utf8_lossy(&fail.stderr);
+    assert!(!fail.status.success() && stderr.contains("identity_mismatch"), "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The conformance kit passes for torch: handshake, spans, K/V close to local prefill, greedy agreement,
+/// a kill at a deadline and a restarted backend (which loads its model again).
+#[test]
+fn check_backend_passes_for_torch() {
+    let model = reference_dir().join("tiny_gemma3_8l");
+    let out = pdhost(&["check-backend", "torch", "--model", model.to_str().unwrap(), "--json"]);
+    let report: Value = serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: stderr {}", String::from_utf8_lossy(&out.stderr)));
+    for c in report["checks"].as_array().unwrap() {
+        assert_eq!(c["ok"], true, "{}: {}", c["name"], c["detail"]);
+    }
+    assert!(out.status.success(), "{report}");
+    let layers = report["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 8, "{report}");
+    assert!(layers.iter().all(|l| l["rel_l2"].as_f64().unwrap() < 1e-4), "{report}");
+}
