@@ -597,8 +597,9 @@ pub struct PdBenchArgs {
     /// The model (a name from `pdhost models list`).
     #[arg(long, default_value = "gemma3-270m")]
     pub model: String,
-    /// The producer to compare with local prefill.
-    #[arg(long, default_value = "rngd", value_parser = ["rngd", "gpu"])]
+    /// The producer to compare with local prefill: `rngd`, `gpu`, or `torch` (another numerical stack:
+    /// its output may part from local at a near-tie; the per-layer K/V error table shows by how much).
+    #[arg(long, default_value = "rngd", value_parser = ["rngd", "gpu", "torch"])]
     pub producer: String,
     /// Prompt lengths in tokens (each from 1 to the model's context, less the decoded tokens).
     #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 512, 2048])]

@@ -9,13 +9,13 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use model::forward::NoPast;
 use pdhost::engine::{Engine, OnFailure, PrefillBy, Request, Sampling};
-use pdhost::kv::SeqId;
 use pdhost::request::{self, Field, Invalid};
 use pdhost::supervisor::{Producer, RestartPolicy};
 use serde::Serialize;
 use shm_format::Dtype;
 
 use super::generate::Opened;
+use super::kv_error::{self, print_layer_errors, ErrorSum, LayerError};
 use super::outln;
 use crate::cli::CheckBackendArgs;
 
@@ -30,65 +30,6 @@ struct Check {
     name: &'static str,
     ok: bool,
     detail: String,
-}
-
-/// The K/V error of one layer against local prefill, over every prompt and chunking.
-#[derive(Debug, Default, Clone, Copy, Serialize)]
-struct LayerError {
-    layer: u32,
-    max_abs: f64,
-    rel_l2: f64,
-    min_cosine: f64,
-}
-
-/// Accumulates one layer's error over several comparisons.
-#[derive(Debug, Default, Clone, Copy)]
-struct ErrorSum {
-    max_abs: f64,
-    diff2: f64,
-    ref2: f64,
-    min_cosine: f64,
-    compared: bool,
-}
-
-impl ErrorSum {
-    fn add(&mut self, ours: &[f32], theirs: &[f32]) {
-        let (mut dot, mut a2, mut b2) = (0f64, 0f64, 0f64);
-        for (&a, &b) in ours.iter().zip(theirs) {
-            let (a, b) = (f64::from(a), f64::from(b));
-            self.max_abs = self.max_abs.max((a - b).abs());
-            self.diff2 += (a - b) * (a - b);
-            dot += a * b;
-            a2 += a * a;
-            b2 += b * b;
-        }
-        self.ref2 += a2;
-        let cosine = if a2 == 0.0 && b2 == 0.0 {
-            1.0
-        } else {
-            (dot / (a2.sqrt() * b2.sqrt()).max(f64::MIN_POSITIVE)).clamp(-1.0, 1.0)
-        };
-        self.min_cosine = if self.compared { self.min_cosine.min(cosine) } else { cosine };
-        self.compared = true;
-    }
-
-    fn finish(&self, layer: u32) -> LayerError {
-        let rel_l2 = if self.ref2 == 0.0 { self.diff2.sqrt() } else { (self.diff2 / self.ref2).sqrt() };
-        LayerError { layer, max_abs: self.max_abs, rel_l2, min_cosine: self.min_cosine }
-    }
-}
-
-/// A layer's K and V of `seq`, as f32 (a NaN makes every error NaN, which fails the tolerance).
-fn layer_f32(engine: &Engine, seq: SeqId, layer: u32) -> (Vec<f32>, Vec<f32>) {
-    let read = engine.kv.read(seq, layer).expect("every layer of a prefilled sequence reads");
-    let dtype = read.dtype();
-    let (k, v) = read.to_bytes();
-    let convert = |bytes: &[u8]| {
-        let mut out = vec![0f32; bytes.len() / dtype.size() as usize];
-        pdhost::kv::convert::to_f32(dtype, bytes, &mut out);
-        out
-    };
-    (convert(&k), convert(&v))
 }
 
 /// Deterministic prompts of the given lengths, inside the vocabulary, avoiding the lowest ids (special
@@ -226,8 +167,7 @@ fn spans_and_errors(
     producer: &mut Producer,
     prompts: &[Vec<u32>],
 ) -> (Check, Option<Vec<ErrorSum>>) {
-    let n_layers = engine.kv.geometry().layers.len() as u32;
-    let mut sums = vec![ErrorSum::default(); n_layers as usize];
+    let mut sums = vec![ErrorSum::default(); engine.kv.geometry().layers.len()];
     let before = producer.metrics().spans_accepted;
     for prompt in prompts {
         for chunk in [0, CHUNK] {
@@ -240,12 +180,7 @@ fn spans_and_errors(
                 }
             };
             let (local, _) = engine.prefill(prompt, chunk, PrefillBy::Local).expect("local prefill");
-            for (layer, sum) in sums.iter_mut().enumerate() {
-                let (rk, rv) = layer_f32(engine, remote, layer as u32);
-                let (lk, lv) = layer_f32(engine, local, layer as u32);
-                sum.add(&lk, &rk);
-                sum.add(&lv, &rv);
-            }
+            kv_error::accumulate(&mut sums, engine, local, remote);
             engine.release(remote);
             engine.release(local);
         }
@@ -392,10 +327,7 @@ fn print_report(r: &Report) -> anyhow::Result<()> {
     }
     if !r.layers.is_empty() {
         outln!("  per-layer K/V error against local prefill:")?;
-        outln!("    layer      max abs       rel L2   min cosine")?;
-        for l in &r.layers {
-            outln!("    {:>5} {:>12.2e} {:>12.2e} {:>12.8}", l.layer, l.max_abs, l.rel_l2, l.min_cosine)?;
-        }
+        print_layer_errors(&r.layers, "    ")?;
     }
     let failed: Vec<&str> = r.checks.iter().filter(|c| !c.ok).map(|c| c.name).collect();
     if failed.is_empty() && r.ok {

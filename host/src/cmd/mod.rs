@@ -5,6 +5,7 @@ pub mod bench;
 pub mod check;
 pub mod generate;
 pub mod inspect;
+pub mod kv_error;
 pub mod models;
 pub mod producer;
 pub mod serve;

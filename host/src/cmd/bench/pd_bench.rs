@@ -15,8 +15,8 @@ use pdhost::request::{self, Field, Invalid, Limits, RawRequest};
 use serde_json::json;
 
 use crate::cli::{PdBenchArgs, PrecisionArg};
-use crate::cmd::outln;
 use crate::cmd::producer::Choice;
+use crate::cmd::{kv_error, outln};
 
 const TEXT: &str = include_str!("../../../../fixtures/prompts/lgpl-650w.txt");
 
@@ -36,6 +36,9 @@ struct Row {
     last_pd: f64,
     decode_local: f64,
     decode_pd: f64,
+    /// Whether every PD run decoded the local run's ids, and with bit-identical logits.
+    same_ids: bool,
+    same_logits: bool,
 }
 
 fn ms(d: Duration) -> f64 {
@@ -90,7 +93,8 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     let mut producer = choice
         .producer(&absolute, &model.config, &model.identity, dtype, longest)?
         .context("--producer: expected a remote producer to compare with local, found local")?;
-    let mut engine = Engine::new(model, dtype, 64, longest as u64 + decode + 1, 1)?;
+    // Two sequences: the per-layer error compares a remote and a local prefill side by side.
+    let mut engine = Engine::new(model, dtype, 64, longest as u64 + decode + 1, 2)?;
     let bar = super::progress(args.tokens.len() as u64 * (iters + 1), args.json);
     bar.set_message(format!("starting {}", producer.name()));
     producer.start()?;
@@ -106,6 +110,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         };
         let request = request::check_request(&raw, &limits)?;
         let mut runs: Vec<(Generation, Generation)> = Vec::new();
+        let (mut same_ids, mut same_logits) = (true, true);
         // The first pair warms caches, pages and the producer's pools; it is not counted.
         for i in 0..=iters {
             bar.set_message(format!("{n} tokens"));
@@ -115,12 +120,10 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
                 PrefillBy::Remote { producer: &mut producer, on_failure: OnFailure::Fail },
                 |_| {},
             )?;
-            anyhow::ensure!(
-                pd.output == local.output && pd.logits_hash == local.logits_hash,
-                "{n} tokens: PD output differs from local: expected {:?}, found {:?}",
-                local.output,
-                pd.output
-            );
+            // A producer on another numerical stack (torch) may part at a near-tie; the host's own backends
+            // may not, and `generate`'s tests hold them to it. Here it is reported.
+            same_ids &= pd.output == local.output;
+            same_logits &= pd.logits_hash == local.logits_hash;
             if i > 0 {
                 runs.push((local, pd));
             }
@@ -142,8 +145,19 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
             last_pd: m(&|r| ms(r.1.last_token)),
             decode_local: m(&|r| decode_rate(&r.0)),
             decode_pd: m(&|r| decode_rate(&r.1)),
+            same_ids,
+            same_logits,
         });
     }
+    // The K/V the producer sent against the host's own, layer by layer, for the longest prompt.
+    bar.set_message("per-layer K/V error");
+    let prompt = &text_ids[..longest];
+    let (remote, _) =
+        engine.prefill(prompt, 0, PrefillBy::Remote { producer: &mut producer, on_failure: OnFailure::Fail })?;
+    let (local, _) = engine.prefill(prompt, 0, PrefillBy::Local)?;
+    let layers = kv_error::compare(&engine, local, remote);
+    engine.release(remote);
+    engine.release(local);
     bar.finish_and_clear();
     let name = producer.name().to_string();
     drop(producer);
@@ -159,13 +173,15 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
                                  "last_token_ms": r.last_local},
                        "pd": {"request_ipc_ms": r.ipc, "backend_ms": r.backend, "span_write_ms": r.frame,
                               "transfer_ingest_ms": r.take, "span_mib": r.span_mib, "last_token_ms": r.last_pd},
-                       "decode_tok_s_local": r.decode_local, "decode_tok_s_pd": r.decode_pd})
+                       "decode_tok_s_local": r.decode_local, "decode_tok_s_pd": r.decode_pd,
+                       "ids_equal_local": r.same_ids, "logits_equal_local": r.same_logits})
             })
             .collect();
         outln!(
             "{}",
             json!({"bench": "pd", "model": args.model, "producer": name, "layout": layout, "kv_dtype": dtype.name(),
-                   "threads": threads, "iters": args.iters, "decode_tokens": args.decode_tokens, "results": results})
+                   "threads": threads, "iters": args.iters, "decode_tokens": args.decode_tokens, "results": results,
+                   "kv_error": {"prompt_tokens": longest, "layers": layers}})
         )?;
         return Ok(ExitCode::SUCCESS);
     }
@@ -219,5 +235,12 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
          span (local prefill's own ingest: {}); last tok: the host's step over the last prompt token",
         rows.iter().map(|r| format!("{:.2}ms", r.local_ingest)).collect::<Vec<_>>().join(", ")
     )?;
+    for r in rows.iter().filter(|r| !(r.same_ids && r.same_logits)) {
+        let what =
+            if r.same_ids { "the same ids, other logits bits" } else { "other ids (a near-tie, or K/V that is wrong)" };
+        outln!("{} tokens: PD decoded {what} than local", r.tokens)?;
+    }
+    outln!("per-layer K/V error of the `{name}` producer's prefill against the host's, {longest} tokens:")?;
+    kv_error::print_layer_errors(&layers, "  ")?;
     Ok(ExitCode::SUCCESS)
 }
