@@ -148,3 +148,88 @@ fn check_backend_passes_for_torch() {
     assert_eq!(layers.len(), 8, "{report}");
     assert!(layers.iter().all(|l| l["rel_l2"].as_f64().unwrap() < 1e-4), "{report}");
 }
+
+/// `pdhost serve --producer torch` answers a completion with exactly what `generate --producer torch`
+/// decodes for the same prompt: the same ids and bit-identical logits (the same K/V, from the same torch
+/// at the same thread count), streamed or not, with two requests in flight at once. The real SmolLM2,
+/// whose GGUF K the backend permutes into the host's rope order.
+#[test]
+fn serve_with_torch_equals_generate_with_torch() {
+    use std::io::{BufRead, BufReader};
+
+    // A served model needs a tokenizer (requests may carry text): the real SmolLM2, with token-id prompts.
+    let model = "smollm2-135m";
+    let prompts = [vec![1u64, 504, 3458, 282, 4649, 314, 2], vec![1, 1780, 253, 13660, 281, 5010, 30, 549, 4286, 314]];
+    let alone: Vec<Value> = prompts
+        .iter()
+        .map(|p| {
+            let ids = p.iter().map(u64::to_string).collect::<Vec<_>>().join(",");
+            torch_generate(model, &["--prompt-ids", &ids], 12, &["--threads", "2"])
+        })
+        .collect();
+
+    let mut child = Command::new(PDHOST)
+        .args(["serve", "--model", model, "--port", "0", "--producer", "torch", "--threads", "2", "--slots", "2"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let mut stderr = child.stderr.take().unwrap();
+    let Some(url) = line.trim().strip_prefix("listening on ").map(str::to_string) else {
+        let mut log = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
+        panic!("first line {line:?}; stderr {log}");
+    };
+    // Drained so that the server never blocks on a full pipe.
+    std::thread::spawn(move || std::io::copy(&mut stderr, &mut std::io::sink()));
+    let agent: ureq::Agent = ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(std::time::Duration::from_secs(120)))
+        .build()
+        .into();
+    let answers: Vec<(Value, Value)> = std::thread::scope(|s| {
+        let handles: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let (agent, url) = (&agent, &url);
+                s.spawn(move || {
+                    let body = |stream: bool| {
+                        serde_json::json!({"model": model, "prompt": p, "max_tokens": 12, "temperature": 0,
+                                           "stream": stream})
+                        .to_string()
+                    };
+                    let post = |stream: bool| {
+                        let mut r = agent.post(&format!("{url}/v1/completions")).send(body(stream)).unwrap();
+                        let status = r.status().as_u16();
+                        let text = r.body_mut().read_to_string().unwrap();
+                        assert_eq!(status, 200, "{text}");
+                        text
+                    };
+                    let whole: Value = serde_json::from_str(&post(false)).unwrap();
+                    let streamed = post(true);
+                    let last = streamed
+                        .lines()
+                        .filter_map(|l| l.strip_prefix("data: "))
+                        .filter(|d| *d != "[DONE]")
+                        .map(|d| serde_json::from_str::<Value>(d).unwrap())
+                        .rfind(|c| !c["pdhost"].is_null())
+                        .unwrap_or_else(|| panic!("no chunk with a pdhost object: {streamed}"));
+                    (whole["pdhost"].clone(), last["pdhost"].clone())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    for ((whole, streamed), reference) in answers.iter().zip(&alone) {
+        for got in [whole, streamed] {
+            assert_eq!(got["output_ids"], reference["output_ids"], "{got}");
+            assert_eq!(got["logits_xxh3"], reference["logits_xxh3"], "logits bit-identical to generate: {got}");
+            assert_eq!((&got["prefill"], &got["producer"]), (&"remote".into(), &"torch".into()), "{got}");
+        }
+    }
+}
