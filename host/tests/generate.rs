@@ -84,7 +84,7 @@ fn tiny_checkpoints_match_transformers_through_the_paged_cache() {
 /// Both real models on every reference prompt, tokenized from text by pdhost (two prompts are longer than
 /// Gemma's 512-token window; Gemma's are prefilled in 200-token spans at nonzero offsets, so its sliding
 /// groups page through the window): output ids equal transformers' up to each case's first near-tie, and
-/// the `rngd` and `gpu` producers give exactly the local output ids and logits.
+/// on the 744-token prompt the `rngd` and `gpu` producers give exactly the local output ids and logits.
 #[test]
 fn both_real_models_match_transformers_on_every_reference_prompt() {
     let prompts: serde_json::Value =
@@ -117,6 +117,11 @@ fn both_real_models_match_transformers_on_every_reference_prompt() {
             assert_eq!(ids(&v["prompt_ids"]), ids(&case["prompt_ids"]), "{model} {} prompt ids", case["name"]);
             let got = ids(&v["output_ids"]);
             assert_eq!(&got[..stop.min(got.len())], &want[..stop], "{model} {}", case["name"]);
+            // Through the producers on the prompt that crashed a PD stack (744 tokens, past the window);
+            // the short ones go through them bit for bit on the tiny checkpoints, the longest only locally.
+            if case["name"] != "lgpl_650w" {
+                continue;
+            }
             for (producer, layout) in [("rngd", "dense"), ("gpu", "grouped")] {
                 let r = run(producer);
                 let what = format!("{model} {} {producer}", case["name"]);

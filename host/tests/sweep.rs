@@ -699,6 +699,11 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         case("models fetch unknown", &["models", "fetch", "nope"]).refused(2, &["unknown model \"nope\""]),
         case("models fetch empty", &["models", "fetch", ""]).refused(2, &["unknown model"]),
         case("models verify unknown", &["models", "verify", "nope"]).refused(2, &["nope"]),
+        case("backends without an action shows its help", &["backends"]).help(),
+        case("backends fetch unknown", &["backends", "fetch", "tensorflow"])
+            .refused(2, &["backend: expected torch", "found \"tensorflow\""]),
+        case("backends list", &["backends", "list", "--json"]).prints(&["\"name\":\"torch\""]),
+        case("check-backend skip unknown", &["check-backend", "rngd", "--skip", "spans"]).refused(2, &["--skip"]),
         case("help with a closed stdout", &["--help"]).io(Io::ClosedStdout),
         case("generate help with a closed stdout", &["generate", "--help"]).io(Io::ClosedStdout),
         case("version", &["--version"]).prints(&["pdhost"]),

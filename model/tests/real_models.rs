@@ -121,8 +121,9 @@ fn reference_prompts_tokenize_to_the_reference_prompt_ids() {
     }
 }
 
-/// Exact precision reproduces transformers' fp32 greedy continuations of both real models on every
-/// reference prompt (two of them longer than Gemma's 512-token window), up to the first near-tie.
+/// Exact precision reproduces transformers' fp32 greedy continuations of both real models on the short
+/// reference prompts, up to the first near-tie, with no paged cache in between. The long ones (past
+/// Gemma's 512-token window) run through the whole host in `host/tests/generate.rs`.
 #[test]
 fn exact_greedy_matches_transformers_on_both_real_models() {
     use model::forward::{argmax, NoPast, VecKv};
@@ -131,7 +132,9 @@ fn exact_greedy_matches_transformers_on_both_real_models() {
         let model = model::arch::Model::from_gguf(&Gguf::open(&fetched(name)).unwrap()).unwrap();
         let reference: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(format!("{dir}/{greedy}")).unwrap()).unwrap();
-        for case in reference["cases"].as_array().unwrap() {
+        for case in
+            reference["cases"].as_array().unwrap().iter().filter(|c| c["prompt_ids"].as_array().unwrap().len() < 512)
+        {
             let ids = |v: &serde_json::Value| -> Vec<u32> {
                 v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
             };

@@ -142,6 +142,27 @@ class _Gguf:
         return xxhash.xxh3_64_intdigest("\n".join(self.tokens).encode("utf-8"), seed=0)
 
 
+class _one_reader_per_file:
+    """Within the block, `gguf.GGUFReader` parses each file once: transformers opens a GGUF for its config and
+    again for its weights, and each parse of Gemma 3's metadata takes 15 s."""
+
+    def __enter__(self):
+        import gguf
+
+        self.module, self.original, readers = gguf, gguf.GGUFReader, {}
+
+        def reader(path, *args, **kwargs):
+            key = (os.path.abspath(path), args, tuple(sorted(kwargs.items())))
+            if key not in readers:
+                readers[key] = self.original(path, *args, **kwargs)
+            return readers[key]
+
+        gguf.GGUFReader = reader
+
+    def __exit__(self, *exc):
+        self.module.GGUFReader = self.original
+
+
 class TorchBackend:
     """The backend contract (open, describe, prefill, release) on transformers."""
 
@@ -207,8 +228,6 @@ class TorchBackend:
         self.loaded_s = time.monotonic() - started
 
     def _from_gguf(self, path, cache_dir):
-        import transformers
-
         gguf = _Gguf(path)
         weights = gguf.weights_digest(path)
         tokenizer = gguf.tokenizer_digest()
@@ -216,25 +235,37 @@ class TorchBackend:
             raise ValueError("cache_dir: expected a directory for dequantized GGUF checkpoints, found none")
         target = os.path.join(cache_dir, f"{weights:016x}")
         if not os.path.isfile(os.path.join(target, "config.json")):
-            scratch = f"{target}.{os.getpid()}"
+            import fcntl
+
+            os.makedirs(cache_dir, exist_ok=True)
+            # One producer converts; one started beside it (a second --producers, a parallel test) waits.
+            with open(f"{target}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if not os.path.isfile(os.path.join(target, "config.json")):
+                    self._convert(path, weights, target)
+        return target, weights, tokenizer
+
+    def _convert(self, path, weights, target):
+        """Dequantizes the GGUF at `path` with transformers and saves it as f32 safetensors in `target`."""
+        import shutil
+
+        import transformers
+
+        scratch = f"{target}.{os.getpid()}"
+        shutil.rmtree(scratch, ignore_errors=True)
+        with _one_reader_per_file():
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 os.path.dirname(os.path.abspath(path)), gguf_file=os.path.basename(path), dtype=self.torch.float32
             )
-            # The loaded model is plain f32 tensors, but it still says it was "quantized with gguf", and
-            # transformers refuses to save such a model: forget that it was.
-            model.hf_quantizer = None
-            if hasattr(model.config, "quantization_config"):
-                del model.config.quantization_config
-            model.save_pretrained(scratch)
-            with open(os.path.join(scratch, "pdhost-source.json"), "w") as f:
-                json.dump({"gguf": os.path.abspath(path), "weights": f"{weights:016x}"}, f)
-            try:
-                os.rename(scratch, target)
-            except OSError:  # another producer won the race; its copy is the same
-                import shutil
-
-                shutil.rmtree(scratch, ignore_errors=True)
-        return target, weights, tokenizer
+        # The loaded model is plain f32 tensors, but it still says it was "quantized with gguf", and
+        # transformers refuses to save such a model: forget that it was.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(scratch)
+        with open(os.path.join(scratch, "pdhost-source.json"), "w") as f:
+            json.dump({"gguf": os.path.abspath(path), "weights": f"{weights:016x}"}, f)
+        os.rename(scratch, target)
 
     @staticmethod
     def _layers(cfg):
@@ -268,10 +299,21 @@ class TorchBackend:
     def describe(self):
         return {"layout": "grouped", "dtype": self.wire_name, "layers": self.layers, "identity": self.identity}
 
-    def prefill(self, request, tokens, start, writer):
+    # A prefix-cache hit comes as a request starting past 0 with the tokens before it as `context`.
+    takes_context = True
+
+    def prefill(self, request, tokens, start, writer, context=None):
         torch = self.torch
         if start == 0:
             cache = self.cache_class()
+        elif context is not None:
+            # The host holds the prefix's K/V already; this backend recomputes it to attend to it.
+            if len(context) != start:
+                raise ValueError(f"request {request}: expected {start} context tokens, found {len(context)}")
+            cache = self.cache_class()
+            with torch.inference_mode():
+                ids = torch.tensor([context], dtype=torch.long, device=self.device)
+                self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
         else:
             if request not in self.requests:
                 raise ValueError(f"request {request}: a chunk at position {start}, but no earlier chunk is kept")

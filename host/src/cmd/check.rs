@@ -17,7 +17,7 @@ use shm_format::Dtype;
 use super::generate::Opened;
 use super::kv_error::{self, print_layer_errors, ErrorSum, LayerError};
 use super::outln;
-use crate::cli::CheckBackendArgs;
+use crate::cli::{CheckBackendArgs, SkipCheck};
 
 /// Prompt lengths the checks use: short, one past a power of two, and longer than a small window.
 const PROMPT_LENS: [usize; 3] = [9, 33, 70];
@@ -49,6 +49,8 @@ struct Report {
     model: String,
     ok: bool,
     checks: Vec<Check>,
+    /// What `--skip` left out.
+    skipped: Vec<SkipCheck>,
     layers: Vec<LayerError>,
 }
 
@@ -115,26 +117,39 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
         checks.push(spans);
         bar.inc(1);
         layers = sums.iter().enumerate().map(|(l, s)| s.finish(l as u32)).collect();
-        checks.push(kv_check(&layers, tolerance));
+        let runs = |check| !args.skip.contains(&check);
+        if runs(SkipCheck::Kv) {
+            checks.push(kv_check(&layers, tolerance));
+        }
         bar.inc(1);
 
         bar.set_message("greedy decode against local");
-        checks.push(greedy(&mut engine, &mut producer, &prompts, decode, tie_margin));
+        if runs(SkipCheck::Greedy) {
+            checks.push(greedy(&mut engine, &mut producer, &prompts, decode, tie_margin));
+        }
         bar.inc(1);
 
         bar.set_message("deadline");
-        checks.push(deadline(&mut engine, &mut producer, &prompts[0], timeout));
+        if runs(SkipCheck::Deadline) {
+            checks.push(deadline(&mut engine, &mut producer, &prompts[0], timeout));
+        }
         bar.inc(1);
 
         bar.set_message("timings");
-        checks.push(timings(&mut engine, &mut producer, prompts.last().expect("three prompts")));
+        if runs(SkipCheck::Timings) {
+            checks.push(timings(&mut engine, &mut producer, prompts.last().expect("three prompts")));
+        }
         bar.inc(1);
     }
     bar.finish_and_clear();
     producer.shutdown();
 
-    let ok = checks.iter().all(|c| c.ok) && checks.len() == 6;
-    let report = Report { backend: producer.name().to_string(), model: opened.name.clone(), ok, checks, layers };
+    let mut skipped = args.skip.clone();
+    skipped.sort_by_key(|c| *c as u8);
+    skipped.dedup();
+    let ok = checks.iter().all(|c| c.ok) && checks.len() + skipped.len() == 6;
+    let report =
+        Report { backend: producer.name().to_string(), model: opened.name.clone(), ok, checks, skipped, layers };
     if args.json {
         outln!("{}", serde_json::to_string(&report)?)?;
     } else {
@@ -328,6 +343,10 @@ fn print_report(r: &Report) -> anyhow::Result<()> {
     if !r.layers.is_empty() {
         outln!("  per-layer K/V error against local prefill:")?;
         print_layer_errors(&r.layers, "    ")?;
+    }
+    if !r.skipped.is_empty() {
+        let names: Vec<String> = r.skipped.iter().map(|c| format!("{c:?}").to_lowercase()).collect();
+        outln!("  skipped (--skip): {}", names.join(", "))?;
     }
     let failed: Vec<&str> = r.checks.iter().filter(|c| !c.ok).map(|c| c.name).collect();
     if failed.is_empty() && r.ok {

@@ -11,6 +11,9 @@ use shm_format::Dtype;
 
 use crate::cli::PrecisionArg;
 
+/// The least time the `torch` backend gets to start.
+const TORCH_START_TIMEOUT: Duration = Duration::from_secs(600);
+
 /// The flags that pick and configure a producer.
 #[derive(Debug)]
 pub struct Choice<'a> {
@@ -138,7 +141,9 @@ impl Choice<'_> {
             slots: 2,
             // The widest wire dtype: a backend may send f32 whatever the cache holds.
             slot_capacity: ProducerSpec::capacity_for(geometry, Dtype::F32, chunk_tokens as u64),
-            start_timeout: timeout,
+            // torch's first start on a GGUF dequantizes it (50 s for Gemma 3 270M here, minutes on a busy
+            // machine); it still has a deadline.
+            start_timeout: if self.producer == "torch" { timeout.max(TORCH_START_TIMEOUT) } else { timeout },
             request_timeout: timeout,
             restart: RestartPolicy::default(),
             sandbox: self.sandbox,

@@ -14,6 +14,7 @@
 //!     def describe(self) -> dict: ...          # layout, dtype, layers, and optionally identity, max_tokens
 //!     def prefill(self, request: int, tokens: list[int], start: int, writer) -> None: ...
 //!     def release(self, request: int) -> None: ...   # optional
+//!     takes_context = True   # optional: prefill(..., context=[tokens before start]) on a prefix-cache hit
 //! ```
 //!
 //! `writer.region(i)` hands out entry `i` as a writable `memoryview` of bytes over the ring slot itself (no
@@ -381,13 +382,20 @@ impl pdhost_plugin_abi::Backend for PyBackend {
     }
 
     fn prefill(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
-        if !request.context.is_empty() {
-            return Err(BackendError::new(
-                PdhostStatus::Unsupported,
-                "a request that starts past position 0 (a prefix-cache hit): Python backends do not take one yet",
-            ));
-        }
         Python::attach(|py| {
+            // A request that starts past 0 with the tokens before it (a prefix-cache hit) goes only to a
+            // class that says it takes one; the host prefills it itself otherwise.
+            let context = if request.context.is_empty() {
+                None
+            } else if self.instance.bind(py).getattr("takes_context").and_then(|v| v.is_truthy()).unwrap_or(false) {
+                Some(PyList::new(py, request.context).map_err(|e| backend_error(py, "context", &e))?)
+            } else {
+                return Err(BackendError::new(
+                    PdhostStatus::Unsupported,
+                    "a request that starts past position 0 (a prefix-cache hit): this class has no \
+                     `takes_context = True`",
+                ));
+            };
             let entries = writer.entries();
             // SAFETY (of the cast): the pointer is used only by `PyWriter::region` during this call, and
             // `finish` nulls it before the call returns, whatever Python did.
@@ -395,10 +403,16 @@ impl pdhost_plugin_abi::Backend for PyBackend {
             let py_writer = Bound::new(py, PyWriter { writer: raw, views: Vec::new(), entries })
                 .map_err(|e| backend_error(py, "writer", &e))?;
             let tokens = PyList::new(py, request.tokens).map_err(|e| backend_error(py, "tokens", &e))?;
-            let called = self
-                .instance
-                .bind(py)
-                .call_method1("prefill", (request.request_id, tokens, request.start_pos, py_writer.clone()));
+            let args = (request.request_id, tokens, request.start_pos, py_writer.clone());
+            let instance = self.instance.bind(py);
+            let called = match context {
+                None => instance.call_method1("prefill", args),
+                Some(context) => {
+                    let kwargs = PyDict::new(py);
+                    kwargs.set_item("context", context).map_err(|e| backend_error(py, "context", &e))?;
+                    instance.call_method("prefill", args, Some(&kwargs))
+                }
+            };
             let finished = py_writer.borrow_mut().finish(py);
             called.map_err(|e| backend_error(py, "prefill", &e))?;
             finished
