@@ -78,10 +78,11 @@ fn gemma_through_torch_equals_the_reference_beyond_the_window() {
 }
 
 /// SmolLM2 (a GGUF Llama, whose K the backend permutes into the host's rope order) on the same prompt in
-/// 256-token spans. Its whole-prompt runs are in the serve test below.
+/// 256-token spans, and on a short one whole.
 #[test]
-fn smollm2_through_torch_equals_the_reference_chunked() {
+fn smollm2_through_torch_equals_the_references_whole_and_chunked() {
     real_model_case("smollm2-135m", "greedy_smollm2_135m.json", "lgpl_650w", &[&["--prefill-chunk", "256"]]);
+    real_model_case("smollm2-135m", "greedy_smollm2_135m.json", "short_recipe", &[&[]]);
 }
 
 /// The tiny checkpoints (a directory each, loaded as it is): Gemma 3's with an 8-token window on a

@@ -59,7 +59,12 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
     let timeout = request::check_timeout(Field::ProducerTimeout, args.producer_timeout)?;
     let backend_config = request::input::check_backend_config(args.backend_config.as_deref(), &args.backend)?;
     if args.backend == "local" {
-        return Err(Invalid::new(Field::Producer, "a backend (rngd, gpu, faulty or a PATH.so)", "local").into());
+        return Err(Invalid::new(
+            Field::Producer,
+            "a backend (rngd, gpu, faulty, torch, py:MODULE:CLASS or a PATH.so)",
+            "local",
+        )
+        .into());
     }
     let positive = |field, v: f64| {
         if v.is_finite() && v >= 0.0 {

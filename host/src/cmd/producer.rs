@@ -64,10 +64,10 @@ fn python_class(producer: &str) -> Result<(String, String), Invalid> {
 }
 
 impl Choice<'_> {
-    /// The producer these flags name (not started yet), or `None` for `local`. Its spans carry `dtype`
-    /// (the cache's, so remote prefill stays bit-identical to local) unless the backend config says
-    /// otherwise, and hold up to `chunk_tokens` tokens.
-    /// A backend that reports another model identity than `identity` is refused at its handshake.
+    /// The producer these flags name (not started yet) for the model at `model_path` with configuration
+    /// `model`, or `None` for `local`. Its spans carry `dtype` (the cache's, so remote prefill stays
+    /// bit-identical to local) unless the backend config says otherwise, and hold up to `chunk_tokens`
+    /// tokens. A backend that reports another model identity than `identity` is refused at its handshake.
     pub fn producer(
         &self,
         model_path: &Path,

@@ -20,13 +20,13 @@
 //! `writer.region(i)` hands out entry `i` as a writable `memoryview` of bytes over the ring slot itself (no
 //! copy; `numpy.frombuffer` or `torch.frombuffer` view it in place); `writer.entries` is their number.
 
+use std::os::unix::ffi::{OsStrExt as _, OsStringExt as _};
+use std::path::{Path, PathBuf};
+
 use pdhost_plugin_abi::{
     BackendError, Capabilities, Description, PdhostDtype, PdhostLayer, PdhostLayerKind, PdhostLayout, PdhostStatus,
     Prefill, Writer,
 };
-use std::os::unix::ffi::{OsStrExt as _, OsStringExt as _};
-use std::path::{Path, PathBuf};
-
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -435,3 +435,29 @@ impl pdhost_plugin_abi::Backend for PyBackend {
 }
 
 pdhost_plugin_abi::export_backend!(PyBackend, c"python");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The home is the nearest directory above the library with its version's standard library, through
+    /// symlinks (Debian's `/lib` is `/usr/lib`); a library with no standard library near it has none.
+    #[test]
+    fn the_interpreter_home_is_found_above_its_library() {
+        let root = std::env::temp_dir().join(format!("pdhost-stdlib-{}", std::process::id()));
+        let prefix = root.join("usr");
+        std::fs::create_dir_all(prefix.join("lib/python3.11")).unwrap();
+        std::fs::create_dir_all(prefix.join("lib/x86_64-linux-gnu")).unwrap();
+        std::fs::write(prefix.join("lib/python3.11/os.py"), "").unwrap();
+        let lib = prefix.join("lib/x86_64-linux-gnu/libpython3.11.so.1.0");
+        std::fs::write(&lib, "").unwrap();
+        std::os::unix::fs::symlink(prefix.join("lib"), root.join("lib")).unwrap();
+        let canonical = std::fs::canonicalize(&prefix).unwrap();
+        assert_eq!(stdlib_home(&lib), Some(canonical.clone()));
+        assert_eq!(stdlib_home(&root.join("lib/x86_64-linux-gnu/libpython3.11.so.1.0")), Some(canonical));
+        let other = prefix.join("lib/x86_64-linux-gnu/libpython3.99.so.1.0");
+        std::fs::write(&other, "").unwrap();
+        assert_eq!(stdlib_home(&other), None, "no python3.99 standard library anywhere above it");
+        std::fs::remove_dir_all(&root).unwrap();
+    }
+}

@@ -236,9 +236,12 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         rows.iter().map(|r| format!("{:.2}ms", r.local_ingest)).collect::<Vec<_>>().join(", ")
     )?;
     for r in rows.iter().filter(|r| !(r.same_ids && r.same_logits)) {
-        let what =
-            if r.same_ids { "the same ids, other logits bits" } else { "other ids (a near-tie, or K/V that is wrong)" };
-        outln!("{} tokens: PD decoded {what} than local", r.tokens)?;
+        let what = if r.same_ids {
+            "local's ids, with other logits bits"
+        } else {
+            "other ids than local (a near-tie, or K/V that is wrong)"
+        };
+        outln!("{} tokens: decode after PD gave {what}", r.tokens)?;
     }
     outln!("per-layer K/V error of the `{name}` producer's prefill against the host's, {longest} tokens:")?;
     kv_error::print_layer_errors(&layers, "  ")?;
