@@ -5,13 +5,13 @@
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
-use std::process::{Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode};
 
 use anyhow::Context;
 use serde_json::json;
 
 use super::models::Bar;
-use super::{errln, outln};
+use super::{errln, outln, set_up};
 use crate::cli::{BackendsAction, BackendsArgs};
 
 /// The torch backend's Python module, written into its environment (`plugins/torch/pdhost_torch.py`).
@@ -80,7 +80,7 @@ pub fn torch(quiet: bool) -> anyhow::Result<TorchEnv> {
 fn install(dir: &Path, quiet: bool) -> anyhow::Result<()> {
     let bar = Bar::new(quiet);
     let started = std::time::Instant::now();
-    let found = output(Command::new("python3").args(["-c", "import sys; print('%d.%d' % sys.version_info[:2])"]))
+    let found = set_up(Command::new("python3").args(["-c", "import sys; print('%d.%d' % sys.version_info[:2])"]))
         .context("the torch backend needs python3 (3.11, the interpreter pdhost embeds)")?;
     anyhow::ensure!(
         found.trim() == PYTHON,
@@ -91,14 +91,14 @@ fn install(dir: &Path, quiet: bool) -> anyhow::Result<()> {
         std::fs::remove_dir_all(dir).with_context(|| format!("removing the incomplete {}", dir.display()))?;
     }
     bar.spin(&format!("torch backend: [1/3] creating a Python {PYTHON} environment in {}", dir.display()));
-    output(Command::new("python3").args(["-m", "venv"]).arg(dir))?;
+    set_up(Command::new("python3").args(["-m", "venv"]).arg(dir))?;
     let python = dir.join("bin/python");
     bar.spin(&format!("torch backend: [2/3] installing {UV}"));
-    output(Command::new(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", UV]))?;
+    set_up(Command::new(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", UV]))?;
     let requirements = dir.join("requirements.txt");
     std::fs::write(&requirements, TORCH_REQUIREMENTS).context("writing requirements.txt")?;
     bar.spin("torch backend: [3/3] installing torch, transformers, gguf, numpy (about 3 GB to download, once)");
-    output(
+    set_up(
         Command::new(dir.join("bin/uv"))
             .args(["pip", "install", "--quiet", "--require-hashes", "--python"])
             .arg(&python)
@@ -127,19 +127,6 @@ fn write_if_changed(path: &Path, text: &str) -> anyhow::Result<()> {
     f.write_all(text.as_bytes()).with_context(|| format!("writing {}", scratch.display()))?;
     drop(f);
     std::fs::rename(&scratch, path).with_context(|| format!("writing {}", path.display()))
-}
-
-/// Runs a set-up step and returns its stdout; its last stderr line if it fails.
-fn output(cmd: &mut Command) -> anyhow::Result<String> {
-    let what = format!("{cmd:?}");
-    let out = cmd.stdin(Stdio::null()).output().with_context(|| format!("running {what}"))?;
-    anyhow::ensure!(
-        out.status.success(),
-        "{what} failed ({}): {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr).lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output")
-    );
-    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 pub fn run(args: &BackendsArgs) -> anyhow::Result<ExitCode> {

@@ -10,6 +10,21 @@ pub mod models;
 pub mod producer;
 pub mod serve;
 
+/// Runs a set-up step (a venv, a pip or uv install, a build) and returns its stdout; when it fails, the
+/// error names the command, its status and its last line of stderr.
+pub fn set_up(cmd: &mut std::process::Command) -> anyhow::Result<String> {
+    use anyhow::Context as _;
+    let what = format!("{cmd:?}");
+    let out = cmd.stdin(std::process::Stdio::null()).output().with_context(|| format!("running {what}"))?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{what} failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr).lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output")
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 /// A failed write to standard output. `main` turns a closed stdout (`pdhost ... | head`) into a quiet exit
 /// instead of an error, and never confuses it with a broken pipe elsewhere (a producer's socket).
 #[derive(Debug, thiserror::Error)]

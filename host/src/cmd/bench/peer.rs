@@ -73,17 +73,9 @@ fn cmake() -> anyhow::Result<PathBuf> {
     Ok(bin)
 }
 
-/// Runs a set-up step; its last error line if it fails.
+/// Runs a set-up step ([`crate::cmd::set_up`]).
 fn run(cmd: &mut Command) -> anyhow::Result<()> {
-    let what = format!("{cmd:?}");
-    let out = cmd.stdin(Stdio::null()).output().with_context(|| format!("running {what}"))?;
-    anyhow::ensure!(
-        out.status.success(),
-        "{what} failed ({}): {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr).lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output")
-    );
-    Ok(())
+    crate::cmd::set_up(cmd).map(drop)
 }
 
 /// A running `llama-server`, killed when dropped.
