@@ -28,7 +28,6 @@ so the logits are those of the default cache. The host keeps what its window nee
 import json
 import os
 import struct
-import time
 
 # Requests whose cache is kept for a following chunk; the oldest is dropped past this many.
 LIVE_REQUESTS = 16
@@ -64,7 +63,6 @@ class _Gguf:
 
         with open(path, "rb") as f:
             data = f.read(64 << 20)
-            self.size = os.fstat(f.fileno()).st_size
         self.buf, self.at = memoryview(data), 0
         magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", data, 0)
         if magic != b"GGUF" or version < 2:
@@ -198,7 +196,6 @@ class TorchBackend:
         if config.get("threads"):
             torch.set_num_threads(int(config["threads"]))
 
-        started = time.monotonic()
         if path.endswith(".gguf"):
             checkpoint, weights, tokenizer = self._from_gguf(path, config.get("cache_dir"))
         else:
@@ -222,10 +219,7 @@ class TorchBackend:
         self.requests = {}
         # One forward pass now, so that everything torch loads lazily is loaded before the sandbox closes
         # the file system.
-        with torch.inference_mode():
-            self.model(input_ids=torch.tensor([[0]], device=self.device), use_cache=True, cache=self.cache_class(),
-                       logits_to_keep=1)
-        self.loaded_s = time.monotonic() - started
+        self._forward([0], self.cache_class())
 
     def _from_gguf(self, path, cache_dir):
         gguf = _Gguf(path)
@@ -311,9 +305,7 @@ class TorchBackend:
             if len(context) != start:
                 raise ValueError(f"request {request}: expected {start} context tokens, found {len(context)}")
             cache = self.cache_class()
-            with torch.inference_mode():
-                ids = torch.tensor([context], dtype=torch.long, device=self.device)
-                self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+            self._forward(context, cache)
         else:
             if request not in self.requests:
                 raise ValueError(f"request {request}: a chunk at position {start}, but no earlier chunk is kept")
@@ -321,9 +313,8 @@ class TorchBackend:
             if at != start:
                 raise ValueError(f"request {request}: expected the chunk at position {at}, found {start}")
         n = len(tokens)
+        self._forward(tokens, cache)
         with torch.inference_mode():
-            ids = torch.tensor([tokens], dtype=torch.long, device=self.device)
-            self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
             for entry, (layer, kv) in enumerate(self.entries):
                 held = cache.layers[layer]
                 src = (held.keys if kv == 0 else held.values)[0, :, start : start + n, :].transpose(0, 1)
@@ -336,6 +327,13 @@ class TorchBackend:
         self.requests[request] = (cache, start + n)
         while len(self.requests) > LIVE_REQUESTS:
             self.requests.pop(next(iter(self.requests)))
+
+    def _forward(self, tokens, cache):
+        """Runs `tokens` through the model after what `cache` holds, appending their K/V to it (the logits of
+        the last token only: the host computes its own)."""
+        with self.torch.inference_mode():
+            ids = self.torch.tensor([tokens], dtype=self.torch.long, device=self.device)
+            self.model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
 
     def release(self, request):
         self.requests.pop(request, None)
