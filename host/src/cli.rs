@@ -239,13 +239,18 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
     pub queue: u64,
     /// Who prefills: `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS`, a backend library `PATH.so`, or
-    /// `local` (see `generate`).
+    /// `local` (see `generate`). Several backends separated by commas (`faulty,rngd`) share the producer
+    /// processes in turn, one backend each.
     #[arg(long, default_value = "rngd")]
     pub producer: String,
-    /// Producer processes (1 to 8): this many prompts prefill at once, each while the live sequences
-    /// keep decoding.
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
-    pub producers: u64,
+    /// Producer processes (1 to 8; default: one per backend in `--producer`): this many prompts prefill at
+    /// once, each while the live sequences keep decoding.
+    #[arg(long, allow_negative_numbers = true)]
+    pub producers: Option<u64>,
+    /// Restarts per producer within a minute (0 to 1000) before its requests are refused with
+    /// `restart_limit` (and fall back, or fail) until the minute moves on.
+    #[arg(long, default_value_t = 10, allow_negative_numbers = true)]
+    pub max_restarts: u64,
     /// JSON object merged into the backend's configuration (see `generate`).
     #[arg(long, value_name = "JSON")]
     pub backend_config: Option<String>,
@@ -481,7 +486,8 @@ pub enum Bench {
     ///
     /// Exit status: 0 when every response was equal to its reference, 1 when one differed or failed.
     Serve(ServeBenchArgs),
-    /// Faults under load: a `pdhost serve` with 4 slots and 2 `faulty` producers failing at random, fed
+    /// Faults under load: a `pdhost serve` with 4 slots and 2 producers, a `faulty` one failing at random
+    /// beside a real `rngd` one, fed
     /// `--requests` at `--concurrency` over HTTP, with clients that disconnect, malformed requests, a
     /// producer killed from outside every `--kill-every` seconds and one stopped (a hang), then a SIGTERM
     /// drain. Reports how every request ended (lost must be 0), every completed response against its
@@ -506,7 +512,7 @@ pub struct SoakBenchArgs {
     /// Requests in flight at once (1 to 64).
     #[arg(long, allow_negative_numbers = true, default_value_t = 8)]
     pub concurrency: u64,
-    /// Share of prefills the `faulty` producers fail, each in one of its modes chosen at random (0 to 1).
+    /// Share of prefills the `faulty` producer fails, each in one of its modes chosen at random (0 to 1).
     #[arg(long, allow_negative_numbers = true, default_value_t = 0.25)]
     pub fault_rate: f64,
     /// Share of requests whose client disconnects at a random moment: before the first token

@@ -659,14 +659,14 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
     }
 }
 
-/// `--producers 2`: while one producer hangs on request 1 (the `faulty` backend's `hang` mode), request
-/// 2 is prefilled by the other and answered first; request 1 then falls back to local prefill when its
-/// producer's deadline kills it, and still equals `generate`.
+/// Two producers of two backends (`--producer rngd,faulty`): while the `faulty` one hangs on request 1
+/// (its `hang` mode), request 2 is prefilled by the `rngd` one and answered first; request 1 then falls
+/// back to local prefill when its producer's deadline kills it, and still equals `generate`. (The pool
+/// hands out the last idle producer first, so request 1 goes to the second backend named.)
 #[test]
 fn a_second_producer_prefills_while_the_first_hangs() {
     let config = r#"{"fault": "hang", "on_requests": [1]}"#;
-    let s =
-        serve(&["--producer", "faulty", "--producers", "2", "--backend-config", config, "--producer-timeout", "15"]);
+    let s = serve(&["--producer", "rngd,faulty", "--backend-config", config, "--producer-timeout", "15"]);
     let prompt = "The three primary colours are";
     let reference = generate(prompt, 4, &[]);
     let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}).to_string();
@@ -690,6 +690,7 @@ fn a_second_producer_prefills_while_the_first_hangs() {
     assert!(!first.is_finished(), "request 1 answered before request 2");
     assert_eq!(status, 200, "{second}");
     assert_eq!(second["pdhost"]["prefill"], "remote", "{second}");
+    assert_eq!(second["pdhost"]["producer"], "rngd", "{second}");
     assert_eq!(second["pdhost"]["output_ids"], reference["output_ids"], "{second}");
     let (status, first) = first.join().unwrap();
     assert_eq!(status, 200, "{first}");

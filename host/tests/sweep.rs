@@ -543,6 +543,14 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         }
     }
     let more = vec![
+        // A server's producers, refused before a model loads.
+        case("serve producer list with local", &["serve", "--producer", "local,rngd"])
+            .refused(2, &["--producer: expected one producer, or backends separated by commas (`local` alone)"]),
+        case("serve producer list empty entry", &["serve", "--producer", "rngd,"]).refused(2, &["--producer"]),
+        case("serve fewer producers than backends", &["serve", "--producer", "faulty,rngd", "--producers", "1"])
+            .refused(2, &["--producers: expected 2 to 8, found 1"]),
+        case("serve max-restarts 1001", &["serve", "--max-restarts", "1001"])
+            .refused(2, &["--max-restarts: expected 0 to 1000, found 1001"]),
         // Bounds just past the edge.
         tiny_gen("page-size past the context", &["--page-size", "2049"])
             .refused(2, &["--page-size: expected 1 to 2048 tokens"]),

@@ -199,3 +199,32 @@ fault_tests!(
     garbage_reply,
     oversize_reply,
 );
+
+/// A daemon the backend double-forks inside `open`, before any filter exists (a vendor SDK's helper):
+/// with the sandbox on it is gone before the producer reports ready; with it off it lives as long as
+/// the producer, and not after.
+#[test]
+fn a_daemon_forked_in_open_does_not_outlive_its_producer() {
+    let _serial = serial();
+    let e = engine(&gemma(), Dtype::Bf16);
+    let alive = |pid: i32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
+    };
+    for sandbox in [true, false] {
+        let before = snapshot();
+        let pid_file = std::env::temp_dir().join(format!("pdhost-daemon-{}-{sandbox}.pid", std::process::id()));
+        let config = config(&gemma(), Dtype::Bf16, serde_json::json!({"daemon_in_open": pid_file}));
+        let mut spec = producer_spec(&e, builtin("faulty"), config, TIMEOUT);
+        spec.sandbox = sandbox;
+        let mut p = Producer::new(spec, e.kv.geometry().clone());
+        p.start().unwrap_or_else(|err| panic!("sandbox {sandbox}: the producer starts: {err}"));
+        let daemon: i32 = std::fs::read_to_string(&pid_file).expect("the daemon's pid").parse().expect("a pid");
+        std::fs::remove_file(&pid_file).unwrap();
+        assert!(daemon > 0, "the backend forked");
+        assert_eq!(alive(daemon), !sandbox, "sandbox {sandbox}: the daemon while the producer runs");
+        drop(p);
+        assert!(!alive(daemon), "sandbox {sandbox}: the daemon outlived its producer");
+        assert_eq!(snapshot(), before, "sandbox {sandbox}: leak");
+    }
+}

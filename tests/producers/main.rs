@@ -53,8 +53,13 @@ fn engine(model: &std::path::Path, dtype: Dtype) -> Engine {
 /// backoff (so the request after a fault always finds a new producer) and `timeout` for start-up and each
 /// request.
 fn producer(engine: &Engine, backend: PathBuf, config: serde_json::Value, timeout: Duration) -> Producer {
+    Producer::new(producer_spec(engine, backend, config, timeout), engine.kv.geometry().clone())
+}
+
+/// The spec [`producer`] starts.
+fn producer_spec(engine: &Engine, backend: PathBuf, config: serde_json::Value, timeout: Duration) -> ProducerSpec {
     let name = backend.file_stem().unwrap().to_string_lossy().trim_start_matches("libpdhost_backend_").to_string();
-    let spec = ProducerSpec {
+    ProducerSpec {
         name,
         program: PathBuf::from(env!("CARGO_BIN_EXE_test-producer")),
         program_args: Vec::new(),
@@ -73,8 +78,7 @@ fn producer(engine: &Engine, backend: PathBuf, config: serde_json::Value, timeou
         sandbox: true,
         memory_limit: Some(MEMORY_LIMIT),
         identity: Some(engine.model.identity.to_string()),
-    };
-    Producer::new(spec, engine.kv.geometry().clone())
+    }
 }
 
 /// A built-in backend's library, configured for `model` and `dtype` plus `extra` keys.

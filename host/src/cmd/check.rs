@@ -92,6 +92,7 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
         timeout,
         sandbox: true,
         memory_limit: super::producer::memory_limit(None)?,
+        restart: Default::default(),
     };
     let mut producer = choice
         .producer(&opened.path, &model.config, &model.identity, dtype, longest)?

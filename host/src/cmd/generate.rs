@@ -157,6 +157,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         timeout,
         sandbox: args.sandbox == Switch::On,
         memory_limit: super::producer::memory_limit(args.producer_memory)?,
+        restart: Default::default(),
     };
     let mut producer = choice.producer(&opened.path, &opened.config, &model.identity, dtype, chunk_tokens)?;
     let mut engine = Engine::new(model, dtype, page_size, max_len, 1)?;

@@ -15,7 +15,7 @@ use crate::cli::PrecisionArg;
 const TORCH_START_TIMEOUT: Duration = Duration::from_secs(600);
 
 /// The flags that pick and configure a producer.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Choice<'a> {
     /// `local`, `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS` or a library path.
     pub producer: &'a str,
@@ -31,6 +31,8 @@ pub struct Choice<'a> {
     pub sandbox: bool,
     /// Its memory cap in bytes ([`memory_limit`]).
     pub memory_limit: u64,
+    /// How often a failed producer is restarted.
+    pub restart: RestartPolicy,
 }
 
 /// `--producer-memory` in bytes: at least 64 MiB and at most this machine's memory; by default half of it.
@@ -145,7 +147,7 @@ impl Choice<'_> {
             // machine); it still has a deadline.
             start_timeout: if self.producer == "torch" { timeout.max(TORCH_START_TIMEOUT) } else { timeout },
             request_timeout: timeout,
-            restart: RestartPolicy::default(),
+            restart: self.restart,
             sandbox: self.sandbox,
             memory_limit: Some(self.memory_limit),
             identity: Some(identity.to_string()),

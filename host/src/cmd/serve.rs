@@ -10,6 +10,7 @@ use pdhost::request::input;
 use pdhost::request::{self, Field, Limits};
 use pdhost::server::worker::Loaded;
 use pdhost::server::{ServeConfig, Server};
+use pdhost::supervisor::RestartPolicy;
 
 use super::generate::Opened;
 use crate::cli::{ServeArgs, Switch};
@@ -24,6 +25,8 @@ const MAX_QUEUE: u64 = 4096;
 const MAX_SLOTS: u64 = 64;
 /// Producer processes at most.
 const MAX_PRODUCERS: u64 = 8;
+/// Restarts per producer per minute at most.
+const MAX_RESTARTS: u64 = 1000;
 
 pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     // Everything that needs no model first.
@@ -33,6 +36,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let queue = request::check_count(Field::Queue, args.queue, 1, MAX_QUEUE)? as usize;
     let slots = request::check_count(Field::Slots, args.slots, 1, MAX_SLOTS)? as u32;
     let backend_config = input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
+    let backends = backends(&args.producer)?;
+    let max_restarts = request::check_count(Field::MaxRestarts, args.max_restarts, 0, MAX_RESTARTS)? as u32;
+    let producers = args.producers.unwrap_or(backends.len() as u64);
+    let count = request::check_count(Field::Producers, producers, backends.len() as u64, MAX_PRODUCERS)?;
     let source = input::model_source(&args.model)?;
 
     let mut opened = Opened::open(&source, true)?;
@@ -55,20 +62,22 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     })?);
     let prefill_chunk = request::check_count(Field::PrefillChunk, args.prefill_chunk, 0, max_len)? as usize;
     let choice = super::producer::Choice {
-        producer: &args.producer,
+        producer: backends[0],
         backend_config,
         precision: args.precision,
         threads,
         timeout,
         sandbox: args.sandbox == Switch::On,
         memory_limit: super::producer::memory_limit(args.producer_memory)?,
+        restart: RestartPolicy { max_restarts, ..RestartPolicy::default() },
     };
     let chunk_tokens = if prefill_chunk == 0 { max_len as usize } else { prefill_chunk };
-    let count = request::check_count(Field::Producers, args.producers, 1, MAX_PRODUCERS)?;
     let mut producers = Vec::new();
     let identity = if choice.producer == "local" { None } else { Some(opened.identity()?) };
-    for _ in 0..count {
+    for i in 0..count as usize {
         let Some(identity) = &identity else { break };
+        // The backends take the processes in turn.
+        let choice = super::producer::Choice { producer: backends[i % backends.len()], ..choice.clone() };
         producers.extend(choice.producer(&opened.path, &opened.config, identity, dtype, chunk_tokens)?);
     }
     let on_failure = args.on_producer_failure.policy();
@@ -126,6 +135,19 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The backends of `--producer`: one name, or several separated by commas (`local` only alone).
+fn backends(producer: &str) -> Result<Vec<&str>, request::Invalid> {
+    let names: Vec<&str> = producer.split(',').map(str::trim).collect();
+    if names.len() > 1 && names.iter().any(|n| n.is_empty() || *n == "local") {
+        return Err(request::Invalid::new(
+            Field::Producer,
+            "one producer, or backends separated by commas (`local` alone)",
+            format_args!("{producer:?}"),
+        ));
+    }
+    Ok(names)
 }
 
 /// SIGTERM or SIGINT.

@@ -79,6 +79,8 @@ pub enum Field {
     Slots,
     /// Serve: producer processes.
     Producers,
+    /// Serve: restarts per producer per minute.
+    MaxRestarts,
     /// Bench serve: prompt lengths.
     Inputs,
     /// Bench serve: output lengths.
@@ -143,6 +145,7 @@ impl Field {
             Field::Queue => "--queue",
             Field::Slots => "--slots",
             Field::Producers => "--producers",
+            Field::MaxRestarts => "--max-restarts",
             Field::Inputs => "--inputs",
             Field::Outputs => "--outputs",
             Field::Concurrency => "--concurrency",

@@ -11,6 +11,8 @@
 //! id, so the choice survives producer restarts); `on_requests` limits the fault to those request ids
 //! (default: every request); `layout` is `dense` (default) or `grouped`. Without `fault` it behaves.
 //! `call_limit` makes it report (and enforce) a capability of that many tokens per prefill call.
+//! `daemon_in_open: "PATH"` double-forks a daemon inside `open`, before any filter exists (as a vendor
+//! SDK starting a helper would), and writes its pid to `PATH`.
 //!
 //! Everything a misbehaving vendor library could do from inside the producer process is fair: crash in
 //! three ways at three points, panic, leave a region unwritten or half-written, try what the sandbox forbids (fork a daemon, signal the host,
@@ -142,6 +144,11 @@ impl Backend for Faulty {
                 ));
             }
         }
+        if let Some(path) = json.get("daemon_in_open").and_then(|p| p.as_str()) {
+            let pid = fork_daemon();
+            std::fs::write(path, pid.to_string())
+                .map_err(|e| BackendError::new(PdhostStatus::BackendError, format!("daemon_in_open {path}: {e}")))?;
+        }
         let on_requests =
             json.get("on_requests").and_then(|r| r.as_array()).map(|a| a.iter().filter_map(|v| v.as_u64()).collect());
         Ok(Faulty {
@@ -237,24 +244,7 @@ impl Backend for Faulty {
             }
             // What a vendor library could try from inside `prefill`; the sandbox stops each.
             "fork_daemon" => {
-                // Double fork: the grandchild, reparented away from the producer, would outlive it.
-                // SAFETY: fork in a process whose other threads hold no locks the children need; the
-                // children only sleep or exit.
-                unsafe {
-                    match libc::fork() {
-                        0 => {
-                            if libc::fork() == 0 {
-                                libc::setsid();
-                                libc::sleep(3600);
-                            }
-                            libc::_exit(0);
-                        }
-                        -1 => {}
-                        child => {
-                            libc::waitpid(child, std::ptr::null_mut(), 0);
-                        }
-                    }
-                }
+                fork_daemon();
                 self.behave(request, writer)
             }
             "signal_host" => {
@@ -492,6 +482,45 @@ fn die_exit0() -> ! {
 /// Descriptors of this process that are Unix sockets: the producer's control socket.
 /// This process's open descriptors and what each refers to, found without opening anything (the sandbox
 /// refuses `open`, so `/proc/self/fd` cannot be listed): each number is probed and its link read.
+/// A double fork, as a daemon starts: the grandchild (`setsid`, then asleep for an hour) loses its
+/// parent and would outlive the producer if nothing adopted it. Returns the grandchild's pid (0 when a
+/// fork failed).
+fn fork_daemon() -> i32 {
+    let mut pipe = [0i32; 2];
+    // SAFETY: fork in a process whose other threads hold no locks the children need; the children only
+    // write a pid to a pipe, sleep or exit.
+    unsafe {
+        if libc::pipe(pipe.as_mut_ptr()) != 0 {
+            return 0;
+        }
+        match libc::fork() {
+            0 => {
+                let grandchild = libc::fork();
+                if grandchild == 0 {
+                    libc::setsid();
+                    libc::sleep(3600);
+                    libc::_exit(0);
+                }
+                libc::write(pipe[1], (&raw const grandchild).cast(), 4);
+                libc::_exit(0);
+            }
+            -1 => 0,
+            child => {
+                let mut grandchild = 0i32;
+                let got = libc::read(pipe[0], (&raw mut grandchild).cast(), 4);
+                libc::waitpid(child, std::ptr::null_mut(), 0);
+                libc::close(pipe[0]);
+                libc::close(pipe[1]);
+                if got == 4 {
+                    grandchild.max(0)
+                } else {
+                    0
+                }
+            }
+        }
+    }
+}
+
 fn open_fds() -> Vec<(i32, String)> {
     (0..4096)
         // SAFETY: F_GETFD on a descriptor number only reads its flags.

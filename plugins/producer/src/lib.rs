@@ -144,7 +144,11 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
     }
     let [control, data, to_host, from_host, socket] = fds;
     let socket = UnixStream::from(socket);
-    match serve(&args, [control, data, to_host, from_host], &socket) {
+    let served = serve(&args, [control, data, to_host, from_host], &socket);
+    // Nothing the backend started outlives the producer's own exit. (Under the filters there is nothing
+    // to end, and /proc cannot be read.)
+    let _ = sandbox::end_descendants();
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(Fatal { stage, status, message }) => {
             // The host reports the failure it receives; say it here only when the host cannot hear it.
@@ -310,11 +314,21 @@ struct Framing {
 
 fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(), Fatal> {
     sandbox::limit_memory(args.memory_limit).map_err(fatal("limits"))?;
+    sandbox::adopt_orphans().map_err(fatal("limits"))?;
     let loaded = load(&args.backend).map_err(|e| fatal("load")(format!("{}: {e}", args.backend.display())))?;
     let instance = open(&loaded, &args.config)?;
     let (framing, described) = describe(&instance)?;
     let mut ring = RingWriter::open(ring_fds).map_err(|e| fatal("ring")(e.to_string()))?;
     if args.sandbox {
+        // What the backend started while it opened (a helper, a daemon) ends here; from the filters on it
+        // can start nothing.
+        let ended = sandbox::end_descendants().map_err(fatal("sandbox"))?;
+        if ended > 0 {
+            eprintln!(
+                "pdhost-producer: the backend left {ended} process(es) running after open: killed (a backend \
+                 that needs helper processes runs with --sandbox off)"
+            );
+        }
         sandbox::confine_backend().map_err(fatal("sandbox"))?;
     }
     protocol::send(socket, &FromProducer::Ready(described)).map_err(|e| fatal("socket")(e.to_string()))?;

@@ -47,6 +47,57 @@ pub fn limit_memory(memory_limit: Option<u64>) -> Result<(), String> {
     Ok(())
 }
 
+/// Makes this process the reaper of every orphan below it (`PR_SET_CHILD_SUBREAPER`), before any backend
+/// code runs. A process the backend starts stays below the producer even when its parent exits (the
+/// double fork of a daemon, `setsid` or not), so [`end_descendants`] finds it; without this it would move
+/// to init and outlive the producer, holding the ring's memory mapped.
+pub fn adopt_orphans() -> Result<(), String> {
+    // SAFETY: prctl with integer arguments.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+        return Err(format!("PR_SET_CHILD_SUBREAPER: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// Kills and reaps every process below this one, and returns how many there were. Killing a process
+/// hands its own children to this one (see [`adopt_orphans`]), so it repeats until none is left; a
+/// backend that forks faster than it is killed is an error after 64 rounds.
+pub fn end_descendants() -> Result<usize, String> {
+    let me = std::process::id() as i32;
+    let mut ended = 0;
+    for _ in 0..64 {
+        let children = children_of(me).map_err(|e| format!("listing this process's children in /proc: {e}"))?;
+        if children.is_empty() {
+            return Ok(ended);
+        }
+        for &child in &children {
+            // SAFETY: plain system calls on a child of this process (a zombie is only reaped).
+            unsafe {
+                libc::kill(child, libc::SIGKILL);
+                libc::waitpid(child, std::ptr::null_mut(), 0);
+            }
+        }
+        ended += children.len();
+    }
+    Err(format!("the backend's processes kept forking: {ended} killed and more still running"))
+}
+
+/// The processes whose parent is `pid` (zombies included: they still need a reap).
+fn children_of(pid: i32) -> std::io::Result<Vec<i32>> {
+    let mut children = Vec::new();
+    for entry in std::fs::read_dir("/proc")? {
+        let Some(p) = entry?.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        // `pid (comm) state ppid ...`: the fields after the last `)` (a comm may hold one). A process
+        // that exited since the listing has no stat left.
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
+        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
+        if ppid == Some(pid) {
+            children.push(p);
+        }
+    }
+    Ok(children)
+}
+
 /// Installs the filters above on every thread of this process. From here on, a forbidden call kills the
 /// process or fails, as listed in the module's documentation.
 pub fn confine_backend() -> Result<(), String> {

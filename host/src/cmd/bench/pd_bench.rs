@@ -88,6 +88,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         timeout: Duration::from_secs(600),
         sandbox: true,
         memory_limit: super::super::producer::memory_limit(None)?,
+        restart: Default::default(),
     };
     let absolute = std::path::absolute(&path)?;
     let mut producer = choice

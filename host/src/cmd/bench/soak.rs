@@ -1,9 +1,9 @@
 //! `pdhost bench soak`: faults under load, as figures.
 //!
 //! A reference server (`--producer local`, one slot) first answers each distinct prompt alone. Then the
-//! soak server starts: 4 slots, 2 `faulty` producers that fail `--fault-rate` of their prefills in a mode
-//! chosen at random from all of them (crashes, hangs, lying spans, sandbox violations, memory), falling
-//! back to local prefill. `--concurrency` clients send `--requests` over HTTP; some disconnect at a random
+//! soak server starts: 4 slots and 2 producers, a `faulty` one that fails `--fault-rate` of its prefills
+//! in a mode chosen at random from all of them (crashes, hangs, lying spans, sandbox violations, memory)
+//! beside a real `rngd` one, falling back to local prefill. `--concurrency` clients send `--requests` over HTTP; some disconnect at a random
 //! moment, some send malformed or invalid requests, and a producer is killed from outside every
 //! `--kill-every` seconds (the first time, one is stopped with SIGSTOP instead: a hang). The server is then
 //! drained with SIGTERM.
@@ -37,6 +37,9 @@ const PROMPTS: usize = 12;
 const CONTEXT: u64 = 1024;
 /// A request may queue behind the others and a producer's timeout.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
+/// Restarts per producer per minute: one a second, so that the faulty producer keeps coming back under
+/// its faults rather than sitting out the restart cap's window.
+const MAX_RESTARTS: &str = "60";
 /// A producer that does not answer a prefill within this is killed (the `hang` fault and SIGSTOP).
 const PRODUCER_TIMEOUT: &str = "3";
 /// How long the soak waits for both producers to be up again before a resource snapshot.
@@ -457,9 +460,9 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
         json!({"fault": "random", "seed": args.seed, "rate": args.fault_rate, "delay_ms": 500}).to_string();
     let server = serve(&[
         "--producer",
-        "faulty",
-        "--producers",
-        "2",
+        "faulty,rngd",
+        "--max-restarts",
+        MAX_RESTARTS,
         "--slots",
         "4",
         "--queue",
@@ -624,7 +627,7 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
     };
     outln!(
         "soak: {}, {} requests ({requests} asked, the rest to bring both producers back) at concurrency \
-         {concurrency}, {} s; 2 faulty producers failing {} of prefills, disconnects {}, bad requests {}, a \
+         {concurrency}, {} s; a faulty producer failing {} of its prefills beside an rngd one, disconnects {}, bad requests {}, a \
          producer killed every {} s",
         args.model,
         next.load(Ordering::Relaxed),
