@@ -14,6 +14,7 @@ use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pdhost_plugin_abi::PdhostStatus;
@@ -207,11 +208,13 @@ pub enum ProducerError {
         /// What the host was waiting for.
         during: &'static str,
     },
-    /// The producer died by a signal with its memory at its cap.
+    /// The producer died by a signal at its memory cap: its peak resident memory was near the cap, or its
+    /// last words were an allocation failure.
     #[error(
-        "producer {name} exited {status} while {during}, at its memory limit (peak {} MiB of {} MiB)",
-        *peak >> 20,
-        *limit >> 20
+        "producer {name} exited {status} while {during}, at its memory limit of {} MiB ({}peak resident {} MiB)",
+        *limit >> 20,
+        last_words.as_deref().map(|w| format!("{w:?}, ")).unwrap_or_default(),
+        *peak >> 20
     )]
     MemoryLimit {
         /// Producer.
@@ -224,6 +227,8 @@ pub enum ProducerError {
         peak: u64,
         /// The cap in bytes.
         limit: u64,
+        /// The line of its stderr that named the failed allocation, if one did.
+        last_words: Option<String>,
     },
     /// No answer before the deadline; the producer was killed.
     #[error("producer {name}: no answer within {} while {during}; killed it", words::duration(*waited))]
@@ -411,6 +416,40 @@ struct Running {
     open_requests: std::collections::HashSet<u64>,
     /// Disconnects when the threads logging the process's stdout and stderr are done.
     logging: crossbeam_channel::Receiver<()>,
+    /// The last lines of its stderr.
+    last_lines: LastLines,
+}
+
+/// The last [`LastLines::KEEP`] lines a producer wrote to stderr, kept by its logging thread.
+#[derive(Clone, Debug, Default)]
+struct LastLines(Arc<Mutex<VecDeque<String>>>);
+
+impl LastLines {
+    const KEEP: usize = 8;
+
+    fn push(&self, line: &str) {
+        let mut lines = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if lines.len() == Self::KEEP {
+            lines.pop_front();
+        }
+        lines.push_back(line.to_string());
+    }
+
+    /// The last line that says an allocation failed, as the standard libraries of Rust (`memory
+    /// allocation of N bytes failed`), C++ (`std::bad_alloc`) and Python (`MemoryError`) say it when
+    /// `RLIMIT_DATA` refuses memory. A C backend that dereferences the null `malloc` gave it says nothing.
+    fn allocation_failure(&self) -> Option<String> {
+        let lines = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        lines
+            .iter()
+            .rev()
+            .find(|l| {
+                (l.contains("memory allocation of") && l.contains("failed"))
+                    || l.contains("std::bad_alloc")
+                    || l.contains("MemoryError")
+            })
+            .cloned()
+    }
 }
 
 /// A producer's reply to [`Producer::submit`]: its span is committed in the ring, waiting for
@@ -570,10 +609,11 @@ fn log_output(
     pid: u32,
     stdout: Option<std::process::ChildStdout>,
     stderr: Option<std::process::ChildStderr>,
-) -> crossbeam_channel::Receiver<()> {
+) -> (crossbeam_channel::Receiver<()>, LastLines) {
     let (done, logging) = crossbeam_channel::bounded::<()>(0);
+    let last_lines = LastLines::default();
     let pump = |stream: &'static str, from: Box<dyn std::io::Read + Send>| {
-        let (name, done) = (name.to_string(), done.clone());
+        let (name, done, last_lines) = (name.to_string(), done.clone(), last_lines.clone());
         let spawned = std::thread::Builder::new().name(format!("{name}-{stream}")).spawn(move || {
             let _done = done;
             use std::io::{BufRead, Read};
@@ -586,6 +626,9 @@ fn log_output(
                     Ok(_) => {
                         let text = String::from_utf8_lossy(&line);
                         let text = text.trim_end();
+                        if stream == "stderr" && !text.is_empty() {
+                            last_lines.push(text);
+                        }
                         // A backend's stderr is its diagnostics: shown by default. Its stdout only at
                         // the info level (a server's default).
                         // A line from the logging callback carries its level (`@pdhost:info text`).
@@ -613,7 +656,7 @@ fn log_output(
     if let Some(err) = stderr {
         pump("stderr", Box::new(err));
     }
-    logging
+    (logging, last_lines)
 }
 
 /// Inheritable duplicates of the descriptors a producer needs, to be closed in the host right after the
@@ -810,7 +853,7 @@ impl Producer {
             program: self.spec.program.display().to_string(),
             source,
         })?;
-        let logging = log_output(&name, child.id(), child.stdout.take(), child.stderr.take());
+        let (logging, last_lines) = log_output(&name, child.id(), child.stdout.take(), child.stderr.take());
         let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("a child pid is positive");
         let pidfd = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
             Ok(fd) => fd,
@@ -829,6 +872,7 @@ impl Producer {
             described: Described::default(),
             open_requests: Default::default(),
             logging,
+            last_lines,
         };
         // Until Ready, the process counts as failed: a crash during start-up is a restart next time.
         self.failed = true;
@@ -1001,13 +1045,19 @@ impl Producer {
         if signal == libc::SIGSYS && self.spec.sandbox {
             return ProducerError::Sandbox { name, during };
         }
-        match (self.spec.memory_limit, peak) {
-            // An allocation refused at the cap aborts a Rust or C++ backend, or faults a C one; the
-            // kernel's OOM killer sends SIGKILL. Any of them with the peak near the cap is the cap.
-            (Some(limit), Some(peak)) if peak >= limit / 4 * 3 => {
-                ProducerError::MemoryLimit { name, status, during, peak, limit }
-            }
-            _ => ProducerError::Exited { name, status, during },
+        let Some(limit) = self.spec.memory_limit else { return ProducerError::Exited { name, status, during } };
+        // An allocation refused at the cap aborts a Rust or C++ backend, which says so on stderr first
+        // (read to its end: the process is gone, so its pipe is closed unless a process it started holds
+        // it), or faults a C one; the kernel's OOM killer sends SIGKILL. Any of them with the peak near
+        // the cap is the cap, and so is a last word about a failed allocation at any peak (one request
+        // far past the cap leaves little resident).
+        let _ = running.logging.recv_timeout(Duration::from_millis(500));
+        let last_words = running.last_lines.allocation_failure();
+        let peak = peak.unwrap_or(0);
+        if peak >= limit / 4 * 3 || last_words.is_some() {
+            ProducerError::MemoryLimit { name, status, during, peak, limit, last_words }
+        } else {
+            ProducerError::Exited { name, status, during }
         }
     }
 

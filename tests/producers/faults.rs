@@ -25,7 +25,7 @@ fn expected(mode: &str, dense: bool) -> Option<&'static [&'static str]> {
         "fork_daemon" | "signal_host" | "exec" | "connect" => &["sandbox_violation"],
         // The sandbox refuses the open with EACCES; the backend reports it.
         "open_file" => &["backend_error"],
-        "eat_memory" => &["memory_limit"],
+        "eat_memory" | "huge_alloc" => &["memory_limit"],
         "skip_region" | "short_write" => &["unwritten_region"],
         "wrong_layer_count" if dense => &["layer_count_mismatch"],
         "wrong_layer_count" => &["group_kind_mismatch"],
@@ -175,6 +175,7 @@ fault_tests!(
     connect,
     open_file,
     eat_memory,
+    huge_alloc,
     skip_region,
     short_write,
     hang,

@@ -16,7 +16,7 @@
 //!
 //! Everything a misbehaving vendor library could do from inside the producer process is fair: crash in
 //! three ways at three points, panic, leave a region unwritten or half-written, try what the sandbox forbids (fork a daemon, signal the host,
-//! exec, connect, open a file) or eat memory, stall, exit cleanly mid-request, emit spans whose manifest lies about
+//! exec, connect, open a file), eat memory or ask for far too much at once, stall, exit cleanly mid-request, emit spans whose manifest lies about
 //! layers, groups, shapes, dtype, tokens or model, emit frames whose header lies about lengths and ring
 //! coordinates or changes after commit, attack the host's segments, and write garbage on the control
 //! socket.
@@ -52,6 +52,7 @@ pub const MODES: &[&str] = &[
     "connect",
     "open_file",
     "eat_memory",
+    "huge_alloc",
     "skip_region",
     "short_write",
     "wrong_layer_count",
@@ -278,6 +279,13 @@ impl Backend for Faulty {
                     block.iter_mut().step_by(4096).for_each(|b| *b = 1);
                     eaten.push(block);
                 }
+            }
+            "huge_alloc" => {
+                // One request far past any cap: refused at once with little resident, which aborts the
+                // process after Rust's standard library says so on stderr.
+                let huge: Vec<u8> = Vec::with_capacity(1 << 42);
+                std::hint::black_box(&huge);
+                self.behave(request, writer)
             }
             "hang" => loop {
                 std::thread::sleep(Duration::from_secs(3600));
