@@ -15,11 +15,11 @@
 //! SDK starting a helper would), and writes its pid to `PATH`.
 //!
 //! Everything a misbehaving vendor library could do from inside the producer process is fair: crash in
-//! three ways at three points, panic, leave a region unwritten or half-written, try what the sandbox forbids (fork a daemon, signal the host,
-//! exec, connect, open a file), eat memory or ask for far too much at once, stall, exit cleanly mid-request, emit spans whose manifest lies about
-//! layers, groups, shapes, dtype, tokens or model, emit frames whose header lies about lengths and ring
-//! coordinates or changes after commit, attack the host's segments, and write garbage on the control
-//! socket.
+//! three ways at three points, panic, leave a region unwritten or half-written, try what the sandbox
+//! forbids (fork a daemon, signal the host, exec, connect, open a file), eat memory or ask for far too
+//! much at once, stall, exit cleanly mid-request, emit spans whose manifest lies about layers, groups,
+//! shapes, dtype, tokens or model, emit frames whose header lies about lengths and ring coordinates or
+//! changes after commit, attack the host's segments, and write garbage on the control socket.
 
 use std::time::Duration;
 
@@ -487,9 +487,6 @@ fn die_exit0() -> ! {
     std::process::exit(0)
 }
 
-/// Descriptors of this process that are Unix sockets: the producer's control socket.
-/// This process's open descriptors and what each refers to, found without opening anything (the sandbox
-/// refuses `open`, so `/proc/self/fd` cannot be listed): each number is probed and its link read.
 /// A double fork, as a daemon starts: the grandchild (`setsid`, then asleep for an hour) loses its
 /// parent and would outlive the producer if nothing adopted it. Returns the grandchild's pid (0 when a
 /// fork failed).
@@ -512,7 +509,11 @@ fn fork_daemon() -> i32 {
                 libc::write(pipe[1], (&raw const grandchild).cast(), 4);
                 libc::_exit(0);
             }
-            -1 => 0,
+            -1 => {
+                libc::close(pipe[0]);
+                libc::close(pipe[1]);
+                0
+            }
             child => {
                 let mut grandchild = 0i32;
                 let got = libc::read(pipe[0], (&raw mut grandchild).cast(), 4);
@@ -529,6 +530,8 @@ fn fork_daemon() -> i32 {
     }
 }
 
+/// This process's open descriptors and what each refers to, found without opening anything (the sandbox
+/// refuses `open`, so `/proc/self/fd` cannot be listed): each number is probed and its link read.
 fn open_fds() -> Vec<(i32, String)> {
     (0..4096)
         // SAFETY: F_GETFD on a descriptor number only reads its flags.
@@ -540,6 +543,7 @@ fn open_fds() -> Vec<(i32, String)> {
         .collect()
 }
 
+/// Descriptors of this process that are Unix sockets: the producer's control socket.
 fn control_sockets() -> Vec<i32> {
     open_fds().into_iter().filter(|(_, target)| target.starts_with("socket:")).map(|(fd, _)| fd).collect()
 }
