@@ -11,7 +11,7 @@
 //! compute every output in one fixed order ([`crate::kernels`]); each chunk's K/V is rounded to the
 //! cache's element type ([`Model::kv_dtype`]) before anything attends to it, so a position reads the
 //! same values whether it is in the current chunk or in the cache; and attention visits the visible
-//! positions in order, one query row and head at a time.
+//! positions in order for each query row and head, whichever others share its task.
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -131,6 +131,9 @@ pub fn round_to(dtype: Dtype, x: f32) -> f32 {
         Dtype::Bf16 => half::bf16::from_f32(x).to_f32(),
     }
 }
+
+/// Consecutive rows of one segment per attention task: their queries share each K/V row loaded.
+const ATTN_ROWS: usize = 4;
 
 /// The K and V rows a segment's queries may see at one layer, from position `from` on: the past's, read
 /// in place, then the chunk's.
@@ -289,8 +292,14 @@ impl Model {
         outputs
     }
 
-    /// Attention of layer `l` for every row of the batch, each query row and head a task of its own:
-    /// scores against every visible position in order, read in place from the past runs or the chunk.
+    /// Attention of layer `l` for every row of the batch: scores against every visible position in
+    /// order, read in place from the past runs or the chunk.
+    ///
+    /// A task is up to [`ATTN_ROWS`] consecutive rows of one segment by the query heads of one K/V
+    /// head (or part of them, where there would be fewer tasks than threads), so every K/V row loaded
+    /// serves all of their queries. Each query's scores, softmax and weighted sum are the same
+    /// operations in the same order as for that query alone: which queries share a task never
+    /// changes a bit.
     fn attention(&self, l: usize, segments: &[Segment<'_>], rows: &Rows, q: &[f32], k: &[f32], v: &[f32]) -> Vec<f32> {
         let c = &self.config;
         let (hd, kvd, qd) = (c.head_dim, c.kv_heads * c.head_dim, c.heads * c.head_dim);
@@ -324,29 +333,106 @@ impl Model {
                 Visible { from: *from, k: ks, v: vs }
             })
             .collect();
-        let mut attn = vec![0f32; rows.pos.len() * qd];
+        let mut blocks = Vec::new();
+        for (s, seg) in segments.iter().enumerate() {
+            let first = rows.first[s];
+            for b in (0..seg.tokens.len()).step_by(ATTN_ROWS) {
+                blocks.push(first + b..first + (b + ATTN_ROWS).min(seg.tokens.len()));
+            }
+        }
+        // Heads per task: a whole group, or the largest part of it that still gives every thread a
+        // task (a decode step of one or two sequences).
+        let threads = self.exec.threads();
+        let per = (1..=group)
+            .rev()
+            .filter(|&d| group.is_multiple_of(d))
+            .find(|d| blocks.len() * (c.heads / d) >= threads)
+            .unwrap_or(1);
+        let tasks: Vec<(usize, usize)> =
+            (0..blocks.len()).flat_map(|b| (0..c.heads / per).map(move |h| (b, h * per))).collect();
         let dot = Dot::new();
-        self.exec.install(|| {
-            attn.par_chunks_mut(hd).enumerate().for_each(|(task, out)| {
-                let (i, hq) = (task / c.heads, task % c.heads);
-                let (pos, g) = (rows.pos[i], hq / group);
-                let Visible { from, k: ks, v: vs } = &index[rows.segment[i]];
-                let visible = (first_visible(pos) - from) as usize..=(pos - from) as usize;
-                let qv = &q[i * qd + hq * hd..i * qd + (hq + 1) * hd];
-                let mut scores = vec![0f32; visible.clone().count()];
-                dot.of_rows(qv, &ks[visible.clone()], g * hd, &mut scores);
-                scores.iter_mut().for_each(|s| *s *= c.query_scale);
-                let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0.0;
-                for s in scores.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                scores.iter_mut().for_each(|s| *s /= sum);
-                dot.add_scaled_rows(out, &scores, &vs[visible], g * hd);
-            })
+        let parts: Vec<Vec<f32>> = self.exec.install(|| {
+            tasks
+                .par_iter()
+                .map(|&(b, h0)| {
+                    let block = blocks[b].clone();
+                    let visible = &index[rows.segment[block.start]];
+                    let span = |i: usize| {
+                        let pos = rows.pos[i];
+                        (first_visible(pos) - visible.from) as usize..(pos - visible.from) as usize + 1
+                    };
+                    let queries: Vec<&[f32]> = block
+                        .clone()
+                        .flat_map(|i| (h0..h0 + per).map(move |h| &q[i * qd + h * hd..i * qd + (h + 1) * hd]))
+                        .collect();
+                    let spans: Vec<Range<usize>> =
+                        block.clone().flat_map(|i| std::iter::repeat_n(span(i), per)).collect();
+                    self.attend(dot, &queries, &spans, visible, h0 / group * hd)
+                })
+                .collect()
         });
+        let mut attn = vec![0f32; rows.pos.len() * qd];
+        for (&(b, h0), part) in tasks.iter().zip(&parts) {
+            for (i, out) in blocks[b].clone().zip(part.chunks_exact(per * hd)) {
+                attn[i * qd + h0 * hd..][..per * hd].copy_from_slice(out);
+            }
+        }
         attn
+    }
+
+    /// One attention task: each query's output (`queries.len() x head_dim`, in order) over the visible
+    /// rows `spans[i]` of its own, the K/V head's values starting at column `at`. The spans are those of
+    /// consecutive positions: their starts and their ends never decrease.
+    fn attend(
+        &self,
+        dot: Dot,
+        queries: &[&[f32]],
+        spans: &[Range<usize>],
+        visible: &Visible<'_>,
+        at: usize,
+    ) -> Vec<f32> {
+        let hd = self.config.head_dim;
+        let (Some(first), Some(last)) = (spans.first(), spans.last()) else {
+            return Vec::new();
+        };
+        // Scores against every row any of them sees; each then uses its own span of them.
+        let union = first.start..last.end;
+        let m = union.len();
+        let mut scores = vec![0f32; queries.len() * m];
+        dot.of_rows_multi(queries, &visible.k[union.clone()], at, &mut scores);
+        for (s, span) in scores.chunks_exact_mut(m).zip(spans) {
+            let s = &mut s[span.start - union.start..span.end - union.start];
+            s.iter_mut().for_each(|s| *s *= self.config.query_scale);
+            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let mut sum = 0.0;
+            for s in s.iter_mut() {
+                *s = (*s - max).exp();
+                sum += *s;
+            }
+            s.iter_mut().for_each(|x| *x /= sum);
+        }
+        // The weighted sums, each query's rows in order: the rows before those that all of them see,
+        // one query at a time; the shared rows, all at once; then the rows after them.
+        let weights =
+            |i: usize, rows: Range<usize>| &scores[i * m + rows.start - union.start..i * m + rows.end - union.start];
+        let shared = last.start..first.end;
+        let mut out = vec![0f32; queries.len() * hd];
+        let (vs, mut outs): (&[&[f32]], Vec<&mut [f32]>) = (&visible.v, out.chunks_exact_mut(hd).collect());
+        if shared.is_empty() {
+            for (i, (o, span)) in outs.iter_mut().zip(spans).enumerate() {
+                dot.add_scaled_rows(o, weights(i, span.clone()), &vs[span.clone()], at);
+            }
+            return out;
+        }
+        for (i, (o, span)) in outs.iter_mut().zip(spans).enumerate() {
+            dot.add_scaled_rows(o, weights(i, span.start..shared.start), &vs[span.start..shared.start], at);
+        }
+        let ws: Vec<&[f32]> = (0..queries.len()).map(|i| weights(i, shared.clone())).collect();
+        dot.add_scaled_rows_multi(&mut outs, &ws, &vs[shared.clone()], at);
+        for (i, (o, span)) in outs.iter_mut().zip(spans).enumerate() {
+            dot.add_scaled_rows(o, weights(i, shared.end..span.end), &vs[shared.end..span.end], at);
+        }
+        out
     }
 }
 

@@ -208,19 +208,78 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]
         k += STEP;
     }
     let mut out = [[0f32; C]; R];
+    if R * C >= 4 {
+        // Sixteen outputs' lane sums at once, the same additions as `reduce`.
+        for first in (0..R * C).step_by(16) {
+            let v = std::array::from_fn(|i| {
+                let o = first + i;
+                if o < R * C {
+                    acc[o / C][o % C]
+                } else {
+                    _mm512_setzero_ps()
+                }
+            });
+            // SAFETY: the CPU supports AVX-512F (this function's contract).
+            let sums = unsafe { reduce16(v) };
+            for (i, &s) in sums.iter().enumerate().take(R * C - first) {
+                out[(first + i) / C][(first + i) % C] = s;
+            }
+        }
+    } else {
+        for r in 0..R {
+            for c in 0..C {
+                let mut lanes = [[0f32; LANES]; VECS];
+                // SAFETY: 16 f32s, the two halves in order; unaligned store.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr().cast(), acc[r][c]) };
+                out[r][c] = reduce(lanes);
+            }
+        }
+    }
     for r in 0..R {
         for c in 0..C {
-            let mut lanes = [[0f32; LANES]; VECS];
-            // SAFETY: 16 f32s, the two halves in order; unaligned store.
-            unsafe { _mm512_storeu_ps(lanes.as_mut_ptr().cast(), acc[r][c]) };
-            let mut s = reduce(lanes);
             for k in whole..n {
-                s = x[r][k].mul_add(w[c][k], s);
+                out[r][c] = x[r][k].mul_add(w[c][k], out[r][c]);
             }
-            out[r][c] = s;
         }
     }
     out
+}
+
+/// [`reduce`] of sixteen vectors at once (lane `l` of an output's vector is lane `l % 8` of its vector
+/// `l / 8` there): the same additions of the same pairs, four levels of them, each level adding two
+/// shuffles of its vectors so that every addition serves several outputs. 45 vector instructions for
+/// sixteen sums where the lane-by-lane sum takes about 30 scalar ones for each.
+///
+/// # Safety
+///
+/// The CPU supports AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f")]
+#[inline]
+unsafe fn reduce16(v: [std::arch::x86_64::__m512; 16]) -> [f32; 16] {
+    use std::arch::x86_64::*;
+    // 1: `s[l] = a[l] + a[l + 8]`; two outputs per vector, [s of 2i | s of 2i + 1].
+    let s: [__m512; 8] = std::array::from_fn(|i| {
+        let (a, b) = (v[2 * i], v[2 * i + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x44>(a, b), _mm512_shuffle_f32x4::<0xEE>(a, b))
+    });
+    // 2: `t[j] = s[j] + s[j + 4]`; four outputs per vector, one per 128-bit block.
+    let t: [__m512; 4] = std::array::from_fn(|i| {
+        let (a, b) = (s[2 * i], s[2 * i + 1]);
+        _mm512_add_ps(_mm512_shuffle_f32x4::<0x88>(a, b), _mm512_shuffle_f32x4::<0xDD>(a, b))
+    });
+    // 3: `u = [t[0] + t[2], t[1] + t[3]]`; block `b` holds outputs `b` and `4 + b` (or `8 + b` and
+    // `12 + b`), two lanes each.
+    let u: [__m512; 2] = std::array::from_fn(|i| {
+        let (a, b) = (t[2 * i], t[2 * i + 1]);
+        _mm512_add_ps(_mm512_shuffle_ps::<0x44>(a, b), _mm512_shuffle_ps::<0xEE>(a, b))
+    });
+    // 4: `u[0] + u[1]`; lane `4b + j` holds output `4j + b`.
+    let r = _mm512_add_ps(_mm512_shuffle_ps::<0x88>(u[0], u[1]), _mm512_shuffle_ps::<0xDD>(u[0], u[1]));
+    let mut lanes = [0f32; 16];
+    // SAFETY: 16 f32s; unaligned store.
+    unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), r) };
+    std::array::from_fn(|o| lanes[4 * (o % 4) + o / 4])
 }
 
 #[inline(always)]
@@ -308,6 +367,71 @@ impl Dot {
         }
     }
 
+    /// `out[i * rows.len() + j] = queries[i] . rows[j][at..]` for every query and row, each with the bits
+    /// of [`Dot::of`]: several queries against the same keys (attention's heads that share a K/V head,
+    /// at consecutive positions), by tiles, so each key is loaded once for up to four queries.
+    pub fn of_rows_multi(self, queries: &[&[f32]], rows: &[&[f32]], at: usize, out: &mut [f32]) {
+        let n = queries.first().map_or(0, |q| q.len());
+        assert!(
+            queries.iter().all(|q| q.len() == n)
+                && rows.iter().all(|r| r.len() >= at + n)
+                && out.len() == queries.len() * rows.len(),
+            "dot product rows"
+        );
+        tiles(self.isa, queries.len(), rows.len(), n, |i| queries[i], |j| &rows[j][at..], out);
+    }
+
+    /// [`Dot::add_scaled_rows`] for several outputs over the same rows, each with its own weights:
+    /// `outs[q][i] += ws[q][k] * rows[k][at + i]` for `k = 0, 1, ...`, the same bits as one call per
+    /// output, with each row loaded once for up to four outputs.
+    pub fn add_scaled_rows_multi(self, outs: &mut [&mut [f32]], ws: &[&[f32]], rows: &[&[f32]], at: usize) {
+        let n = outs.first().map_or(0, |o| o.len());
+        assert!(
+            outs.iter().all(|o| o.len() == n)
+                && ws.len() == outs.len()
+                && ws.iter().all(|w| w.len() == rows.len())
+                && rows.iter().all(|r| r.len() >= at + n),
+            "scaled add rows"
+        );
+        // Rows per pass: 64 rows of up to 1 KiB stay in L2 while each four outputs pass over them.
+        const ROW_BLOCK: usize = 64;
+        for k0 in (0..rows.len()).step_by(ROW_BLOCK) {
+            let ks = k0..(k0 + ROW_BLOCK).min(rows.len());
+            for (outs, ws) in outs.chunks_mut(4).zip(ws.chunks(4)) {
+                let ws: Vec<&[f32]> = ws.iter().map(|w| &w[ks.clone()]).collect();
+                let rows = &rows[ks.clone()];
+                match self.isa {
+                    // SAFETY: `Isa::best` gives it only where AVX2 and FMA are present; lengths asserted
+                    // above.
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx2 => unsafe {
+                        match outs.len() {
+                            4 => add_scaled_rows_multi_avx2::<4>(outs, &ws, rows, at),
+                            3 => add_scaled_rows_multi_avx2::<3>(outs, &ws, rows, at),
+                            2 => add_scaled_rows_multi_avx2::<2>(outs, &ws, rows, at),
+                            _ => add_scaled_rows_multi_avx2::<1>(outs, &ws, rows, at),
+                        }
+                    },
+                    // SAFETY: `Isa::best` gives it only where AVX-512F is present; lengths asserted above.
+                    #[cfg(target_arch = "x86_64")]
+                    Isa::Avx512 => unsafe {
+                        match outs.len() {
+                            4 => add_scaled_rows_multi_avx512::<4>(outs, &ws, rows, at),
+                            3 => add_scaled_rows_multi_avx512::<3>(outs, &ws, rows, at),
+                            2 => add_scaled_rows_multi_avx512::<2>(outs, &ws, rows, at),
+                            _ => add_scaled_rows_multi_avx512::<1>(outs, &ws, rows, at),
+                        }
+                    },
+                    Isa::Portable => {
+                        for (o, w) in outs.iter_mut().zip(&ws) {
+                            self.add_scaled_rows(o, w, rows, at);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// `out[i] += w * v[i]` for every `i`: a rounded product, then a rounded sum (never fused), so the
     /// AVX2 loop gives the portable bits.
     pub fn add_scaled(self, out: &mut [f32], w: f32, v: &[f32]) {
@@ -385,6 +509,101 @@ macro_rules! add_scaled_rows_kernel {
         }
     };
 }
+
+macro_rules! add_scaled_rows_multi_kernel {
+    ($name:ident, $features:literal, $lanes:literal, $set1:ident, $load:ident, $store:ident, $add:ident, $mul:ident) => {
+        /// [`Dot::add_scaled_rows_multi`] with these vectors, for up to four outputs: each element's
+        /// multiplies and adds in row order, as [`Dot::add_scaled_rows`] does them.
+        ///
+        /// # Safety
+        ///
+        /// The CPU has the target features; `Q` outputs, all of one length `n`; each output has one
+        /// weight per row and every row holds `at + n` values.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        #[allow(clippy::needless_range_loop)]
+        unsafe fn $name<const Q: usize>(outs: &mut [&mut [f32]], ws: &[&[f32]], rows: &[&[f32]], at: usize) {
+            use std::arch::x86_64::*;
+            debug_assert!(outs.len() == Q && ws.len() == Q);
+            let n = outs[0].len();
+            let whole = n / $lanes * $lanes;
+            let ptrs: [*mut f32; Q] = std::array::from_fn(|q| outs[q].as_mut_ptr());
+            let wps: [*const f32; Q] = std::array::from_fn(|q| ws[q].as_ptr());
+            // Two vectors of each output at a time: 2Q independent chains of additions.
+            let pairs = n / (2 * $lanes) * (2 * $lanes);
+            for (b, rs) in rows.chunks(ADD_ROWS).enumerate() {
+                let k0 = b * ADD_ROWS;
+                for i in (0..pairs).step_by(2 * $lanes) {
+                    // SAFETY: i + 2 lanes <= n = each output's length and at + i + 2 lanes <= at + n <=
+                    // each row's length (unaligned loads and stores); k0 + k < rows.len() = each output's
+                    // weight count. Only `ptrs` touch the outputs.
+                    unsafe {
+                        let mut acc: [[_; 2]; Q] =
+                            std::array::from_fn(|q| std::array::from_fn(|v| $load(ptrs[q].add(i + v * $lanes))));
+                        for (k, r) in rs.iter().enumerate() {
+                            let x: [_; 2] = std::array::from_fn(|v| $load(r.as_ptr().add(at + i + v * $lanes)));
+                            for q in 0..Q {
+                                let w = $set1(*wps[q].add(k0 + k));
+                                for v in 0..2 {
+                                    acc[q][v] = $add(acc[q][v], $mul(w, x[v]));
+                                }
+                            }
+                        }
+                        for q in 0..Q {
+                            for v in 0..2 {
+                                $store(ptrs[q].add(i + v * $lanes), acc[q][v]);
+                            }
+                        }
+                    }
+                }
+                for i in (pairs..whole).step_by($lanes) {
+                    // SAFETY: as above, one vector.
+                    unsafe {
+                        let mut acc: [_; Q] = std::array::from_fn(|q| $load(ptrs[q].add(i)));
+                        for (k, r) in rs.iter().enumerate() {
+                            let x = $load(r.as_ptr().add(at + i));
+                            for q in 0..Q {
+                                acc[q] = $add(acc[q], $mul($set1(*wps[q].add(k0 + k)), x));
+                            }
+                        }
+                        for q in 0..Q {
+                            $store(ptrs[q].add(i), acc[q]);
+                        }
+                    }
+                }
+                for (k, r) in rs.iter().enumerate() {
+                    for q in 0..Q {
+                        for (e, &x) in (whole..n).zip(&r[at + whole..at + n]) {
+                            // SAFETY: e < n = each output's length, k0 + k < its weight count.
+                            unsafe { *ptrs[q].add(e) += *wps[q].add(k0 + k) * x };
+                        }
+                    }
+                }
+            }
+        }
+    };
+}
+
+add_scaled_rows_multi_kernel!(
+    add_scaled_rows_multi_avx2,
+    "avx2,fma",
+    8,
+    _mm256_set1_ps,
+    _mm256_loadu_ps,
+    _mm256_storeu_ps,
+    _mm256_add_ps,
+    _mm256_mul_ps
+);
+add_scaled_rows_multi_kernel!(
+    add_scaled_rows_multi_avx512,
+    "avx2,fma,avx512f",
+    16,
+    _mm512_set1_ps,
+    _mm512_loadu_ps,
+    _mm512_storeu_ps,
+    _mm512_add_ps,
+    _mm512_mul_ps
+);
 
 add_scaled_rows_kernel!(
     add_scaled_rows_avx2,
@@ -511,11 +730,24 @@ pub(crate) fn dots(simd: bool, x: &[f32], t: usize, w: &[f32], n: usize, out: &m
 pub(crate) fn dots_with(isa: Isa, x: &[f32], t: usize, w: &[f32], n: usize, out: &mut [f32]) {
     let cols = w.len() / n.max(1);
     assert!(x.len() == t * n && w.len() == cols * n && out.len() == t * cols, "dots shapes");
+    tiles(isa, t, cols, n, |i| &x[i * n..(i + 1) * n], |j| &w[j * n..(j + 1) * n], out);
+}
+
+/// `out[i * cols + j] = row(i) . wrow(j)` over the first `n` elements, by tiles: [`dots_with`] over rows
+/// given one by one. Every slice holds at least `n` elements.
+fn tiles<'a, 'b>(
+    isa: Isa,
+    t: usize,
+    cols: usize,
+    n: usize,
+    row: impl Fn(usize) -> &'a [f32],
+    wrow: impl Fn(usize) -> &'b [f32],
+    out: &mut [f32],
+) {
+    assert_eq!(out.len(), t * cols, "dots shapes");
     // Activation rows per pass over this task's weights: 64 rows of up to 8 KiB stay in L2 while the
     // weight tiles stream past them.
     const ROW_BLOCK: usize = 64;
-    let row = |i: usize| &x[i * n..(i + 1) * n];
-    let wrow = |j: usize| &w[j * n..(j + 1) * n];
     for rb in (0..t).step_by(ROW_BLOCK) {
         let rend = (rb + ROW_BLOCK).min(t);
         // With few rows the weights' memory traffic bounds the time, and one weight row at a time
@@ -575,6 +807,45 @@ mod tests {
 
     fn data(len: usize, seed: usize) -> Vec<f32> {
         (0..len).map(|i| (((i * 37 + seed * 11) % 101) as f32 - 50.0) * 0.013 + (i % 7) as f32 * 1e-4).collect()
+    }
+
+    #[test]
+    fn several_queries_and_outputs_at_once_give_each_the_bits_of_one_at_a_time() {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        // Head sizes with and without a tail past the vectors; 1 to 9 queries; row counts that cross the
+        // kernels' blocks of 8 and 64 rows.
+        for (n, at) in [(64, 0), (37, 5), (256, 256), (8, 3)] {
+            for queries in [1, 3, 4, 5, 9] {
+                for rows in [1, 7, 8, 70, 130] {
+                    let q = data(queries * n, 3);
+                    let kv = data(rows * (at + n), 4);
+                    let qs: Vec<&[f32]> = q.chunks_exact(n).collect();
+                    let rs: Vec<&[f32]> = kv.chunks_exact(at + n).collect();
+                    let w = data(queries * rows, 5);
+                    let ws: Vec<&[f32]> = w.chunks_exact(rows).collect();
+                    for isa in Isa::all() {
+                        let dot = Dot { isa };
+                        let mut scores = vec![0f32; queries * rows];
+                        dot.of_rows_multi(&qs, &rs, at, &mut scores);
+                        let mut alone = vec![0f32; queries * rows];
+                        for (i, qv) in qs.iter().enumerate() {
+                            Dot { isa: Isa::Portable }.of_rows(qv, &rs, at, &mut alone[i * rows..(i + 1) * rows]);
+                        }
+                        assert_eq!(bits(&scores), bits(&alone), "scores: n {n}, {queries} x {rows}, {isa:?}");
+
+                        let start = data(queries * n, 6);
+                        let mut many = start.clone();
+                        let mut outs: Vec<&mut [f32]> = many.chunks_exact_mut(n).collect();
+                        dot.add_scaled_rows_multi(&mut outs, &ws, &rs, at);
+                        let mut one = start.clone();
+                        for (o, w) in one.chunks_exact_mut(n).zip(&ws) {
+                            Dot { isa: Isa::Portable }.add_scaled_rows(o, w, &rs, at);
+                        }
+                        assert_eq!(bits(&many), bits(&one), "sums: n {n}, {queries} x {rows}, {isa:?}");
+                    }
+                }
+            }
+        }
     }
 
     #[test]
