@@ -64,6 +64,9 @@ fn every_cell_of_the_matrix_equals_its_reference() {
         assert!(c["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{c}");
         assert!(c["ttft_ms"]["p99"].as_f64().unwrap() >= c["ttft_ms"]["p50"].as_f64().unwrap(), "{c}");
         assert!(c["tok_s_aggregate"].as_f64().unwrap() > 0.0, "{c}");
+        if n(&c["output_tokens"]) > 1 {
+            assert!(c["decode_tok_s_aggregate"].as_f64().unwrap() > 0.0, "{c}");
+        }
         let stream = c["stream"].as_bool().unwrap();
         assert_eq!(c["itl_ms"].is_null(), !stream, "inter-token latency is measured on streams only: {c}");
         assert_eq!(c["ttft_source"], if stream { "client" } else { "server" });

@@ -143,6 +143,9 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(v["pdhost"]["logits_xxh3"], reference["logits_xxh3"], "logits bit-identical to generate");
     assert_eq!(v["pdhost"]["prefill"], "remote");
     assert_eq!(v["pdhost"]["producer"], "rngd");
+    for key in ["ttft_ms", "decode_ms"] {
+        assert!(v["pdhost"][key].as_f64().is_some_and(|ms| ms > 0.0), "pdhost.{key}: {v}");
+    }
     let prompt_tokens = reference["prompt_ids"].as_array().unwrap().len();
     assert_eq!(
         v["usage"],

@@ -41,6 +41,9 @@ pub struct Metrics {
     pub prefix_hit_tokens: IntCounter,
     /// Per producer: its counters as last seen.
     seen: std::sync::Arc<std::sync::Mutex<Vec<supervisor::Metrics>>>,
+    /// Per KV group: its `used`, `free` and `cached` gauges, looked up once (every decode round sets
+    /// them, and a lookup by label hashes and formats).
+    kv_gauges: std::sync::Arc<std::sync::Mutex<Vec<[IntGauge; 3]>>>,
 }
 
 fn seconds(name: &str, help: &str, start: f64) -> Histogram {
@@ -86,6 +89,7 @@ impl Metrics {
             )
             .expect("valid"),
             seen: Default::default(),
+            kv_gauges: Default::default(),
         };
         let info = IntGauge::new("pdhost_info", "Always 1.").expect("valid");
         info.set(1);
@@ -113,11 +117,17 @@ impl Metrics {
 
     /// Sets the KV page gauges from the cache's accounting.
     pub fn kv_usage(&self, usage: &[GroupUsage]) {
-        for (i, g) in usage.iter().enumerate() {
+        let mut gauges = self.kv_gauges.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, g) in usage.iter().enumerate().skip(gauges.len()) {
             let group = format!("{i} ({})", g.kind);
-            self.kv_pages.with_label_values(&[group.as_str(), "used"]).set(i64::from(g.used));
-            self.kv_pages.with_label_values(&[group.as_str(), "free"]).set(i64::from(g.free));
-            self.kv_pages.with_label_values(&[group.as_str(), "cached"]).set(i64::from(g.cached));
+            gauges.push(
+                ["used", "free", "cached"].map(|state| self.kv_pages.with_label_values(&[group.as_str(), state])),
+            );
+        }
+        for (g, [used, free, cached]) in usage.iter().zip(gauges.iter()) {
+            used.set(i64::from(g.used));
+            free.set(i64::from(g.free));
+            cached.set(i64::from(g.cached));
         }
     }
 

@@ -503,6 +503,7 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
         "prefix_hit_tokens": report.prefix_hit,
         "fallback_reason": report.fallback.as_ref().map(|e| format!("{}: {e}", e.kind())),
         "ttft_ms": gen.ttft.as_secs_f64() * 1e3,
+        "decode_ms": gen.decode.as_secs_f64() * 1e3,
         "logits_xxh3": format!("{:016x}", gen.logits_hash),
         "output_ids": gen.output,
     });

@@ -239,9 +239,14 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
                         });
                         cell.wall += t.elapsed();
+                        cell.batches += 1;
                         for r in results {
                             cell.add(r, &reference);
                         }
+                    }
+                    if !args.json {
+                        // A long matrix reports each cell as it ends, in case it is stopped early.
+                        bar.suspend(|| eprintln!("{}", cell.progress_line()));
                     }
                     cells.push(cell);
                     died = target.gone();
@@ -322,7 +327,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
             producers.join(", ")
         )?;
         outln!(
-            "{:>6} {:>5} {:>4} {:>3} | {:>4} {:>5} {:>6} {:>5} {:>5} {:>4} | {:>9} {:>9} | {:>8} {:>8} | {:>7} {:>7}",
+            "{:>6} {:>5} {:>4} {:>3} | {:>4} {:>5} {:>6} {:>5} {:>5} {:>4} | {:>9} {:>9} | {:>8} {:>8} | {:>7} {:>7} {:>7}",
             "in",
             "out",
             "conc",
@@ -338,7 +343,8 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
             "ITL p50",
             "ITL p99",
             "tok/s/r",
-            "tok/s"
+            "tok/s",
+            "dec t/s"
         )?;
         for c in &cells {
             let (ttft50, ttft99) = percentiles(&c.ttft_ms);
@@ -346,7 +352,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
             let ms = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.1}ms"));
             let rate = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.1}"));
             outln!(
-                "{:>6} {:>5} {:>4} {:>3} | {:>4} {:>5} {:>6} {:>5} {:>5} {:>4} | {:>9} {:>9} | {:>8} {:>8} | {:>7} {:>7}",
+                "{:>6} {:>5} {:>4} {:>3} | {:>4} {:>5} {:>6} {:>5} {:>5} {:>4} | {:>9} {:>9} | {:>8} {:>8} | {:>7} {:>7} {:>7}",
                 c.input,
                 c.output,
                 c.concurrency,
@@ -362,13 +368,16 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                 ms(itl50),
                 ms(itl99),
                 rate(c.rate_per_request()),
-                rate(c.rate_aggregate())
+                rate(c.rate_aggregate()),
+                rate(c.decode_aggregate())
             )?;
         }
         outln!(
             "TTFT: SSE on, the client's time to the first chunk with text (queueing included); off, the server's \
              pdhost.ttft_ms (engine only). ITL: gaps between text chunks. tok/s/r: output tokens / request latency \
-             (median); tok/s: all output tokens / the batches' wall time. fallb: local after a failed remote prefill."
+             (median); tok/s: all output tokens / the batches' wall time; dec t/s: decode alone, the sum of a batch's \
+             decode rates (tokens after the first / the server's pdhost.decode_ms), per batch. fallb: local after a \
+             failed remote prefill."
         )?;
         for p in &problems {
             outln!("  {p}")?;
@@ -482,6 +491,8 @@ struct Response {
     gaps_ms: Vec<f64>,
     /// From sending the request to its last byte.
     latency: Duration,
+    /// The server's `pdhost.decode_ms`: from the first token to the last.
+    decode_ms: Option<f64>,
 }
 
 /// One completion request: `Err` for a transport error, a status other than 200, an error event or a
@@ -558,6 +569,7 @@ fn send(agent: &ureq::Agent, url: &str, body: &Value, stream: bool) -> Result<Re
     out.producer = last["producer"].as_str().unwrap_or("?").to_string();
     out.fallback = !last["fallback_reason"].is_null();
     out.hit_tokens = last["prefix_hit_tokens"].as_u64().unwrap_or(0);
+    out.decode_ms = last["decode_ms"].as_f64();
     Ok(out)
 }
 
@@ -585,6 +597,11 @@ struct Cell {
     gaps_ms: Vec<f64>,
     /// Per answered request: output tokens / latency.
     rates: Vec<f64>,
+    /// Per answered request of more than one token: its decode rate, tokens after the first / the
+    /// server's decode time.
+    decode_rates: Vec<f64>,
+    /// Timed batches sent.
+    batches: u64,
     output_tokens: u64,
     wall: Duration,
     producers: BTreeSet<String>,
@@ -624,6 +641,9 @@ impl Cell {
         let tokens = r.output_ids.as_array().map_or(0, Vec::len) as u64;
         self.output_tokens += tokens;
         self.rates.push(tokens as f64 / r.latency.as_secs_f64().max(1e-9));
+        if let Some(d) = r.decode_ms.filter(|&d| tokens > 1 && d > 0.0) {
+            self.decode_rates.push((tokens - 1) as f64 / (d / 1e3));
+        }
         let differs = if r.output_ids != reference.output_ids {
             Some(format!("output ids {} (reference {})", r.output_ids, reference.output_ids))
         } else if r.logits != reference.logits {
@@ -650,6 +670,27 @@ impl Cell {
         (self.output_tokens > 0).then(|| self.output_tokens as f64 / self.wall.as_secs_f64().max(1e-9))
     }
 
+    /// Aggregate decode throughput: the sum of a batch's requests' decode rates, averaged over the
+    /// batches (what `llama-batched-bench` reports as S_TG: generation alone, prefill left out).
+    fn decode_aggregate(&self) -> Option<f64> {
+        (!self.decode_rates.is_empty() && self.batches > 0)
+            .then(|| self.decode_rates.iter().sum::<f64>() / self.batches as f64)
+    }
+
+    /// One line for the log while the matrix runs.
+    fn progress_line(&self) -> String {
+        let rate = |x: Option<f64>| x.map_or("-".to_string(), |x| format!("{x:.1}"));
+        format!(
+            "{}: {}/{} equal, {} errors, {} tok/s, decode {} tok/s",
+            self.name(),
+            self.counts.equal,
+            self.counts.requests,
+            self.counts.errors,
+            rate(self.rate_aggregate()),
+            rate(self.decode_aggregate())
+        )
+    }
+
     fn json(&self) -> Value {
         let p = |v: &[f64]| {
             let (p50, p99) = percentiles(v);
@@ -664,6 +705,7 @@ impl Cell {
             "ttft_ms": p(&self.ttft_ms), "ttft_source": if self.stream { "client" } else { "server" },
             "itl_ms": if self.stream { p(&self.gaps_ms) } else { Value::Null },
             "tok_s_per_request": self.rate_per_request(), "tok_s_aggregate": self.rate_aggregate(),
+            "decode_tok_s_aggregate": self.decode_aggregate(),
             "output_tokens_received": self.output_tokens, "wall_s": self.wall.as_secs_f64(),
         })
     }
