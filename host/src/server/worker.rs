@@ -451,6 +451,8 @@ fn safe_end(text: &str, sent: usize, stop: &[String]) -> (usize, bool) {
 fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
     let Running { job, live, stream, sent, stopped_by_string, cancelled, failed, admitted, .. } = r;
     let gen = loaded.engine.finish(live);
+    // Its pages are free now, before its client hears of it.
+    metrics.kv_usage(&loaded.engine.kv.usage());
     let events = &job.events;
     if let Some(e) = failed {
         tracing::warn!(id = job.id, "failed: {e}");
@@ -507,7 +509,7 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
         "logits_xxh3": format!("{:016x}", gen.logits_hash),
         "output_ids": gen.output,
     });
-    let _ = events.send(Event::Done(Done { finish, completion_tokens: gen.output.len(), pdhost }));
+    // The metrics first: a client that reads `/metrics` once it has its answer sees the request counted.
     metrics.requests.with_label_values(&["ok"]).inc();
     let how = if report.fallback.is_some() { "fallback" } else { where_ };
     metrics.prefills.with_label_values(&[how, report.producer.as_deref().unwrap_or("local")]).inc();
@@ -515,6 +517,7 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
     metrics.prefix_hit_tokens.inc_by(report.prefix_hit);
     metrics.ttft.observe(gen.ttft.as_secs_f64());
     metrics.e2e.observe(job.accepted.elapsed().as_secs_f64());
+    let _ = events.send(Event::Done(Done { finish, completion_tokens: gen.output.len(), pdhost }));
 }
 
 #[cfg(test)]

@@ -400,28 +400,26 @@ impl Dot {
             for (outs, ws) in outs.chunks_mut(4).zip(ws.chunks(4)) {
                 let ws: Vec<&[f32]> = ws.iter().map(|w| &w[ks.clone()]).collect();
                 let rows = &rows[ks.clone()];
+                // The kernel for this many outputs.
+                #[cfg(target_arch = "x86_64")]
+                macro_rules! by_count {
+                    ($kernel:ident) => {
+                        match outs.len() {
+                            4 => $kernel::<4>(outs, &ws, rows, at),
+                            3 => $kernel::<3>(outs, &ws, rows, at),
+                            2 => $kernel::<2>(outs, &ws, rows, at),
+                            _ => $kernel::<1>(outs, &ws, rows, at),
+                        }
+                    };
+                }
                 match self.isa {
                     // SAFETY: `Isa::best` gives it only where AVX2 and FMA are present; lengths asserted
                     // above.
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx2 => unsafe {
-                        match outs.len() {
-                            4 => add_scaled_rows_multi_avx2::<4>(outs, &ws, rows, at),
-                            3 => add_scaled_rows_multi_avx2::<3>(outs, &ws, rows, at),
-                            2 => add_scaled_rows_multi_avx2::<2>(outs, &ws, rows, at),
-                            _ => add_scaled_rows_multi_avx2::<1>(outs, &ws, rows, at),
-                        }
-                    },
+                    Isa::Avx2 => unsafe { by_count!(add_scaled_rows_multi_avx2) },
                     // SAFETY: `Isa::best` gives it only where AVX-512F is present; lengths asserted above.
                     #[cfg(target_arch = "x86_64")]
-                    Isa::Avx512 => unsafe {
-                        match outs.len() {
-                            4 => add_scaled_rows_multi_avx512::<4>(outs, &ws, rows, at),
-                            3 => add_scaled_rows_multi_avx512::<3>(outs, &ws, rows, at),
-                            2 => add_scaled_rows_multi_avx512::<2>(outs, &ws, rows, at),
-                            _ => add_scaled_rows_multi_avx512::<1>(outs, &ws, rows, at),
-                        }
-                    },
+                    Isa::Avx512 => unsafe { by_count!(add_scaled_rows_multi_avx512) },
                     Isa::Portable => {
                         for (o, w) in outs.iter_mut().zip(&ws) {
                             self.add_scaled_rows(o, w, rows, at);
