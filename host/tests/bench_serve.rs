@@ -154,3 +154,46 @@ fn mixed_measures_streams_beside_long_prompts_for_both_prefill_sites() {
         );
     }
 }
+
+/// A process's state letter from `/proc/PID/stat`, or `None` once it is gone.
+fn state(pid: i32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
+}
+
+/// A bench that is killed (its destructors never run) still takes the server it started down with it:
+/// the server gets SIGTERM from the kernel, drains, and stops its producer.
+#[test]
+fn a_killed_bench_leaves_no_server_running() {
+    fetched(MODEL);
+    let mut bench = Command::new(PDHOST)
+        .args(["bench", "serve", "--model", MODEL, "--inputs", "16", "--outputs", "64", "--concurrency", "1"])
+        .args(["--repeats", "100", "--stream", "off", "--context", "512", "--threads", "1"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let children = |pid: i32| pdhost_producer::procfs::children_of(pid).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    // The server, once it has started its producer.
+    let (server, producers) = loop {
+        if let Some(server) = children(bench.id() as i32).first() {
+            let producers: Vec<i32> = children(server.pid).iter().map(|c| c.pid).collect();
+            if !producers.is_empty() {
+                break (server.pid, producers);
+            }
+        }
+        assert!(std::time::Instant::now() < deadline, "no server with a producer under the bench");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    bench.kill().unwrap();
+    bench.wait().unwrap();
+    // Whoever adopts them reaps them; a zombie waiting for that is gone too.
+    for pid in std::iter::once(server).chain(producers) {
+        while state(pid).is_some_and(|s| s != 'Z') {
+            assert!(std::time::Instant::now() < deadline, "process {pid} still runs after its bench was killed");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+    }
+}

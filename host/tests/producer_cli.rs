@@ -87,15 +87,8 @@ fn bad_producer_flags_get_clear_errors() {
 }
 
 fn children_of(pid: u32) -> Vec<u32> {
-    let mut out = Vec::new();
-    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else { continue };
-        let Some((head, rest)) = stat.rsplit_once(')') else { continue };
-        if rest.split_whitespace().nth(1) == Some(&pid.to_string()) {
-            out.push(head.split_whitespace().next().unwrap().parse().unwrap());
-        }
-    }
-    out
+    let children = pdhost_producer::procfs::children_of(pid as i32).unwrap();
+    children.iter().map(|c| c.pid as u32).collect()
 }
 
 #[test]

@@ -326,25 +326,6 @@ impl Dot {
         tile::<1, 1>(self.isa, [a], [b], a.len())[0][0]
     }
 
-    /// `out[j] = a . rows[j][at..at + a.len()]` for every row, each with the bits of [`Dot::of`]: one call
-    /// for a query against many keys, two keys per tile.
-    pub fn of_rows(self, a: &[f32], rows: &[&[f32]], at: usize, out: &mut [f32]) {
-        let n = a.len();
-        assert!(out.len() == rows.len() && rows.iter().all(|r| r.len() >= at + n), "dot product rows");
-        match self.isa {
-            // SAFETY: `Isa::best` gives it only where AVX2 and FMA are present; lengths asserted above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => return unsafe { of_rows_avx2(a, rows, at, out) },
-            // SAFETY: `Isa::best` gives it only where AVX-512F is present; lengths asserted above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => return unsafe { of_rows_avx512(a, rows, at, out) },
-            Isa::Portable => {}
-        }
-        for (o, r) in out.iter_mut().zip(rows) {
-            *o = tile_portable::<1, 1>([a], [&r[at..]], n)[0][0];
-        }
-    }
-
     /// [`Dot::add_scaled`] of every row in order: `out[i] += w[k] * rows[k][at + i]` for `k = 0, 1, ...`,
     /// the same bits, with each element kept in a register across a few rows at a time (attention's
     /// weighted sum of values: one pass over `out` per few keys, not per key).
@@ -624,51 +605,6 @@ add_scaled_rows_kernel!(
     _mm512_mul_ps
 );
 
-/// [`Dot::of_rows`] with AVX2.
-///
-/// # Safety
-///
-/// The CPU supports AVX2 and FMA; `out` has one element per row and every row holds `at + a.len()` values.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn of_rows_avx2(a: &[f32], rows: &[&[f32]], at: usize, out: &mut [f32]) {
-    let n = a.len();
-    let mut pairs = rows.chunks_exact(2);
-    let mut outs = out.chunks_exact_mut(2);
-    for (r, o) in (&mut pairs).zip(&mut outs) {
-        // SAFETY: the caller's contract.
-        let [[x, y]] = unsafe { tile_avx2::<1, 2>([a], [&r[0][at..], &r[1][at..]], n) };
-        o[0] = x;
-        o[1] = y;
-    }
-    for (r, o) in pairs.remainder().iter().zip(outs.into_remainder()) {
-        // SAFETY: the caller's contract.
-        *o = unsafe { tile_avx2::<1, 1>([a], [&r[at..]], n) }[0][0];
-    }
-}
-
-/// [`Dot::of_rows`] with AVX-512F, four keys per tile.
-///
-/// # Safety
-///
-/// The CPU supports AVX-512F; `out` has one element per row and every row holds `at + a.len()` values.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512f")]
-unsafe fn of_rows_avx512(a: &[f32], rows: &[&[f32]], at: usize, out: &mut [f32]) {
-    let n = a.len();
-    let mut quads = rows.chunks_exact(4);
-    let mut outs = out.chunks_exact_mut(4);
-    for (r, o) in (&mut quads).zip(&mut outs) {
-        // SAFETY: the caller's contract.
-        let [res] = unsafe { tile_avx512::<1, 4>([a], [&r[0][at..], &r[1][at..], &r[2][at..], &r[3][at..]], n) };
-        o.copy_from_slice(&res);
-    }
-    for (r, o) in quads.remainder().iter().zip(outs.into_remainder()) {
-        // SAFETY: the caller's contract.
-        *o = unsafe { tile_avx512::<1, 1>([a], [&r[at..]], n) }[0][0];
-    }
-}
-
 /// [`Dot::add_scaled`] with AVX-512F.
 ///
 /// # Safety
@@ -827,7 +763,9 @@ mod tests {
                         dot.of_rows_multi(&qs, &rs, at, &mut scores);
                         let mut alone = vec![0f32; queries * rows];
                         for (i, qv) in qs.iter().enumerate() {
-                            Dot { isa: Isa::Portable }.of_rows(qv, &rs, at, &mut alone[i * rows..(i + 1) * rows]);
+                            for (j, r) in rs.iter().enumerate() {
+                                alone[i * rows + j] = Dot { isa: Isa::Portable }.of(qv, &r[at..at + n]);
+                            }
                         }
                         assert_eq!(bits(&scores), bits(&alone), "scores: n {n}, {queries} x {rows}, {isa:?}");
 
@@ -888,7 +826,7 @@ mod tests {
         for isa in Isa::all() {
             let dot = Dot { isa };
             let mut got = vec![0f32; rows.len()];
-            dot.of_rows(&q, &rows, 11, &mut got);
+            dot.of_rows_multi(&[&q], &rows, 11, &mut got);
             for (g, k) in got.iter().zip(&rows) {
                 assert_eq!(g.to_bits(), Dot { isa: Isa::Portable }.of(&q, &k[11..]).to_bits(), "{isa:?}");
             }

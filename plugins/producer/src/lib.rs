@@ -10,6 +10,7 @@
 //! Everything the producer writes is untrusted by the host, which validates every frame; the producer
 //! itself trusts the host (it reads ring geometry from the host's control segment).
 
+pub mod procfs;
 pub mod protocol;
 pub mod sandbox;
 

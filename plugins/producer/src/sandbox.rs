@@ -66,36 +66,21 @@ pub fn end_descendants() -> Result<usize, String> {
     let me = std::process::id() as i32;
     let mut ended = 0;
     for _ in 0..64 {
-        let children = children_of(me).map_err(|e| format!("listing this process's children in /proc: {e}"))?;
+        let children =
+            crate::procfs::children_of(me).map_err(|e| format!("listing this process's children in /proc: {e}"))?;
         if children.is_empty() {
             return Ok(ended);
         }
-        for &child in &children {
+        for child in &children {
             // SAFETY: plain system calls on a child of this process (a zombie is only reaped).
             unsafe {
-                libc::kill(child, libc::SIGKILL);
-                libc::waitpid(child, std::ptr::null_mut(), 0);
+                libc::kill(child.pid, libc::SIGKILL);
+                libc::waitpid(child.pid, std::ptr::null_mut(), 0);
             }
         }
         ended += children.len();
     }
     Err(format!("the backend's processes kept forking: {ended} killed and more still running"))
-}
-
-/// The processes whose parent is `pid` (zombies included: they still need a reap).
-fn children_of(pid: i32) -> std::io::Result<Vec<i32>> {
-    let mut children = Vec::new();
-    for entry in std::fs::read_dir("/proc")? {
-        let Some(p) = entry?.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
-        // `pid (comm) state ppid ...`: the fields after the last `)` (a comm may hold one). A process
-        // that exited since the listing has no stat left.
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
-        let ppid = stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<i32>().ok());
-        if ppid == Some(pid) {
-            children.push(p);
-        }
-    }
-    Ok(children)
 }
 
 /// Installs the filters above on every thread of this process. From here on, a forbidden call kills the

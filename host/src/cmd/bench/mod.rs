@@ -129,6 +129,28 @@ impl Bench1 {
     }
 }
 
+/// Ends the child started from `cmd` with `signal` when the thread that starts it ends: a bench stopped
+/// by a signal (its destructors do not run) must not leave a server or a peer running. Start it from the
+/// bench's main thread: the signal follows the spawning thread, not the process.
+fn end_with_bench(cmd: &mut std::process::Command, signal: libc::c_int) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id();
+    // SAFETY: the closure runs in the forked child before exec and makes only the async-signal-safe
+    // system calls prctl, getppid and kill; it allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, signal as libc::c_ulong) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The bench may have died before the prctl: then nothing would ever send the signal.
+            if libc::getppid() as u32 != parent {
+                libc::kill(libc::getpid(), signal);
+            }
+            Ok(())
+        });
+    }
+}
+
 fn deadline() -> Instant {
     Instant::now() + Duration::from_secs(30)
 }

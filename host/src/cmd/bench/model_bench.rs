@@ -39,6 +39,27 @@ struct Loaded {
     weights_mib: f64,
 }
 
+/// What a model holds resident once every row of its runs is done and their KV pools are freed.
+struct Resident {
+    model: &'static str,
+    /// The GGUF file's size.
+    gguf_mib: f64,
+    /// The growth of this process's resident memory (`VmRSS`) from before the model's first load to after
+    /// its last row: the pages of its mapping it used, its own allocations, and whatever the runs left.
+    resident_mib: f64,
+}
+
+/// This process's resident memory in MiB, from `/proc/self/status`.
+fn resident_mib() -> anyhow::Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
+        .context("/proc/self/status: expected a `VmRSS: N kB` line")?;
+    Ok(kib as f64 / 1024.0)
+}
+
 /// Prefills `batch` copies of `req` (the first one's prefill timed), then decodes all of them together,
 /// one batched step at a time: prefill tok/s of one prompt, aggregate decode tok/s.
 fn run_batch(engine: &mut Engine, req: &Request, batch: usize) -> anyhow::Result<(f64, f64)> {
@@ -132,9 +153,10 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
     let cases = cases(args)?;
     let llama_site = if args.no_llama_cpp { None } else { Some(llama_cpp_python(args.json)?) };
     let bar = super::progress((8 * batches.len() * args.prompt_tokens.len()) as u64, args.json);
-    let (mut rows, mut loads) = (Vec::new(), Vec::new());
+    let (mut rows, mut loads, mut residents) = (Vec::new(), Vec::new(), Vec::new());
     for case in &cases {
         let name = case.name;
+        let resident_before = resident_mib()?;
         for precision in [Precision::Exact, Precision::Fast] {
             let t = std::time::Instant::now();
             let mut model = Model::from_gguf(&case.gguf)?;
@@ -184,6 +206,12 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
                 }
             }
         }
+        residents.push(Resident {
+            model: name,
+            gguf_mib: std::fs::metadata(&case.path).context("the GGUF's size")?.len() as f64 / (1 << 20) as f64,
+            resident_mib: resident_mib()? - resident_before,
+        });
+        drop(model);
     }
     bar.finish_and_clear();
     if args.json {
@@ -201,10 +229,14 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|l| json!({"model": l.model, "precision": l.precision, "load_ms": l.load_ms, "weights_mib": l.weights_mib}))
             .collect();
+        let residents: Vec<_> = residents
+            .iter()
+            .map(|r| json!({"model": r.model, "gguf_mib": r.gguf_mib, "resident_mib": r.resident_mib}))
+            .collect();
         outln!(
             "{}",
             json!({"bench": "model", "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-                   "batch": batches, "loads": loads, "results": out})
+                   "batch": batches, "loads": loads, "resident": residents, "results": out})
         )?;
     } else {
         outln!(
@@ -218,6 +250,15 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
                 l.precision,
                 l.load_ms,
                 l.weights_mib
+            )?;
+        }
+        for r in &residents {
+            outln!(
+                "{:<13} resident after its runs (KV pools freed): {:.0} MiB for a {:.0} MiB GGUF ({:.2}x)",
+                r.model,
+                r.resident_mib,
+                r.gguf_mib,
+                r.resident_mib / r.gguf_mib
             )?;
         }
         outln!(

@@ -90,7 +90,9 @@ impl Peer {
     /// waits until `/health` says it is ready.
     pub fn start(bin: &Path, gguf: &Path, slots: u64, context: u64, threads: usize) -> anyhow::Result<Self> {
         let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
-        let child = Command::new(bin)
+        let mut cmd = Command::new(bin);
+        super::end_with_bench(&mut cmd, libc::SIGKILL);
+        let child = cmd
             .arg("-m")
             .arg(gguf)
             .args(["--host", "127.0.0.1", "--port", &port.to_string(), "-np", &slots.to_string()])

@@ -772,6 +772,8 @@ pub(super) struct Server {
 
 impl Server {
     pub(super) fn start(mut cmd: Command) -> anyhow::Result<Self> {
+        // SIGTERM, so that it drains and stops its producers as it does for [`Server::stop`].
+        super::end_with_bench(&mut cmd, libc::SIGTERM);
         let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())

@@ -186,23 +186,10 @@ fn tcp_connections(pid: u32) -> std::collections::BTreeSet<String> {
         .collect()
 }
 
-/// The live (not zombie) processes whose parent is `pid`.
+/// The live (not zombie) processes whose parent is `pid` (none when `/proc` cannot be read).
 fn children_of(pid: i32) -> Vec<i32> {
-    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
-    let mut children: Vec<i32> = dir
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|&p| {
-            // `pid (comm) state ppid ...`: the fields after the last `)`.
-            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).unwrap_or_default();
-            let mut rest = stat.rsplit_once(')').map_or("", |(_, r)| r).split_whitespace();
-            let state = rest.next();
-            let ppid = rest.next().and_then(|v| v.parse::<i32>().ok());
-            ppid == Some(pid) && state != Some("Z")
-        })
-        .collect();
-    children.sort_unstable();
-    children
+    let children = pdhost_producer::procfs::children_of(pid).unwrap_or_default();
+    children.into_iter().filter(|c| !c.zombie).map(|c| c.pid).collect()
 }
 
 /// Sends request `i` of the mix and says how it ended.
