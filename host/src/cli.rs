@@ -278,9 +278,11 @@ pub struct ServeArgs {
     /// Threads for the forward pass: 1 to 4 per core (default: one per core).
     #[arg(long, allow_negative_numbers = true)]
     pub threads: Option<u64>,
-    /// Prompt tokens per prefill span (0: the whole prompt as one span).
-    #[arg(long, default_value_t = 0, allow_negative_numbers = true)]
-    pub prefill_chunk: u64,
+    /// Prompt tokens per prefill span, and per local prefill piece between decode rounds (0: the whole
+    /// prompt as one). Each producer's ring holds two spans of this size (default 2048, or the context
+    /// when smaller; outputs are the same bits at any size).
+    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
+    pub prefill_chunk: Option<u64>,
     /// A key every `/v1/` request must carry as `Authorization: Bearer KEY` (401 without it).
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,

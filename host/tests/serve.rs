@@ -473,7 +473,8 @@ print(json.dumps(out))
 /// events, not timings), and both compute exactly what they compute alone.
 #[test]
 fn slots_interleave_streams_and_each_equals_generate_alone() {
-    let s = serve(&["--producer", "rngd", "--slots", "2"]);
+    // Spans of two tokens: the short prompt's prefill comes in pieces between the long stream's rounds.
+    let s = serve(&["--producer", "rngd", "--slots", "2", "--prefill-chunk", "2"]);
     let long = json!({"prompt": "Once upon a time", "max_tokens": 120, "temperature": 0, "stream": true});
     let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&long).unwrap();
     let mut lines = BufReader::new(r.into_body().into_reader()).lines();
@@ -492,6 +493,8 @@ fn slots_interleave_streams_and_each_equals_generate_alone() {
     );
     let short = generate("The three primary colours are", 3, &[]);
     assert_eq!(status, 200, "{v}");
+    let prefilled = v["usage"]["prompt_tokens"].as_u64().unwrap() - 1;
+    assert_eq!(v["pdhost"]["spans"].as_u64(), Some(prefilled.div_ceil(2)), "{v}");
     assert_eq!(v["pdhost"]["output_ids"], short["output_ids"]);
     assert_eq!(v["pdhost"]["logits_xxh3"], short["logits_xxh3"]);
     // The long stream had not finished when the short request was answered, and goes on to the end.

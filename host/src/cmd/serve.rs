@@ -15,6 +15,11 @@ use pdhost::supervisor::RestartPolicy;
 use super::generate::Opened;
 use crate::cli::{ServeArgs, Switch};
 
+/// `--prefill-chunk` when not given. A producer's ring holds two spans of this many tokens, so it sets
+/// the shared memory a producer costs (Gemma 3 270M, f32: 2 x 72 MiB, against 2 x 324 MiB for whole
+/// 9216-token prompts), and a local piece this size is the longest decode stall of `--producer local`.
+const DEFAULT_PREFILL_CHUNK: u64 = 2048;
+
 /// The context a server gives each request unless told otherwise (the incident's deployment).
 const DEFAULT_CONTEXT: u64 = 9216;
 
@@ -60,7 +65,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let tokenizer = Arc::new(opened.tokenizer.take().ok_or_else(|| {
         request::Invalid::new(Field::Model, "a model with a tokenizer (requests carry text)", &opened.name)
     })?);
-    let prefill_chunk = request::check_count(Field::PrefillChunk, args.prefill_chunk, 0, max_len)? as usize;
+    let prefill_chunk = match args.prefill_chunk {
+        Some(given) => request::check_count(Field::PrefillChunk, given, 0, max_len)? as usize,
+        None => DEFAULT_PREFILL_CHUNK.min(max_len) as usize,
+    };
     let choice = super::producer::Choice {
         producer: backends[0],
         backend_config,
