@@ -549,7 +549,7 @@ pub struct ServeBenchArgs {
     #[arg(
         long,
         value_name = "URL",
-        conflicts_with_all = ["producer", "threads", "precision", "kv_dtype", "context", "prefix_cache"]
+        conflicts_with_all = ["producer", "threads", "precision", "kv_dtype", "context", "prefix_cache", "prefill_chunk"]
     )]
     pub url: Option<String>,
     /// The model (a name from `pdhost models list`; default gemma3-270m, or what `--url` serves). Prompts
@@ -577,6 +577,10 @@ pub struct ServeBenchArgs {
     /// when smaller).
     #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
     pub context: Option<u64>,
+    /// Prompt tokens per prefill span in the started server, as `serve --prefill-chunk` (its default
+    /// when not given).
+    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
+    pub prefill_chunk: Option<u64>,
     /// Prompt lengths in tokens, exact (each 1 to the context less the longest output).
     #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 8192])]
     pub inputs: Vec<u64>,

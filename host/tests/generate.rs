@@ -166,6 +166,12 @@ fn fast_precision_and_threads_run_and_report_the_same_prefill() {
     assert_eq!(ids(&fast["output_ids"]).len(), 8);
     // Prefill is f32 in both precisions: the first token (from the prefill logits) agrees.
     assert_eq!(ids(&fast["output_ids"])[0], ids(&exact["output_ids"])[0]);
+    // The memory it reports: the KV pool preallocated for the prompt and 8 tokens, and a peak above it.
+    for v in [&exact, &fast] {
+        let kv = v["memory"]["kv_pool_bytes"].as_u64().unwrap_or_else(|| panic!("{}", v["memory"]));
+        let peak = v["memory"]["peak_rss_bytes"].as_u64().unwrap_or_else(|| panic!("{}", v["memory"]));
+        assert!(kv > 0 && peak > kv, "{}", v["memory"]);
+    }
 }
 
 /// A checkpoint directory with a `tokenizer.json` is tokenized through the `tokenizers` crate, BOS from its

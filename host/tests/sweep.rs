@@ -436,7 +436,7 @@ fn every_reported_case_is_refused_or_handled() {
             "bench model without llama.cpp prints -",
             &["bench", "model", "--no-llama-cpp", "--prompt-tokens", "4", "--decode-tokens", "1", "--batch", "1,2"],
         )
-        .prints(&[" - ", "gemma3-270m   resident after its runs (KV pools freed): "])
+        .prints(&[" - ", "gemma3-270m   exact  peak RSS of a `generate` of the first prompt: "])
         .never(&["NaN"]),
         case("bench model batch 0", &["bench", "model", "--no-llama-cpp", "--batch", "1,0"])
             .refused(2, &["--batch: expected 1 to 16, found 0"]),

@@ -39,25 +39,39 @@ struct Loaded {
     weights_mib: f64,
 }
 
-/// What a model holds resident once every row of its runs is done and their KV pools are freed.
+/// The memory of one short `pdhost generate` of a model, in a process of its own.
 struct Resident {
     model: &'static str,
+    precision: &'static str,
     /// The GGUF file's size.
     gguf_mib: f64,
-    /// The growth of this process's resident memory (`VmRSS`) from before the model's first load to after
-    /// its last row: the pages of its mapping it used, its own allocations, and whatever the runs left.
-    resident_mib: f64,
+    /// The KV pool that `generate` preallocates for the prompt plus its output (f32, 64-token pages).
+    kv_mib: f64,
+    /// The process's peak resident memory.
+    peak_mib: f64,
 }
 
-/// This process's resident memory in MiB, from `/proc/self/status`.
-fn resident_mib() -> anyhow::Result<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
-    let kib = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().strip_suffix("kB")?.trim().parse::<u64>().ok())
-        .context("/proc/self/status: expected a `VmRSS: N kB` line")?;
-    Ok(kib as f64 / 1024.0)
+/// The peak resident memory of `pdhost generate` of `prompt` plus `decode` tokens of `model` in `precision`
+/// (local prefill, 2 threads), as the process reports it in its `--json` (`memory.peak_rss_bytes`).
+fn generate_peak_mib(model: &str, precision: &str, prompt: &[u32], decode: u64) -> anyhow::Result<f64> {
+    let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
+    let out = Command::new(std::env::current_exe().context("locating the pdhost executable")?)
+        .args(["generate", "--model", model, "--producer", "local", "--precision", precision, "--threads", "2"])
+        .args(["--max-tokens", &decode.to_string(), "--prompt-ids", &ids.join(","), "--json"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .context("running `pdhost generate`")?;
+    let said = String::from_utf8_lossy(&out.stderr);
+    anyhow::ensure!(
+        out.status.success(),
+        "`pdhost generate --model {model}` failed: {}",
+        said.lines().last().unwrap_or("no output")
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("`pdhost generate --json`'s output")?;
+    let bytes = v["memory"]["peak_rss_bytes"]
+        .as_u64()
+        .with_context(|| format!("`pdhost generate --json`: expected memory.peak_rss_bytes, found {}", v["memory"]))?;
+    Ok(bytes as f64 / (1 << 20) as f64)
 }
 
 /// Prefills `batch` copies of `req` (the first one's prefill timed), then decodes all of them together,
@@ -156,7 +170,6 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
     let (mut rows, mut loads, mut residents) = (Vec::new(), Vec::new(), Vec::new());
     for case in &cases {
         let name = case.name;
-        let resident_before = resident_mib()?;
         for precision in [Precision::Exact, Precision::Fast] {
             let t = std::time::Instant::now();
             let mut model = Model::from_gguf(&case.gguf)?;
@@ -168,6 +181,18 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
                 weights_mib: model.weight_bytes() as f64 / (1 << 20) as f64,
             });
             drop(model);
+            bar.set_message(format!("{name} {}: the memory of a short generate", precision.name()));
+            let request = &case.requests[0];
+            let max_len = (request.prompt.len() + request.max_tokens) as u64;
+            let kv = request::kv_budget(&Config::from_gguf(&case.gguf)?.kv_geometry(), Dtype::F32, 64, max_len, 1)
+                .context("the KV pool's size")?;
+            residents.push(Resident {
+                model: name,
+                precision: precision.name(),
+                gguf_mib: std::fs::metadata(&case.path).context("the GGUF's size")?.len() as f64 / (1 << 20) as f64,
+                kv_mib: kv as f64 / (1 << 20) as f64,
+                peak_mib: generate_peak_mib(name, precision.name(), &request.prompt, args.decode_tokens)?,
+            });
         }
         let mut model = Model::from_gguf(&case.gguf)?;
         for threads in [1, 2] {
@@ -206,12 +231,6 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
                 }
             }
         }
-        residents.push(Resident {
-            model: name,
-            gguf_mib: std::fs::metadata(&case.path).context("the GGUF's size")?.len() as f64 / (1 << 20) as f64,
-            resident_mib: resident_mib()? - resident_before,
-        });
-        drop(model);
     }
     bar.finish_and_clear();
     if args.json {
@@ -231,7 +250,10 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             .collect();
         let residents: Vec<_> = residents
             .iter()
-            .map(|r| json!({"model": r.model, "gguf_mib": r.gguf_mib, "resident_mib": r.resident_mib}))
+            .map(|r| {
+                json!({"model": r.model, "precision": r.precision, "gguf_mib": r.gguf_mib, "kv_pool_mib": r.kv_mib,
+                       "generate_peak_rss_mib": r.peak_mib})
+            })
             .collect();
         outln!(
             "{}",
@@ -254,11 +276,13 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         }
         for r in &residents {
             outln!(
-                "{:<13} resident after its runs (KV pools freed): {:.0} MiB for a {:.0} MiB GGUF ({:.2}x)",
+                "{:<13} {:<6} peak RSS of a `generate` of the first prompt: {:.0} MiB; its GGUF {:.0} MiB, its KV pool {:.1} MiB ({:.2}x GGUF + KV pool)",
                 r.model,
-                r.resident_mib,
+                r.precision,
+                r.peak_mib,
                 r.gguf_mib,
-                r.resident_mib / r.gguf_mib
+                r.kv_mib,
+                r.peak_mib / (r.gguf_mib + r.kv_mib)
             )?;
         }
         outln!(

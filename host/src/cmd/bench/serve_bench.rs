@@ -195,6 +195,9 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
             if let Some(t) = args.threads {
                 cmd.args(["--threads", &t.to_string()]);
             }
+            if let Some(chunk) = args.prefill_chunk {
+                cmd.args(["--prefill-chunk", &chunk.to_string()]);
+            }
             Target::Started(Server::start(cmd)?)
         }
     };
@@ -306,7 +309,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                 "threads": if started { json!(threads) } else { Value::Null },
                 "precision": if started { json!(args.precision.precision().name()) } else { Value::Null },
                 "kv_dtype": if started { json!(dtype.name()) } else { Value::Null },
-                "context": context, "repeats": repeats, "cells": cells,
+                "context": context, "prefill_chunk": args.prefill_chunk, "repeats": repeats, "cells": cells,
                 "totals": total.json(), "summary": total.summary(), "problems": problems,
                 "peer": if args.peer { json!({"server": "llama-server", "cells": peer_cells.iter().map(super::peer::PeerCell::json).collect::<Vec<_>>()}) } else { Value::Null },
             })
@@ -314,10 +317,15 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     } else {
         let how = match server {
             "started" => format!(
-                "a `pdhost serve` started for this run (--producer {}, {}, {} KV, {threads} thread(s), {context}-token context)",
+                "a `pdhost serve` started for this run (--producer {}, {}, {} KV, {threads} thread(s), {context}-token context, {})",
                 args.producer,
                 args.precision.precision().name(),
-                dtype.name()
+                dtype.name(),
+                match args.prefill_chunk {
+                    None => "its default spans".to_string(),
+                    Some(0) => "whole-prompt spans".to_string(),
+                    Some(n) => format!("{n}-token spans"),
+                }
             ),
             _ => format!("the server at {url} ({context}-token context)"),
         };
