@@ -159,12 +159,6 @@ fn mixed_measures_streams_beside_long_prompts_for_both_prefill_sites() {
     }
 }
 
-/// A process's state letter from `/proc/PID/stat`, or `None` once it is gone.
-fn state(pid: i32) -> Option<char> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat.rsplit_once(')')?.1.split_whitespace().next()?.chars().next()
-}
-
 /// A bench that is killed (its destructors never run) still takes the server it started down with it:
 /// the server gets SIGTERM from the kernel, drains, and stops its producer.
 #[test]
@@ -195,7 +189,7 @@ fn a_killed_bench_leaves_no_server_running() {
     bench.wait().unwrap();
     // Whoever adopts them reaps them; a zombie waiting for that is gone too.
     for pid in std::iter::once(server).chain(producers) {
-        while state(pid).is_some_and(|s| s != 'Z') {
+        while pdhost_producer::procfs::state(pid).is_some_and(|s| s != 'Z') {
             assert!(std::time::Instant::now() < deadline, "process {pid} still runs after its bench was killed");
             std::thread::sleep(std::time::Duration::from_millis(20));
         }

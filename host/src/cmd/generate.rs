@@ -231,7 +231,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
                            "decode": ms(gen.decode), "ttft": ms(gen.ttft),
                            "remote": {"backend": ms(report.remote_times.backend), "frame": ms(report.remote_times.frame),
                                       "take": ms(report.remote_times.take), "ipc": ms(report.remote_times.ipc())}},
-            "memory": {"kv_pool_bytes": budget, "peak_rss_bytes": peak_rss_bytes()},
+            "memory": {"kv_pool_bytes": budget, "peak_rss_bytes": request::peak_rss_bytes()},
         });
         writeln!(stdout, "{out}").map_err(StdoutError)?;
     } else {
@@ -267,14 +267,4 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
 
 fn where_producer(report: &PrefillReport) -> &str {
     report.producer.as_deref().unwrap_or("local")
-}
-
-/// This process's peak resident memory so far (`VmHWM`), or `None` where `/proc` does not say. Read from
-/// the process itself: a parent's accounting of a child (`wait4`) also counts the parent's own memory at
-/// the child's start, which the child's address space copied or shared until it ran this program.
-fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let kib =
-        status.lines().find_map(|l| l.strip_prefix("VmHWM:"))?.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()?;
-    Some(kib * 1024)
 }

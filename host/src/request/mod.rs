@@ -445,6 +445,14 @@ pub fn kv_budget(geometry: &KvGeometry, dtype: Dtype, page_size: u32, max_len: u
     Some(bytes)
 }
 
+/// This process's peak resident memory so far (`VmHWM`), or `None` where `/proc` does not say. Read from
+/// the process itself: a parent's accounting of a child (`wait4`) also counts the parent's own memory at
+/// the child's start, which the child's address space copied or shared until it ran this program.
+pub fn peak_rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    kib_field(&status, "VmHWM:").map(|k| k.saturating_mul(1024))
+}
+
 /// Memory that a new allocation may take now: the smaller of what the kernel calls available and what
 /// is left under this process's address-space limit (`ulimit -v`).
 pub fn memory_headroom() -> (u64, &'static str) {

@@ -24,7 +24,7 @@ fn pattern(i: usize) -> u8 {
     (i * 7 % 251) as u8 + 1
 }
 
-/// `len` bytes of private anonymous memory, touched once so no transfer waits on a page fault.
+/// `len` bytes of private anonymous memory, zeroed by the kernel.
 fn mapped(len: usize) -> *mut u8 {
     // SAFETY: a fresh private anonymous mapping; checked below.
     let p = unsafe {

@@ -16,17 +16,28 @@ pub fn children_of(pid: i32) -> std::io::Result<Vec<ChildProcess>> {
     let mut children = Vec::new();
     for entry in std::fs::read_dir("/proc")? {
         let Some(p) = entry?.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
-        // `pid (comm) state ppid ...`: the fields after the last `)` (a comm may hold one). A process
-        // that exited since the listing has no stat left.
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{p}/stat")) else { continue };
-        let mut fields = stat.rsplit_once(')').map_or("", |(_, rest)| rest).split_whitespace();
-        let state = fields.next();
-        if fields.next().and_then(|v| v.parse::<i32>().ok()) == Some(pid) {
-            children.push(ChildProcess { pid: p, zombie: state == Some("Z") });
+        if let Some((state, ppid)) = stat(p) {
+            if ppid == pid {
+                children.push(ChildProcess { pid: p, zombie: state == 'Z' });
+            }
         }
     }
     children.sort_unstable_by_key(|c| c.pid);
     Ok(children)
+}
+
+/// The state letter of process `pid` (`R`, `S`, `Z`, ...), or `None` once it is gone.
+pub fn state(pid: i32) -> Option<char> {
+    stat(pid).map(|(state, _)| state)
+}
+
+/// Process `pid`'s state letter and parent, from `/proc/PID/stat`: `pid (comm) state ppid ...`, the fields
+/// after the last `)` (a comm may hold one). `None` for a process that is gone.
+fn stat(pid: i32) -> Option<(char, i32)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let mut fields = stat.rsplit_once(')')?.1.split_whitespace();
+    let state = fields.next()?.chars().next()?;
+    Some((state, fields.next()?.parse().ok()?))
 }
 
 #[cfg(test)]

@@ -45,15 +45,16 @@ struct Resident {
     precision: &'static str,
     /// The GGUF file's size.
     gguf_mib: f64,
-    /// The KV pool that `generate` preallocates for the prompt plus its output (f32, 64-token pages).
+    /// The KV pool that `generate` preallocated for the prompt plus its output.
     kv_mib: f64,
     /// The process's peak resident memory.
     peak_mib: f64,
 }
 
 /// The peak resident memory of `pdhost generate` of `prompt` plus `decode` tokens of `model` in `precision`
-/// (local prefill, 2 threads), as the process reports it in its `--json` (`memory.peak_rss_bytes`).
-fn generate_peak_mib(model: &str, precision: &str, prompt: &[u32], decode: u64) -> anyhow::Result<f64> {
+/// (local prefill, 2 threads) and the KV pool it preallocated, in MiB, as the process reports them in its
+/// `--json` (`memory.peak_rss_bytes`, `memory.kv_pool_bytes`).
+fn generate_memory_mib(model: &str, precision: &str, prompt: &[u32], decode: u64) -> anyhow::Result<(f64, f64)> {
     let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
     let out = Command::new(std::env::current_exe().context("locating the pdhost executable")?)
         .args(["generate", "--model", model, "--producer", "local", "--precision", precision, "--threads", "2"])
@@ -68,10 +69,13 @@ fn generate_peak_mib(model: &str, precision: &str, prompt: &[u32], decode: u64) 
         said.lines().last().unwrap_or("no output")
     );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("`pdhost generate --json`'s output")?;
-    let bytes = v["memory"]["peak_rss_bytes"]
-        .as_u64()
-        .with_context(|| format!("`pdhost generate --json`: expected memory.peak_rss_bytes, found {}", v["memory"]))?;
-    Ok(bytes as f64 / (1 << 20) as f64)
+    let mib = |key: &str| {
+        v["memory"][key]
+            .as_u64()
+            .map(|b| b as f64 / (1 << 20) as f64)
+            .with_context(|| format!("`pdhost generate --json`: expected memory.{key}, found {}", v["memory"]))
+    };
+    Ok((mib("peak_rss_bytes")?, mib("kv_pool_bytes")?))
 }
 
 /// Prefills `batch` copies of `req` (the first one's prefill timed), then decodes all of them together,
@@ -182,16 +186,14 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             });
             drop(model);
             bar.set_message(format!("{name} {}: the memory of a short generate", precision.name()));
-            let request = &case.requests[0];
-            let max_len = (request.prompt.len() + request.max_tokens) as u64;
-            let kv = request::kv_budget(&Config::from_gguf(&case.gguf)?.kv_geometry(), Dtype::F32, 64, max_len, 1)
-                .context("the KV pool's size")?;
+            let (peak_mib, kv_mib) =
+                generate_memory_mib(name, precision.name(), &case.requests[0].prompt, args.decode_tokens)?;
             residents.push(Resident {
                 model: name,
                 precision: precision.name(),
                 gguf_mib: std::fs::metadata(&case.path).context("the GGUF's size")?.len() as f64 / (1 << 20) as f64,
-                kv_mib: kv as f64 / (1 << 20) as f64,
-                peak_mib: generate_peak_mib(name, precision.name(), &request.prompt, args.decode_tokens)?,
+                kv_mib,
+                peak_mib,
             });
         }
         let mut model = Model::from_gguf(&case.gguf)?;
