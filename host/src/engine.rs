@@ -361,27 +361,36 @@ impl Engine {
         Ok(Engine { kv, model, next_seq: 1 })
     }
 
-    /// Lays a chunk's K/V out as a grouped span and ingests it into `seq`.
+    /// Ingests a chunk's K/V into `seq` as a grouped span. Its entries (contiguous, in order) are written
+    /// one at a time straight from the chunk, converted to the cache's dtype on the way: no whole span
+    /// payload is built beside the chunk (for a 128-token SmolLM2 prompt that was 5.9 MB more at the
+    /// process's peak).
     fn ingest(&mut self, seq: SeqId, request_id: u64, chunk: &ChunkKv) -> Result<u64, IngestError> {
         let geometry = self.kv.geometry().clone();
         let dtype = self.kv.dtype();
         let range = chunk.start..chunk.start + chunk.len as u64;
         let manifest = Manifest::grouped(&geometry, request_id, range, dtype);
-        let mut payload = vec![0u8; manifest.payload_len() as usize];
+        let mut staged = self.kv.prepare(seq, &manifest)?;
+        let mut converted = Vec::new();
         for e in &manifest.entries {
             let src = match e.kind {
                 EntryKind::K => &chunk.k[e.layer as usize],
                 EntryKind::V => &chunk.v[e.layer as usize],
                 EntryKind::State => unreachable!("no recurrent layers in these models"),
             };
-            // Spans are little-endian, as this host is (asserted below): the f32s' bytes as they lie.
+            // Spans are little-endian, as this host is (asserted at the top): the f32s' bytes as they lie.
             let bytes = zerocopy::IntoBytes::as_bytes(src.as_slice());
-            convert(Dtype::F32, bytes, dtype, &mut payload[e.offset as usize..(e.offset + e.len) as usize]);
+            let bytes = if dtype == Dtype::F32 {
+                bytes
+            } else {
+                converted.resize(e.len as usize, 0);
+                convert(Dtype::F32, bytes, dtype, &mut converted);
+                &converted[..]
+            };
+            self.kv.write_staged(&mut staged, e.offset, bytes);
         }
-        let mut staged = self.kv.prepare(seq, &manifest)?;
-        self.kv.write_staged(&mut staged, 0, &payload);
         self.kv.commit(staged);
-        Ok(payload.len() as u64)
+        Ok(manifest.payload_len())
     }
 
     /// Generates for one request with local prefill, calling `on_token` with each new id as it is produced.

@@ -614,12 +614,7 @@ pub fn gguf_identity(g: &Gguf, config: &Config) -> Result<crate::identity::Model
     let start = g.tensors.values().map(|t| t.offset).min().unwrap_or(0);
     let end = g.tensors.values().map(|t| t.offset + t.len).max().unwrap_or(0);
     let weights = crate::identity::digest(g.data_bytes(start, end));
-    let tokens: Vec<&str> = g
-        .get_array("tokenizer.ggml.tokens")
-        .map(|a| {
-            a.iter().filter_map(|v| if let crate::gguf::Value::Str(s) = v { Some(s.as_str()) } else { None }).collect()
-        })
-        .unwrap_or_default();
+    let tokens: Vec<&str> = g.get_strings("tokenizer.ggml.tokens").map(|a| a.iter().collect()).unwrap_or_default();
     let tokenizer = crate::identity::digest(tokens.join("\n").as_bytes());
     Ok(crate::identity::ModelIdentity::new(weights, tokenizer, config.rope_global, config.rope_local))
 }

@@ -394,15 +394,9 @@ impl ChatTemplate {
 /// The text of the token whose id is at `key`; `None` when the file has no such key.
 fn token_text(g: &Gguf, key: &str) -> Result<Option<String>, GgufError> {
     let Ok(id) = g.get_u64(key) else { return Ok(None) };
-    let tokens = g.get_array("tokenizer.ggml.tokens")?;
+    let tokens = g.get_strings("tokenizer.ggml.tokens")?;
     match usize::try_from(id).ok().and_then(|i| tokens.get(i)) {
-        Some(GgufValue::Str(text)) => Ok(Some(text.clone())),
-        Some(other) => Err(GgufError::Invalid {
-            path: g.path().into(),
-            what: format!("tokenizer.ggml.tokens entry {id} ({key})"),
-            expected: "a string".into(),
-            found: other.describe(),
-        }),
+        Some(text) => Ok(Some(text.to_owned())),
         None => Err(GgufError::Invalid {
             path: g.path().into(),
             what: key.into(),

@@ -109,7 +109,7 @@ pub enum Value {
     /// UTF-8 string.
     Str(String),
     /// Array.
-    Array(Vec<Value>),
+    Array(Array),
 }
 
 impl Value {
@@ -134,19 +134,108 @@ impl Value {
             Value::Bool(v) => format!("the bool {v}"),
             Value::Str(s) if s.len() == 1 => "a string of 1 byte".to_string(),
             Value::Str(s) => format!("a string of {} bytes", s.len()),
-            Value::Array(items) => {
-                let elements = match items.first() {
-                    None => return "an empty array".to_string(),
-                    Some(Value::U64(_)) => "unsigned integers",
-                    Some(Value::I64(_)) => "signed integers",
-                    Some(Value::F64(_)) => "floats",
-                    Some(Value::Bool(_)) => "bools",
-                    Some(Value::Str(_)) => "strings",
-                    Some(Value::Array(_)) => "arrays",
-                };
-                format!("an array of {} {elements}", items.len())
-            }
+            Value::Array(a) => a.describe(),
         }
+    }
+}
+
+/// A metadata array, held by element type. A vocabulary is a quarter million strings: they are kept end
+/// to end in one buffer ([`Strings`]), not as a heap string and a 32-byte [`Value`] each (that was 25 MB
+/// for Gemma 3's, more than its KV pool at a short prompt).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Array {
+    /// Unsigned integers (u8, u16, u32 or u64 elements).
+    U64(Vec<u64>),
+    /// Signed integers (i8, i16, i32 or i64 elements).
+    I64(Vec<i64>),
+    /// Floats (f32 or f64 elements).
+    F64(Vec<f64>),
+    /// Booleans.
+    Bool(Vec<bool>),
+    /// Strings.
+    Str(Strings),
+}
+
+impl Array {
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            Array::U64(v) => v.len(),
+            Array::I64(v) => v.len(),
+            Array::F64(v) => v.len(),
+            Array::Bool(v) => v.len(),
+            Array::Str(v) => v.len(),
+        }
+    }
+
+    /// Whether it has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The array in words: `an array of 3 floats`, `an empty array`.
+    pub fn describe(&self) -> String {
+        let elements = match self {
+            _ if self.is_empty() => return "an empty array".to_string(),
+            Array::U64(_) => "unsigned integers",
+            Array::I64(_) => "signed integers",
+            Array::F64(_) => "floats",
+            Array::Bool(_) => "bools",
+            Array::Str(_) => "strings",
+        };
+        format!("an array of {} {elements}", self.len())
+    }
+}
+
+/// Strings stored end to end in one buffer, with the end of each.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Strings {
+    text: String,
+    /// Where each string ends in `text` (a `u32`: the reader refuses arrays of more than 4 GiB of text).
+    ends: Vec<u32>,
+}
+
+impl Strings {
+    /// Number of strings.
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// String `i`.
+    pub fn get(&self, i: usize) -> Option<&str> {
+        let end = *self.ends.get(i)? as usize;
+        let start = i.checked_sub(1).map_or(0, |j| self.ends[j] as usize);
+        Some(&self.text[start..end])
+    }
+
+    /// The strings in order.
+    pub fn iter(&self) -> impl ExactSizeIterator<Item = &str> + '_ {
+        (0..self.len()).map(|i| self.get(i).expect("in range"))
+    }
+
+    /// Appends `s`; `false` (and nothing appended) when the text would pass 4 GiB.
+    fn push(&mut self, s: &str) -> bool {
+        let Some(end) = u32::try_from(self.text.len() + s.len()).ok() else { return false };
+        self.text.push_str(s);
+        self.ends.push(end);
+        true
+    }
+}
+
+impl<'a> FromIterator<&'a str> for Strings {
+    /// # Panics
+    /// If the strings pass 4 GiB in all.
+    fn from_iter<I: IntoIterator<Item = &'a str>>(iter: I) -> Self {
+        let mut strings = Strings::default();
+        for s in iter {
+            assert!(strings.push(s), "strings of more than 4 GiB in all");
+        }
+        strings
     }
 }
 
@@ -226,18 +315,22 @@ impl<'a> Cursor<'a> {
         Ok(n)
     }
 
-    fn string(&mut self, what: &dyn Fn() -> String) -> Result<String, GgufError> {
+    fn str(&mut self, what: &dyn Fn() -> String) -> Result<&'a str, GgufError> {
         let n = self.bounded(MAX_STRING, what)?;
         let bytes = self.take(n, what)?;
-        String::from_utf8(bytes.to_vec()).map_err(|e| GgufError::Invalid {
+        std::str::from_utf8(bytes).map_err(|e| GgufError::Invalid {
             path: self.path.into(),
             what: what(),
             expected: "UTF-8".into(),
-            found: format!("invalid byte at {}", e.utf8_error().valid_up_to()),
+            found: format!("invalid byte at {}", e.valid_up_to()),
         })
     }
 
-    fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<Value, GgufError> {
+    fn string(&mut self, what: &dyn Fn() -> String) -> Result<String, GgufError> {
+        self.str(what).map(str::to_owned)
+    }
+
+    fn value(&mut self, ty: u32, key: &str) -> Result<Value, GgufError> {
         let what = || format!("metadata {key:?}");
         Ok(match ty {
             0 => Value::U64(u64::from(self.array::<1>(&what)?[0])),
@@ -249,27 +342,66 @@ impl<'a> Cursor<'a> {
             6 => Value::F64(f64::from(f32::from_le_bytes(self.array(&what)?))),
             7 => Value::Bool(self.array::<1>(&what)?[0] != 0),
             8 => Value::Str(self.string(&what)?),
-            9 if depth == 0 => {
-                let elem = self.u32(&what)?;
-                let n = self.bounded(MAX_ARRAY, &what)?;
-                let mut items = Vec::with_capacity(n.min(1 << 16) as usize);
-                for _ in 0..n {
-                    items.push(self.value(elem, key, depth + 1)?);
-                }
-                Value::Array(items)
-            }
+            9 => Value::Array(self.elements(key)?),
             10 => Value::U64(self.u64(&what)?),
             11 => Value::I64(i64::from_le_bytes(self.array(&what)?)),
             12 => Value::F64(f64::from_le_bytes(self.array(&what)?)),
-            found => {
-                return Err(GgufError::Invalid {
-                    path: self.path.into(),
-                    what: what(),
-                    expected: "a value type 0..=12 (arrays not nested)".into(),
-                    found: format!("type {found}"),
-                })
-            }
+            found => return Err(self.bad_type(key, found)),
         })
+    }
+
+    /// An array's element type, count and elements, each element read as [`Cursor::value`] reads a
+    /// scalar of its type, into storage of its kind.
+    fn elements(&mut self, key: &str) -> Result<Array, GgufError> {
+        let what = || format!("metadata {key:?}");
+        let elem = self.u32(&what)?;
+        let n = self.bounded(MAX_ARRAY, &what)?;
+        // A count is only a claim until its elements are read: reserve no more than a modest amount
+        // up front.
+        let reserve = n.min(1 << 16) as usize;
+        macro_rules! read {
+            ($variant:ident) => {{
+                let mut items = Vec::with_capacity(reserve);
+                for _ in 0..n {
+                    match self.value(elem, key)? {
+                        Value::$variant(v) => items.push(v),
+                        _ => unreachable!("element type {elem} reads as one kind"),
+                    }
+                }
+                Array::$variant(items)
+            }};
+        }
+        Ok(match elem {
+            0 | 2 | 4 | 10 => read!(U64),
+            1 | 3 | 5 | 11 => read!(I64),
+            6 | 12 => read!(F64),
+            7 => read!(Bool),
+            8 => {
+                let mut strings = Strings { text: String::new(), ends: Vec::with_capacity(reserve) };
+                for _ in 0..n {
+                    let s = self.str(&what)?;
+                    if !strings.push(s) {
+                        return Err(GgufError::TooLarge {
+                            path: self.path.into(),
+                            what: format!("the text of metadata array {key:?}"),
+                            max: u64::from(u32::MAX),
+                            found: (strings.text.len() + s.len()) as u64,
+                        });
+                    }
+                }
+                Array::Str(strings)
+            }
+            found => return Err(self.bad_type(key, found)),
+        })
+    }
+
+    fn bad_type(&self, key: &str, found: u32) -> GgufError {
+        GgufError::Invalid {
+            path: self.path.into(),
+            what: format!("metadata {key:?}"),
+            expected: "a value type 0..=12 (arrays not nested)".into(),
+            found: format!("type {found}"),
+        }
     }
 }
 
@@ -296,7 +428,7 @@ impl Gguf {
         for i in 0..n_kv {
             let key = c.string(&|| format!("metadata key {i}"))?;
             let ty = c.u32(&|| format!("type of metadata {key:?}"))?;
-            let value = c.value(ty, &key, 0)?;
+            let value = c.value(ty, &key)?;
             metadata.insert(key, value);
         }
         let mut infos = Vec::new();
@@ -411,10 +543,19 @@ impl Gguf {
     }
 
     /// An array value.
-    pub fn get_array(&self, key: &str) -> Result<&[Value], GgufError> {
+    pub fn get_array(&self, key: &str) -> Result<&Array, GgufError> {
         match self.get(key)? {
             Value::Array(v) => Ok(v),
             v => Err(self.invalid(key, "an array", v.type_name().into())),
+        }
+    }
+
+    /// An array of strings.
+    pub fn get_strings(&self, key: &str) -> Result<&Strings, GgufError> {
+        match self.get_array(key)? {
+            Array::Str(v) => Ok(v),
+            a if a.is_empty() => Ok(const { &Strings { text: String::new(), ends: Vec::new() } }),
+            a => Err(self.invalid(key, "an array of strings", a.describe())),
         }
     }
 
@@ -460,12 +601,88 @@ impl Gguf {
 mod tests {
     use super::*;
 
-    fn open(name: &str, bytes: &[u8]) -> String {
+    fn open_result(name: &str, bytes: &[u8]) -> Result<Gguf, String> {
         let path = std::env::temp_dir().join(format!("pdhost-gguf-test-{}-{name}", std::process::id()));
         std::fs::write(&path, bytes).unwrap();
-        let err = Gguf::open(&path).unwrap_err().to_string();
+        let result = Gguf::open(&path).map_err(|e| e.to_string().replace(&path.display().to_string(), "FILE"));
         std::fs::remove_file(&path).unwrap();
-        err.replace(&path.display().to_string(), "FILE")
+        result
+    }
+
+    fn open(name: &str, bytes: &[u8]) -> String {
+        open_result(name, bytes).unwrap_err()
+    }
+
+    /// A version-3 file with no tensors and the given (key, type, value bytes) entries.
+    fn file_with(entries: &[(&str, u32, Vec<u8>)]) -> Vec<u8> {
+        let mut file = b"GGUF".to_vec();
+        file.extend(3u32.to_le_bytes());
+        file.extend(0u64.to_le_bytes());
+        file.extend((entries.len() as u64).to_le_bytes());
+        for (key, ty, value) in entries {
+            file.extend((key.len() as u64).to_le_bytes());
+            file.extend(key.as_bytes());
+            file.extend(ty.to_le_bytes());
+            file.extend(value);
+        }
+        file
+    }
+
+    /// An array's bytes: element type, count, elements.
+    fn array(elem: u32, n: u64, elements: &[u8]) -> Vec<u8> {
+        [&elem.to_le_bytes()[..], &n.to_le_bytes(), elements].concat()
+    }
+
+    fn gguf_string(s: &str) -> Vec<u8> {
+        [&(s.len() as u64).to_le_bytes()[..], s.as_bytes()].concat()
+    }
+
+    #[test]
+    fn arrays_are_held_by_element_type_and_strings_end_to_end() {
+        let words = ["<pad>", "", "\u{2581}the", "日本"];
+        let file = file_with(&[
+            ("words", 9, array(8, 4, &words.map(gguf_string).concat())),
+            ("types", 9, array(5, 3, &[1i32, -2, 6].map(i32::to_le_bytes).concat())),
+            ("scores", 9, array(6, 2, &[0.5f32, -1.25].map(f32::to_le_bytes).concat())),
+            ("flags", 9, array(7, 2, &[1, 0])),
+            ("none", 9, array(4, 0, &[])),
+        ]);
+        let g = open_result("arrays", &file).unwrap();
+        let strings = g.get_strings("words").unwrap();
+        assert_eq!(strings.iter().collect::<Vec<_>>(), words);
+        assert_eq!((strings.len(), strings.get(3), strings.get(4)), (4, Some("日本"), None));
+        assert_eq!(*strings, words.into_iter().collect::<Strings>());
+        assert_eq!(g.get_array("types").unwrap(), &Array::I64(vec![1, -2, 6]));
+        assert_eq!(g.get_array("scores").unwrap(), &Array::F64(vec![0.5, -1.25]));
+        assert_eq!(g.get_array("flags").unwrap(), &Array::Bool(vec![true, false]));
+        // An empty array is an empty array of strings too (GGUF writers type empty arrays as they like).
+        assert!(g.get_strings("none").unwrap().is_empty());
+        let err = g.get_strings("types").unwrap_err().to_string();
+        assert_eq!(
+            err.replace(&g.path().display().to_string(), "FILE"),
+            "FILE: types: expected an array of strings, found an array of 3 signed integers"
+        );
+    }
+
+    #[test]
+    fn arrays_in_arrays_and_bad_strings_in_arrays_are_refused() {
+        let nested = file_with(&[("outer", 9, array(9, 1, &array(4, 0, &[])))]);
+        assert_eq!(
+            open("nested", &nested),
+            "FILE: metadata \"outer\": expected a value type 0..=12 (arrays not nested), found type 9"
+        );
+        let bad_utf8 = file_with(&[(
+            "words",
+            9,
+            array(8, 2, &[gguf_string("ok"), vec![2, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xfe]].concat()),
+        )]);
+        assert_eq!(open("utf8", &bad_utf8), "FILE: metadata \"words\": expected UTF-8, found invalid byte at 0");
+        let short = file_with(&[("words", 9, array(8, 3, &gguf_string("only one")))]);
+        assert!(
+            open("short", &short).starts_with("FILE: truncated reading metadata \"words\""),
+            "{}",
+            open("short", &short)
+        );
     }
 
     #[test]
@@ -498,9 +715,9 @@ mod tests {
             open("alignment", &file),
             "FILE: general.alignment: expected a power of two up to 65536, found a string of 1 byte"
         );
-        let array = Value::Array(vec![Value::U64(1), Value::U64(7)]);
+        let array = Value::Array(Array::U64(vec![1, 7]));
         assert_eq!(array.describe(), "an array of 2 unsigned integers");
         assert_eq!(Value::U64(7).describe(), "the unsigned integer 7");
-        assert_eq!(Value::Array(Vec::new()).describe(), "an empty array");
+        assert_eq!(Value::Array(Array::Str(Strings::default())).describe(), "an empty array");
     }
 }

@@ -8,8 +8,9 @@
 //!   byte-level mapping, and BPE by merge rank. No prefix space.
 
 use std::collections::{BinaryHeap, HashMap};
+use std::hash::{BuildHasher, RandomState};
 
-use crate::gguf::{Gguf, GgufError, Value};
+use crate::gguf::{Array, Gguf, GgufError, Strings, Value};
 
 /// A token's type, from `tokenizer.ggml.token_type`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -95,12 +96,64 @@ impl Tokenizer {
     }
 }
 
+/// A vocabulary: token texts by id, and ids by text. Each text is held once, end to end with the others
+/// ([`Strings`]); the index holds only ids, found by their text's hash. (A `Vec<String>` and a
+/// `HashMap<String, u32>` held Gemma 3's 262144 tokens twice over, a heap string each: 23 MB.)
+struct Vocab {
+    texts: Strings,
+    index: hashbrown::HashTable<u32>,
+    hasher: RandomState,
+}
+
+impl Vocab {
+    fn new(texts: Strings) -> Self {
+        let hasher = RandomState::new();
+        let mut index = hashbrown::HashTable::with_capacity(texts.len());
+        let text_of = |id: u32| texts.get(id as usize).expect("an id in the table is a token");
+        for (id, text) in texts.iter().enumerate() {
+            let entry =
+                index.entry(hasher.hash_one(text), |&other| text_of(other) == text, |&id| hasher.hash_one(text_of(id)));
+            // Of tokens with equal texts the last wins, as in a map filled in id order.
+            match entry {
+                hashbrown::hash_table::Entry::Occupied(mut e) => *e.get_mut() = id as u32,
+                hashbrown::hash_table::Entry::Vacant(e) => {
+                    e.insert(id as u32);
+                }
+            }
+        }
+        Vocab { texts, index, hasher }
+    }
+
+    /// The id of the token whose text is `text`.
+    fn id(&self, text: &str) -> Option<u32> {
+        self.index.find(self.hasher.hash_one(text), |&id| self.texts.get(id as usize) == Some(text)).copied()
+    }
+
+    /// The text of token `id`.
+    fn text(&self, id: u32) -> Option<&str> {
+        self.texts.get(id as usize)
+    }
+
+    fn len(&self) -> usize {
+        self.texts.len()
+    }
+
+    fn iter(&self) -> impl Iterator<Item = &str> + '_ {
+        self.texts.iter()
+    }
+}
+
+impl std::fmt::Debug for Vocab {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vocab").field("tokens", &self.len()).finish_non_exhaustive()
+    }
+}
+
 /// A tokenizer built from GGUF metadata.
 #[derive(Debug)]
 pub struct GgufTokenizer {
-    tokens: Vec<String>,
+    vocab: Vocab,
     kinds: Vec<Kind>,
-    ids: HashMap<String, u32>,
     /// Special tokens matched in raw text, longest first.
     specials: Vec<(String, u32)>,
     /// Finds `specials` in a text (`None` when there are none).
@@ -129,45 +182,36 @@ impl GgufTokenizer {
             expected: expected.into(),
             found,
         };
-        let tokens: Vec<String> = g
-            .get_array("tokenizer.ggml.tokens")?
-            .iter()
-            .enumerate()
-            .map(|(i, v)| match v {
-                Value::Str(s) => Ok(s.clone()),
-                v => Err(bad("tokenizer.ggml.tokens", "strings", format!("{} at entry {i}", v.describe()))),
-            })
-            .collect::<Result<_, _>>()?;
-        let kinds: Vec<Kind> = match g.get_array("tokenizer.ggml.token_type") {
-            Ok(types) => types
-                .iter()
-                .enumerate()
-                .map(|(i, v)| match v {
-                    Value::I64(1) | Value::U64(1) => Ok(Kind::Normal),
-                    Value::I64(2) | Value::U64(2) => Ok(Kind::Unknown),
-                    Value::I64(3) | Value::U64(3) => Ok(Kind::Control),
-                    Value::I64(4) | Value::U64(4) => Ok(Kind::UserDefined),
-                    Value::I64(5) | Value::U64(5) => Ok(Kind::Unused),
-                    Value::I64(6) | Value::U64(6) => Ok(Kind::Byte),
-                    v => Err(bad("tokenizer.ggml.token_type", "types 1..=6", format!("{} at entry {i}", v.describe()))),
-                })
-                .collect::<Result<_, _>>()?,
-            Err(_) => vec![Kind::Normal; tokens.len()],
+        let vocab = Vocab::new(g.get_strings("tokenizer.ggml.tokens")?.clone());
+        let kind = |i: usize, v: i128| match v {
+            1 => Ok(Kind::Normal),
+            2 => Ok(Kind::Unknown),
+            3 => Ok(Kind::Control),
+            4 => Ok(Kind::UserDefined),
+            5 => Ok(Kind::Unused),
+            6 => Ok(Kind::Byte),
+            v => Err(bad("tokenizer.ggml.token_type", "types 1..=6", format!("the integer {v} at entry {i}"))),
         };
-        if kinds.len() != tokens.len() {
-            return Err(bad(
-                "tokenizer.ggml.token_type",
-                &format!("{} entries", tokens.len()),
-                kinds.len().to_string(),
-            ));
+        let kinds: Vec<Kind> = match g.get_array("tokenizer.ggml.token_type") {
+            Ok(Array::I64(types)) => {
+                types.iter().enumerate().map(|(i, &v)| kind(i, v.into())).collect::<Result<_, _>>()?
+            }
+            Ok(Array::U64(types)) => {
+                types.iter().enumerate().map(|(i, &v)| kind(i, v.into())).collect::<Result<_, _>>()?
+            }
+            Ok(a) if a.is_empty() => Vec::new(),
+            Ok(a) => return Err(bad("tokenizer.ggml.token_type", "an array of integers", a.describe())),
+            Err(_) => vec![Kind::Normal; vocab.len()],
+        };
+        if kinds.len() != vocab.len() {
+            return Err(bad("tokenizer.ggml.token_type", &format!("{} entries", vocab.len()), kinds.len().to_string()));
         }
-        let ids: HashMap<String, u32> = tokens.iter().enumerate().map(|(i, t)| (t.clone(), i as u32)).collect();
-        let mut specials: Vec<(String, u32)> = tokens
+        let mut specials: Vec<(String, u32)> = vocab
             .iter()
             .zip(&kinds)
             .enumerate()
             .filter(|(_, (t, k))| matches!(k, Kind::Control | Kind::UserDefined) && !t.is_empty())
-            .map(|(i, (t, _))| (t.clone(), i as u32))
+            .map(|(i, (t, _))| (t.to_owned(), i as u32))
             .collect();
         specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
         let special_finder = if specials.is_empty() {
@@ -180,7 +224,7 @@ impl GgufTokenizer {
             Some(finder)
         };
         let mut byte_ids = [None; 256];
-        for (i, (t, k)) in tokens.iter().zip(&kinds).enumerate() {
+        for (i, (t, k)) in vocab.iter().zip(&kinds).enumerate() {
             if *k == Kind::Byte {
                 if let Some(b) =
                     t.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).and_then(|h| u8::from_str_radix(h, 16).ok())
@@ -191,30 +235,29 @@ impl GgufTokenizer {
         }
         let algorithm = match model.as_str() {
             "llama" => {
-                let scores = g
-                    .get_array("tokenizer.ggml.scores")?
-                    .iter()
-                    .enumerate()
-                    .map(|(i, v)| match v {
-                        Value::F64(x) => Ok(*x as f32),
-                        v => Err(bad("tokenizer.ggml.scores", "floats", format!("{} at entry {i}", v.describe()))),
-                    })
-                    .collect::<Result<Vec<_>, _>>()?;
+                let scores = match g.get_array("tokenizer.ggml.scores")? {
+                    Array::F64(scores) => scores.iter().map(|&x| x as f32).collect(),
+                    a if a.is_empty() => Vec::new(),
+                    a => return Err(bad("tokenizer.ggml.scores", "an array of floats", a.describe())),
+                };
+                if scores.len() != vocab.len() {
+                    return Err(bad(
+                        "tokenizer.ggml.scores",
+                        &format!("{} entries", vocab.len()),
+                        scores.len().to_string(),
+                    ));
+                }
                 Algorithm::Spm { scores }
             }
             "gpt2" => {
                 let mut ranks = HashMap::new();
-                for (rank, v) in g.get_array("tokenizer.ggml.merges")?.iter().enumerate() {
-                    let Value::Str(m) = v else {
-                        return Err(bad(
-                            "tokenizer.ggml.merges",
-                            "strings",
-                            format!("{} at entry {rank}", v.describe()),
-                        ));
-                    };
+                for (rank, m) in g.get_strings("tokenizer.ggml.merges")?.iter().enumerate() {
                     let (l, r) =
-                        m.split_once(' ').ok_or_else(|| bad("tokenizer.ggml.merges", "\"left right\"", m.clone()))?;
-                    if let (Some(&l), Some(&r)) = (ids.get(l), ids.get(r)) {
+                        m.split_once(' ').ok_or_else(|| bad("tokenizer.ggml.merges", "\"left right\"", m.into()))?;
+                    // A merge counts only where both sides and their join are tokens, so merging never
+                    // leaves the vocabulary.
+                    let joined = vocab.id(&[l, r].concat()).is_some();
+                    if let (Some(l), Some(r), true) = (vocab.id(l), vocab.id(r), joined) {
                         ranks.insert((l, r), rank as u32);
                     }
                 }
@@ -229,9 +272,8 @@ impl GgufTokenizer {
             bos: get_id("tokenizer.ggml.bos_token_id"),
             eos: get_id("tokenizer.ggml.eos_token_id"),
             add_bos,
-            tokens,
+            vocab,
             kinds,
-            ids,
             specials,
             special_finder,
             algorithm,
@@ -241,7 +283,7 @@ impl GgufTokenizer {
 
     /// Vocabulary size.
     pub fn vocab_size(&self) -> usize {
-        self.tokens.len()
+        self.vocab.len()
     }
 
     /// Encodes `text`, with BOS first when `with_bos` and the model has one.
@@ -323,7 +365,7 @@ impl GgufTokenizer {
         let mut heap = BinaryHeap::new();
         let push = |heap: &mut BinaryHeap<Bigram>, syms: &[(usize, usize)], l: usize, r: usize| {
             let (start, len) = (syms[l].0, syms[l].1 + syms[r].1);
-            if let Some(&id) = self.ids.get(&text[start..start + len]) {
+            if let Some(id) = self.vocab.id(&text[start..start + len]) {
                 heap.push(Bigram { score: scores[id as usize], left: l, right: r, len });
             }
         };
@@ -352,8 +394,8 @@ impl GgufTokenizer {
         let mut i = Some(0).filter(|_| n > 0);
         while let Some(s) = i {
             let piece = &text[syms[s].0..syms[s].0 + syms[s].1];
-            match self.ids.get(piece) {
-                Some(&id) => out.push(id),
+            match self.vocab.id(piece) {
+                Some(id) => out.push(id),
                 None => self.bytes_fallback(piece, out),
             }
             i = next[s];
@@ -372,13 +414,21 @@ impl GgufTokenizer {
     /// Byte-level BPE of one pre-tokenized word.
     fn gpt2_word(&self, word: &str, ranks: &HashMap<(u32, u32), u32>, out: &mut Vec<u32>) {
         let mapped: String = word.bytes().map(byte_to_char).collect();
-        let mut parts: Vec<u32> = mapped.chars().map(|c| self.ids[&c.to_string()]).collect();
+        let mut parts: Vec<u32> = Vec::with_capacity(mapped.len());
+        for (i, c) in mapped.char_indices() {
+            match self.vocab.id(&mapped[i..i + c.len_utf8()]) {
+                Some(id) => parts.push(id),
+                // A vocabulary without this byte's character: its unknown token, if it has one.
+                None => parts.extend(self.kinds.iter().position(|k| *k == Kind::Unknown).map(|i| i as u32)),
+            }
+        }
         loop {
             let best =
                 parts.windows(2).enumerate().filter_map(|(i, w)| ranks.get(&(w[0], w[1])).map(|&r| (r, i))).min();
             let Some((_, i)) = best else { break };
-            let merged = format!("{}{}", self.tokens[parts[i] as usize], self.tokens[parts[i + 1] as usize]);
-            parts[i] = self.ids[&merged];
+            let text = |id: u32| self.vocab.text(id).expect("ids come from the vocabulary");
+            let merged = [text(parts[i]), text(parts[i + 1])].concat();
+            parts[i] = self.vocab.id(&merged).expect("a ranked merge's join is a token");
             parts.remove(i + 1);
         }
         out.extend(parts);
@@ -388,7 +438,7 @@ impl GgufTokenizer {
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
         let mut bytes = Vec::new();
         for &id in ids {
-            let Some(t) = self.tokens.get(id as usize) else { continue };
+            let Some(t) = self.vocab.text(id) else { continue };
             let kind = self.kinds[id as usize];
             if skip_special && kind == Kind::Control {
                 continue;
@@ -426,4 +476,18 @@ fn byte_to_char(b: u8) -> char {
 
 fn char_to_byte(c: char) -> Option<u8> {
     (0..=255u8).find(|&b| byte_to_char(b) == c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_vocabulary_finds_every_text_and_of_equal_texts_the_last() {
+        let vocab = Vocab::new(["a", "b", "a", "", "ab", "\u{2581}日本"].into_iter().collect());
+        let found: Vec<_> = ["a", "b", "", "ab", "\u{2581}日本", "c", "abc"].map(|t| vocab.id(t)).into();
+        assert_eq!(found, [Some(2), Some(1), Some(3), Some(4), Some(5), None, None]);
+        assert_eq!((vocab.len(), vocab.text(4), vocab.text(6)), (6, Some("ab"), None));
+        assert_eq!(format!("{vocab:?}"), "Vocab { tokens: 6, .. }");
+    }
 }
