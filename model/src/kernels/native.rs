@@ -291,6 +291,9 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
                         // SAFETY: as above, and AVX-VNNI is present.
                         #[cfg(target_arch = "x86_64")]
                         Kernel::Vnni => unsafe { avx2::rows_vnni::<$r>(ty, acts, w, n, res) },
+                        // SAFETY: as above, and AVX512-VNNI and VL are present.
+                        #[cfg(target_arch = "x86_64")]
+                        Kernel::VnniVl => unsafe { avx2::rows_vnni_vl::<$r>(ty, acts, w, n, res) },
                         #[cfg(target_arch = "x86_64")]
                         Kernel::Avx512 => unreachable!("the AVX-512 kernel runs on pairs"),
                     }
@@ -322,6 +325,10 @@ enum Kernel {
     /// `maddubs`/`madd`).
     #[cfg(target_arch = "x86_64")]
     Vnni,
+    /// [`Kernel::Vnni`] with AVX-512 VNNI's `vpdpbusd` on 256-bit vectors (EVEX: AVX512-VNNI and VL), for
+    /// the CPUs that have it without AVX-VNNI (Zen 4, Ice Lake): the same instruction.
+    #[cfg(target_arch = "x86_64")]
+    VnniVl,
     /// AVX-512 with VNNI: two activation rows per vector ([`Pairs`]), every type's lanes one
     /// `vpdpbusd`.
     #[cfg(target_arch = "x86_64")]
@@ -336,19 +343,29 @@ impl Kernel {
             if avx512::available() {
                 return Kernel::Avx512;
             }
-            return if avx2::vnni() { Kernel::Vnni } else { Kernel::Avx2 };
+            return Kernel::best_256();
         }
         let _ = simd;
         Kernel::Portable
+    }
+
+    /// The fastest 256-bit kernel of a CPU with AVX2.
+    #[cfg(target_arch = "x86_64")]
+    fn best_256() -> Self {
+        if avx2::vnni() {
+            Kernel::Vnni
+        } else if avx2::vnni_vl() {
+            Kernel::VnniVl
+        } else {
+            Kernel::Avx2
+        }
     }
 
     /// The fastest 256-bit kernel where this is the AVX-512 one.
     fn narrow(self) -> Self {
         match self {
             #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512 if avx2::vnni() => Kernel::Vnni,
-            #[cfg(target_arch = "x86_64")]
-            Kernel::Avx512 => Kernel::Avx2,
+            Kernel::Avx512 => Kernel::best_256(),
             other => other,
         }
     }
@@ -375,6 +392,11 @@ mod avx2 {
     /// Whether this CPU has AVX-VNNI (`vpdpbusd` on 256-bit vectors).
     pub(super) fn vnni() -> bool {
         std::arch::is_x86_feature_detected!("avxvnni")
+    }
+
+    /// Whether this CPU has AVX512-VNNI with VL (`vpdpbusd` on 256-bit vectors, EVEX-encoded).
+    pub(super) fn vnni_vl() -> bool {
+        std::arch::is_x86_feature_detected!("avx512vnni") && std::arch::is_x86_feature_detected!("avx512vl")
     }
 
     /// [`super::rows_portable`] with AVX2, the same bits.
@@ -404,11 +426,27 @@ mod avx2 {
         crate::quant::by_block_type!(ty, T => rows_of_vnni::<R, T>(x, w, n, out))
     }
 
+    /// [`rows`] with AVX512-VNNI's 256-bit `vpdpbusd`, the same bits.
+    ///
+    /// # Safety
+    ///
+    /// As [`rows`], and [`vnni_vl`].
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl,avx512vnni")]
+    pub(super) unsafe fn rows_vnni_vl<const R: usize>(
+        ty: GgmlType,
+        x: [Act<'_>; R],
+        w: &[u8],
+        n: usize,
+        out: &mut [[f32; R]],
+    ) {
+        crate::quant::by_block_type!(ty, T => rows_of_vnni_vl::<R, T>(x, w, n, out))
+    }
+
     /// Defines the row kernel for the type with GGML id `T` with the given target features; with `vnni`
-    /// the 32-value types' lanes are one `vpdpbusd` (the same exact integer sums as `maddubs` then
-    /// `madd`, which never saturate here).
+    /// the 32-value types' lanes are one `vpdpbusd`, the intrinsic `$dp` (the same exact integer sums as
+    /// `maddubs` then `madd`, which never saturate here).
     macro_rules! rows_of {
-        ($name:ident, $features:literal, $vnni:literal) => {
+        ($name:ident, $features:literal, $vnni:literal, $dp:ident) => {
             #[inline]
             #[target_feature(enable = $features)]
             fn $name<const R: usize, const T: u32>(x: [Act<'_>; R], w: &[u8], n: usize, out: &mut [[f32; R]]) {
@@ -428,10 +466,11 @@ mod avx2 {
                 let scaled = matches!(T, 12..=14);
                 let offset = super::has_offset(ty);
                 let ones = _mm256_set1_epi16(1);
-                for (res, wr) in out.iter_mut().zip(w.chunks_exact(blocks * bb)) {
+                for (j, (res, wr)) in out.iter_mut().zip(w.chunks_exact(blocks * bb)).enumerate() {
                     let mut acc = [_mm256_setzero_ps(); R];
                     let mut off = [0f32; R];
                     for (i, b) in wr.chunks_exact(bb).enumerate() {
+                        crate::quant::prefetch(w.as_ptr(), (j * blocks + i) * bb, bb);
                         unpack::<T>(b, &mut |c, v, isc, d, m| {
                             let xi = i * per + c;
                             let isc = if scaled {
@@ -454,8 +493,8 @@ mod avx2 {
                                 // The `unsafe` is needed only where AVX-VNNI is not enabled (never run there).
                                 #[allow(unused_unsafe)]
                                 let lanes = if $vnni && !scaled {
-                                    // SAFETY: run only in the instance with AVX-VNNI enabled.
-                                    unsafe { _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), vabs, q) }
+                                    // SAFETY: run only in the instances with `$dp`'s features enabled.
+                                    unsafe { $dp(_mm256_setzero_si256(), vabs, q) }
                                 } else {
                                     _mm256_madd_epi16(_mm256_maddubs_epi16(vabs, q), isc)
                                 };
@@ -477,8 +516,9 @@ mod avx2 {
             }
         };
     }
-    rows_of!(rows_of, "avx2,fma,f16c", false);
-    rows_of!(rows_of_vnni, "avx2,fma,f16c,avxvnni", true);
+    rows_of!(rows_of, "avx2,fma,f16c", false, _mm256_dpbusd_avx_epi32);
+    rows_of!(rows_of_vnni, "avx2,fma,f16c,avxvnni", true, _mm256_dpbusd_avx_epi32);
+    rows_of!(rows_of_vnni_vl, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", true, _mm256_dpbusd_epi32);
 
     /// Every chunk of one block of the type with GGML id `T`, in order: `put(c, v, isc, d, m)` with the
     /// 32 values as signed bytes in position order and the integer scales of values 0..16 and 16..32,
@@ -650,10 +690,11 @@ mod avx512 {
         let offset = super::has_offset(ty);
         let zero = _mm512_setzero_si512();
         let bias = _mm512_set1_epi8(-128);
-        for (res, wr) in out.iter_mut().zip(w.chunks_exact(blocks * bb)) {
+        for (j, (res, wr)) in out.iter_mut().zip(w.chunks_exact(blocks * bb)).enumerate() {
             let mut acc = [_mm512_setzero_ps(); P];
             let mut off = _mm512_setzero_ps();
             for (i, b) in wr.chunks_exact(bb).enumerate() {
+                crate::quant::prefetch(w.as_ptr(), (j * blocks + i) * bb, bb);
                 super::avx2::unpack::<T>(b, &mut |c, v, isc, d, m| {
                     let xi = i * per + c;
                     let v = _mm512_broadcast_i64x4(v);
@@ -728,6 +769,9 @@ mod tests {
             all.push(Kernel::Avx2);
             if avx2::vnni() {
                 all.push(Kernel::Vnni);
+            }
+            if avx2::vnni_vl() {
+                all.push(Kernel::VnniVl);
             }
             if avx512::available() {
                 all.push(Kernel::Avx512);
