@@ -319,15 +319,22 @@ pub(crate) const PREFETCH_AHEAD: usize = 2048;
 /// step. It changes no result.
 #[inline(always)]
 pub(crate) fn prefetch(base: *const u8, at: usize, len: usize) {
+    prefetch_lines(base.wrapping_add(at + PREFETCH_AHEAD), len);
+}
+
+/// Asks the CPU to bring the cache lines of the `len` bytes at `p` toward L1 (see [`prefetch`]): for
+/// rows read in an order the hardware cannot guess, such as attention's K/V rows, one head's slice of
+/// each token's row in pages of the cache.
+#[inline(always)]
+pub(crate) fn prefetch_lines(p: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
     for off in (0..len).step_by(64) {
-        let p = base.wrapping_add(at + PREFETCH_AHEAD + off);
         // SAFETY: a prefetch is a hint: it reads nothing into the program and never faults, whatever the
         // address (formed with wrapping arithmetic, which claims nothing about bounds).
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast()) };
+        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(off).cast()) };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (base, at, len);
+    let _ = (p, len);
 }
 
 pub(crate) mod avx2 {

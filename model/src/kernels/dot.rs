@@ -449,7 +449,10 @@ macro_rules! add_scaled_rows_kernel {
             let whole = n / $lanes * $lanes;
             // Four vectors of `out` at a time: four independent chains of additions.
             let quads = n / (4 * $lanes) * (4 * $lanes);
-            for (ws, rs) in w.chunks(ADD_ROWS).zip(rows.chunks(ADD_ROWS)) {
+            for (c, (ws, rs)) in w.chunks(ADD_ROWS).zip(rows.chunks(ADD_ROWS)).enumerate() {
+                for r in rows.iter().skip((c + 1) * ADD_ROWS).take(ADD_ROWS) {
+                    crate::quant::prefetch_lines(r[at..].as_ptr().cast(), 4 * n);
+                }
                 let ptrs: [*const f32; ADD_ROWS] =
                     std::array::from_fn(|k| rs.get(k).map_or(std::ptr::null(), |r| r[at..].as_ptr()));
                 for i in (0..quads).step_by(4 * $lanes) {
@@ -512,6 +515,9 @@ macro_rules! add_scaled_rows_multi_kernel {
             let pairs = n / (2 * $lanes) * (2 * $lanes);
             for (b, rs) in rows.chunks(ADD_ROWS).enumerate() {
                 let k0 = b * ADD_ROWS;
+                for r in rows.iter().skip(k0 + ADD_ROWS).take(ADD_ROWS) {
+                    crate::quant::prefetch_lines(r[at..].as_ptr().cast(), 4 * n);
+                }
                 for i in (0..pairs).step_by(2 * $lanes) {
                     // SAFETY: i + 2 lanes <= n = each output's length and at + i + 2 lanes <= at + n <=
                     // each row's length (unaligned loads and stores); k0 + k < rows.len() = each output's
@@ -669,6 +675,9 @@ pub(crate) fn dots_with(isa: Isa, x: &[f32], t: usize, w: &[f32], n: usize, out:
 
 /// `out[i * cols + j] = row(i) . wrow(j)` over the first `n` elements, by tiles: [`dots_with`] over rows
 /// given one by one. Every slice holds at least `n` elements.
+/// How many rows ahead [`tiles`] asks for the weight row it will read, one row at a time.
+const KEYS_AHEAD: usize = 8;
+
 fn tiles<'a, 'b>(
     isa: Isa,
     t: usize,
@@ -697,6 +706,11 @@ fn tiles<'a, 'b>(
         };
         for c0 in (0..cols).step_by(tile_cols) {
             let nc = tile_cols.min(cols - c0);
+            // One row at a time: ask for the row a few ahead (attention's keys are one head's slice of
+            // each token's row, an order the hardware prefetcher does not follow well).
+            if few && c0 + KEYS_AHEAD < cols {
+                crate::quant::prefetch_lines(wrow(c0 + KEYS_AHEAD).as_ptr().cast(), 4 * n);
+            }
             for r0 in (rb..rend).step_by(tile_rows) {
                 let nr = tile_rows.min(rend - r0);
                 macro_rules! run {
