@@ -188,7 +188,7 @@ impl Array {
 }
 
 /// Strings stored end to end in one buffer, with the end of each.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Default, PartialEq, Eq)]
 pub struct Strings {
     text: String,
     /// Where each string ends in `text` (a `u32`: the reader refuses arrays of more than 4 GiB of text).
@@ -224,6 +224,13 @@ impl Strings {
         self.text.push_str(s);
         self.ends.push(end);
         true
+    }
+}
+
+impl std::fmt::Debug for Strings {
+    /// Their count and size, not a vocabulary's quarter million strings.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Strings").field("len", &self.len()).field("bytes", &self.text.len()).finish()
     }
 }
 
@@ -652,6 +659,7 @@ mod tests {
         assert_eq!(strings.iter().collect::<Vec<_>>(), words);
         assert_eq!((strings.len(), strings.get(3), strings.get(4)), (4, Some("日本"), None));
         assert_eq!(*strings, words.into_iter().collect::<Strings>());
+        assert_eq!(format!("{strings:?}"), "Strings { len: 4, bytes: 17 }");
         assert_eq!(g.get_array("types").unwrap(), &Array::I64(vec![1, -2, 6]));
         assert_eq!(g.get_array("scores").unwrap(), &Array::F64(vec![0.5, -1.25]));
         assert_eq!(g.get_array("flags").unwrap(), &Array::Bool(vec![true, false]));
