@@ -300,11 +300,6 @@ macro_rules! by_block_type {
 }
 pub(crate) use by_block_type;
 
-/// AVX2 twins of the portable dequantizer for the block types, value for value the same: every value is
-/// the same operations on the same operands (a product and a sum are never fused), eight at a time. Each
-/// block hands its vectors, in increasing position, to a consumer: a store ([`dequantize`]) or the
-/// multiply-adds of a dot product ([`dot_rows`]), which then never round-trips the weights through memory.
-#[cfg(target_arch = "x86_64")]
 /// How far ahead of the weight bytes a row kernel reads it asks the CPU to fetch them
 /// ([`prefetch`]).
 pub(crate) const PREFETCH_AHEAD: usize = 2048;
@@ -318,6 +313,7 @@ pub(crate) const PREFETCH_AHEAD: usize = 2048;
 /// with where they are in the stream of the rows they read in order, and how many bytes they read per
 /// step. It changes no result.
 #[inline(always)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // only the x86-64 row kernels stream blocks
 pub(crate) fn prefetch(base: *const u8, at: usize, len: usize) {
     prefetch_lines(base.wrapping_add(at + PREFETCH_AHEAD), len);
 }
@@ -337,6 +333,11 @@ pub(crate) fn prefetch_lines(p: *const u8, len: usize) {
     let _ = (p, len);
 }
 
+/// AVX2 twins of the portable dequantizer for the block types, value for value the same: every value is
+/// the same operations on the same operands (a product and a sum are never fused), eight at a time. Each
+/// block hands its vectors, in increasing position, to a consumer: a store ([`dequantize`]) or the
+/// multiply-adds of a dot product ([`dot_rows`]), which then never round-trips the weights through memory.
+#[cfg(target_arch = "x86_64")]
 pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 

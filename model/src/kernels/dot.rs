@@ -673,11 +673,11 @@ pub(crate) fn dots_with(isa: Isa, x: &[f32], t: usize, w: &[f32], n: usize, out:
     tiles(isa, t, cols, n, |i| &x[i * n..(i + 1) * n], |j| &w[j * n..(j + 1) * n], out);
 }
 
-/// `out[i * cols + j] = row(i) . wrow(j)` over the first `n` elements, by tiles: [`dots_with`] over rows
-/// given one by one. Every slice holds at least `n` elements.
 /// How many rows ahead [`tiles`] asks for the weight row it will read, one row at a time.
 const KEYS_AHEAD: usize = 8;
 
+/// `out[i * cols + j] = row(i) . wrow(j)` over the first `n` elements, by tiles: [`dots_with`] over rows
+/// given one by one. Every slice holds at least `n` elements.
 fn tiles<'a, 'b>(
     isa: Isa,
     t: usize,
