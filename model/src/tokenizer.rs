@@ -167,6 +167,8 @@ pub struct GgufTokenizer {
     pub eos: Option<u32>,
     /// Byte token ids, for byte fallback.
     byte_ids: [Option<u32>; 256],
+    /// The first token of type unknown: what a byte without a token of its own becomes.
+    unknown: Option<u32>,
 }
 
 /// GPT-2's pre-tokenizer pattern.
@@ -233,6 +235,7 @@ impl GgufTokenizer {
                 }
             }
         }
+        let unknown = kinds.iter().position(|k| *k == Kind::Unknown).map(|i| i as u32);
         let algorithm = match model.as_str() {
             "llama" => {
                 let scores = match g.get_array("tokenizer.ggml.scores")? {
@@ -278,6 +281,7 @@ impl GgufTokenizer {
             special_finder,
             algorithm,
             byte_ids,
+            unknown,
         })
     }
 
@@ -406,7 +410,7 @@ impl GgufTokenizer {
         for b in piece.bytes() {
             match self.byte_ids[b as usize] {
                 Some(id) => out.push(id),
-                None => out.extend(self.kinds.iter().position(|k| *k == Kind::Unknown).map(|i| i as u32)),
+                None => out.extend(self.unknown),
             }
         }
     }
@@ -419,7 +423,7 @@ impl GgufTokenizer {
             match self.vocab.id(&mapped[i..i + c.len_utf8()]) {
                 Some(id) => parts.push(id),
                 // A vocabulary without this byte's character: its unknown token, if it has one.
-                None => parts.extend(self.kinds.iter().position(|k| *k == Kind::Unknown).map(|i| i as u32)),
+                None => parts.extend(self.unknown),
             }
         }
         loop {
