@@ -50,6 +50,21 @@ fn has_offset(ty: GgmlType) -> bool {
 const ROWS: usize = 4;
 /// Weight rows per call of a row kernel.
 const ROWS_PER_CALL: usize = 32;
+/// Weight rows of a tile of the AVX-512 tiled kernel (prefill).
+const TILE_ROWS: usize = 2;
+/// Activation pairs of a tile of the AVX-512 tiled kernel. Its 8 accumulators, the pairs' values and
+/// scales and both weight rows' operands stay in registers; 4 x 4 and 3 x 4 tiles (16 and 12
+/// accumulators) made LLVM spill accumulators and were slower on Gemma's shapes (Zen 5: 2 x 4 gave
+/// 625-695 tokens/s of linear layers at 128 rows, 4 x 4 540-575, 3 x 4 500-530).
+const TILE_PAIRS: usize = 4;
+// A tile's rows are 8, one 256-bit vector of the offsets' terms.
+const _: () = assert!(2 * TILE_PAIRS == 8);
+/// From how many activation rows the AVX-512 kernel runs tiled: every weight row is unpacked once into a
+/// panel for all of them, and each tile's activations stay in L1 while the panel's rows pass. Fewer
+/// rows (a decode step) stream the weights instead, each chunk unpacked once per eight pairs.
+const TILED_FROM: usize = 16;
+/// Weight rows unpacked into a panel at a time.
+const PANEL_ROWS: usize = 32;
 
 /// One chunk of 32 weights, unpacked: weight `k` is `d * isc[k / 16] * v[k] + m`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -175,10 +190,11 @@ impl<'a> Acts<'a> {
     }
 }
 
-/// Activation rows in pairs, as the AVX-512 kernel reads them. Per pair and chunk: 64 bytes, the two
-/// rows' 32 values each plus 128 (unsigned bytes, for `vpdpbusd`), and 16 scales, 8 copies of each row's.
-/// Per chunk: every row's sum, side by side (the rows padded to a multiple of 16). An odd last row is
-/// paired with a row of zeros.
+/// Activation rows in pairs, as the AVX-512 kernels read them. Per pair and chunk: 64 bytes, the two
+/// rows' 32 values each plus 128 (unsigned bytes, for `vpdpbusd`), and 16 scales, 8 copies of each row's,
+/// the pairs of a tile of [`TILE_PAIRS`] side by side chunk after chunk ([`Pairs::at`]). Per chunk: every
+/// row's sum, side by side (the rows padded to a multiple of 16). An odd last row is paired with a row
+/// of zeros, and the pairs are padded with zero pairs to whole tiles.
 #[derive(Debug)]
 struct Pairs {
     pairs: usize,
@@ -194,20 +210,23 @@ impl Pairs {
     fn of(x: &Q8) -> Self {
         let (t, chunks) = (x.rows, x.cols / QK);
         let pairs = t.div_ceil(2);
-        let stride = (2 * pairs).next_multiple_of(16);
+        // Storage for whole tiles of pairs (the tiled kernel reads them), the extra ones zero; the
+        // tiled kernel reads the sums of 8 rows from a tile's first.
+        let padded = pairs.next_multiple_of(TILE_PAIRS);
+        let stride = (2 * padded + 8).next_multiple_of(16);
         let mut out = Pairs {
             pairs,
             chunks,
             stride,
-            q: vec![0x80; pairs * chunks * 2 * QK],
-            d: vec![0.0; pairs * chunks * 16],
+            q: vec![0x80; padded * chunks * 2 * QK],
+            d: vec![0.0; padded * chunks * 16],
             s: vec![0.0; chunks * stride],
         };
         for r in 0..t {
             let a = x.act(r);
             let (p, half) = (r / 2, r % 2);
             for c in 0..chunks {
-                let at = p * chunks + c;
+                let at = out.at(p, c);
                 let q = &mut out.q[at * 2 * QK + half * QK..][..QK];
                 for (dst, &v) in q.iter_mut().zip(&a.q[c * QK..(c + 1) * QK]) {
                     *dst = (v as u8) ^ 0x80;
@@ -217,6 +236,12 @@ impl Pairs {
             }
         }
         out
+    }
+
+    /// Where pair `p`'s chunk `c` is, in 64-byte values and 16-float scales.
+    #[inline(always)]
+    fn at(&self, p: usize, c: usize) -> usize {
+        ((p / TILE_PAIRS) * self.chunks + c) * TILE_PAIRS + p % TILE_PAIRS
     }
 }
 
@@ -234,6 +259,30 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
         "native dots shapes"
     );
     let w = &w[rows.start * row_bytes..rows.end * row_bytes];
+    #[cfg(target_arch = "x86_64")]
+    if let Some(pairs) = x.pairs.as_ref().filter(|_| t >= TILED_FROM) {
+        let mut panel = avx512::Panel::default();
+        for j0 in (0..width).step_by(PANEL_ROWS) {
+            let nj = PANEL_ROWS.min(width - j0);
+            // SAFETY: `pairs` exists only where `Kernel::best` chose AVX-512 (AVX-512F, BW and VNNI
+            // present, with AVX2, FMA and F16C); `ty` is supported and `w` holds `nj` rows of whole
+            // blocks from row `j0`.
+            unsafe { panel.fill(ty, &w[j0 * row_bytes..(j0 + nj) * row_bytes], nj, n) };
+            for p0 in (0..pairs.pairs).step_by(TILE_PAIRS) {
+                for jt in (0..nj).step_by(TILE_ROWS) {
+                    // SAFETY: as above; the panel holds rows `jt..jt + TILE_ROWS` (padded), `pairs` the
+                    // pairs `p0..p0 + TILE_PAIRS` (padded) of rows of `n` values.
+                    let res = unsafe { avx512::tile(&panel, jt, pairs, p0) };
+                    for (j, res) in res.iter().enumerate().take(nj - jt) {
+                        for (i, v) in res.iter().enumerate().take(t.saturating_sub(2 * p0)) {
+                            out[(2 * p0 + i) * width + j0 + jt + j] = *v;
+                        }
+                    }
+                }
+            }
+        }
+        return;
+    }
     #[cfg(target_arch = "x86_64")]
     if let Some(pairs) = &x.pairs {
         for j0 in (0..width).step_by(ROWS_PER_CALL) {
@@ -634,10 +683,187 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::{GgmlType, Pairs, QK};
+    use super::{GgmlType, Pairs, QK, TILE_PAIRS, TILE_ROWS};
 
     /// Activation pairs per call.
     pub(super) const PAIRS: usize = 8;
+
+    /// Weight rows unpacked for the tiled kernel: per row and chunk its 32 values (signed bytes), the
+    /// bias `-128 * (the sum of each lane's four values)` that takes the activations' `+ 128` back out,
+    /// its scale `d`, its integer scales as floats and its offset `m`. The rows of a tile of
+    /// [`TILE_ROWS`] lie side by side, chunk after chunk ([`Panel::at`]), so one pointer walks a tile;
+    /// the rows are padded with zero rows to whole tiles.
+    #[derive(Debug, Default)]
+    pub(super) struct Panel {
+        chunks: usize,
+        scaled: bool,
+        offset: bool,
+        v: Vec<__m256i>,
+        bias: Vec<__m256i>,
+        d: Vec<f32>,
+        isc: Vec<[f32; 2]>,
+        m: Vec<f32>,
+    }
+
+    impl Panel {
+        /// Where row `j`'s chunk `c` is, in a panel of rows of `chunks` chunks.
+        #[inline(always)]
+        fn at(chunks: usize, j: usize, c: usize) -> usize {
+            ((j / TILE_ROWS) * chunks + c) * TILE_ROWS + j % TILE_ROWS
+        }
+
+        /// Unpacks the `rows` rows of `n` values of `w` (whole blocks of `ty`), replacing what it held.
+        ///
+        /// # Safety
+        ///
+        /// [`available`] and the AVX2 kernel's features; `ty` is [`super::supports`]ed.
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+        pub(super) unsafe fn fill(&mut self, ty: GgmlType, w: &[u8], rows: usize, n: usize) {
+            crate::quant::by_block_type!(ty, T => self.fill_of::<T>(w, rows, n))
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+        fn fill_of<const T: u32>(&mut self, w: &[u8], rows: usize, n: usize) {
+            let ty = GgmlType::from_id(T).expect("a GGML type id");
+            let (be, bb) = (ty.block_elems(), ty.block_bytes());
+            let (per, blocks, chunks) = (be / QK, n / be, n / QK);
+            assert!(n.is_multiple_of(be) && w.len() >= rows * blocks * bb, "panel operands");
+            let len = rows.next_multiple_of(TILE_ROWS) * chunks;
+            let zero = _mm256_setzero_si256();
+            self.chunks = chunks;
+            self.scaled = matches!(T, 12..=14);
+            self.offset = super::has_offset(ty);
+            for v in [&mut self.v, &mut self.bias] {
+                v.clear();
+                v.resize(len, zero);
+            }
+            for v in [&mut self.d, &mut self.m] {
+                v.clear();
+                v.resize(len, 0.0);
+            }
+            self.isc.clear();
+            self.isc.resize(len, [0.0; 2]);
+            let bias = _mm512_set1_epi8(-128);
+            let zero = _mm512_setzero_si512();
+            for (j, wr) in w.chunks_exact(blocks * bb).take(rows).enumerate() {
+                for (i, b) in wr.chunks_exact(bb).enumerate() {
+                    super::avx2::unpack::<T>(b, &mut |c, v, isc, d, m| {
+                        let at = Panel::at(chunks, j, i * per + c);
+                        let sum = _mm512_sub_epi32(zero, _mm512_dpbusd_epi32(zero, bias, _mm512_castsi256_si512(v)));
+                        self.v[at] = v;
+                        self.bias[at] = _mm512_castsi512_si256(sum);
+                        self.d[at] = d;
+                        self.isc[at] = [f32::from(isc[0]), f32::from(isc[1])];
+                        self.m[at] = m;
+                    });
+                }
+            }
+        }
+    }
+
+    /// The products of the panel's rows `j0..j0 + TILE_ROWS` with the rows of pairs `p0..p0 +
+    /// TILE_PAIRS` of `x`: row `2 * (p0 + p) + h` in `out[j][2 * p + h]`, each computed exactly as
+    /// [`rows`] computes it (the same lanes, the same operations in the same order), with the offsets'
+    /// terms.
+    ///
+    /// # Safety
+    ///
+    /// [`available`] and the AVX2 kernel's features; the panel holds rows `j0..j0 + TILE_ROWS` (padding
+    /// included) of `x.chunks` chunks, `x` holds pairs `p0..p0 + TILE_PAIRS` (padding included).
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn tile(panel: &Panel, j0: usize, x: &Pairs, p0: usize) -> [[f32; 2 * TILE_PAIRS]; TILE_ROWS] {
+        if panel.scaled {
+            tile_of::<true>(panel, j0, x, p0)
+        } else {
+            tile_of::<false>(panel, j0, x, p0)
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    fn tile_of<const SCALED: bool>(
+        panel: &Panel,
+        j0: usize,
+        x: &Pairs,
+        p0: usize,
+    ) -> [[f32; 2 * TILE_PAIRS]; TILE_ROWS] {
+        let chunks = panel.chunks;
+        assert!(
+            chunks == x.chunks
+                && j0.is_multiple_of(TILE_ROWS)
+                && p0.is_multiple_of(TILE_PAIRS)
+                && x.s.len() >= chunks * x.stride
+                && 2 * p0 + 8 <= x.stride,
+            "tile operands"
+        );
+        // This tile's rows and pairs, chunk after chunk.
+        let tile = Panel::at(chunks, j0, 0)..Panel::at(chunks, j0, chunks);
+        let (v, bias, d, isc) =
+            (&panel.v[tile.clone()], &panel.bias[tile.clone()], &panel.d[tile.clone()], &panel.isc[tile]);
+        let xs = x.at(p0, 0);
+        let (xq, xd) =
+            (&x.q[xs * 2 * QK..][..chunks * TILE_PAIRS * 2 * QK], &x.d[xs * 16..][..chunks * TILE_PAIRS * 16]);
+        let mut acc = [[_mm512_setzero_ps(); TILE_PAIRS]; TILE_ROWS];
+        let rows = v
+            .chunks_exact(TILE_ROWS)
+            .zip(bias.chunks_exact(TILE_ROWS))
+            .zip(d.chunks_exact(TILE_ROWS))
+            .zip(isc.chunks_exact(TILE_ROWS));
+        let pairs = xq.chunks_exact(TILE_PAIRS * 2 * QK).zip(xd.chunks_exact(TILE_PAIRS * 16));
+        for ((((v, bias), d), isc), (xq, xd)) in rows.zip(pairs) {
+            // SAFETY: `xq` holds TILE_PAIRS * 64 bytes and `xd` TILE_PAIRS * 16 floats; unaligned loads.
+            let (q, xd): ([__m512i; TILE_PAIRS], [__m512; TILE_PAIRS]) = unsafe {
+                (
+                    std::array::from_fn(|p| _mm512_loadu_si512(xq.as_ptr().add(p * 2 * QK).cast())),
+                    std::array::from_fn(|p| _mm512_loadu_ps(xd.as_ptr().add(p * 16))),
+                )
+            };
+            for (j, acc) in acc.iter_mut().enumerate() {
+                let (wv, wb, wd) =
+                    (_mm512_broadcast_i64x4(v[j]), _mm512_broadcast_i64x4(bias[j]), _mm512_set1_ps(d[j]));
+                let sc = if SCALED {
+                    _mm512_mask_blend_ps(0xF0F0, _mm512_set1_ps(isc[j][0]), _mm512_set1_ps(isc[j][1]))
+                } else {
+                    _mm512_setzero_ps()
+                };
+                for (p, acc) in acc.iter_mut().enumerate() {
+                    let mut lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(wb, q[p], wv));
+                    if SCALED {
+                        lanes = _mm512_mul_ps(lanes, sc);
+                    }
+                    *acc = _mm512_fmadd_ps(_mm512_mul_ps(wd, xd[p]), lanes, *acc);
+                }
+            }
+        }
+        let mut out = [[0f32; 2 * TILE_PAIRS]; TILE_ROWS];
+        for (j, (out, acc)) in out.iter_mut().zip(&acc).enumerate() {
+            // The offsets' terms, chunk after chunk, eight rows at once.
+            let mut off = _mm256_setzero_ps();
+            if panel.offset {
+                let m =
+                    panel.m[Panel::at(chunks, j0, 0)..Panel::at(chunks, j0, chunks)].iter().skip(j).step_by(TILE_ROWS);
+                for (c, &m) in m.enumerate() {
+                    // SAFETY: 8 floats from 2 * p0 within chunk c's `stride` (asserted above).
+                    let s = unsafe { _mm256_loadu_ps(x.s.as_ptr().add(c * x.stride + 2 * p0)) };
+                    off = _mm256_fmadd_ps(_mm256_set1_ps(m), s, off);
+                }
+            }
+            let mut offs = [0f32; 8];
+            // SAFETY: 8 floats; unaligned store.
+            unsafe { _mm256_storeu_ps(offs.as_mut_ptr(), off) };
+            for (p, acc) in acc.iter().enumerate() {
+                let mut lanes = [0f32; 16];
+                // SAFETY: 16 floats; unaligned store.
+                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc) };
+                for h in 0..2 {
+                    let half: [f32; 8] = std::array::from_fn(|l| lanes[8 * h + l]);
+                    out[2 * p + h] = super::tree8(half) + offs[2 * p + h];
+                }
+            }
+        }
+        out
+    }
 
     /// Whether this CPU runs it (AVX-512F, BW and VNNI, besides the AVX2 kernel's features).
     pub(super) fn available() -> bool {
@@ -680,8 +906,8 @@ mod avx512 {
                 && p0 + P <= x.pairs
                 && p0.is_multiple_of(PAIRS)
                 && 2 * p0 + 2 * PAIRS <= x.stride
-                && x.q.len() >= x.pairs * chunks * 2 * QK
-                && x.d.len() >= x.pairs * chunks * 16
+                && x.q.len() >= x.pairs.next_multiple_of(TILE_PAIRS) * chunks * 2 * QK
+                && x.d.len() >= x.pairs.next_multiple_of(TILE_PAIRS) * chunks * 16
                 && x.s.len() >= chunks * x.stride
                 && w.len() >= out.len() * blocks * bb,
             "rows operands"
@@ -707,7 +933,7 @@ mod avx512 {
                     );
                     let d = _mm512_set1_ps(d);
                     for (p, acc) in acc.iter_mut().enumerate() {
-                        let at = (p0 + p) * chunks + xi;
+                        let at = x.at(p0 + p, xi);
                         // SAFETY: pair p0 + p < pairs and chunk xi < chunks (asserted above): 64 bytes and
                         // 16 floats inside `q` and `d`; unaligned loads.
                         let (q, xd) = unsafe {
@@ -800,11 +1026,12 @@ mod tests {
         }
     }
 
-    /// The AVX2 kernel gives the portable kernel's bits for every block type, batch and weight row, and
-    /// the products are the dequantized weights' within the activations' quantization.
+    /// Every SIMD kernel gives the portable kernel's bits for every block type, batch and weight row
+    /// (the tiled AVX-512 kernel from [`TILED_FROM`] rows on, with partial tiles of pairs and of weight
+    /// rows), and the products are the dequantized weights' within the activations' quantization.
     #[test]
     fn simd_equals_portable_on_every_block_type_in_any_batch() {
-        let (n, rows, t) = (512, 37, 7);
+        let (n, rows, t) = (512, 37, 39);
         let x: Vec<f32> = (0..t * n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
         let xq = Q8::new(&x, t, n).unwrap();
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -826,7 +1053,7 @@ mod tests {
                 let mut all = vec![0f32; t * rows];
                 dots(&Acts::with(kernel, &xq), ty, &w, 0..rows, &mut all);
                 assert_eq!(bits(&all), bits(&portable), "{} {kernel:?}, every row", ty.name());
-                for (from, len) in [(0, 1), (3, 1), (1, 2), (2, 3), (0, 4), (1, 6), (0, 7)] {
+                for (from, len) in [(0, 1), (3, 1), (1, 2), (2, 3), (0, 4), (1, 6), (0, 7), (3, 16), (1, 17), (6, 33)] {
                     let xs = Q8::new(&x[from * n..(from + len) * n], len, n).unwrap();
                     let mut got = vec![0f32; len * 2];
                     dots(&Acts::with(kernel, &xs), ty, &w, 3..5, &mut got);

@@ -70,18 +70,14 @@ impl Q8 {
 
     /// Quantizes `w`, whole blocks, into the values from element `at` on (scales appended).
     fn quantize_into(&mut self, at: usize, w: &[f32]) {
-        for (wb, qb) in w.chunks_exact(QK).zip(self.q[at..].chunks_exact_mut(QK)) {
-            let amax = wb.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let d = amax / 127.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0f32;
-            for (q, &v) in qb.iter_mut().zip(wb) {
-                *q = round_half_away(v * inv) as i8;
-                sum += v;
-            }
-            self.scales.push(d);
-            self.sums.push(sum);
+        let q = &mut self.q[at..at + w.len() / QK * QK];
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
+            // SAFETY: AVX-512F and BW are present.
+            unsafe { quantize_avx512(w, q, &mut self.scales, &mut self.sums) };
+            return;
         }
+        quantize(w, q, &mut self.scales, &mut self.sums);
     }
 
     /// Bytes held.
@@ -100,6 +96,56 @@ impl Q8 {
         let (q, d) = self.row(r);
         Act { q, d, s: &self.sums[r * blocks..(r + 1) * blocks] }
     }
+}
+
+/// Blocks quantized side by side by [`quantize`]: their sums are that many independent chains.
+const QUANTIZE_GROUP: usize = 8;
+
+/// [`Q8::new`]'s quantization of the whole blocks of `w` into `q`, their scales and sums appended. Per
+/// block: `d = max|w| / 127`, `q = round(w / d)` and the sum of the 32 values in order. The sums of a
+/// group of blocks are taken together, value by value (each still in its own block's order), so that
+/// the chains overlap and the rest of the work can be vectorised: the bits are those of one block at a
+/// time.
+#[inline(always)]
+fn quantize(w: &[f32], q: &mut [i8], scales: &mut Vec<f32>, sums: &mut Vec<f32>) {
+    for (wg, qg) in w.chunks(QUANTIZE_GROUP * QK).zip(q.chunks_mut(QUANTIZE_GROUP * QK)) {
+        let blocks = wg.len() / QK;
+        let mut sum = [0f32; QUANTIZE_GROUP];
+        for k in 0..QK {
+            for (b, sum) in sum.iter_mut().enumerate().take(blocks) {
+                *sum += wg[b * QK + k];
+            }
+        }
+        for (wb, qb) in wg.chunks_exact(QK).zip(qg.chunks_exact_mut(QK)) {
+            // The largest magnitude, NaNs ignored (`f32::max`): the same whatever the grouping, so
+            // sixteen lanes at a time.
+            let mut lanes = [0f32; 16];
+            for half in wb.chunks_exact(16) {
+                for (m, v) in lanes.iter_mut().zip(half) {
+                    *m = m.max(v.abs());
+                }
+            }
+            let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            for (q, &v) in qb.iter_mut().zip(wb) {
+                *q = round_half_away(v * inv) as i8;
+            }
+            scales.push(d);
+        }
+        sums.extend_from_slice(&sum[..blocks]);
+    }
+}
+
+/// [`quantize`] compiled for AVX-512 (the same operations, so the same bits).
+///
+/// # Safety
+///
+/// The CPU supports AVX-512F and BW.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
+unsafe fn quantize_avx512(w: &[f32], q: &mut [i8], scales: &mut Vec<f32>, sums: &mut Vec<f32>) {
+    quantize(w, q, scales, sums);
 }
 
 /// One quantized activation row: per block of 32, the values `q`, the scale `d` and the sum `s` of the
