@@ -36,13 +36,8 @@ impl Q8 {
         if !cols.is_multiple_of(QK) || w.len() != rows * cols {
             return None;
         }
-        let mut out = Q8 {
-            rows,
-            cols,
-            q: vec![0i8; w.len()],
-            scales: Vec::with_capacity(w.len() / QK),
-            sums: Vec::with_capacity(w.len() / QK),
-        };
+        let mut out =
+            Q8 { rows, cols, q: vec![0i8; w.len()], scales: vec![0.0; w.len() / QK], sums: vec![0.0; w.len() / QK] };
         out.quantize_into(0, w);
         Some(out)
     }
@@ -52,13 +47,8 @@ impl Q8 {
         if !cols.is_multiple_of(QK) || w.len() != rows * cols {
             return None;
         }
-        let mut out = Q8 {
-            rows,
-            cols,
-            q: vec![0i8; w.len()],
-            scales: Vec::with_capacity(w.len() / QK),
-            sums: Vec::with_capacity(w.len() / QK),
-        };
+        let mut out =
+            Q8 { rows, cols, q: vec![0i8; w.len()], scales: vec![0.0; w.len() / QK], sums: vec![0.0; w.len() / QK] };
         let per_panel = (1 << 16) / cols.max(1) + 1;
         let mut buf = Vec::new();
         for r0 in (0..rows).step_by(per_panel) {
@@ -68,16 +58,34 @@ impl Q8 {
         Some(out)
     }
 
-    /// Quantizes `w`, whole blocks, into the values from element `at` on (scales appended).
+    /// Quantizes `w`, whole blocks, into the values, scales and sums from element `at` on. Blocks are
+    /// independent, so a few hundred at a time go to the threads of the pool this runs in (a prefill's
+    /// activations; the bits are the same).
     fn quantize_into(&mut self, at: usize, w: &[f32]) {
-        let q = &mut self.q[at..at + w.len() / QK * QK];
-        #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
-            // SAFETY: AVX-512F and BW are present.
-            unsafe { quantize_avx512(w, q, &mut self.scales, &mut self.sums) };
+        use rayon::prelude::*;
+        const PER_TASK: usize = 256;
+        let blocks = w.len() / QK;
+        let (b0, b1) = (at / QK, at / QK + blocks);
+        let q = &mut self.q[at..at + blocks * QK];
+        let (scales, sums) = (&mut self.scales[b0..b1], &mut self.sums[b0..b1]);
+        let task = |(((w, q), scales), sums): (((&[f32], &mut [i8]), &mut [f32]), &mut [f32])| {
+            #[cfg(target_arch = "x86_64")]
+            if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
+                // SAFETY: AVX-512F and BW are present.
+                unsafe { quantize_avx512(w, q, scales, sums) };
+                return;
+            }
+            quantize(w, q, scales, sums);
+        };
+        if blocks <= PER_TASK || rayon::current_num_threads() < 2 {
+            task((((w, q), scales), sums));
             return;
         }
-        quantize(w, q, &mut self.scales, &mut self.sums);
+        w.par_chunks(PER_TASK * QK)
+            .zip(q.par_chunks_mut(PER_TASK * QK))
+            .zip(scales.par_chunks_mut(PER_TASK))
+            .zip(sums.par_chunks_mut(PER_TASK))
+            .for_each(task);
     }
 
     /// Bytes held.
@@ -101,14 +109,16 @@ impl Q8 {
 /// Blocks quantized side by side by [`quantize`]: their sums are that many independent chains.
 const QUANTIZE_GROUP: usize = 8;
 
-/// [`Q8::new`]'s quantization of the whole blocks of `w` into `q`, their scales and sums appended. Per
+/// [`Q8::new`]'s quantization of the whole blocks of `w` into `q`, their scales and sums. Per
 /// block: `d = max|w| / 127`, `q = round(w / d)` and the sum of the 32 values in order. The sums of a
 /// group of blocks are taken together, value by value (each still in its own block's order), so that
 /// the chains overlap and the rest of the work can be vectorised: the bits are those of one block at a
 /// time.
 #[inline(always)]
-fn quantize(w: &[f32], q: &mut [i8], scales: &mut Vec<f32>, sums: &mut Vec<f32>) {
-    for (wg, qg) in w.chunks(QUANTIZE_GROUP * QK).zip(q.chunks_mut(QUANTIZE_GROUP * QK)) {
+fn quantize(w: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
+    let groups = w.chunks(QUANTIZE_GROUP * QK).zip(q.chunks_mut(QUANTIZE_GROUP * QK));
+    let ends = scales.chunks_mut(QUANTIZE_GROUP).zip(sums.chunks_mut(QUANTIZE_GROUP));
+    for ((wg, qg), (scales, sums)) in groups.zip(ends) {
         let blocks = wg.len() / QK;
         let mut sum = [0f32; QUANTIZE_GROUP];
         for k in 0..QK {
@@ -116,7 +126,7 @@ fn quantize(w: &[f32], q: &mut [i8], scales: &mut Vec<f32>, sums: &mut Vec<f32>)
                 *sum += wg[b * QK + k];
             }
         }
-        for (wb, qb) in wg.chunks_exact(QK).zip(qg.chunks_exact_mut(QK)) {
+        for ((wb, qb), scale) in wg.chunks_exact(QK).zip(qg.chunks_exact_mut(QK)).zip(scales.iter_mut()) {
             // The largest magnitude, NaNs ignored (`f32::max`): the same whatever the grouping, so
             // sixteen lanes at a time.
             let mut lanes = [0f32; 16];
@@ -131,9 +141,9 @@ fn quantize(w: &[f32], q: &mut [i8], scales: &mut Vec<f32>, sums: &mut Vec<f32>)
             for (q, &v) in qb.iter_mut().zip(wb) {
                 *q = round_half_away(v * inv) as i8;
             }
-            scales.push(d);
+            *scale = d;
         }
-        sums.extend_from_slice(&sum[..blocks]);
+        sums.copy_from_slice(&sum[..blocks]);
     }
 }
 
@@ -144,7 +154,7 @@ fn quantize(w: &[f32], q: &mut [i8], scales: &mut Vec<f32>, sums: &mut Vec<f32>)
 /// The CPU supports AVX-512F and BW.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,avx512f,avx512bw")]
-unsafe fn quantize_avx512(w: &[f32], q: &mut [i8], scales: &mut Vec<f32>, sums: &mut Vec<f32>) {
+unsafe fn quantize_avx512(w: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
     quantize(w, q, scales, sums);
 }
 
