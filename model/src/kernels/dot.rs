@@ -359,7 +359,7 @@ impl Dot {
                 && out.len() == queries.len() * rows.len(),
             "dot product rows"
         );
-        tiles(self.isa, queries.len(), rows.len(), n, |i| queries[i], |j| &rows[j][at..], out);
+        tiles(self.isa, Stream::Keys, queries.len(), rows.len(), n, |i| queries[i], |j| &rows[j][at..], out);
     }
 
     /// [`Dot::add_scaled_rows`] for several outputs over the same rows, each with its own weights:
@@ -670,16 +670,29 @@ pub(crate) fn dots(simd: bool, x: &[f32], t: usize, w: &[f32], n: usize, out: &m
 pub(crate) fn dots_with(isa: Isa, x: &[f32], t: usize, w: &[f32], n: usize, out: &mut [f32]) {
     let cols = w.len() / n.max(1);
     assert!(x.len() == t * n && w.len() == cols * n && out.len() == t * cols, "dots shapes");
-    tiles(isa, t, cols, n, |i| &x[i * n..(i + 1) * n], |j| &w[j * n..(j + 1) * n], out);
+    tiles(isa, Stream::Weights, t, cols, n, |i| &x[i * n..(i + 1) * n], |j| &w[j * n..(j + 1) * n], out);
 }
 
 /// How many rows ahead [`tiles`] asks for the weight row it will read, one row at a time.
 const KEYS_AHEAD: usize = 8;
 
+/// What [`tiles`]' second operand is, where there are few first rows.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Stream {
+    /// A layer's weight rows, read once from memory: one at a time streams fastest.
+    Weights,
+    /// Attention's keys (a head's slice of each position's row, cached): four at a time, so that each
+    /// reduction of the lanes serves up to sixteen outputs ([`reduce16`]), where one key at a time
+    /// summed a decode step's three or four scores lane by lane.
+    Keys,
+}
+
 /// `out[i * cols + j] = row(i) . wrow(j)` over the first `n` elements, by tiles: [`dots_with`] over rows
 /// given one by one. Every slice holds at least `n` elements.
+#[allow(clippy::too_many_arguments)]
 fn tiles<'a, 'b>(
     isa: Isa,
+    stream: Stream,
     t: usize,
     cols: usize,
     n: usize,
@@ -699,6 +712,8 @@ fn tiles<'a, 'b>(
         // registers.
         let few = rend - rb <= TILE_ROWS;
         let (tile_rows, tile_cols) = match isa {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 if few && stream == Stream::Keys => (TILE_ROWS, 4),
             _ if few => (TILE_ROWS, 1),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => (4, 4),
@@ -708,8 +723,10 @@ fn tiles<'a, 'b>(
             let nc = tile_cols.min(cols - c0);
             // One row at a time: ask for the row a few ahead (attention's keys are one head's slice of
             // each token's row, an order the hardware prefetcher does not follow well).
-            if few && c0 + KEYS_AHEAD < cols {
-                crate::quant::prefetch_lines(wrow(c0 + KEYS_AHEAD).as_ptr().cast(), 4 * n);
+            if few {
+                for c in (c0 + KEYS_AHEAD..c0 + KEYS_AHEAD + nc).take_while(|&c| c < cols) {
+                    crate::quant::prefetch_lines(wrow(c).as_ptr().cast(), 4 * n);
+                }
             }
             for r0 in (rb..rend).step_by(tile_rows) {
                 let nr = tile_rows.min(rend - r0);

@@ -68,7 +68,7 @@ impl Q8 {
         let (b0, b1) = (at / QK, at / QK + blocks);
         let q = &mut self.q[at..at + blocks * QK];
         let (scales, sums) = (&mut self.scales[b0..b1], &mut self.sums[b0..b1]);
-        let task = |(((w, q), scales), sums): (((&[f32], &mut [i8]), &mut [f32]), &mut [f32])| {
+        let task = |(((w, q), scales), sums): Task<'_>| {
             #[cfg(target_arch = "x86_64")]
             if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
                 // SAFETY: AVX-512F and BW are present.
@@ -105,6 +105,9 @@ impl Q8 {
         Act { q, d, s: &self.sums[r * blocks..(r + 1) * blocks] }
     }
 }
+
+/// One task of [`Q8::quantize_into`]: values, and where their quantized values, scales and sums go.
+type Task<'a> = (((&'a [f32], &'a mut [i8]), &'a mut [f32]), &'a mut [f32]);
 
 /// Blocks quantized side by side by [`quantize`]: their sums are that many independent chains.
 const QUANTIZE_GROUP: usize = 8;
