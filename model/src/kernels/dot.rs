@@ -721,7 +721,7 @@ fn tiles<'a, 'b>(
         };
         for c0 in (0..cols).step_by(tile_cols) {
             let nc = tile_cols.min(cols - c0);
-            // One row at a time: ask for the row a few ahead (attention's keys are one head's slice of
+            // Few rows: ask for the tile's rows a few ahead (attention's keys are one head's slice of
             // each token's row, an order the hardware prefetcher does not follow well).
             if few {
                 for c in (c0 + KEYS_AHEAD..c0 + KEYS_AHEAD + nc).take_while(|&c| c < cols) {

@@ -55,7 +55,7 @@ const TILE_ROWS: usize = 2;
 /// Activation pairs of a tile of the AVX-512 tiled kernel. Its 8 accumulators, the pairs' values and
 /// scales and both weight rows' operands stay in registers; 4 x 4 and 3 x 4 tiles (16 and 12
 /// accumulators) made LLVM spill accumulators and were slower on Gemma's shapes (Zen 5: 2 x 4 gave
-/// 625-695 tokens/s of linear layers at 128 rows, 4 x 4 540-575, 3 x 4 500-530).
+/// 625-695 tokens/s of linear layers at 128 rows, 4 x 4 541-573, 3 x 4 497-527).
 const TILE_PAIRS: usize = 4;
 // A tile's rows are 8, one 256-bit vector of the offsets' terms.
 const _: () = assert!(2 * TILE_PAIRS == 8);
