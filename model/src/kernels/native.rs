@@ -853,16 +853,21 @@ mod avx512 {
             // SAFETY: 8 floats; unaligned store.
             unsafe { _mm256_storeu_ps(offs.as_mut_ptr(), off) };
             for (p, acc) in acc.iter().enumerate() {
-                let mut lanes = [0f32; 16];
-                // SAFETY: 16 floats; unaligned store.
-                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc) };
-                for h in 0..2 {
-                    let half: [f32; 8] = std::array::from_fn(|l| lanes[8 * h + l]);
-                    out[2 * p + h] = super::tree8(half) + offs[2 * p + h];
-                }
+                out[2 * p..2 * p + 2].copy_from_slice(&pair_sums(*acc, &offs[2 * p..2 * p + 2]));
             }
         }
         out
+    }
+
+    /// The two outputs of a pair's accumulator (each row's 8 lanes summed by [`super::tree8`]), plus
+    /// their offsets' terms `off`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    fn pair_sums(acc: __m512, off: &[f32]) -> [f32; 2] {
+        let mut lanes = [0f32; 16];
+        // SAFETY: 16 floats; unaligned store.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
+        std::array::from_fn(|h| super::tree8(std::array::from_fn(|l| lanes[8 * h + l])) + off[h])
     }
 
     /// Whether this CPU runs it (AVX-512F, BW and VNNI, besides the AVX2 kernel's features).
@@ -959,13 +964,7 @@ mod avx512 {
             // SAFETY: 16 floats; unaligned store.
             unsafe { _mm512_storeu_ps(offs.as_mut_ptr(), off) };
             for (p, acc) in acc.iter().enumerate() {
-                let mut lanes = [0f32; 16];
-                // SAFETY: 16 floats; unaligned store.
-                unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc) };
-                for h in 0..2 {
-                    let half: [f32; 8] = std::array::from_fn(|l| lanes[8 * h + l]);
-                    res[2 * p + h] = super::tree8(half) + offs[2 * p + h];
-                }
+                res[2 * p..2 * p + 2].copy_from_slice(&pair_sums(*acc, &offs[2 * p..2 * p + 2]));
             }
         }
     }
