@@ -34,7 +34,7 @@ pub enum GgmlType {
 
 impl GgmlType {
     /// From ggml's type id; `None` for types this crate does not read.
-    pub fn from_id(id: u32) -> Option<Self> {
+    pub const fn from_id(id: u32) -> Option<Self> {
         Some(match id {
             0 => GgmlType::F32,
             1 => GgmlType::F16,
@@ -69,7 +69,7 @@ impl GgmlType {
     }
 
     /// Weights per block.
-    pub fn block_elems(self) -> usize {
+    pub const fn block_elems(self) -> usize {
         match self {
             GgmlType::F32 | GgmlType::F16 | GgmlType::Bf16 => 1,
             GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => 32,
@@ -78,7 +78,7 @@ impl GgmlType {
     }
 
     /// Bytes per block.
-    pub fn block_bytes(self) -> usize {
+    pub const fn block_bytes(self) -> usize {
         match self {
             GgmlType::F32 => 4,
             GgmlType::F16 | GgmlType::Bf16 => 2,
@@ -382,11 +382,10 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// The 16 lanes of `x[r] . w` for each weight row `w` of `ty` blocks (`n` values, whole blocks) in
-    /// `ws`, one row per element of `out`: lane `l` of vector `v` accumulates, with fused multiply-adds in
-    /// increasing position, the products at positions `k` with `k mod 16 == 8v + l`: exactly the
-    /// accumulators of the f32 kernel (`kernels::dot`) over the dequantized row, which the caller then
-    /// reduces the same way.
+    /// `x[r] . w` for each weight row `w` of `ty` blocks (`n` values, whole blocks) in `ws`, one row per
+    /// element of `out`, as the f32 kernel (`kernels::dot`) computes it over the dequantized row: lane `l`
+    /// of accumulator `v` takes, with fused multiply-adds in increasing position, the products at
+    /// positions `k` with `k mod 16 == 8v + l`, and the lanes are then summed in its fixed order.
     ///
     /// # Safety
     ///
@@ -398,7 +397,7 @@ pub(crate) mod avx2 {
         x: [&[f32]; R],
         ws: &[u8],
         n: usize,
-        out: &mut [[[[f32; 8]; 2]; R]],
+        out: &mut [[f32; R]],
     ) {
         let (be, bb) = (ty.block_elems(), ty.block_bytes());
         let row_bytes = n / be * bb;
@@ -406,7 +405,7 @@ pub(crate) mod avx2 {
             n.is_multiple_of(be) && ws.len() >= out.len() * row_bytes && x.iter().all(|x| x.len() >= n),
             "dot_rows operands"
         );
-        for (j, (lanes, w)) in out.iter_mut().zip(ws.chunks_exact(row_bytes)).enumerate() {
+        for (j, (sums, w)) in out.iter_mut().zip(ws.chunks_exact(row_bytes)).enumerate() {
             let mut acc = [[_mm256_setzero_ps(); 2]; R];
             for (i, b) in w.chunks_exact(bb).enumerate() {
                 let base = i * be;
@@ -428,10 +427,12 @@ pub(crate) mod avx2 {
                 });
             }
             for r in 0..R {
+                let mut lanes = [[0f32; 8]; 2];
                 for v in 0..2 {
                     // SAFETY: 8 f32s; unaligned store.
-                    unsafe { _mm256_storeu_ps(lanes[r][v].as_mut_ptr(), acc[r][v]) };
+                    unsafe { _mm256_storeu_ps(lanes[v].as_mut_ptr(), acc[r][v]) };
                 }
+                sums[r] = crate::kernels::dot::reduce(lanes);
             }
         }
     }
@@ -457,8 +458,25 @@ pub(crate) mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
-        let bits = u16::from_le_bytes([b[at], b[at + 1]]);
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+        let bits = u32::from(u16::from_le_bytes([b[at], b[at + 1]]));
+        let value: __m128;
+        // Written out because the intrinsics' form, `_mm_cvtph_ps(_mm_cvtsi32_si128(..))`, is compiled
+        // to a `vpinsrw` into whatever register is free, keeping its other lanes: the conversion then
+        // waits on that register's last writer, often the previous block's arithmetic, and a kernel's
+        // blocks run one after another instead of side by side (Gemma's `exact` head for four rows took
+        // 20 ms instead of 14, Zen 5). `vmovd` from a general register writes the whole register.
+        // SAFETY: F16C is enabled in every caller (this function's target features); the instructions
+        // touch only the two named registers.
+        unsafe {
+            std::arch::asm!(
+                "vmovd {v}, {bits:e}",
+                "vcvtph2ps {v}, {v}",
+                bits = in(reg) bits,
+                v = out(xmm_reg) value,
+                options(pure, nomem, nostack, preserves_flags),
+            );
+        }
+        _mm_cvtss_f32(value)
     }
 
     /// 8 unsigned bytes of `v` (its low half, or with `high` its high half), as 32-bit lanes.
@@ -641,7 +659,7 @@ pub(crate) mod avx512 {
         super::avx2::available() && std::arch::is_x86_feature_detected!("avx512f")
     }
 
-    /// [`super::avx2::dot_rows`] with AVX-512: the same lanes.
+    /// [`super::avx2::dot_rows`] with AVX-512: the same lanes, summed in the same order.
     ///
     /// # Safety
     ///
@@ -653,7 +671,7 @@ pub(crate) mod avx512 {
         x: [&[f32]; R],
         ws: &[u8],
         n: usize,
-        out: &mut [[[[f32; 8]; 2]; R]],
+        out: &mut [[f32; R]],
     ) {
         super::by_block_type!(ty, T => rows_of::<R, T>(x, ws, n, out))
     }
@@ -661,7 +679,7 @@ pub(crate) mod avx512 {
     /// [`dot_rows`] for the type with GGML id `T`.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-    fn rows_of<const R: usize, const T: u32>(x: [&[f32]; R], ws: &[u8], n: usize, out: &mut [[[[f32; 8]; 2]; R]]) {
+    fn rows_of<const R: usize, const T: u32>(x: [&[f32]; R], ws: &[u8], n: usize, out: &mut [[f32; R]]) {
         let ty = GgmlType::from_id(T).expect("a GGML type id");
         let (be, bb) = (ty.block_elems(), ty.block_bytes());
         let row_bytes = n / be * bb;
@@ -680,12 +698,7 @@ pub(crate) mod avx512 {
     /// [`rows_of`] by groups of `H` weight rows, then the rest one at a time.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f")]
-    fn groups<const R: usize, const T: u32, const H: usize>(
-        x: [&[f32]; R],
-        ws: &[u8],
-        n: usize,
-        out: &mut [[[[f32; 8]; 2]; R]],
-    ) {
+    fn groups<const R: usize, const T: u32, const H: usize>(x: [&[f32]; R], ws: &[u8], n: usize, out: &mut [[f32; R]]) {
         let (whole, rest) = out.split_at_mut(out.len() / H * H);
         for (g, out) in whole.chunks_exact_mut(H).enumerate() {
             group::<R, T, H>(x, ws, g * H, n, out);
@@ -703,32 +716,62 @@ pub(crate) mod avx512 {
         ws: &[u8],
         j: usize,
         n: usize,
-        out: &mut [[[[f32; 8]; 2]; R]],
+        out: &mut [[f32; R]],
     ) {
-        let ty = GgmlType::from_id(T).expect("a GGML type id");
-        let (be, bb) = (ty.block_elems(), ty.block_bytes());
+        const { assert!(H * R <= 16, "a group's outputs are summed in one reduce16") };
+        let (be, bb) = geometry::<T>();
         let row_bytes = n / be * bb;
         assert!(out.len() == H && ws.len() >= (j + H) * row_bytes && x.iter().all(|x| x.len() >= n), "group operands");
+        let rows = ws[j * row_bytes..].as_ptr();
+        let xs: [*const f32; R] = std::array::from_fn(|r| x[r].as_ptr());
         let mut acc = [[_mm512_setzero_ps(); R]; H];
-        for (i, base) in (0..n).step_by(be).enumerate() {
+        for i in 0..n / be {
+            let base = i * be;
             // The rows are read side by side: in the stream of rows, a step is every row's block.
             super::prefetch(ws.as_ptr(), j * row_bytes + i * H * bb, H * bb);
             for (h, acc) in acc.iter_mut().enumerate() {
-                let b = &ws[(j + h) * row_bytes + i * bb..][..bb];
+                // SAFETY: block `i` of row `j + h` lies in `ws` (asserted), and `bb` is its length.
+                let b = unsafe { std::slice::from_raw_parts(rows.add(h * row_bytes + i * bb), bb) };
                 block::<T>(b, &mut |at, wv| {
                     for r in 0..R {
                         // SAFETY: base + at + 16 <= n <= x[r].len() (asserted); unaligned load.
-                        let xv = unsafe { _mm512_loadu_ps(x[r].as_ptr().add(base + at)) };
+                        let xv = unsafe { _mm512_loadu_ps(xs[r].add(base + at)) };
                         acc[r] = _mm512_fmadd_ps(xv, wv, acc[r]);
                     }
                 });
             }
         }
-        for (out, acc) in out.iter_mut().zip(&acc) {
-            for r in 0..R {
-                // SAFETY: 16 f32s, the two halves in order; unaligned store.
-                unsafe { _mm512_storeu_ps(out[r].as_mut_ptr().cast(), acc[r]) };
-            }
+        // Lane `l` of an accumulator is lane `l % 8` of the AVX2 kernel's accumulator `l / 8`, so
+        // `reduce16` sums each in the f32 kernel's order, all of the group's outputs at once.
+        let mut v = [_mm512_setzero_ps(); 16];
+        for (h, acc) in acc.iter().enumerate() {
+            v[h * R..(h + 1) * R].copy_from_slice(acc);
+        }
+        // SAFETY: AVX-512F is enabled here.
+        let sums = unsafe { crate::kernels::dot::reduce16(v) };
+        for (h, out) in out.iter_mut().enumerate() {
+            out.copy_from_slice(&sums[h * R..(h + 1) * R]);
+        }
+    }
+
+    /// The f16 at `b[at..at + 2]` in all 16 lanes, widened by the CPU (exact, as every f16 is an f32).
+    ///
+    /// Not `_mm512_set1_ps(f16_at(..))`: for a lone lane LLVM loads the f16 with `vpinsrw` into whatever
+    /// register is free, which makes the conversion wait on that register's last writer, here the
+    /// previous block's multiply. The chain through every block's scale took Gemma's `exact` head for
+    /// four activation rows from about 8 ms to 20 ms (Zen 5). A broadcast writes the whole register.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f")]
+    fn f16_splat(b: &[u8], at: usize) -> __m512 {
+        let bits = u16::from_le_bytes([b[at], b[at + 1]]);
+        _mm512_cvtph_ps(_mm256_set1_epi16(bits as i16))
+    }
+
+    /// Weights and bytes per block of the type with GGML id `T`, as constants of each instance.
+    const fn geometry<const T: u32>() -> (usize, usize) {
+        match GgmlType::from_id(T) {
+            Some(ty) => (ty.block_elems(), ty.block_bytes()),
+            None => panic!("a GGML type id"),
         }
     }
 
@@ -739,7 +782,7 @@ pub(crate) mod avx512 {
         match T {
             8 => {
                 assert!(b.len() >= 34);
-                let d = _mm512_set1_ps(f16_at(b, 0));
+                let d = f16_splat(b, 0);
                 for i in 0..2 {
                     // SAFETY: bytes 2 + 16i .. 18 + 16i lie in the block (asserted).
                     let q = unsafe { _mm_loadu_si128(b.as_ptr().add(2 + 16 * i).cast()) };
@@ -755,8 +798,8 @@ pub(crate) mod avx512 {
                     _ => 8,
                 };
                 assert!(b.len() >= at + 16);
-                let d = _mm512_set1_ps(f16_at(b, 0));
-                let m = if matches!(T, 3 | 7) { Some(_mm512_set1_ps(f16_at(b, 2))) } else { None };
+                let d = f16_splat(b, 0);
+                let m = if matches!(T, 3 | 7) { Some(f16_splat(b, 2)) } else { None };
                 // SAFETY: 16 bytes from `at` lie in the block (asserted).
                 let qs = unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) };
                 let mask = _mm_set1_epi8(0x0F);
@@ -765,16 +808,8 @@ pub(crate) mod avx512 {
                 for (h, v) in halves.into_iter().enumerate() {
                     let mut q = _mm512_cvtepu8_epi32(v);
                     if five {
-                        // Bit `16h + lane` of qh, as 16 or 0.
-                        let shifts = _mm512_add_epi32(
-                            _mm512_set1_epi32(16 * h as i32),
-                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                        );
-                        let bits = _mm512_and_si512(
-                            _mm512_srlv_epi32(_mm512_set1_epi32(qh as i32), shifts),
-                            _mm512_set1_epi32(1),
-                        );
-                        q = _mm512_or_si512(q, _mm512_slli_epi32::<4>(bits));
+                        // Bit `16h + lane` of qh sets 16 in that lane: the 16 bits are a lane mask.
+                        q = _mm512_mask_or_epi32(q, (qh >> (16 * h)) as __mmask16, q, _mm512_set1_epi32(16));
                     }
                     let q = _mm512_cvtepi32_ps(q);
                     let zero = _mm512_set1_ps(if five { 16.0 } else { 8.0 });
@@ -790,8 +825,14 @@ pub(crate) mod avx512 {
                 assert!(b.len() >= if five { 176 } else { 144 });
                 let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
                 let mask = _mm_set1_epi8(0x0F);
+                // `super::k_scales`'s products, with the block's two f16s widened once by the CPU.
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let scales = |sub: usize| {
+                    let (sc, m) = super::scale_min_k4_int(sub, &b[4..16]);
+                    (d * f32::from(sc), dmin * f32::from(m))
+                };
                 for j in 0..4 {
-                    let [(d1, min1), (d2, min2)] = super::k_scales(b, j);
+                    let [(d1, min1), (d2, min2)] = [scales(2 * j), scales(2 * j + 1)];
                     for (sub, dd, mm, bit) in [(0, d1, min1, 2 * j), (32, d2, min2, 2 * j + 1)] {
                         for part in 0..2 {
                             // SAFETY: 16 of the sub-block's 32 bytes, inside the block (asserted).
@@ -954,36 +995,42 @@ mod tests {
         }
     }
 
-    /// The AVX2 and AVX-512 row kernels give the lanes of the f32 kernel over the dequantized values: per
-    /// lane, fused multiply-adds in increasing position.
+    /// The AVX2 and AVX-512 row kernels give the f32 kernel's sums over the dequantized values: per lane,
+    /// fused multiply-adds in increasing position, then the lanes in its fixed order.
     #[cfg(target_arch = "x86_64")]
     fn dot_rows_agree(ty: GgmlType, src: &[u8], values: &[f32]) {
-        // Two weight rows of half the blocks each, against three activation rows.
+        // Two weight rows of half the blocks each, repeated into six (a group of four, then two alone),
+        // against three activation rows.
         let n = values.len() / 2;
+        let order = [0, 1, 1, 0, 1, 0];
+        let row_bytes = src.len() / 2;
+        let ws: Vec<u8> = order.iter().flat_map(|&j| &src[j * row_bytes..(j + 1) * row_bytes]).copied().collect();
         let x: Vec<Vec<f32>> =
             (0..3).map(|r| (0..n).map(|i| ((i * 37 + r * 11) % 101) as f32 / 50.0 - 1.0).collect()).collect();
         let xs: [&[f32]; 3] = std::array::from_fn(|r| &x[r][..]);
-        let mut want = [[[[0f32; 8]; 2]; 3]; 2];
-        for (j, lanes) in want.iter_mut().enumerate() {
-            for (r, lanes) in lanes.iter_mut().enumerate() {
-                for k in 0..n {
-                    let l = &mut lanes[(k % 16) / 8][k % 8];
-                    *l = xs[r][k].mul_add(values[j * n + k], *l);
-                }
-            }
-        }
-        let bits = |v: &[[[[f32; 8]; 2]; 3]; 2]| {
-            v.iter().flatten().flatten().flatten().map(|f| f.to_bits()).collect::<Vec<_>>()
-        };
-        let mut got = [[[[0f32; 8]; 2]; 3]; 2];
-        // SAFETY: AVX2, FMA and F16C (checked by the caller), a supported type, two rows of whole blocks.
-        unsafe { avx2::dot_rows::<3>(ty, xs, src, n, &mut got) };
-        assert_eq!(bits(&got), bits(&want), "{} AVX2 rows", ty.name());
+        let want: Vec<[u32; 3]> = order
+            .iter()
+            .map(|&j| {
+                std::array::from_fn(|r| {
+                    let mut lanes = [[0f32; 8]; 2];
+                    for k in 0..n {
+                        let l = &mut lanes[(k % 16) / 8][k % 8];
+                        *l = xs[r][k].mul_add(values[j * n + k], *l);
+                    }
+                    crate::kernels::dot::reduce(lanes).to_bits()
+                })
+            })
+            .collect();
+        let bits = |v: &[[f32; 3]]| v.iter().map(|s| s.map(f32::to_bits)).collect::<Vec<_>>();
+        let mut got = [[0f32; 3]; 6];
+        // SAFETY: AVX2, FMA and F16C (checked by the caller), a supported type, six rows of whole blocks.
+        unsafe { avx2::dot_rows::<3>(ty, xs, &ws, n, &mut got) };
+        assert_eq!(bits(&got), want, "{} AVX2 rows", ty.name());
         if avx512::available() {
-            let mut got = [[[[0f32; 8]; 2]; 3]; 2];
+            let mut got = [[0f32; 3]; 6];
             // SAFETY: as above, and AVX-512F (checked).
-            unsafe { avx512::dot_rows::<3>(ty, xs, src, n, &mut got) };
-            assert_eq!(bits(&got), bits(&want), "{} AVX-512 rows", ty.name());
+            unsafe { avx512::dot_rows::<3>(ty, xs, &ws, n, &mut got) };
+            assert_eq!(bits(&got), want, "{} AVX-512 rows", ty.name());
         }
     }
 

@@ -256,7 +256,7 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,avx512f")]
 #[inline]
-unsafe fn reduce16(v: [std::arch::x86_64::__m512; 16]) -> [f32; 16] {
+pub(crate) unsafe fn reduce16(v: [std::arch::x86_64::__m512; 16]) -> [f32; 16] {
     use std::arch::x86_64::*;
     // 1: `s[l] = a[l] + a[l + 8]`; two outputs per vector, [s of 2i | s of 2i + 1].
     let s: [__m512; 8] = std::array::from_fn(|i| {

@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 mod act;
-mod dot;
+pub(crate) mod dot;
 mod native;
 mod q8;
 mod weight;
@@ -172,8 +172,8 @@ const ROWS_PER_CALL: usize = 32;
 
 /// [`dot::dots`] over weight rows `rows` held as blocks, into `out` (`t x rows.len()`). A few rows (decode)
 /// read each weight row straight from its blocks, dequantized in registers into the f32 kernel's own
-/// accumulators ([`crate::quant::avx2::dot_rows`], or its AVX-512 twin); otherwise see [`panels`]. The
-/// bits are the same either way.
+/// accumulators and summed in its order ([`crate::quant::avx2::dot_rows`], or its AVX-512 twin);
+/// otherwise see [`panels`]. The bits are the same either way.
 fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usize>, n: usize, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if let Weight::Blocks { ty, bytes, .. } = w {
@@ -186,24 +186,23 @@ fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usi
             macro_rules! run {
                 ($r:literal) => {{
                     let xs: [&[f32]; $r] = std::array::from_fn(|i| &x[i * n..(i + 1) * n]);
-                    // A few dozen weight rows per call: the call's checks are amortised and its lanes stay
-                    // in L1.
-                    let mut lanes = [[[[0f32; 8]; 2]; $r]; ROWS_PER_CALL];
+                    // A few dozen weight rows per call: the call's checks are amortised.
+                    let mut sums = [[0f32; $r]; ROWS_PER_CALL];
                     for j0 in (0..width).step_by(ROWS_PER_CALL) {
-                        let lanes = &mut lanes[..ROWS_PER_CALL.min(width - j0)];
-                        let ws = &ws[j0 * row_bytes..(j0 + lanes.len()) * row_bytes];
+                        let sums = &mut sums[..ROWS_PER_CALL.min(width - j0)];
+                        let ws = &ws[j0 * row_bytes..(j0 + sums.len()) * row_bytes];
                         if wide {
                             // SAFETY: AVX-512F, AVX2, FMA and F16C are present (checked), `ty` is
-                            // supported, `ws` is `lanes.len()` rows of whole blocks and every activation
+                            // supported, `ws` is `sums.len()` rows of whole blocks and every activation
                             // row holds `n` values.
-                            unsafe { crate::quant::avx512::dot_rows::<$r>(*ty, xs, ws, n, lanes) };
+                            unsafe { crate::quant::avx512::dot_rows::<$r>(*ty, xs, ws, n, sums) };
                         } else {
                             // SAFETY: AVX2, FMA and F16C are present (checked), and as above.
-                            unsafe { avx2::dot_rows::<$r>(*ty, xs, ws, n, lanes) };
+                            unsafe { avx2::dot_rows::<$r>(*ty, xs, ws, n, sums) };
                         }
-                        for (j, lanes) in lanes.iter().enumerate() {
-                            for (i, lanes) in lanes.iter().enumerate() {
-                                out[i * width + j0 + j] = dot::reduce(*lanes);
+                        for (j, sums) in sums.iter().enumerate() {
+                            for (i, sum) in sums.iter().enumerate() {
+                                out[i * width + j0 + j] = *sum;
                             }
                         }
                     }
