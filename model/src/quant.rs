@@ -756,10 +756,11 @@ pub(crate) mod avx512 {
 
     /// The f16 at `b[at..at + 2]` in all 16 lanes, widened by the CPU (exact, as every f16 is an f32).
     ///
-    /// Not `_mm512_set1_ps(f16_at(..))`: for a lone lane LLVM loads the f16 with `vpinsrw` into whatever
-    /// register is free, which makes the conversion wait on that register's last writer, here the
-    /// previous block's multiply. The chain through every block's scale took Gemma's `exact` head for
-    /// four activation rows from about 8 ms to 20 ms (Zen 5). A broadcast writes the whole register.
+    /// A broadcast load and one conversion, which write whole registers. The first form of this,
+    /// `_mm512_set1_ps` of an intrinsics-written [`f16_at`], was compiled to a `vpinsrw` that kept the
+    /// rest of whatever register was free, so each block's scale waited on the previous block's
+    /// multiply: Gemma's `exact` head for four activation rows took 20.4 ms, and 14.4 ms without that
+    /// chain (Zen 5).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c,avx512f")]
     fn f16_splat(b: &[u8], at: usize) -> __m512 {

@@ -903,7 +903,7 @@ mod avx512 {
     fn rows_of<const P: usize, const T: u32>(x: &Pairs, p0: usize, w: &[u8], n: usize, out: &mut [[f32; 2 * PAIRS]]) {
         let ty = GgmlType::from_id(T).expect("a GGML type id");
         let (be, bb) = (ty.block_elems(), ty.block_bytes());
-        let (per, blocks, chunks) = (be / QK, n / be, n / QK);
+        let (blocks, chunks) = (n / be, n / QK);
         assert!(
             P <= PAIRS
                 && n.is_multiple_of(be)
@@ -917,15 +917,47 @@ mod avx512 {
                 && w.len() >= out.len() * blocks * bb,
             "rows operands"
         );
+        // Two weight rows side by side, block by block: each output's lanes are one chain of
+        // multiply-adds, and the chains of two rows keep twice as many in flight.
+        let row_bytes = blocks * bb;
+        let rows = out.len().min(w.len() / row_bytes.max(1));
+        let (whole, rest) = out[..rows].split_at_mut(rows / 2 * 2);
+        for (g, res) in whole.chunks_exact_mut(2).enumerate() {
+            group::<P, T, 2>(x, p0, w, 2 * g, n, res);
+        }
+        for (k, res) in rest.chunks_exact_mut(1).enumerate() {
+            group::<P, T, 1>(x, p0, w, whole.len() + k, n, res);
+        }
+    }
+
+    /// [`rows_of`] for the `H` weight rows from row `j` of `w`, into `out` (`H` rows).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    fn group<const P: usize, const T: u32, const H: usize>(
+        x: &Pairs,
+        p0: usize,
+        w: &[u8],
+        j: usize,
+        n: usize,
+        out: &mut [[f32; 2 * PAIRS]],
+    ) {
+        let ty = GgmlType::from_id(T).expect("a GGML type id");
+        let (be, bb) = (ty.block_elems(), ty.block_bytes());
+        let (per, blocks) = (be / QK, n / be);
+        let row_bytes = blocks * bb;
+        assert!(out.len() == H && w.len() >= (j + H) * row_bytes, "group operands");
         let scaled = matches!(T, 12..=14);
         let offset = super::has_offset(ty);
         let zero = _mm512_setzero_si512();
         let bias = _mm512_set1_epi8(-128);
-        for (j, (res, wr)) in out.iter_mut().zip(w.chunks_exact(blocks * bb)).enumerate() {
-            let mut acc = [_mm512_setzero_ps(); P];
-            let mut off = _mm512_setzero_ps();
-            for (i, b) in wr.chunks_exact(bb).enumerate() {
-                crate::quant::prefetch(w.as_ptr(), (j * blocks + i) * bb, bb);
+        let mut acc = [[_mm512_setzero_ps(); P]; H];
+        let mut off = [_mm512_setzero_ps(); H];
+        for i in 0..blocks {
+            // The rows are read side by side: in the stream of rows, a step is every row's block.
+            crate::quant::prefetch(w.as_ptr(), j * row_bytes + i * H * bb, H * bb);
+            for h in 0..H {
+                let b = &w[(j + h) * row_bytes + i * bb..][..bb];
+                let (acc, off) = (&mut acc[h], &mut off[h]);
                 super::avx2::unpack::<T>(b, &mut |c, v, isc, d, m| {
                     let xi = i * per + c;
                     let v = _mm512_broadcast_i64x4(v);
@@ -939,8 +971,8 @@ mod avx512 {
                     let d = _mm512_set1_ps(d);
                     for (p, acc) in acc.iter_mut().enumerate() {
                         let at = x.at(p0 + p, xi);
-                        // SAFETY: pair p0 + p < pairs and chunk xi < chunks (asserted above): 64 bytes and
-                        // 16 floats inside `q` and `d`; unaligned loads.
+                        // SAFETY: pair p0 + p < pairs and chunk xi < chunks (asserted by `rows_of`): 64
+                        // bytes and 16 floats inside `q` and `d`; unaligned loads.
                         let (q, xd) = unsafe {
                             (
                                 _mm512_loadu_si512(x.q.as_ptr().add(at * 2 * QK).cast()),
@@ -954,15 +986,18 @@ mod avx512 {
                         *acc = _mm512_fmadd_ps(_mm512_mul_ps(d, xd), lanes, *acc);
                     }
                     if offset {
-                        // SAFETY: 16 floats from 2 * p0 within chunk xi's `stride` (asserted above).
+                        // SAFETY: 16 floats from 2 * p0 within chunk xi's `stride` (asserted by
+                        // `rows_of`).
                         let s = unsafe { _mm512_loadu_ps(x.s.as_ptr().add(xi * x.stride + 2 * p0)) };
-                        off = _mm512_fmadd_ps(_mm512_set1_ps(m), s, off);
+                        *off = _mm512_fmadd_ps(_mm512_set1_ps(m), s, *off);
                     }
                 });
             }
+        }
+        for ((res, acc), off) in out.iter_mut().zip(&acc).zip(&off) {
             let mut offs = [0f32; 2 * PAIRS];
             // SAFETY: 16 floats; unaligned store.
-            unsafe { _mm512_storeu_ps(offs.as_mut_ptr(), off) };
+            unsafe { _mm512_storeu_ps(offs.as_mut_ptr(), *off) };
             for (p, acc) in acc.iter().enumerate() {
                 res[2 * p..2 * p + 2].copy_from_slice(&pair_sums(*acc, &offs[2 * p..2 * p + 2]));
             }
@@ -1054,10 +1089,11 @@ mod tests {
                 assert_eq!(bits(&all), bits(&portable), "{} {kernel:?}, every row", ty.name());
                 for (from, len) in [(0, 1), (3, 1), (1, 2), (2, 3), (0, 4), (1, 6), (0, 7), (3, 16), (1, 17), (6, 33)] {
                     let xs = Q8::new(&x[from * n..(from + len) * n], len, n).unwrap();
-                    let mut got = vec![0f32; len * 2];
-                    dots(&Acts::with(kernel, &xs), ty, &w, 3..5, &mut got);
+                    // Three weight rows: a pair of them side by side, then one alone.
+                    let mut got = vec![0f32; len * 3];
+                    dots(&Acts::with(kernel, &xs), ty, &w, 3..6, &mut got);
                     let want: Vec<f32> =
-                        (from..from + len).flat_map(|r| portable[r * rows + 3..r * rows + 5].to_vec()).collect();
+                        (from..from + len).flat_map(|r| portable[r * rows + 3..r * rows + 6].to_vec()).collect();
                     assert_eq!(bits(&got), bits(&want), "{} {kernel:?} rows {from}+{len}", ty.name());
                 }
             }
