@@ -477,6 +477,11 @@ pub enum Bench {
     /// Prefill and decode tokens/s of both real models with 1 and 2 threads in both precisions, beside
     /// llama.cpp (llama-cpp-python, built on first use into $PDHOST_HOME) on the same GGUF files.
     Model(ModelBenchArgs),
+    /// The linear products of one decode step alone (every layer's q, k, v, o, gate, up and down, then
+    /// the output head) of both real models in both precisions, for 1 and more rows at once: time, the
+    /// weights' bytes per second beside a memcpy of the same bytes in the same run, and how a batch
+    /// shares each weight load.
+    Kernels(KernelsBenchArgs),
     /// Time to first token with prefill in a warm producer subprocess against prefill in the host, on
     /// the same model and prompts in the same run: the PD overhead in ms and %, where it goes (request
     /// IPC, span write, transfer and ingest), and decode tokens/s after each. Checks that both give the
@@ -669,6 +674,23 @@ pub struct ModelBenchArgs {
     /// Skip llama.cpp (no reference column).
     #[arg(long)]
     pub no_llama_cpp: bool,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `pdhost bench kernels`.
+#[derive(Debug, Args)]
+pub struct KernelsBenchArgs {
+    /// Rows multiplied at once (each 1 to 64), as a decode step of that many sequences.
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
+    pub batch: Vec<u64>,
+    /// Forward-pass threads (each 1 to 4 per core).
+    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 2])]
+    pub threads: Vec<u64>,
+    /// Timed passes per case, 1 to 1000; the best is reported.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 7)]
+    pub iters: u64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -440,6 +440,11 @@ fn every_reported_case_is_refused_or_handled() {
         .never(&["NaN"]),
         case("bench model batch 0", &["bench", "model", "--no-llama-cpp", "--batch", "1,0"])
             .refused(2, &["--batch: expected 1 to 16, found 0"]),
+        case("bench kernels", &["bench", "kernels", "--batch", "1,2", "--threads", "1", "--iters", "1"])
+            .prints(&["gemma3-270m   exact    1     2 ", "smollm2-135m  fast     1     1 ", "x memcpy"])
+            .never(&["NaN", "inf"]),
+        case("bench kernels batch 65", &["bench", "kernels", "--batch", "1,65"])
+            .refused(2, &["--batch: expected 1 to 64, found 65"]),
     ];
     let _ = (gemma, smol);
     let failures = check_all(&cases);
@@ -535,6 +540,9 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         ("pd", "--iters"),
         ("pd", "--decode-tokens"),
         ("model", "--prompt-tokens"),
+        ("kernels", "--batch"),
+        ("kernels", "--threads"),
+        ("kernels", "--iters"),
     ] {
         for value in ["0", "-5", &max, "abc"] {
             cases.push(

@@ -30,6 +30,12 @@ pub struct Q8 {
 }
 
 impl Q8 {
+    /// What the kernels read of it, as bytes: the values, then the scales (and, unread where a weight
+    /// has no offset, the blocks' sums are left out).
+    pub fn parts(&self) -> [&[u8]; 2] {
+        [zerocopy::IntoBytes::as_bytes(&self.q[..]), zerocopy::IntoBytes::as_bytes(&self.scales[..])]
+    }
+
     /// Quantizes `w` (`rows x cols`, `cols` a multiple of 32); `None` otherwise. Per block:
     /// `d = max|w| / 127`, `q = round(w / d)` (never -128, which the AVX2 kernel relies on).
     pub fn new(w: &[f32], rows: usize, cols: usize) -> Option<Self> {

@@ -98,6 +98,14 @@ impl Weight {
         }
     }
 
+    /// The bytes held, as the kernels read them.
+    pub fn as_bytes(&self) -> &[u8] {
+        match self {
+            Weight::F32(v) => zerocopy::IntoBytes::as_bytes(&v[..]),
+            Weight::Blocks { bytes, .. } => bytes,
+        }
+    }
+
     /// The element type as a name (`f32`, or the GGUF block type).
     pub fn kind(&self) -> &'static str {
         match self {

@@ -19,6 +19,7 @@ use crate::cli::{Bench, BenchArgs, IngestBenchArgs, RingBenchArgs};
 use crate::cmd::outln;
 use pdhost::request::{self, Field, Invalid};
 
+mod kernels;
 mod mixed;
 mod model_bench;
 mod pd_bench;
@@ -31,6 +32,7 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         Bench::Ring(a) => ring(a),
         Bench::Ingest(a) => ingest(a),
         Bench::Model(a) => model_bench::run(a),
+        Bench::Kernels(a) => kernels::run(a),
         Bench::Pd(a) => pd_bench::run(a),
         Bench::Serve(a) => serve_bench::run(a),
         Bench::Soak(a) => soak::run(a),

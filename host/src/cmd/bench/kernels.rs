@@ -1,0 +1,256 @@
+//! `pdhost bench kernels`: the linear layers of a decode step alone (every layer's seven products and
+//! the output head, in the forward pass's order), for 1 and more rows at once, beside a memcpy of the
+//! same weight bytes in the same run. It shows what `bench model`'s decode columns are made of: how
+//! near the weights' memory traffic the kernels run, and how a batch shares each weight load.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use model::arch::{Config, Model};
+use model::gguf::Gguf;
+use model::kernels::{Precision, Weight, Q8};
+use pdhost::request::{self, Field};
+use serde_json::json;
+
+use crate::cli::KernelsBenchArgs;
+use crate::cmd::outln;
+
+/// The most rows `--batch` multiplies at once.
+const MAX_BATCH: u64 = 64;
+/// The most threads `--threads` asks for.
+const MAX_THREADS: u64 = 64;
+/// The most timed passes `--reps` asks for.
+const MAX_REPS: u64 = 1000;
+
+/// One product of a pass: the weight, its Q8_0 copy in `fast` where it has one, and its shape.
+struct Product<'a> {
+    /// `q`, `k`, `v`, `o`, `gate`, `up`, `down` or `head`.
+    kind: &'static str,
+    weight: &'a Weight,
+    q8: Option<&'a Q8>,
+    n_in: usize,
+    n_out: usize,
+}
+
+/// Every linear product of one decode step of `model`, in the forward pass's order.
+fn products<'a>(model: &'a Model, config: &Config) -> Vec<Product<'a>> {
+    let (hidden, qd, kvd) = (config.hidden, config.heads * config.head_dim, config.kv_heads * config.head_dim);
+    let mut all = Vec::new();
+    for (l, layer) in model.layers.iter().enumerate() {
+        let q8 = |i: usize| model.q8.as_ref().and_then(|f| f.layers[l][i].as_ref());
+        let shapes = [
+            ("q", &layer.wq, hidden, qd),
+            ("k", &layer.wk, hidden, kvd),
+            ("v", &layer.wv, hidden, kvd),
+            ("o", &layer.wo, qd, hidden),
+            ("gate", &layer.gate, hidden, config.ffn),
+            ("up", &layer.up, hidden, config.ffn),
+            ("down", &layer.down, config.ffn, hidden),
+        ];
+        for (i, (kind, weight, n_in, n_out)) in shapes.into_iter().enumerate() {
+            all.push(Product { kind, weight, q8: q8(i), n_in, n_out });
+        }
+    }
+    let head = model.lm_head.as_ref().unwrap_or(&model.embed);
+    let q8 = model.q8.as_ref().and_then(|f| f.head.as_ref());
+    all.push(Product { kind: "head", weight: head, q8, n_in: hidden, n_out: config.vocab });
+    all
+}
+
+/// The times of one pass's products, by kind in first-seen order.
+fn by_kind(products: &[Product<'_>], times: &[Duration]) -> Vec<(&'static str, Duration)> {
+    let mut kinds: Vec<(&'static str, Duration)> = Vec::new();
+    for (p, &t) in products.iter().zip(times) {
+        match kinds.iter_mut().find(|(k, _)| *k == p.kind) {
+            Some((_, sum)) => *sum += t,
+            None => kinds.push((p.kind, t)),
+        }
+    }
+    kinds
+}
+
+/// One timed case.
+struct Row {
+    model: &'static str,
+    precision: &'static str,
+    threads: usize,
+    batch: usize,
+    /// The best pass: its total, and per kind.
+    pass: Duration,
+    kinds: Vec<(&'static str, Duration)>,
+    /// The bytes a pass reads from its weights (each weight's own bytes, or its Q8_0 copy's in `fast`).
+    weight_bytes: u64,
+    /// The best memcpy of those bytes, weight by weight in the same order.
+    memcpy: Duration,
+}
+
+impl Row {
+    fn rows_per_s(&self) -> f64 {
+        self.batch as f64 / self.pass.as_secs_f64()
+    }
+}
+
+/// The best of `reps` passes over every product with `t` rows of activations, and each product's time in
+/// that pass.
+fn time_passes(model: &Model, products: &[Product<'_>], t: usize, reps: usize) -> (Duration, Vec<Duration>) {
+    let widest = products.iter().map(|p| p.n_in).max().unwrap_or(0);
+    let x: Vec<f32> = (0..t * widest).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+    let mut best = (Duration::MAX, Vec::new());
+    // One pass untimed first: the pool's threads started, the weights' pages touched.
+    for rep in 0..=reps {
+        let times: Vec<Duration> = model.exec.install(|| {
+            products
+                .iter()
+                .map(|p| {
+                    let start = Instant::now();
+                    let y = model.exec.matmul_t(&x[..t * p.n_in], p.weight, p.q8, t, p.n_in, p.n_out);
+                    let took = start.elapsed();
+                    std::hint::black_box(y);
+                    took
+                })
+                .collect()
+        });
+        let total = times.iter().sum();
+        if rep > 0 && total < best.0 {
+            best = (total, times);
+        }
+    }
+    best
+}
+
+/// The bytes each product reads: its Q8_0 copy's values and scales in `fast` where it has one, else the
+/// weight's own.
+fn read_bytes<'a>(p: &Product<'a>, precision: Precision) -> Vec<&'a [u8]> {
+    match (precision, p.q8) {
+        (Precision::Fast, Some(q8)) => q8.parts().to_vec(),
+        _ => vec![p.weight.as_bytes()],
+    }
+}
+
+/// The best of `reps` memcpys of every product's bytes, in order, into one prefaulted buffer.
+fn time_memcpy(products: &[Product<'_>], precision: Precision, reps: usize) -> Duration {
+    let sources: Vec<&[u8]> = products.iter().flat_map(|p| read_bytes(p, precision)).collect();
+    let mut dest = shm_ring::prefaulted(sources.iter().map(|s| s.len()).max().unwrap_or(0));
+    let mut best = Duration::MAX;
+    for rep in 0..=reps {
+        let start = Instant::now();
+        for src in &sources {
+            dest[..src.len()].copy_from_slice(src);
+            std::hint::black_box(&dest);
+        }
+        if rep > 0 {
+            best = best.min(start.elapsed());
+        }
+    }
+    best
+}
+
+pub fn run(args: &KernelsBenchArgs) -> anyhow::Result<ExitCode> {
+    let counts = |field: Field, values: &[u64], max: u64| -> anyhow::Result<Vec<usize>> {
+        Ok(values
+            .iter()
+            .map(|&v| request::check_count(field, v, 1, max).map(|v| v as usize))
+            .collect::<Result<_, _>>()?)
+    };
+    let batches = counts(Field::Batch, &args.batch, MAX_BATCH)?;
+    let threads = counts(Field::Threads, &args.threads, MAX_THREADS.min(model::kernels::max_threads() as u64))?;
+    let reps = request::check_count(Field::Iters, args.iters, 1, MAX_REPS)? as usize;
+    let mut cases = Vec::new();
+    for name in ["gemma3-270m", "smollm2-135m"] {
+        let path = model::registry::fetch(name, &mut model::registry::Quiet)?;
+        cases.push((name, Gguf::open(&path)?));
+    }
+    let bar = super::progress((cases.len() * 2 * threads.len() * batches.len()) as u64, args.json);
+    let mut rows = Vec::new();
+    for (name, gguf) in &cases {
+        let config = Config::from_gguf(gguf)?;
+        let mut model = Model::from_gguf(gguf)?;
+        for precision in [Precision::Exact, Precision::Fast] {
+            for &thr in &threads {
+                model.configure(precision, thr);
+                let products = products(&model, &config);
+                let weight_bytes = products.iter().flat_map(|p| read_bytes(p, precision)).map(|b| b.len() as u64).sum();
+                let memcpy = time_memcpy(&products, precision, reps);
+                for &batch in &batches {
+                    bar.set_message(format!("{name} {} {thr}t batch {batch}", precision.name()));
+                    let (pass, times) = time_passes(&model, &products, batch, reps);
+                    rows.push(Row {
+                        model: name,
+                        precision: precision.name(),
+                        threads: thr,
+                        batch,
+                        kinds: by_kind(&products, &times),
+                        pass,
+                        weight_bytes,
+                        memcpy,
+                    });
+                    bar.inc(1);
+                }
+            }
+        }
+    }
+    bar.finish_and_clear();
+    // Each row's rows/s over the same model, precision and threads at the smallest batch.
+    let over_first = |r: &Row| {
+        rows.iter()
+            .find(|o| o.model == r.model && o.precision == r.precision && o.threads == r.threads)
+            .map_or(f64::NAN, |o| r.rows_per_s() / o.rows_per_s())
+    };
+    let gbs = |bytes: u64, d: Duration| bytes as f64 / d.as_secs_f64() / 1e9;
+    if args.json {
+        let out: Vec<_> = rows
+            .iter()
+            .map(|r| {
+                let kinds: serde_json::Map<String, serde_json::Value> =
+                    r.kinds.iter().map(|(k, d)| (k.to_string(), json!(d.as_secs_f64() * 1e3))).collect();
+                json!({"model": r.model, "precision": r.precision, "threads": r.threads, "batch": r.batch,
+                       "pass_ms": r.pass.as_secs_f64() * 1e3, "by_kind_ms": kinds,
+                       "rows_per_s": r.rows_per_s(), "rows_per_s_over_first_batch": over_first(r),
+                       "weight_bytes": r.weight_bytes, "weights_gb_s": gbs(r.weight_bytes, r.pass),
+                       "memcpy_ms": r.memcpy.as_secs_f64() * 1e3, "memcpy_gb_s": gbs(r.weight_bytes, r.memcpy)})
+            })
+            .collect();
+        outln!("{}", json!({"bench": "kernels", "batch": batches, "threads": threads, "reps": reps, "results": out}))?;
+        return Ok(ExitCode::SUCCESS);
+    }
+    outln!(
+        "the linear products of one decode step (every layer's q, k, v, o, gate, up, down, then the head) for `batch` rows at once, best of {reps} passes; memcpy: the same weight bytes, weight by weight, into a prefaulted buffer, same run"
+    )?;
+    outln!(
+        "{:<13} {:<6} {:>3} {:>5} {:>9} {:>9} {:>9} {:>8} {:>9} {:>9} {:>7} {:>8}",
+        "model",
+        "prec",
+        "thr",
+        "batch",
+        "pass ms",
+        "layers ms",
+        "head ms",
+        "rows/s",
+        "x batch1",
+        "GB/s",
+        "memcpy",
+        "x memcpy"
+    )?;
+    for r in &rows {
+        let head = r.kinds.iter().find(|(k, _)| *k == "head").map_or(Duration::ZERO, |(_, d)| *d);
+        outln!(
+            "{:<13} {:<6} {:>3} {:>5} {:>9.2} {:>9.2} {:>9.2} {:>8.1} {:>8.2}x {:>9.1} {:>7.1} {:>7.2}x",
+            r.model,
+            r.precision,
+            r.threads,
+            r.batch,
+            r.pass.as_secs_f64() * 1e3,
+            (r.pass - head).as_secs_f64() * 1e3,
+            head.as_secs_f64() * 1e3,
+            r.rows_per_s(),
+            over_first(r),
+            gbs(r.weight_bytes, r.pass),
+            gbs(r.weight_bytes, r.memcpy),
+            r.memcpy.as_secs_f64() / r.pass.as_secs_f64()
+        )?;
+    }
+    outln!(
+        "GB/s: the weight bytes a pass reads (a GGUF's own blocks; in `fast`, a Q8_0 copy where a weight is not integer blocks) over the pass's time; x memcpy: the memcpy's time over the pass's; x batch1: rows/s over the first batch's"
+    )?;
+    Ok(ExitCode::SUCCESS)
+}
