@@ -463,8 +463,8 @@ pub(crate) mod avx2 {
         // Written out because the intrinsics' form, `_mm_cvtph_ps(_mm_cvtsi32_si128(..))`, is compiled
         // to a `vpinsrw` into whatever register is free, keeping its other lanes: the conversion then
         // waits on that register's last writer, often the previous block's arithmetic, and a kernel's
-        // blocks run one after another instead of side by side (Gemma's `exact` head for four rows took
-        // 20 ms instead of 14, Zen 5). `vmovd` from a general register writes the whole register.
+        // blocks run one after another instead of side by side (see `avx512::f16_splat` for what that
+        // chain cost). `vmovd` from a general register writes the whole register.
         // SAFETY: F16C is enabled in every caller (this function's target features); the instructions
         // touch only the two named registers.
         unsafe {

@@ -736,8 +736,9 @@ fn tiles<'a, 'b>(
         };
         for c0 in (0..cols).step_by(tile_cols) {
             let nc = tile_cols.min(cols - c0);
-            // Few rows: ask for the tile's rows a few ahead (attention's keys are one head's slice of
-            // each token's row, an order the hardware prefetcher does not follow well).
+            // Few rows: ask for the tile's rows `ROWS_AHEAD` ahead, from the slice to the end of the row
+            // (attention's keys are one head's slice of each token's row, an order the hardware
+            // prefetcher does not follow well).
             if few {
                 for c in (c0 + ROWS_AHEAD..c0 + ROWS_AHEAD + nc).take_while(|&c| c < cols) {
                     crate::quant::prefetch_lines(wrow(c).as_ptr().cast(), 4 * wrow(c).len());
