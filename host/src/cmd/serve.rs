@@ -109,8 +109,14 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let addr = SocketAddr::new(args.host, args.port);
     let precision = args.precision.precision();
 
+    // One thread runs the HTTP side, as one event loop does vLLM's API server: a request's work there is
+    // parsing and a channel send per token, and the cores belong to the decode threads and the producers.
+    // With two, each streamed token could wake the second, which then took a core from a decode step
+    // whose other thread waited on it (`bench serve`, 128 in and out, decode at concurrency 4 in four
+    // runs each, alternating, on the 2-core Zen 5: a mean of 180 -> 194 tokens/s whole, 176 -> 188
+    // streamed).
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(1)
         .thread_keep_alive(pdhost::server::BLOCKING_KEEP_ALIVE)
         .enable_all()
         .build()
