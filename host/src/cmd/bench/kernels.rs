@@ -1,7 +1,9 @@
 //! `pdhost bench kernels`: the linear layers of a decode step alone (every layer's seven products and
 //! the output head, in the forward pass's order), for 1 and more rows at once, beside a memcpy of the
 //! same weight bytes in the same run. It shows what `bench model`'s decode columns are made of: how
-//! near the weights' memory traffic the kernels run, and how a batch shares each weight load.
+//! near the weights' memory traffic the kernels run, and how a batch shares each weight load. Each
+//! product quantizes its own activations in `fast`, where the forward pass quantizes them once for q,
+//! k and v and once for gate and up.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -19,8 +21,8 @@ use crate::cmd::outln;
 const MAX_BATCH: u64 = 64;
 /// The most threads `--threads` asks for.
 const MAX_THREADS: u64 = 64;
-/// The most timed passes `--reps` asks for.
-const MAX_REPS: u64 = 1000;
+/// The most timed passes `--iters` asks for.
+const MAX_ITERS: u64 = 1000;
 
 /// One product of a pass: the weight, its Q8_0 copy in `fast` where it has one, and its shape.
 struct Product<'a> {
@@ -154,7 +156,7 @@ pub fn run(args: &KernelsBenchArgs) -> anyhow::Result<ExitCode> {
     };
     let batches = counts(Field::Batch, &args.batch, MAX_BATCH)?;
     let threads = counts(Field::Threads, &args.threads, MAX_THREADS.min(model::kernels::max_threads() as u64))?;
-    let reps = request::check_count(Field::Iters, args.iters, 1, MAX_REPS)? as usize;
+    let reps = request::check_count(Field::Iters, args.iters, 1, MAX_ITERS)? as usize;
     let mut cases = Vec::new();
     for name in ["gemma3-270m", "smollm2-135m"] {
         let path = model::registry::fetch(name, &mut model::registry::Quiet)?;
