@@ -36,14 +36,19 @@ impl Q8 {
         [zerocopy::IntoBytes::as_bytes(&self.q[..]), zerocopy::IntoBytes::as_bytes(&self.scales[..])]
     }
 
+    /// `rows x cols` zero values, scales and sums, for the quantization to fill.
+    fn zeroed(rows: usize, cols: usize) -> Self {
+        let len = rows * cols;
+        Q8 { rows, cols, q: vec![0i8; len], scales: vec![0.0; len / QK], sums: vec![0.0; len / QK] }
+    }
+
     /// Quantizes `w` (`rows x cols`, `cols` a multiple of 32); `None` otherwise. Per block:
     /// `d = max|w| / 127`, `q = round(w / d)` (never -128, which the AVX2 kernel relies on).
     pub fn new(w: &[f32], rows: usize, cols: usize) -> Option<Self> {
         if !cols.is_multiple_of(QK) || w.len() != rows * cols {
             return None;
         }
-        let mut out =
-            Q8 { rows, cols, q: vec![0i8; w.len()], scales: vec![0.0; w.len() / QK], sums: vec![0.0; w.len() / QK] };
+        let mut out = Q8::zeroed(rows, cols);
         out.quantize_into(0, w);
         Some(out)
     }
@@ -53,8 +58,7 @@ impl Q8 {
         if !cols.is_multiple_of(QK) || w.len() != rows * cols {
             return None;
         }
-        let mut out =
-            Q8 { rows, cols, q: vec![0i8; w.len()], scales: vec![0.0; w.len() / QK], sums: vec![0.0; w.len() / QK] };
+        let mut out = Q8::zeroed(rows, cols);
         let per_panel = (1 << 16) / cols.max(1) + 1;
         let mut buf = Vec::new();
         for r0 in (0..rows).step_by(per_panel) {

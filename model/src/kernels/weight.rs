@@ -92,10 +92,7 @@ impl Weight {
 
     /// Bytes held.
     pub fn bytes(&self) -> usize {
-        match self {
-            Weight::F32(v) => v.len() * 4,
-            Weight::Blocks { bytes, .. } => bytes.len(),
-        }
+        self.as_bytes().len()
     }
 
     /// The bytes held, as the kernels read them.

@@ -168,11 +168,13 @@ pub fn run(args: &KernelsBenchArgs) -> anyhow::Result<ExitCode> {
         let config = Config::from_gguf(gguf)?;
         let mut model = Model::from_gguf(gguf)?;
         for precision in [Precision::Exact, Precision::Fast] {
+            // The bytes a pass reads depend on the precision alone: timed once for every thread count.
+            let mut memcpy_of = None;
             for &thr in &threads {
                 model.configure(precision, thr);
                 let products = products(&model, &config);
                 let weight_bytes = products.iter().flat_map(|p| read_bytes(p, precision)).map(|b| b.len() as u64).sum();
-                let memcpy = time_memcpy(&products, precision, reps);
+                let memcpy = *memcpy_of.get_or_insert_with(|| time_memcpy(&products, precision, reps));
                 for &batch in &batches {
                     bar.set_message(format!("{name} {} {thr}t batch {batch}", precision.name()));
                     let (pass, times) = time_passes(&model, &products, batch, reps);
