@@ -66,6 +66,42 @@ pub enum Command {
     /// version and sha256 (plugins/torch/requirements.txt), installed with uv from the Python package
     /// registry: about 3 GB to download and 5 GB on disk, once. `--producer torch` makes it on first use.
     Backends(BackendsArgs),
+    /// Run producers for hosts on other machines: the prefill side of `--producer nixl://HOST:PORT/NAME`.
+    ///
+    /// Listens for relays on --listen (TCP, for control messages) and, for each connection, starts the
+    /// backend in a producer subprocess exactly as a host does (same ABI, same sandbox). Each span is
+    /// checked here, then written into the host's ring slot over NIXL (UCX) with a notification; the host
+    /// checks it again as it checks any producer's. Needs a pdhost built with `--features nixl`; NIXL's
+    /// runtime is fetched into $PDHOST_HOME/nixl on first use. Prints `listening on ADDR` once ready.
+    #[command(name = "producer-node")]
+    ProducerNode(ProducerNodeArgs),
+}
+
+/// `pdhost producer-node`.
+#[derive(Debug, Args)]
+pub struct ProducerNodeArgs {
+    /// Address to listen on for relays (`HOST:PORT`; port 0 picks a free one and prints it).
+    #[arg(long, default_value = "127.0.0.1:7070")]
+    pub listen: String,
+    /// The backend: `rngd`, `gpu`, `faulty` or a backend library `PATH.so`. A host asks for it by name:
+    /// `nixl://HOST:PORT/NAME`.
+    #[arg(long)]
+    pub backend: String,
+    /// JSON object merged over the configuration each host sends (say, the model's path on this machine).
+    #[arg(long, value_name = "JSON")]
+    pub backend_config: Option<String>,
+    /// The producers' seccomp filters once their backend is open (see `generate --sandbox`).
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub sandbox: Switch,
+    /// Cap on each producer's private memory, in MiB (default: half of this machine's memory).
+    #[arg(long, allow_negative_numbers = true, value_name = "MIB")]
+    pub producer_memory: Option<u64>,
+    /// Seconds a producer may take to start and to answer each prefill.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 120.0, value_name = "SECONDS")]
+    pub producer_timeout: f64,
+    /// Inject a fault into the first span of each session (for tests of the host's side of the link).
+    #[arg(long, value_enum, hide = true)]
+    pub fault: Option<pdhost::remote::Fault>,
 }
 
 /// `pdhost generate`.

@@ -10,6 +10,7 @@
 
 pub mod engine;
 pub mod kv;
+pub mod remote;
 pub mod request;
 pub mod server;
 pub mod supervisor;

@@ -10,11 +10,17 @@ use clap::Parser;
 /// The hidden first argument that makes this binary a producer (see `pdhost_producer`): a host always
 /// starts producers from its own executable, so both sides of the control protocol come from one build.
 pub const PRODUCER_ARG: &str = "__producer";
+/// The hidden first argument that makes this binary the relay of a producer on another machine
+/// (`pdhost::remote::relay`), which the supervisor starts in a local producer's place.
+pub const RELAY_ARG: &str = "__relay";
 
 fn main() -> ExitCode {
     let mut args = std::env::args_os();
-    if args.nth(1).is_some_and(|a| a == PRODUCER_ARG) {
-        return pdhost_producer::main(args.collect());
+    match args.nth(1) {
+        Some(a) if a == PRODUCER_ARG => return pdhost_producer::main(args.collect()),
+        #[cfg(feature = "nixl")]
+        Some(a) if a == RELAY_ARG => return pdhost::remote::relay::main(args.collect()),
+        _ => {}
     }
     pdhost_producer::keep_freed_memory();
     if let Err(e) = pdhost::supervisor::harden_host() {
@@ -49,7 +55,7 @@ fn main() -> ExitCode {
     // Logs go to stderr: a server's request lines, and for every command its producers' output and
     // warnings. `RUST_LOG` overrides the level.
     // A server's lines carry the time; a one-shot command's do not.
-    let serving = matches!(cli.command, cli::Command::Serve(_));
+    let serving = matches!(cli.command, cli::Command::Serve(_) | cli::Command::ProducerNode(_));
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| if serving { "info" } else { "warn" }.into());
     let logs = tracing_subscriber::fmt()
@@ -70,6 +76,7 @@ fn main() -> ExitCode {
         cli::Command::Generate(args) => cmd::generate::run(&args),
         cli::Command::CheckBackend(args) => cmd::check::run(&args),
         cli::Command::Serve(args) => cmd::serve::run(&args),
+        cli::Command::ProducerNode(args) => cmd::producer_node::run(&args),
     };
     match result {
         Ok(code) => code,

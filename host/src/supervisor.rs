@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use pdhost_plugin_abi::PdhostStatus;
 pub use pdhost_producer::protocol::PrefillCall;
-use pdhost_producer::protocol::{self, BadDescription, Described, FromProducer, RecvError, ToProducer};
+use pdhost_producer::protocol::{self, BadDescription, Described, FromProducer, RecvError, RemoteFailure, ToProducer};
 use rustix::event::{PollFd, PollFlags};
 use shm_format::ring::RingGeometry;
 use shm_format::{words, Dtype, Fingerprint, KvGeometry, LayerKv};
@@ -268,6 +268,17 @@ pub enum ProducerError {
         /// Its reason.
         message: String,
     },
+    /// The relay of a producer on another machine could not deliver the span (the connection, the node
+    /// or the transfer failed, or a transfer broke the link's rules); the relay was killed.
+    #[error("producer {name}: {message}")]
+    Remote {
+        /// Producer.
+        name: String,
+        /// What went wrong.
+        failure: RemoteFailure,
+        /// One line.
+        message: String,
+    },
     /// The ring or the frame broke the protocol; the producer was killed.
     #[error("producer {name}: {source}")]
     Ring {
@@ -350,6 +361,7 @@ impl ProducerError {
             ProducerError::Timeout { .. } => "timeout",
             ProducerError::Panicked { .. } => "backend_panic",
             ProducerError::Backend { .. } => "backend_error",
+            ProducerError::Remote { failure, .. } => failure.kind(),
             ProducerError::Ring { source, .. } => source.kind(),
             ProducerError::Rejected { source, .. } => source.kind(),
             ProducerError::Protocol { .. } => "protocol",
@@ -462,6 +474,18 @@ pub struct Pending {
     backend_ns: u64,
     frame_ns: u64,
     started: Instant,
+}
+
+impl Pending {
+    /// The ring sequence number of the frame the reply announced.
+    pub fn sequence(&self) -> u64 {
+        self.sequence
+    }
+
+    /// Nanoseconds inside the backend's `prefill`, and in the producer's framing, as it reported them.
+    pub fn producer_ns(&self) -> (u64, u64) {
+        (self.backend_ns, self.frame_ns)
+    }
 }
 
 /// One supervised producer.
@@ -690,6 +714,22 @@ impl Producer {
             not_before: Instant::now(),
             start_refused: None,
         }
+    }
+
+    /// Makes the next process start at `epoch` (and those after it count up from there): a producer node
+    /// runs its ring at the epoch its host chose, so that frames carry the coordinates the host expects.
+    pub fn set_next_epoch(&mut self, epoch: u64) {
+        self.next_epoch = epoch;
+    }
+
+    /// What the running backend described.
+    pub fn described(&self) -> Option<&Described> {
+        self.running.as_ref().map(|r| &r.described)
+    }
+
+    /// The sequence number of the running process's next frame.
+    pub fn next_sequence(&self) -> Option<u64> {
+        self.running.as_ref().map(|r| r.ring.next_sequence())
     }
 
     /// Replaces the deadline of each prefill request.
@@ -1163,6 +1203,9 @@ impl Producer {
                 FromProducer::Unwritten { request_id: r, message } if r == request_id => {
                     Err(ProducerError::Unwritten { name: name.clone(), message })
                 }
+                FromProducer::Remote { request_id: r, failure, message } if r == request_id => {
+                    Err(ProducerError::Remote { name: name.clone(), failure, message })
+                }
                 FromProducer::Failed { request_id: r, status: code, message } if r == request_id => {
                     match PdhostStatus::from_raw(code) {
                         Some(PdhostStatus::Panic) => Err(ProducerError::Panicked { name: name.clone(), message }),
@@ -1225,6 +1268,49 @@ impl Producer {
             round_trip: pending.started.elapsed(),
             bytes,
         })
+    }
+
+    /// Takes the frame that `pending`'s reply announced whole into `dst` (at least a slot's frame
+    /// capacity), checked as [`Producer::take`] checks it but kept a frame, to be passed on: what a
+    /// producer node sends its host. Returns the frame's header and its slot. On failure the producer is
+    /// killed, as after a failed take.
+    pub fn take_whole_frame(
+        &mut self,
+        pending: Pending,
+        dst: &mut [u8],
+    ) -> Result<(shm_format::HeaderInfo, u32), ProducerError> {
+        let name = self.spec.name.clone();
+        let taken = match self.running.as_mut() {
+            None => Err(ProducerError::Protocol {
+                name,
+                expected: format!("the process that announced frame {}", pending.sequence),
+                found: "no running process".into(),
+            }),
+            Some(running) if pending.sequence != running.ring.next_sequence() => Err(ProducerError::Protocol {
+                name,
+                expected: format!("frame {}", running.ring.next_sequence()),
+                found: format!("frame {}", pending.sequence),
+            }),
+            Some(running) => match running.ring.take_frame(dst) {
+                Ok(Some(taken)) => Ok(taken),
+                Ok(None) => Err(ProducerError::Protocol {
+                    name,
+                    expected: format!("frame {} committed before the reply", pending.sequence),
+                    found: "no commit".into(),
+                }),
+                Err(source) => Err(ProducerError::Ring { name, source }),
+            },
+        };
+        match taken {
+            Ok((info, slot)) => {
+                self.failed = false;
+                self.backoff = Duration::ZERO;
+                self.metrics.spans_accepted += 1;
+                self.metrics.bytes += info.payload_len;
+                Ok((info, slot))
+            }
+            Err(e) => Err(self.fail(e)),
+        }
     }
 
     /// Asks the producer to exit, waits briefly, then kills and reaps it.

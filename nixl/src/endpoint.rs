@@ -166,6 +166,18 @@ impl Endpoint {
         len: usize,
         notification: &[u8],
     ) -> Result<Transfer<'a>, NixlFailure> {
+        self.post_write(peer, local, at, remote, len, Some(notification))
+    }
+
+    fn post_write<'a>(
+        &'a self,
+        peer: &str,
+        local: &Registration,
+        at: usize,
+        remote: u64,
+        len: usize,
+        notification: Option<&[u8]>,
+    ) -> Result<Transfer<'a>, NixlFailure> {
         if at.checked_add(len).is_none_or(|end| end > local.len) {
             return Err(NixlFailure::OutOfRange { at, len, registered: local.len });
         }
@@ -174,12 +186,31 @@ impl Endpoint {
         let mut to = XferDescList::new(MemType::Dram).map_err(call("remote descriptors"))?;
         to.add_desc(remote as usize, len, 0);
         let mut args = OptArgs::new().map_err(call("options"))?;
-        args.set_has_notification(true).map_err(call("notification"))?;
-        args.set_notification_message(notification).map_err(call("notification"))?;
+        if let Some(notification) = notification {
+            args.set_has_notification(true).map_err(call("notification"))?;
+            args.set_notification_message(notification).map_err(call("notification"))?;
+        }
         let request =
             self.agent.create_xfer_req(XferOp::Write, &from, &to, peer, Some(&args)).map_err(call("create write"))?;
         self.agent.post_xfer_req(&request, None).map_err(call("post write"))?;
         Ok(Transfer { endpoint: self, request })
+    }
+
+    /// Sends `peer` a notification alone, with no data before it (NIXL orders it after nothing).
+    pub fn notify(&self, peer: &str, notification: &[u8]) -> Result<(), NixlFailure> {
+        self.agent.send_notification(peer, notification, None).map_err(call("send notification"))
+    }
+
+    /// Posts a WRITE as [`Endpoint::write`] does, but with no notification after it.
+    pub fn write_silently<'a>(
+        &'a self,
+        peer: &str,
+        local: &Registration,
+        at: usize,
+        remote: u64,
+        len: usize,
+    ) -> Result<Transfer<'a>, NixlFailure> {
+        self.post_write(peer, local, at, remote, len, None)
     }
 
     /// The notifications received since the last call, each with its sender's agent name.

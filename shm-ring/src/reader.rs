@@ -333,6 +333,37 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         }
     }
 
+    /// Takes the next frame, if it is committed, whole into `dst` (at least the slot's frame capacity):
+    /// the same checks as [`RingReader::try_take`] (header read once and checked, the copy checksummed,
+    /// the re-checks, the manifest decoded from the copy), but the bytes stay a frame, to be passed on
+    /// as they are. A producer node does this before it sends a frame to the host that will check it
+    /// again. Returns the frame's header and its slot.
+    pub fn take_frame(&mut self, dst: &mut [u8]) -> Result<Option<(HeaderInfo, u32)>, RingError> {
+        if !self.poll_next()? {
+            return Ok(None);
+        }
+        let slot = self.geometry.slot_of(self.next_sequence);
+        assert!(dst.len() as u64 >= self.geometry.frame_capacity(), "take_frame: dst shorter than a slot");
+        let taken = self.read_header(slot).and_then(|(header, info)| {
+            let base = self.geometry.frame_offset(slot) as usize;
+            let frame = &mut dst[..info.frame_len as usize];
+            let checksum = copy_and_checksum(&self.data, base, &header, frame);
+            self.recheck(slot, &header)?;
+            decode_body(info, frame, checksum).map_err(|source| RingError::Span { slot, source })?;
+            Ok(info)
+        });
+        match taken {
+            Ok(info) => {
+                self.release(slot);
+                Ok(Some((info, slot)))
+            }
+            Err(e) => {
+                self.poisoned = true;
+                Err(e)
+            }
+        }
+    }
+
     fn release(&mut self, slot: u32) {
         let generation = self.granted[slot as usize];
         self.granted[slot as usize] = protocol::host_release(&self.grant_word(slot), generation);

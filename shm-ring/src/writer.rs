@@ -103,6 +103,18 @@ impl<C: Segment, D: Segment> RingWriter<C, D> {
         self.epoch
     }
 
+    /// The data segment's mapping in this process, for a transfer engine that writes frames into it
+    /// from another machine (a relay for a remote producer registers it with NIXL). Writes through the
+    /// pointer are this producer's writes: the host validates whatever they leave.
+    pub fn data_region(&self) -> (std::ptr::NonNull<u8>, usize) {
+        (self.data.base(), self.data.len())
+    }
+
+    /// The sequence number of the next frame.
+    pub fn next_sequence(&self) -> u64 {
+        self.next_sequence
+    }
+
     /// Waits until the slot of the next frame is granted, and returns a handle to write it.
     pub fn reserve(&mut self, deadline: Instant) -> Result<SlotWriter<'_, C, D>, WriteError> {
         let slot = self.geometry.slot_of(self.next_sequence);
@@ -171,6 +183,15 @@ impl<C: Segment, D: Segment> SlotWriter<'_, C, D> {
         // concurrent reads are volatile loads in another process and change nothing). The slot is this
         // producer's until it commits, and the `&mut self` borrow makes the slice unique in this process.
         unsafe { std::slice::from_raw_parts_mut(self.ring.data.base().as_ptr().add(offset), len) }
+    }
+
+    /// Copies the frame area's bytes from `offset` into `dst` with volatile loads: how a relay reads what
+    /// a transfer engine wrote into the slot on another process's behalf (it may write again at any time,
+    /// so no reference over the slot is formed).
+    pub fn read_frame(&self, offset: usize, dst: &mut [u8]) {
+        let end = offset.checked_add(dst.len()).expect("frame range overflows");
+        assert!(end as u64 <= self.ring.geometry.frame_capacity(), "read past the slot's frame area");
+        self.ring.data.copy_out(self.ring.geometry.frame_offset(self.slot) as usize + offset, dst);
     }
 
     /// Writes header (with [`Self::coords`]) and manifest; returns where the payload goes.

@@ -8,6 +8,7 @@ pub mod inspect;
 pub mod kv_error;
 pub mod models;
 pub mod producer;
+pub mod producer_node;
 pub mod serve;
 
 /// Runs a set-up step (a venv, a pip or uv install, a build) and returns its stdout; when it fails, the

@@ -79,8 +79,17 @@ impl Choice<'_> {
         chunk_tokens: usize,
     ) -> anyhow::Result<Option<Producer>> {
         let mut python_keys = serde_json::Map::new();
+        let mut program_args = vec![crate::PRODUCER_ARG.into()];
         let (name, backend) = match self.producer {
             "local" => return Ok(None),
+            url if url.starts_with("nixl://") => {
+                let node = pdhost::remote::NodeUrl::parse(url).ok_or_else(|| {
+                    Invalid::new(Field::Producer, pdhost::remote::NodeUrl::EXPECTED, format_args!("{url:?}"))
+                })?;
+                relay(&node)?;
+                program_args = vec![crate::RELAY_ARG.into(), "--node".into(), node.addr.clone().into()];
+                (format!("{}@{}", node.backend, node.addr), PathBuf::from(&node.backend))
+            }
             builtin @ ("rngd" | "gpu" | "faulty") => (builtin.to_string(), supervisor::builtin_backend(builtin)?),
             "torch" => {
                 // A Python class too, in an environment of its own, made on first use.
@@ -137,7 +146,7 @@ impl Choice<'_> {
         let spec = ProducerSpec {
             name,
             program: std::env::current_exe().context("locating the pdhost executable to run the producer")?,
-            program_args: vec![crate::PRODUCER_ARG.into()],
+            program_args,
             backend,
             config: config.to_string(),
             slots: 2,
@@ -154,4 +163,27 @@ impl Choice<'_> {
         };
         Ok(Some(Producer::new(spec, geometry.clone())))
     }
+}
+
+/// A producer on another machine needs this build to run its relay: NIXL's runtime, fetched now (as a
+/// model is) so that the relay's start does not wait for it.
+#[cfg(feature = "nixl")]
+fn relay(_: &pdhost::remote::NodeUrl) -> anyhow::Result<()> {
+    pdhost_nixl::Runtime::fetch(&model::registry::home()).context("fetching NIXL's runtime for the relay")?;
+    Ok(())
+}
+
+#[cfg(not(feature = "nixl"))]
+fn relay(_: &pdhost::remote::NodeUrl) -> anyhow::Result<()> {
+    Err(without_nixl().into())
+}
+
+/// What a build without the `nixl` feature says to a remote producer.
+#[cfg(not(feature = "nixl"))]
+pub fn without_nixl() -> Invalid {
+    Invalid::new(
+        Field::Producer,
+        "a pdhost built with the nixl feature for producers on other machines (cargo build --release --features nixl)",
+        "a build without it",
+    )
 }

@@ -115,6 +115,10 @@ pub enum Field {
     KvTolerance,
     /// Check-backend: the largest logit gap that counts as a near-tie.
     TieMargin,
+    /// Producer node: the address to listen on.
+    Listen,
+    /// Producer node: the backend it runs.
+    Backend,
 }
 
 impl Field {
@@ -163,6 +167,8 @@ impl Field {
             Field::KillEvery => "--kill-every",
             Field::KvTolerance => "--kv-tolerance",
             Field::TieMargin => "--tie-margin",
+            Field::Listen => "--listen",
+            Field::Backend => "--backend",
         }
     }
 

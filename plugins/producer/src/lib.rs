@@ -165,7 +165,7 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
 /// Before any backend code runs: `PR_SET_NO_NEW_PRIVS` (no exec of this process or its children can gain
 /// privileges) and `PR_SET_PDEATHSIG` (the kernel kills this process when the thread that spawned it
 /// exits). If the parent already died before the call, exit now.
-fn confine(parent: Option<i32>) {
+pub fn confine(parent: Option<i32>) {
     // SAFETY: plain prctl/getppid calls without pointers.
     unsafe {
         if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {

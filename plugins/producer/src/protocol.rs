@@ -188,6 +188,50 @@ pub enum FromProducer {
         /// One line.
         message: String,
     },
+    /// A relay for a producer on another machine could not deliver the span: nothing was committed, and
+    /// the relay exits after sending this.
+    Remote {
+        /// The request.
+        request_id: u64,
+        /// What went wrong.
+        failure: RemoteFailure,
+        /// One line.
+        message: String,
+    },
+}
+
+/// Why a relay for a producer on another machine (issue 15) could not deliver a span.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RemoteFailure {
+    /// The connection to the node could not be made, or it ended or broke.
+    Connection,
+    /// The node refused the session, or its own producer failed.
+    Node,
+    /// A notification arrived for the awaited slot, but the slot does not hold the frame it announced.
+    NotificationWithoutData,
+    /// A notification named another slot than the one awaited.
+    WrongSlot,
+    /// A notification carried another epoch than this relay's.
+    StaleEpoch,
+    /// The notification announced fewer bytes than the frame's header says it holds.
+    Truncated,
+    /// The transfer engine failed.
+    Transfer,
+}
+
+impl RemoteFailure {
+    /// A stable snake_case name, for metrics and JSON.
+    pub fn kind(self) -> &'static str {
+        match self {
+            RemoteFailure::Connection => "remote_connection",
+            RemoteFailure::Node => "remote_node",
+            RemoteFailure::NotificationWithoutData => "notification_without_data",
+            RemoteFailure::WrongSlot => "wrong_slot",
+            RemoteFailure::StaleEpoch => "stale_epoch",
+            RemoteFailure::Truncated => "truncated_transfer",
+            RemoteFailure::Transfer => "transfer",
+        }
+    }
 }
 
 impl FromProducer {
@@ -205,6 +249,101 @@ impl FromProducer {
                 format!("a Failed reply for request {request_id} (status {status})")
             }
             FromProducer::Unwritten { request_id, .. } => format!("an Unwritten reply for request {request_id}"),
+            FromProducer::Remote { request_id, failure, .. } => {
+                format!("a Remote reply for request {request_id} ({})", failure.kind())
+            }
+        }
+    }
+}
+
+/// The version of the link between a relay and a producer node ([`ToNode::Hello`]): both must speak
+/// the same.
+pub const LINK_VERSION: u32 = 1;
+/// The largest node-to-relay message: as from a local producer.
+pub const MAX_FROM_NODE: u32 = MAX_FROM_PRODUCER;
+/// The largest relay-to-node message: a prefill request, or a hello with the relay's transfer-engine
+/// metadata.
+pub const MAX_TO_NODE: u32 = MAX_TO_PRODUCER;
+
+/// A relay to a producer node on another machine, over TCP, framed as the local control messages are.
+/// The node answers with [`FromProducer`] messages.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ToNode {
+    /// The first message: the session.
+    Hello(Hello),
+    /// Prefill into the frame at `sequence`, which lands in `slot` at `generation` of the relay's ring.
+    Prefill {
+        /// The request.
+        call: PrefillCall,
+        /// The slot.
+        slot: u32,
+        /// The generation the host granted it.
+        generation: u64,
+        /// The frame's sequence number.
+        sequence: u64,
+    },
+    /// As [`ToProducer::Release`].
+    Release {
+        /// The request.
+        request_id: u64,
+    },
+    /// Close the session's producer and the connection.
+    Shutdown,
+}
+
+impl Message for ToNode {
+    const NAME: &'static str = "relay message";
+}
+
+/// What a node needs to serve one relay: the backend, its ring's shape and epoch, and where its frames
+/// go.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hello {
+    /// [`LINK_VERSION`].
+    pub version: u32,
+    /// The backend the host asked for; the node refuses another than its own.
+    pub backend: String,
+    /// The backend's configuration, shaped by the host (the node may override keys).
+    pub config: String,
+    /// The ring's epoch: the node's own ring runs at it, so frames carry the coordinates the host
+    /// expects.
+    pub epoch: u64,
+    /// Ring slots.
+    pub slots: u32,
+    /// Largest frame a slot holds.
+    pub slot_capacity: u64,
+    /// The relay's transfer-engine metadata (NIXL's agent metadata).
+    pub agent_metadata: Vec<u8>,
+    /// Where the relay's ring data segment lies, as its transfers address it.
+    pub data_addr: u64,
+    /// Its length.
+    pub data_len: u64,
+}
+
+/// The notification that follows a frame's bytes into a relay's slot.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FrameNotice {
+    /// The session's epoch.
+    pub epoch: u64,
+    /// The frame's sequence number.
+    pub sequence: u64,
+    /// The slot written.
+    pub slot: u32,
+    /// Bytes written from the frame's start.
+    pub frame_len: u64,
+}
+
+impl FrameNotice {
+    /// Its bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        postcard::to_allocvec(self).expect("a plain struct encodes")
+    }
+
+    /// Parses exactly one notice from `bytes`.
+    pub fn decode(bytes: &[u8]) -> Option<FrameNotice> {
+        match postcard::take_from_bytes(bytes) {
+            Ok((notice, [])) => Some(notice),
+            _ => None,
         }
     }
 }

@@ -1,0 +1,318 @@
+//! The producer node: `pdhost producer-node`, on the prefill machine.
+//!
+//! Each connection is one relay's session, on a thread of its own. The session starts a producer
+//! exactly as the host's supervisor does (same ABI, same sandbox, same deadlines), on a ring the node
+//! creates at the epoch the relay's ring carries, with no restarts: a failure ends the session, and the
+//! host's supervisor starts a new relay, which opens a new one. For each prefill the node takes the
+//! frame from its ring (checked as the host would check it) into a staging buffer registered with NIXL,
+//! WRITEs it into the relay's slot with a [`FrameNotice`] as the notification, waits for the transfer,
+//! and replies `Done`.
+
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use pdhost_nixl::{Endpoint, Registration, Runtime};
+use pdhost_plugin_abi::PdhostStatus;
+use pdhost_producer::protocol::{
+    self, FrameNotice, FromProducer, Hello, LayerDesc, RemoteFailure, ToNode, LINK_VERSION,
+};
+use shm_format::ring::RingGeometry;
+use shm_format::KvGeometry;
+
+use super::Fault;
+use crate::supervisor::{Producer, ProducerError, ProducerSpec, RestartPolicy};
+
+/// How a node serves its sessions.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// The backend's name, which a relay's hello must name.
+    pub name: String,
+    /// Its library.
+    pub backend: PathBuf,
+    /// Keys merged over the configuration each relay sends (a model path on this machine, say).
+    pub backend_config: serde_json::Map<String, serde_json::Value>,
+    /// The program that runs producers (`pdhost`), and its arguments that select producer mode.
+    pub program: PathBuf,
+    /// Arguments before the producer's own.
+    pub program_args: Vec<std::ffi::OsString>,
+    /// The producers' seccomp filters.
+    pub sandbox: bool,
+    /// Their memory cap, in bytes.
+    pub memory_limit: Option<u64>,
+    /// Deadline for a producer's start and for each prefill.
+    pub timeout: Duration,
+    /// A fault to inject, for tests.
+    pub fault: Option<Fault>,
+}
+
+/// Serves relays on `listener` until the process ends: one thread per connection.
+pub fn serve(listener: TcpListener, config: NodeConfig) -> std::io::Result<()> {
+    let mut session = 0u64;
+    for stream in listener.incoming() {
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!("accepting a relay's connection: {e}");
+                continue;
+            }
+        };
+        session += 1;
+        let config = config.clone();
+        let peer = stream.peer_addr().map_or_else(|_| "?".to_string(), |a| a.to_string());
+        std::thread::Builder::new().name(format!("session-{session}")).spawn(move || {
+            tracing::info!(session, %peer, "relay connected");
+            match run_session(&stream, &config, session) {
+                Ok(()) => tracing::info!(session, %peer, "session over"),
+                Err(e) => tracing::warn!(session, %peer, "session ended: {e}"),
+            }
+        })?;
+    }
+    Ok(())
+}
+
+/// The geometry a host's shaped configuration carries (`layer_shapes`, docs/plugin-abi.md).
+fn geometry_of(config: &serde_json::Map<String, serde_json::Value>) -> Result<KvGeometry, String> {
+    let shapes = config
+        .get("layer_shapes")
+        .and_then(|v| v.as_array())
+        .ok_or("expected the host's layer_shapes in the backend configuration, found none")?;
+    let number = |v: &serde_json::Value| v.as_u64().and_then(|n| u32::try_from(n).ok());
+    let layers = shapes
+        .iter()
+        .map(|shape| {
+            let s = shape.as_array().map(Vec::as_slice).unwrap_or_default();
+            let (kind, heads, dim, window, state) = match s {
+                [k, h, d] if k == "full" => (0, number(h), number(d), Some(0), Some(0)),
+                [k, h, d, w] if k == "sliding" => (1, number(h), number(d), number(w), Some(0)),
+                [k, e] if k == "recurrent" => (2, Some(0), Some(0), Some(0), e.as_u64()),
+                _ => (u32::MAX, None, None, None, None),
+            };
+            match (heads, dim, window, state) {
+                (Some(kv_heads), Some(head_dim), Some(window), Some(state_elems)) if kind != u32::MAX => {
+                    Ok(LayerDesc { kind, kv_heads, head_dim, window, state_elems })
+                }
+                _ => Err(format!("layer_shapes: expected [\"full\"|\"sliding\"|\"recurrent\", ...], found {shape}")),
+            }
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    protocol::Described { layers, ..Default::default() }.geometry().map_err(|e| e.to_string())
+}
+
+/// What ends a session.
+#[derive(Debug, thiserror::Error)]
+enum SessionError {
+    #[error("the relay's connection: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// Refuses a session at start: the relay passes the `StartFailed` to its host.
+fn refuse(stream: &TcpStream, stage: &str, status: u32, message: String) -> SessionError {
+    let _ =
+        protocol::send(stream, &FromProducer::StartFailed { stage: stage.into(), status, message: message.clone() });
+    SessionError::Refused(format!("{stage}: {message}"))
+}
+
+fn run_session(stream: &TcpStream, config: &NodeConfig, session: u64) -> Result<(), SessionError> {
+    let _ = stream.set_nodelay(true);
+    let hello = match protocol::recv::<ToNode>(stream, protocol::MAX_TO_NODE) {
+        Ok(Some(ToNode::Hello(h))) => h,
+        Ok(Some(_)) => return Err(refuse(stream, "link", 0, "expected a hello first, found another message".into())),
+        Ok(None) => return Ok(()),
+        Err(e) => return Err(refuse(stream, "link", 0, e.to_string())),
+    };
+    if hello.version != LINK_VERSION {
+        let message = format!("link version: expected {LINK_VERSION}, found {}", hello.version);
+        return Err(refuse(stream, "link", 0, message));
+    }
+    if hello.backend != config.name {
+        let message = format!("backend: expected {} (what this node runs), found {}", config.name, hello.backend);
+        return Err(refuse(stream, "load", PdhostStatus::BadConfig as u32, message));
+    }
+    let Ok(serde_json::Value::Object(mut backend_config)) = serde_json::from_str(&hello.config) else {
+        return Err(refuse(stream, "link", 0, "config: expected a JSON object, found other text".into()));
+    };
+    let geometry = geometry_of(&backend_config).map_err(|e| refuse(stream, "link", 0, e))?;
+    let ring =
+        RingGeometry::new(hello.slots, hello.slot_capacity).map_err(|e| refuse(stream, "link", 0, e.to_string()))?;
+    if ring.data_len() != hello.data_len {
+        let message =
+            format!("ring: expected {} data bytes for its geometry, found {}", ring.data_len(), hello.data_len);
+        return Err(refuse(stream, "link", 0, message));
+    }
+    backend_config.extend(config.backend_config.clone());
+    let spec = ProducerSpec {
+        name: config.name.clone(),
+        program: config.program.clone(),
+        program_args: config.program_args.clone(),
+        backend: config.backend.clone(),
+        config: serde_json::Value::Object(backend_config).to_string(),
+        slots: hello.slots,
+        slot_capacity: hello.slot_capacity,
+        start_timeout: config.timeout,
+        request_timeout: config.timeout,
+        // A failure ends the session; the host starts a new one.
+        restart: RestartPolicy { max_restarts: 0, ..RestartPolicy::default() },
+        sandbox: config.sandbox,
+        memory_limit: config.memory_limit,
+        // The host checks the identity the backend reports, which reaches it in the Ready message.
+        identity: None,
+    };
+    let mut producer = Producer::new(spec, geometry);
+    producer.set_next_epoch(hello.epoch);
+    if let Err(e) = producer.start() {
+        let (stage, status, message) = match e {
+            ProducerError::StartFailed { stage, status, message, .. } => (stage, status, message),
+            other => ("start".to_string(), 0, other.to_string()),
+        };
+        return Err(refuse(stream, &stage, status, message));
+    }
+    let transfer = Transfer::new(&hello, ring, session).map_err(|e| refuse(stream, "nixl", 0, e))?;
+    let described = producer.described().expect("started").clone();
+    protocol::send(stream, &FromProducer::Ready(described))?;
+    let served = serve_requests(stream, config, &mut producer, transfer);
+    producer.shutdown();
+    served
+}
+
+/// The node's side of the transfers of one session.
+struct Transfer {
+    /// Declared (so dropped) before the memory it names.
+    registration: Registration,
+    /// Where frames are taken to and written from.
+    staging: Vec<u8>,
+    endpoint: Endpoint,
+    peer: String,
+    ring: RingGeometry,
+    data_addr: u64,
+    epoch: u64,
+}
+
+impl Transfer {
+    fn new(hello: &Hello, ring: RingGeometry, session: u64) -> Result<Transfer, String> {
+        let runtime = Runtime::fetch(&model::registry::home()).map_err(|e| e.to_string())?;
+        runtime.load().map_err(|e| e.to_string())?;
+        let endpoint =
+            Endpoint::new(&format!("pdhost-node-{}-s{session}", std::process::id())).map_err(|e| e.to_string())?;
+        let mut staging = shm_ring::prefaulted(ring.frame_capacity() as usize);
+        // SAFETY: `staging` lives in this struct beside the registration and is dropped after it (field
+        // order), and a Vec's heap buffer does not move with it; no peer has this endpoint's metadata, so nothing writes it from outside, and this
+        // process writes it only between transfers (`take_whole_frame`, then a WRITE waited for).
+        let registration =
+            unsafe { endpoint.register(staging.as_mut_ptr(), staging.len()) }.map_err(|e| e.to_string())?;
+        let peer = endpoint.add_peer(&hello.agent_metadata).map_err(|e| e.to_string())?;
+        Ok(Transfer { endpoint, peer, staging, registration, ring, data_addr: hello.data_addr, epoch: hello.epoch })
+    }
+}
+
+/// How long the node waits for one transfer to complete.
+const TRANSFER_WAIT: Duration = Duration::from_secs(60);
+
+fn serve_requests(
+    stream: &TcpStream,
+    config: &NodeConfig,
+    producer: &mut Producer,
+    mut transfer: Transfer,
+) -> Result<(), SessionError> {
+    let mut fault = config.fault;
+    loop {
+        let (call, slot, sequence) = match protocol::recv::<ToNode>(stream, protocol::MAX_TO_NODE) {
+            Ok(Some(ToNode::Prefill { call, slot, generation: _, sequence })) => (call, slot, sequence),
+            Ok(Some(ToNode::Release { request_id })) => {
+                producer.release(request_id);
+                continue;
+            }
+            Ok(Some(ToNode::Shutdown)) | Ok(None) => return Ok(()),
+            Ok(Some(ToNode::Hello(_))) => return Err(SessionError::Refused("a second hello".into())),
+            Err(e) => return Err(SessionError::Refused(e.to_string())),
+        };
+        let request_id = call.request_id;
+        let broken = |message: String| {
+            let _ = protocol::send(
+                stream,
+                &FromProducer::Remote { request_id, failure: RemoteFailure::Node, message: message.clone() },
+            );
+            SessionError::Refused(message)
+        };
+        if producer.next_sequence() != Some(sequence) || transfer.ring.slot_of(sequence) != slot {
+            return Err(broken(format!(
+                "frame: expected sequence {:?} in slot {}, found sequence {sequence} in slot {slot}",
+                producer.next_sequence(),
+                transfer.ring.slot_of(sequence)
+            )));
+        }
+        let pending = match producer.submit(&call) {
+            Ok(p) => p,
+            // The backend said no, and keeps running: the host hears it as from a local producer.
+            Err(ProducerError::Backend { status, message, .. }) => {
+                let status = (0..=6).find(|&c| PdhostStatus::from_raw(c).is_some_and(|s| s.name() == status));
+                let status = status.unwrap_or(PdhostStatus::BackendError as u32);
+                protocol::send(stream, &FromProducer::Failed { request_id, status, message })?;
+                continue;
+            }
+            Err(ProducerError::Unwritten { message, .. }) => {
+                protocol::send(stream, &FromProducer::Unwritten { request_id, message })?;
+                continue;
+            }
+            Err(e) => return Err(broken(e.to_string())),
+        };
+        let (backend_ns, frame_ns) = pending.producer_ns();
+        let (info, _) = producer.take_whole_frame(pending, &mut transfer.staging).map_err(|e| broken(e.to_string()))?;
+        let injected = fault.take();
+        if injected == Some(Fault::DropConnection) {
+            return Err(SessionError::Refused("fault injected: connection dropped".into()));
+        }
+        transfer.send(slot, sequence, info.frame_len, injected).map_err(|e| {
+            let _ = protocol::send(
+                stream,
+                &FromProducer::Remote { request_id, failure: RemoteFailure::Transfer, message: e.clone() },
+            );
+            SessionError::Refused(e)
+        })?;
+        protocol::send(stream, &FromProducer::Done { request_id, sequence, backend_ns, frame_ns })?;
+    }
+}
+
+impl Transfer {
+    /// WRITEs the staged frame of `frame_len` bytes into the relay's `slot`, announced by a notice, and
+    /// waits for the transfer (or does what `fault` says instead).
+    fn send(&self, slot: u32, sequence: u64, frame_len: u64, fault: Option<Fault>) -> Result<(), String> {
+        let (mut slot_to, mut epoch, mut len) = (slot, self.epoch, frame_len);
+        match fault {
+            Some(Fault::WrongSlot) => slot_to = (slot + 1) % self.ring.slot_count(),
+            Some(Fault::StaleEpoch) => epoch -= 1,
+            Some(Fault::Truncate) => len = frame_len / 2,
+            _ => {}
+        }
+        let notice = FrameNotice { epoch, sequence, slot: slot_to, frame_len: len }.encode();
+        let remote = self.data_addr + self.ring.frame_offset(slot_to);
+        let transfer = match fault {
+            Some(Fault::NotificationOnly) => {
+                return self.endpoint.notify(&self.peer, &notice).map_err(|e| e.to_string());
+            }
+            Some(Fault::NoNotification) => {
+                self.endpoint.write_silently(&self.peer, &self.registration, 0, remote, len as usize)
+            }
+            _ => self.endpoint.write(&self.peer, &self.registration, 0, remote, len as usize, &notice),
+        }
+        .map_err(|e| e.to_string())?;
+        if fault == Some(Fault::Exit) {
+            std::process::exit(9);
+        }
+        let deadline = Instant::now() + TRANSFER_WAIT;
+        let mut pause = Duration::from_micros(20);
+        while !transfer.done().map_err(|e| e.to_string())? {
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "frame {sequence}: the transfer did not complete within {} s",
+                    TRANSFER_WAIT.as_secs()
+                ));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+}
