@@ -190,7 +190,9 @@ pub struct GenerateArgs {
     /// attention group), `faulty` (fault injection, see --backend-config), `torch` (PyTorch and
     /// transformers, grouped K/V from another numerical stack; its environment is made on first use, see
     /// `pdhost backends`), a Python class `py:MODULE:CLASS` (docs/plugin-abi.md, "Python backends"), a
-    /// backend library `PATH.so`, or `local` (the host itself). Producers run as subprocesses; their spans are validated before they land in the cache.
+    /// backend library `PATH.so`, a producer on another machine `nixl://HOST:PORT/NAME` (a `pdhost
+    /// producer-node` running backend NAME; needs a build with `--features nixl`), or `local` (the host
+    /// itself). Producers run as subprocesses; their spans are validated before they land in the cache.
     #[arg(long, default_value = "rngd")]
     pub producer: String,
     /// JSON object merged into the backend's configuration (at most 64 KiB, nested at most 16 deep), e.g.
@@ -274,8 +276,8 @@ pub struct ServeArgs {
     /// Requests that may wait beyond the slots; past that the answer is 503 with Retry-After.
     #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
     pub queue: u64,
-    /// Who prefills: `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS`, a backend library `PATH.so`, or
-    /// `local` (see `generate`). Several backends separated by commas (`faulty,rngd`) share the producer
+    /// Who prefills: `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS`, a backend library `PATH.so`,
+    /// `nixl://HOST:PORT/NAME`, or `local` (see `generate`). Several backends separated by commas (`faulty,rngd`) share the producer
     /// processes in turn, one backend each.
     #[arg(long, default_value = "rngd")]
     pub producer: String,

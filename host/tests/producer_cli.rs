@@ -65,7 +65,7 @@ fn bad_producer_flags_get_clear_errors() {
     for (args, text) in [
         (
             &["--producer", "nosuch"][..],
-            "--producer: expected local, rngd, gpu, faulty, torch, py:MODULE:CLASS or a PATH.so, found \"nosuch\"",
+            "--producer: expected local, rngd, gpu, faulty, torch, py:MODULE:CLASS, a PATH.so or nixl://HOST:PORT/NAME, found \"nosuch\"",
         ),
         (
             &["--producer", "py:no-module"][..],

@@ -645,7 +645,7 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         tiny_gen("model: the FIFO", &["--model", &fifo]).refused(2, &["a FIFO"]),
         // Producers and their config.
         tiny_gen("producer: empty", &["--producer", ""])
-            .refused(2, &["--producer: expected local, rngd, gpu, faulty, torch, py:MODULE:CLASS or a PATH.so"]),
+            .refused(2, &["--producer: expected local, rngd, gpu, faulty, torch, py:MODULE:CLASS, a PATH.so or nixl://HOST:PORT/NAME"]),
         tiny_gen("producer: unknown", &["--producer", "tpu"]).refused(2, &["--producer", "\"tpu\""]),
         tiny_gen("producer: missing library", &["--producer", "/nonexistent/libx.so"])
             .refused(2, &["--producer: expected a backend library file, found /nonexistent/libx.so: nothing there"]),

@@ -1,7 +1,7 @@
 //! One NIXL agent with a UCX backend.
 
 use nixl_sys::{
-    Agent, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs, RegistrationHandle,
+    Agent, AgentConfig, MemType, MemoryRegion, NixlDescriptor, NixlError, NotificationMap, OptArgs, RegistrationHandle,
     XferDescList, XferOp, XferRequest, XferStatus,
 };
 
@@ -66,6 +66,9 @@ impl NixlDescriptor for Raw {
     }
 }
 
+/// The pause of NIXL's progress thread between its turns, in microseconds.
+const PROGRESS_PAUSE_US: u64 = 1000;
+
 /// A NIXL agent with a UCX backend.
 #[derive(Debug)]
 pub struct Endpoint {
@@ -124,7 +127,12 @@ impl Endpoint {
         if nixl_sys::is_stub() {
             return Err(NixlFailure::NoRuntime);
         }
-        let agent = Agent::new(name).map_err(call("create agent"))?;
+        // NIXL's progress thread drives UCX while this process waits elsewhere (a WRITE over TCP needs
+        // the target's worker to progress too). By default it spins without pause (`pthr_delay_us` 0),
+        // which took a core from prefill; with a pause it costs next to nothing and adds at most that
+        // much to a transfer.
+        let config = AgentConfig { pthr_delay_us: PROGRESS_PAUSE_US, ..AgentConfig::default() };
+        let agent = Agent::new_configured(name, &config).map_err(call("create agent"))?;
         let (_mems, params) = agent.get_plugin_params("UCX").map_err(call("UCX plugin parameters"))?;
         agent.create_backend("UCX", &params).map_err(call("create UCX backend"))?;
         Ok(Endpoint { agent })

@@ -122,7 +122,7 @@ impl Choice<'_> {
             other => {
                 return Err(Invalid::new(
                     Field::Producer,
-                    "local, rngd, gpu, faulty, torch, py:MODULE:CLASS or a PATH.so",
+                    "local, rngd, gpu, faulty, torch, py:MODULE:CLASS, a PATH.so or nixl://HOST:PORT/NAME",
                     format_args!("{other:?}"),
                 )
                 .into())

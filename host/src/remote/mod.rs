@@ -80,6 +80,8 @@ pub enum Fault {
     StaleEpoch,
     /// Writes and announces only the first half of the first frame.
     Truncate,
+    /// Flips the last byte of the first frame's payload before writing it, as a bad link might.
+    Corrupt,
 }
 
 #[cfg(test)]

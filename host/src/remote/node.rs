@@ -264,6 +264,9 @@ fn serve_requests(
         if injected == Some(Fault::DropConnection) {
             return Err(SessionError::Refused("fault injected: connection dropped".into()));
         }
+        if injected == Some(Fault::Corrupt) {
+            transfer.staging[info.frame_len as usize - 1] ^= 0xff;
+        }
         transfer.send(slot, sequence, info.frame_len, injected).map_err(|e| {
             let _ = protocol::send(
                 stream,

@@ -458,10 +458,11 @@ fn check_producer(producer: &str) -> Result<(), Invalid> {
     match producer {
         "local" | "rngd" | "gpu" | "faulty" | "torch" => Ok(()),
         python if python.starts_with("py:") => Ok(()),
+        remote if pdhost::remote::NodeUrl::parse(remote).is_some() => Ok(()),
         path if (path.ends_with(".so") || path.contains('/')) && std::path::Path::new(path).is_file() => Ok(()),
         other => Err(Invalid::new(
             Field::Producer,
-            "local, rngd, gpu, faulty, torch, py:MODULE:CLASS or a PATH.so",
+            "local, rngd, gpu, faulty, torch, py:MODULE:CLASS, a PATH.so or nixl://HOST:PORT/NAME",
             format_args!("{other:?}"),
         )),
     }

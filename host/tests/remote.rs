@@ -1,0 +1,192 @@
+//! Producers on other machines (issue 15), over loopback with real processes: a `pdhost producer-node`
+//! and a host whose relay reaches it over TCP and NIXL, with UCX held to its TCP transport on `lo`
+//! (`UCX_TLS=tcp`, `UCX_NET_DEVICES=lo`), so that the network path is what is tested.
+//!
+//! Built only with the `nixl` feature: `cargo test -p pdhost --features nixl --test remote` (`.ci/run`
+//! runs it).
+
+#![cfg(feature = "nixl")]
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+
+const PDHOST: &str = env!("CARGO_BIN_EXE_pdhost");
+
+/// UCX on loopback TCP alone.
+fn ucx(cmd: &mut Command) -> &mut Command {
+    cmd.env("UCX_TLS", "tcp").env("UCX_NET_DEVICES", "lo").env("RUST_BACKTRACE", "0")
+}
+
+fn tiny(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/reference").join(name).display().to_string()
+}
+
+/// A producer node on a free port; killed when dropped.
+struct Node {
+    child: Child,
+    addr: String,
+}
+
+impl Node {
+    fn start(backend: &str, extra: &[&str]) -> Node {
+        let mut child =
+            ucx(Command::new(PDHOST).args(["producer-node", "--listen", "127.0.0.1:0", "--backend", backend]))
+                .args(extra)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let addr = line
+            .strip_prefix("listening on ")
+            .and_then(|l| l.split_whitespace().next())
+            .unwrap_or_else(|| panic!("expected `listening on ADDR`, found {line:?}"))
+            .to_string();
+        Node { child, addr }
+    }
+
+    fn url(&self, backend: &str) -> String {
+        format!("nixl://{}/{backend}", self.addr)
+    }
+
+    /// Descriptors, threads and child processes of the node now.
+    fn footprint(&self) -> (usize, usize, usize) {
+        let proc = format!("/proc/{}", self.child.id());
+        let count = |dir: &str| std::fs::read_dir(format!("{proc}/{dir}")).unwrap().count();
+        let mut children = 0;
+        for task in std::fs::read_dir(format!("{proc}/task")).unwrap() {
+            let path = task.unwrap().path().join("children");
+            children += std::fs::read_to_string(path).unwrap_or_default().split_whitespace().count();
+        }
+        (count("fd"), count("task"), children)
+    }
+
+    /// Waits until the node's sessions are over: one thread and no children left.
+    fn settled(&self) -> (usize, usize, usize) {
+        for _ in 0..200 {
+            let f = self.footprint();
+            if f.1 == 1 && f.2 == 0 {
+                return f;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(25));
+        }
+        self.footprint()
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run(model: &str, extra: &[&str]) -> Output {
+    ucx(Command::new(PDHOST).args([
+        "generate",
+        "--model",
+        model,
+        "--prompt-ids",
+        "2,10,20,30,40,50,60,70,80,90,100,110,120",
+        "--max-tokens",
+        "6",
+        "--json",
+    ]))
+    .args(extra)
+    .stdin(Stdio::null())
+    .output()
+    .unwrap()
+}
+
+fn generate(model: &str, extra: &[&str]) -> serde_json::Value {
+    let out = run(model, extra);
+    assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+#[test]
+fn remote_prefill_equals_local_bit_for_bit_dense_grouped_and_chunked() {
+    for (backend, layout) in [("rngd", "dense"), ("gpu", "grouped")] {
+        let node = Node::start(backend, &[]);
+        let url = node.url(backend);
+        for model in ["tiny_gemma3_8l", "tiny_llama_4l"] {
+            let model = tiny(model);
+            for chunking in [&[][..], &["--prefill-chunk", "4"], &["--prefill-chunk", "5", "--kv-dtype", "bf16"]] {
+                let local = generate(&model, &[chunking, &["--producer", "local"]].concat());
+                let remote =
+                    generate(&model, &[chunking, &["--producer", &url, "--on-producer-failure", "fail"]].concat());
+                let what = format!("{model} {backend} {chunking:?}");
+                assert_eq!(remote["prefill"]["where"], "remote", "{what}");
+                assert_eq!(remote["prefill"]["layout"], layout, "{what}");
+                assert_eq!(remote["output_ids"], local["output_ids"], "{what}");
+                assert_eq!(remote["logits_xxh3"], local["logits_xxh3"], "{what}: logits bit-identical to local");
+                // Prefill covers all but the last prompt token, which the first decode step reads.
+                let spans = if chunking.is_empty() { 1 } else { 12usize.div_ceil(chunking[1].parse().unwrap()) };
+                assert_eq!(remote["prefill"]["spans"], spans, "{what}");
+            }
+        }
+        // Every session ended whole: no producer left running, no descriptor or thread kept.
+        let (fds, threads, children) = node.settled();
+        assert_eq!((threads, children), (1, 0), "{backend}: the node's sessions are over");
+        assert!(fds <= 8, "{backend}: the node holds {fds} descriptors after its sessions");
+    }
+}
+
+/// Each failure of the link is refused with its own kind before anything lands: the request falls back
+/// to local prefill and equals it, and the node is left as it was.
+#[test]
+fn every_link_failure_is_typed_and_lands_nothing() {
+    let model = tiny("tiny_gemma3_8l");
+    let local = generate(&model, &["--producer", "local"]);
+    for (fault, kind) in [
+        ("drop-connection", "remote_connection"),
+        ("no-notification", "timeout"),
+        ("notification-only", "notification_without_data"),
+        ("wrong-slot", "wrong_slot"),
+        ("stale-epoch", "stale_epoch"),
+        ("truncate", "truncated_transfer"),
+        ("corrupt", "checksum_mismatch"),
+        ("exit", "remote_connection"),
+    ] {
+        let node = Node::start("rngd", &["--fault", fault]);
+        let before = node.footprint();
+        let out = generate(&model, &["--producer", &node.url("rngd"), "--producer-timeout", "3"]);
+        assert_eq!(out["prefill"]["where"], "local", "{fault}");
+        assert_eq!(out["prefill"]["fallback_kind"], kind, "{fault}: {}", out["prefill"]["fallback_reason"]);
+        assert_eq!(out["output_ids"], local["output_ids"], "{fault}");
+        assert_eq!(out["logits_xxh3"], local["logits_xxh3"], "{fault}");
+        if fault != "exit" {
+            let after = node.settled();
+            assert_eq!((after.1, after.2), (1, 0), "{fault}: the session is over");
+            assert!(after.0 <= before.0 + 1, "{fault}: descriptors {before:?} -> {after:?}");
+        }
+    }
+}
+
+#[test]
+fn a_refused_or_absent_node_is_named() {
+    let model = tiny("tiny_gemma3_8l");
+    // The node runs rngd; the host asks for gpu.
+    let node = Node::start("rngd", &[]);
+    let out = run(&model, &["--producer", &node.url("gpu"), "--on-producer-failure", "fail"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("backend: expected rngd (what this node runs), found gpu"), "{err}");
+    // Nobody listens there.
+    let addr = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let out = run(&model, &["--producer", &format!("nixl://{addr}/rngd"), "--on-producer-failure", "fail"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("connecting to producer node {addr}")), "{err}");
+    // Not a URL.
+    let out = run(&model, &["--producer", "nixl://nowhere/rngd"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("--producer: expected nixl://HOST:PORT/NAME"), "{err}");
+}
