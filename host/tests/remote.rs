@@ -30,14 +30,17 @@ struct Node {
 
 impl Node {
     fn start(backend: &str, extra: &[&str]) -> Node {
-        let mut child =
-            ucx(Command::new(PDHOST).args(["producer-node", "--listen", "127.0.0.1:0", "--backend", backend]))
-                .args(extra)
-                .stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::null())
-                .spawn()
-                .unwrap();
+        Node::start_at("127.0.0.1:0", backend, extra)
+    }
+
+    fn start_at(listen: &str, backend: &str, extra: &[&str]) -> Node {
+        let mut child = ucx(Command::new(PDHOST).args(["producer-node", "--listen", listen, "--backend", backend]))
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         let addr = line
@@ -189,4 +192,59 @@ fn a_refused_or_absent_node_is_named() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{err}");
     assert!(err.contains("--producer: expected nixl://HOST:PORT/NAME"), "{err}");
+}
+
+/// `pdhost serve` with a remote producer: answers equal `generate`'s; a node that dies costs one request
+/// its remote prefill (it falls back), and once a node listens there again the server reconnects.
+#[test]
+fn serve_reconnects_to_a_node_that_comes_back() {
+    // A model with a tokenizer, as the server needs, fetched through the project's own cache.
+    let model = "smollm2-135m";
+    let fetched = Command::new(PDHOST).args(["models", "fetch", model]).stdin(Stdio::null()).output().unwrap();
+    assert!(fetched.status.success(), "{}", String::from_utf8_lossy(&fetched.stderr));
+    let node = Node::start("rngd", &[]);
+    let addr = node.addr.clone();
+    let mut server = ucx(Command::new(PDHOST).args(["serve", "--model", model, "--port", "0", "--context", "256"]))
+        .args(["--producer", &node.url("rngd"), "--slots", "2"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(server.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let url = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("{line:?}")).to_string();
+    let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
+    let complete = || -> serde_json::Value {
+        let body = serde_json::json!({
+            "model": model, "prompt": [2, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 110, 120],
+            "max_tokens": 6, "temperature": 0
+        });
+        let mut r = agent.post(&format!("{url}/v1/completions")).send_json(&body).unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        r.body_mut().read_json::<serde_json::Value>().unwrap()["pdhost"].clone()
+    };
+    let local = generate(model, &["--producer", "local"]);
+    let first = complete();
+    assert_eq!((first["prefill"].as_str(), first["layout"].as_str()), (Some("remote"), Some("dense")), "{first}");
+    assert_eq!((&first["output_ids"], &first["logits_xxh3"]), (&local["output_ids"], &local["logits_xxh3"]));
+    drop(node);
+    let lost = complete();
+    assert_eq!(lost["prefill"], "local", "{lost}");
+    assert!(lost["fallback_reason"].as_str().is_some_and(|r| r.starts_with("remote_connection:")), "{lost}");
+    assert_eq!(lost["logits_xxh3"], local["logits_xxh3"]);
+    let _back = Node::start_at(&addr, "rngd", &[]);
+    // The supervisor restarts the relay after its backoff; until then requests fall back.
+    let mut again = complete();
+    for _ in 0..40 {
+        if again["prefill"] == "remote" {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        again = complete();
+    }
+    assert_eq!(again["prefill"], "remote", "{again}");
+    assert_eq!(again["logits_xxh3"], local["logits_xxh3"]);
+    let _ = server.kill();
+    let _ = server.wait();
 }
