@@ -670,9 +670,11 @@ pub struct PdBenchArgs {
     /// The model (a name from `pdhost models list`).
     #[arg(long, default_value = "gemma3-270m")]
     pub model: String,
-    /// The producer to compare with local prefill: `rngd`, `gpu`, or `torch` (another numerical stack:
-    /// its output may part from local at a near-tie; the per-layer K/V error table shows by how much).
-    #[arg(long, default_value = "rngd", value_parser = ["rngd", "gpu", "torch"])]
+    /// The producer to compare with local prefill: `rngd`, `gpu`, `torch` (another numerical stack: its
+    /// output may part from local at a near-tie; the per-layer K/V error table shows by how much), or a
+    /// producer on another machine, `nixl://HOST:PORT/NAME` (then the same backend in a local producer
+    /// runs beside it, so that the network path is measured against the memfd ring in the same run).
+    #[arg(long, default_value = "rngd", value_parser = pd_producer)]
     pub producer: String,
     /// Prompt lengths in tokens (each from 1 to the model's context, less the decoded tokens).
     #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 512, 2048])]
@@ -693,6 +695,15 @@ pub struct PdBenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `bench pd --producer`: a built-in backend or a producer node's URL.
+fn pd_producer(text: &str) -> Result<String, String> {
+    match text {
+        "rngd" | "gpu" | "torch" => Ok(text.to_string()),
+        url if pdhost::remote::NodeUrl::parse(url).is_some() => Ok(text.to_string()),
+        _ => Err(format!("expected rngd, gpu, torch or {}", pdhost::remote::NodeUrl::EXPECTED)),
+    }
 }
 
 /// `pdhost bench model`.

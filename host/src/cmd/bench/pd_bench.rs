@@ -39,6 +39,39 @@ struct Row {
     /// Whether every PD run decoded the local run's ids, and with bit-identical logits.
     same_ids: bool,
     same_logits: bool,
+    /// The same backend over the memfd ring, beside a producer on another machine: its IPC and take.
+    ring: Option<(f64, f64)>,
+    /// A memcpy of the span's bytes between two warm buffers.
+    memcpy: f64,
+}
+
+/// Milliseconds of one memcpy of `bytes` between two prefaulted buffers: the median of five.
+fn memcpy_ms(bytes: usize) -> f64 {
+    let src = shm_ring::prefaulted(bytes);
+    let mut dst = shm_ring::prefaulted(bytes);
+    median(
+        (0..5)
+            .map(|_| {
+                let t = std::time::Instant::now();
+                dst.copy_from_slice(std::hint::black_box(&src));
+                std::hint::black_box(&mut dst);
+                ms(t.elapsed())
+            })
+            .collect(),
+    )
+}
+
+/// GB/s of `mib` MiB in `ms` milliseconds.
+fn gbs(mib: f64, ms: f64) -> f64 {
+    mib * (1 << 20) as f64 / (ms * 1e6)
+}
+
+/// The UCX transports a relay may use, as the environment restricts them.
+fn ucx_transport() -> String {
+    match std::env::var("UCX_TLS") {
+        Ok(tls) => format!("UCX_TLS={tls}"),
+        Err(_) => "UCX's own choice (UCX_TLS unset)".to_string(),
+    }
 }
 
 fn ms(d: Duration) -> f64 {
@@ -94,11 +127,24 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     let mut producer = choice
         .producer(&absolute, &model.config, &model.identity, dtype, longest)?
         .context("--producer: expected a remote producer to compare with local, found local")?;
+    // A producer on another machine runs beside the same backend over the memfd ring.
+    let node = pdhost::remote::NodeUrl::parse(&args.producer);
+    let mut ring = match &node {
+        Some(node) => Some(
+            Choice { producer: &node.backend, ..choice.clone() }
+                .producer(&absolute, &model.config, &model.identity, dtype, longest)?
+                .context("the ring producer")?,
+        ),
+        None => None,
+    };
     // Two sequences: the per-layer error compares a remote and a local prefill side by side.
     let mut engine = Engine::new(model, dtype, 64, longest as u64 + decode + 1, 2)?;
     let bar = super::progress(args.tokens.len() as u64 * (iters + 1), args.json);
     bar.set_message(format!("starting {}", producer.name()));
     producer.start()?;
+    if let Some(ring) = ring.as_mut() {
+        ring.start()?;
+    }
     let layout = producer.layout().unwrap_or("?");
 
     let mut rows = Vec::new();
@@ -111,6 +157,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         };
         let request = request::check_request(&raw, &limits)?;
         let mut runs: Vec<(Generation, Generation)> = Vec::new();
+        let mut ring_runs: Vec<Generation> = Vec::new();
         let (mut same_ids, mut same_logits) = (true, true);
         // The first pair warms caches, pages and the producer's pools; it is not counted.
         for i in 0..=iters {
@@ -125,6 +172,16 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
             // may not, and `generate`'s tests hold them to it. Here it is reported.
             same_ids &= pd.output == local.output;
             same_logits &= pd.logits_hash == local.logits_hash;
+            if let Some(ring) = ring.as_mut() {
+                let by_ring = engine.generate_with(
+                    &request,
+                    PrefillBy::Remote { producer: ring, on_failure: OnFailure::Fail },
+                    |_| {},
+                )?;
+                if i > 0 {
+                    ring_runs.push(by_ring);
+                }
+            }
             if i > 0 {
                 runs.push((local, pd));
             }
@@ -148,6 +205,11 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
             decode_pd: m(&|r| decode_rate(&r.1)),
             same_ids,
             same_logits,
+            ring: (!ring_runs.is_empty()).then(|| {
+                let m = |f: &dyn Fn(&Generation) -> f64| median(ring_runs.iter().map(f).collect());
+                (m(&|g| ms(g.report.remote_times.ipc())), m(&|g| ms(g.report.remote_times.take)))
+            }),
+            memcpy: memcpy_ms(runs[0].1.bytes as usize),
         });
     }
     // The K/V the producer sent against the host's own, layer by layer, for the longest prompt.
@@ -162,6 +224,15 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     bar.finish_and_clear();
     let name = producer.name().to_string();
     drop(producer);
+    drop(ring);
+    // Where the span's bytes travel, and the transport's figures beside the ring's and memcpy's.
+    let path = if node.is_some() { format!("NIXL, {}", ucx_transport()) } else { "shared memory".to_string() };
+    let transfer = |r: &Row| {
+        json!({"pd_gb_s": gbs(r.span_mib, r.ipc + r.take), "pd_ms": r.ipc + r.take,
+               "ring_gb_s": r.ring.map(|(ipc, take)| gbs(r.span_mib, ipc + take)),
+               "ring_ms": r.ring.map(|(ipc, take)| ipc + take),
+               "memcpy_gb_s": gbs(r.span_mib, r.memcpy), "memcpy_ms": r.memcpy})
+    };
 
     if args.json {
         let results: Vec<_> = rows
@@ -174,6 +245,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
                                  "last_token_ms": r.last_local},
                        "pd": {"request_ipc_ms": r.ipc, "backend_ms": r.backend, "span_write_ms": r.frame,
                               "transfer_ingest_ms": r.take, "span_mib": r.span_mib, "last_token_ms": r.last_pd},
+                       "transfer": transfer(r),
                        "decode_tok_s_local": r.decode_local, "decode_tok_s_pd": r.decode_pd,
                        "ids_equal_local": r.same_ids, "logits_equal_local": r.same_logits})
             })
@@ -181,13 +253,14 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         outln!(
             "{}",
             json!({"bench": "pd", "model": args.model, "producer": name, "layout": layout, "kv_dtype": dtype.name(),
+                   "span_path": path,
                    "threads": threads, "iters": args.iters, "decode_tokens": args.decode_tokens, "results": results,
                    "kv_error": {"prompt_tokens": longest, "layers": layers}})
         )?;
         return Ok(ExitCode::SUCCESS);
     }
     outln!(
-        "{} prefill in the warm `{name}` producer ({layout} {} spans over shared memory) vs in the host; {threads} \
+        "{} prefill in the warm `{name}` producer ({layout} {} spans over {path}) vs in the host; {threads} \
          thread(s); median of {}; the last prompt token and {} decoded tokens run in the host either way",
         args.model,
         dtype.name(),
@@ -236,6 +309,20 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
          span (local prefill's own ingest: {}); last tok: the host's step over the last prompt token",
         rows.iter().map(|r| format!("{:.2}ms", r.local_ingest)).collect::<Vec<_>>().join(", ")
     )?;
+    for r in &rows {
+        let ring = r.ring.map_or_else(String::new, |(ipc, take)| {
+            format!(", the memfd ring {:.2} ms ({:.2} GB/s)", ipc + take, gbs(r.span_mib, ipc + take))
+        });
+        outln!(
+            "{} tokens, {:.2} MiB span: IPC+xfer+ingest {:.2} ms ({:.2} GB/s){ring}, memcpy {:.2} ms ({:.2} GB/s)",
+            r.tokens,
+            r.span_mib,
+            r.ipc + r.take,
+            gbs(r.span_mib, r.ipc + r.take),
+            r.memcpy,
+            gbs(r.span_mib, r.memcpy)
+        )?;
+    }
     for r in rows.iter().filter(|r| !(r.same_ids && r.same_logits)) {
         let what = if r.same_ids {
             "local's ids, with other logits bits"
