@@ -87,6 +87,27 @@ impl Drop for Node {
     }
 }
 
+/// Relay processes of a node at `addr` (`pdhost __relay --node ADDR`) still running a moment after their
+/// host exited: a host's relays end with it.
+fn relays(addr: &str) -> usize {
+    let count = || {
+        let mut n = 0;
+        for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+            let cmdline = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+            let args: Vec<&[u8]> = cmdline.split(|&b| b == 0).collect();
+            n += usize::from(args.get(1) == Some(&&b"__relay"[..]) && args.contains(&addr.as_bytes()));
+        }
+        n
+    };
+    for _ in 0..100 {
+        if count() == 0 {
+            return 0;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    count()
+}
+
 fn run(model: &str, extra: &[&str]) -> Output {
     ucx(Command::new(PDHOST).args([
         "generate",
@@ -161,6 +182,7 @@ fn every_link_failure_is_typed_and_lands_nothing() {
         assert_eq!(out["prefill"]["fallback_kind"], kind, "{fault}: {}", out["prefill"]["fallback_reason"]);
         assert_eq!(out["output_ids"], local["output_ids"], "{fault}");
         assert_eq!(out["logits_xxh3"], local["logits_xxh3"], "{fault}");
+        assert_eq!(relays(&node.addr), 0, "{fault}: a relay outlived its host");
         if fault != "exit" {
             let after = node.settled();
             assert_eq!((after.1, after.2), (1, 0), "{fault}: the session is over");

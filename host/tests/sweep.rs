@@ -647,6 +647,17 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         tiny_gen("producer: empty", &["--producer", ""])
             .refused(2, &["--producer: expected local, rngd, gpu, faulty, torch, py:MODULE:CLASS, a PATH.so or nixl://HOST:PORT/NAME"]),
         tiny_gen("producer: unknown", &["--producer", "tpu"]).refused(2, &["--producer", "\"tpu\""]),
+        tiny_gen("producer: nixl URL without a port", &["--producer", "nixl://host/rngd"])
+            .refused(2, &["--producer: expected nixl://HOST:PORT/NAME", "\"nixl://host/rngd\""]),
+        // The default build has no NIXL: a remote producer and a node are refused in one line.
+        tiny_gen("producer: nixl without the feature", &["--producer", "nixl://127.0.0.1:9/rngd"])
+            .refused(2, &["--producer: expected a pdhost built with the nixl feature"]),
+        case("producer-node without the feature", &["producer-node", "--backend", "rngd"])
+            .refused(2, &["--backend: expected a pdhost built with the nixl feature"]),
+        case("producer-node: unknown backend", &["producer-node", "--backend", "tpu"])
+            .refused(2, &["--backend: expected rngd, gpu, faulty or a PATH.so, found \"tpu\""]),
+        case("producer-node: negative timeout", &["producer-node", "--backend", "rngd", "--producer-timeout", "-1"])
+            .refused(2, &["--producer-timeout"]),
         tiny_gen("producer: missing library", &["--producer", "/nonexistent/libx.so"])
             .refused(2, &["--producer: expected a backend library file, found /nonexistent/libx.so: nothing there"]),
         tiny_gen("producer: a directory", &["--producer", &format!("{d}/")]).refused(2, &["a directory"]),

@@ -175,14 +175,14 @@ fn relay(_: &pdhost::remote::NodeUrl) -> anyhow::Result<()> {
 
 #[cfg(not(feature = "nixl"))]
 fn relay(_: &pdhost::remote::NodeUrl) -> anyhow::Result<()> {
-    Err(without_nixl().into())
+    Err(without_nixl(Field::Producer).into())
 }
 
-/// What a build without the `nixl` feature says to a remote producer.
+/// What a build without the `nixl` feature says to a flag that needs it.
 #[cfg(not(feature = "nixl"))]
-pub fn without_nixl() -> Invalid {
+pub fn without_nixl(field: Field) -> Invalid {
     Invalid::new(
-        Field::Producer,
+        field,
         "a pdhost built with the nixl feature for producers on other machines (cargo build --release --features nixl)",
         "a build without it",
     )

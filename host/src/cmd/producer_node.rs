@@ -76,5 +76,5 @@ fn serve(
     _: u64,
     _: std::time::Duration,
 ) -> anyhow::Result<ExitCode> {
-    Err(super::producer::without_nixl().into())
+    Err(super::producer::without_nixl(Field::Backend).into())
 }

@@ -224,9 +224,8 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Stop {
         let call = match protocol::recv::<ToProducer>(socket, protocol::MAX_TO_PRODUCER) {
             Ok(Some(ToProducer::Prefill(call))) => call,
             Ok(Some(ToProducer::Release { request_id })) => {
-                if let Err(e) = link.send(&ToNode::Release { request_id }) {
-                    return Stop::Request(request_id, RemoteFailure::Connection, format!("node {}: {e}", args.node));
-                }
+                // No reply is awaited: a broken connection is found out, and named, by the next request.
+                let _ = link.send(&ToNode::Release { request_id });
                 continue;
             }
             Ok(Some(ToProducer::Shutdown)) | Ok(None) | Err(_) => {

@@ -39,8 +39,9 @@ struct Row {
     /// Whether every PD run decoded the local run's ids, and with bit-identical logits.
     same_ids: bool,
     same_logits: bool,
-    /// The same backend over the memfd ring, beside a producer on another machine: its IPC and take.
-    ring: Option<(f64, f64)>,
+    /// The same backend over the memfd ring, beside a producer on another machine: its TTFT, IPC and
+    /// take.
+    ring: Option<(f64, f64, f64)>,
     /// A memcpy of the span's bytes between two warm buffers.
     memcpy: f64,
 }
@@ -207,7 +208,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
             same_logits,
             ring: (!ring_runs.is_empty()).then(|| {
                 let m = |f: &dyn Fn(&Generation) -> f64| median(ring_runs.iter().map(f).collect());
-                (m(&|g| ms(g.report.remote_times.ipc())), m(&|g| ms(g.report.remote_times.take)))
+                (m(&|g| ms(g.ttft)), m(&|g| ms(g.report.remote_times.ipc())), m(&|g| ms(g.report.remote_times.take)))
             }),
             memcpy: memcpy_ms(runs[0].1.bytes as usize),
         });
@@ -229,8 +230,10 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     let path = if node.is_some() { format!("NIXL, {}", ucx_transport()) } else { "shared memory".to_string() };
     let transfer = |r: &Row| {
         json!({"pd_gb_s": gbs(r.span_mib, r.ipc + r.take), "pd_ms": r.ipc + r.take,
-               "ring_gb_s": r.ring.map(|(ipc, take)| gbs(r.span_mib, ipc + take)),
-               "ring_ms": r.ring.map(|(ipc, take)| ipc + take),
+               "ring_gb_s": r.ring.map(|(_, ipc, take)| gbs(r.span_mib, ipc + take)),
+               "ring_ms": r.ring.map(|(_, ipc, take)| ipc + take),
+               "ring_ttft_ms": r.ring.map(|(ttft, ..)| ttft),
+               "ring_overhead_ms": r.ring.map(|(ttft, ..)| ttft - r.ttft_local),
                "memcpy_gb_s": gbs(r.span_mib, r.memcpy), "memcpy_ms": r.memcpy})
     };
 
@@ -310,8 +313,13 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         rows.iter().map(|r| format!("{:.2}ms", r.local_ingest)).collect::<Vec<_>>().join(", ")
     )?;
     for r in &rows {
-        let ring = r.ring.map_or_else(String::new, |(ipc, take)| {
-            format!(", the memfd ring {:.2} ms ({:.2} GB/s)", ipc + take, gbs(r.span_mib, ipc + take))
+        let ring = r.ring.map_or_else(String::new, |(ttft, ipc, take)| {
+            format!(
+                ", the memfd ring {:.2} ms ({:.2} GB/s; its TTFT {ttft:.1} ms, overhead {:.2} ms)",
+                ipc + take,
+                gbs(r.span_mib, ipc + take),
+                ttft - r.ttft_local
+            )
         });
         outln!(
             "{} tokens, {:.2} MiB span: IPC+xfer+ingest {:.2} ms ({:.2} GB/s){ring}, memcpy {:.2} ms ({:.2} GB/s)",
