@@ -65,6 +65,21 @@ fn python_class(producer: &str) -> Result<(String, String), Invalid> {
     }
 }
 
+/// A backend library named by path, for `field`: its name (the file stem) and its absolute path; refused
+/// unless it is a file, with what is there instead.
+pub fn library(path: &str, field: Field) -> anyhow::Result<(String, PathBuf)> {
+    let p = PathBuf::from(path);
+    if !p.is_file() {
+        let found = match std::fs::metadata(&p) {
+            Ok(meta) => format!("{path}: {}", pdhost::request::input::describe(&meta)),
+            Err(_) => format!("{path}: nothing there"),
+        };
+        return Err(Invalid::new(field, "a backend library file", found).into());
+    }
+    let name = p.file_stem().map_or_else(|| path.to_string(), |s| s.to_string_lossy().into_owned());
+    Ok((name, std::path::absolute(p)?))
+}
+
 impl Choice<'_> {
     /// The producer these flags name (not started yet) for the model at `model_path` with configuration
     /// `model`, or `None` for `local`. Its spans carry `dtype` (the cache's, so remote prefill stays
@@ -107,18 +122,7 @@ impl Choice<'_> {
                 python_keys.insert("python_class".into(), class.into());
                 (python.to_string(), supervisor::builtin_backend("python")?)
             }
-            path if path.ends_with(".so") || path.contains('/') => {
-                let p = PathBuf::from(path);
-                if !p.is_file() {
-                    let found = match std::fs::metadata(&p) {
-                        Ok(meta) => format!("{path}: {}", pdhost::request::input::describe(&meta)),
-                        Err(_) => format!("{path}: nothing there"),
-                    };
-                    return Err(Invalid::new(Field::Producer, "a backend library file", found).into());
-                }
-                let name = p.file_stem().map_or_else(|| path.to_string(), |s| s.to_string_lossy().into_owned());
-                (name, std::path::absolute(p)?)
-            }
+            path if path.ends_with(".so") || path.contains('/') => library(path, Field::Producer)?,
             other => {
                 return Err(Invalid::new(
                     Field::Producer,

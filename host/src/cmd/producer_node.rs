@@ -12,19 +12,7 @@ pub fn run(args: &ProducerNodeArgs) -> anyhow::Result<ExitCode> {
     let memory_limit = super::producer::memory_limit(args.producer_memory)?;
     let (name, backend) = match args.backend.as_str() {
         builtin @ ("rngd" | "gpu" | "faulty") => (builtin.to_string(), pdhost::supervisor::builtin_backend(builtin)?),
-        path if path.ends_with(".so") || path.contains('/') => {
-            let p = std::path::PathBuf::from(path);
-            if !p.is_file() {
-                return Err(Invalid::new(
-                    Field::Backend,
-                    "a backend library file",
-                    format_args!("{path}: nothing there"),
-                )
-                .into());
-            }
-            let name = p.file_stem().map_or_else(|| path.to_string(), |s| s.to_string_lossy().into_owned());
-            (name, std::path::absolute(p)?)
-        }
+        path if path.ends_with(".so") || path.contains('/') => super::producer::library(path, Field::Backend)?,
         other => {
             return Err(Invalid::new(Field::Backend, "rngd, gpu, faulty or a PATH.so", format_args!("{other:?}")).into())
         }

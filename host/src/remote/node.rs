@@ -247,8 +247,8 @@ fn serve_requests(
             Ok(p) => p,
             // The backend said no, and keeps running: the host hears it as from a local producer.
             Err(ProducerError::Backend { status, message, .. }) => {
-                let status = (0..=6).find(|&c| PdhostStatus::from_raw(c).is_some_and(|s| s.name() == status));
-                let status = status.unwrap_or(PdhostStatus::BackendError as u32);
+                let status = (0..).map_while(PdhostStatus::from_raw).find(|s| s.name() == status);
+                let status = status.unwrap_or(PdhostStatus::BackendError) as u32;
                 protocol::send(stream, &FromProducer::Failed { request_id, status, message })?;
                 continue;
             }

@@ -12,7 +12,7 @@
 
 use std::ffi::OsString;
 use std::net::TcpStream;
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -58,15 +58,7 @@ fn parse(args: Vec<OsString>) -> Result<Args, String> {
                 let v = value()?;
                 parent = Some(v.parse().map_err(|_| format!("--parent-pid: expected a pid, found {v:?}"))?);
             }
-            "--fds" => {
-                let v = value()?;
-                let numbers: Vec<i32> = v.split(',').filter_map(|n| n.parse().ok()).filter(|&n| n > 2).collect();
-                let distinct = numbers.iter().collect::<std::collections::BTreeSet<_>>().len() == numbers.len();
-                fds =
-                    Some(numbers.try_into().ok().filter(|_| distinct).ok_or_else(|| {
-                        format!("--fds: expected five distinct descriptor numbers above 2, found {v:?}")
-                    })?);
-            }
+            "--fds" => fds = Some(pdhost_producer::parse_fds(&value()?)?),
             // The node confines its own producer; the relay runs no vendor code.
             "--sandbox" | "--memory-limit" => {
                 value()?;
@@ -103,19 +95,13 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
         }
     };
     pdhost_producer::confine(args.parent);
-    for fd in args.fds {
-        // SAFETY: fcntl on a descriptor number; F_GETFD only reads its flags.
-        if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-            eprintln!("pdhost relay: --fds: expected descriptor {fd} open, found it closed");
+    let fds = match pdhost_producer::adopt_fds(args.fds) {
+        Ok(fds) => fds,
+        Err(e) => {
+            eprintln!("pdhost relay: {e}");
             return ExitCode::from(2);
         }
-    }
-    // SAFETY: the host passed these descriptors open, distinct (checked when parsing) and for this process
-    // alone; each is taken exactly once, before anything else in the process opens a file.
-    let fds = args.fds.map(|fd| unsafe { OwnedFd::from_raw_fd(fd) });
-    for fd in &fds {
-        let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
-    }
+    };
     let [control, data, to_host, from_host, socket] = fds;
     let socket = UnixStream::from(socket);
     let reply = match serve(&args, [control, data, to_host, from_host], &socket) {
@@ -161,11 +147,9 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Stop {
         Ok(r) => r,
         Err(e) => return Stop::Start("ring", e.to_string()),
     };
-    let runtime = match Runtime::fetch(&model::registry::home()).and_then(|r| r.load().map(|()| r)) {
-        Ok(r) => r,
-        Err(e) => return Stop::Start("nixl", e.to_string()),
-    };
-    let _ = runtime;
+    if let Err(e) = Runtime::fetch(&model::registry::home()).and_then(|r| r.load()) {
+        return Stop::Start("nixl", e.to_string());
+    }
     let epoch = ring.epoch();
     let endpoint = match Endpoint::new(&format!("pdhost-relay-{}-e{epoch}", std::process::id())) {
         Ok(e) => e,

@@ -71,15 +71,7 @@ fn parse_args(args: Vec<OsString>) -> Result<Args, String> {
                     v.to_string_lossy().parse().map_err(|_| format!("--parent-pid: expected a pid, found {v:?}"))?,
                 )
             }
-            "--fds" => {
-                let v = value()?.to_string_lossy().into_owned();
-                let numbers: Vec<i32> = v.split(',').filter_map(|n| n.parse().ok()).filter(|&n| n > 2).collect();
-                let distinct = numbers.iter().collect::<std::collections::BTreeSet<_>>().len() == numbers.len();
-                fds =
-                    Some(numbers.try_into().ok().filter(|_| distinct).ok_or_else(|| {
-                        format!("--fds: expected five distinct descriptor numbers above 2, found {v:?}")
-                    })?);
-            }
+            "--fds" => fds = Some(parse_fds(&value()?.to_string_lossy())?),
             "--sandbox" => {
                 sandbox = match value()?.to_string_lossy().as_ref() {
                     "on" => true,
@@ -129,20 +121,13 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
         }
     };
     confine(args.parent);
-    for fd in args.fds {
-        // SAFETY: fcntl on a descriptor number; F_GETFD only reads its flags.
-        if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
-            eprintln!("pdhost-producer: --fds: expected descriptor {fd} open, found it closed");
+    let fds = match adopt_fds(args.fds) {
+        Ok(fds) => fds,
+        Err(e) => {
+            eprintln!("pdhost-producer: {e}");
             return ExitCode::from(2);
         }
-    }
-    // SAFETY: the host passed these descriptors open, distinct (checked when parsing) and for this process
-    // alone; each is taken exactly once, before anything else in the process opens a file.
-    let fds = args.fds.map(|fd| unsafe { OwnedFd::from_raw_fd(fd) });
-    for fd in &fds {
-        // The backend's own children, if it starts any, must not inherit the ring.
-        let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
-    }
+    };
     let [control, data, to_host, from_host, socket] = fds;
     let socket = UnixStream::from(socket);
     let served = serve(&args, [control, data, to_host, from_host], &socket);
@@ -160,6 +145,38 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
             ExitCode::from(3)
         }
     }
+}
+
+/// `--fds`: the five distinct descriptor numbers above 2 the host passed (control segment, data segment,
+/// doorbell to the host, doorbell from the host, control socket).
+pub fn parse_fds(v: &str) -> Result<[i32; 5], String> {
+    let numbers: Vec<i32> = v.split(',').filter_map(|n| n.parse().ok()).filter(|&n| n > 2).collect();
+    let distinct = numbers.iter().collect::<std::collections::BTreeSet<_>>().len() == numbers.len();
+    numbers
+        .try_into()
+        .ok()
+        .filter(|_| distinct)
+        .ok_or_else(|| format!("--fds: expected five distinct descriptor numbers above 2, found {v:?}"))
+}
+
+/// Takes ownership of the descriptors [`parse_fds`] named, each checked open, and marks them
+/// close-on-exec (a backend's own children, if it starts any, must not inherit the ring). Call it once,
+/// before anything else in the process opens a file.
+pub fn adopt_fds(fds: [i32; 5]) -> Result<[OwnedFd; 5], String> {
+    for fd in fds {
+        // SAFETY: fcntl on a descriptor number; F_GETFD only reads its flags.
+        if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+            return Err(format!("--fds: expected descriptor {fd} open, found it closed"));
+        }
+    }
+    // SAFETY: the host passed these descriptors open (checked above), distinct (checked when parsing) and
+    // for this process alone; each is taken exactly once, before anything else in the process opens a
+    // file (the caller's promise).
+    let fds = fds.map(|fd| unsafe { OwnedFd::from_raw_fd(fd) });
+    for fd in &fds {
+        let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
+    }
+    Ok(fds)
 }
 
 /// Before any backend code runs: `PR_SET_NO_NEW_PRIVS` (no exec of this process or its children can gain
