@@ -1270,17 +1270,25 @@ impl Producer {
         })
     }
 
-    /// Takes the frame that `pending`'s reply announced whole into `dst` (at least a slot's frame
-    /// capacity), checked as [`Producer::take`] checks it but kept a frame, to be passed on: what a
-    /// producer node sends its host. Returns the frame's header and its slot. On failure the producer is
-    /// killed, as after a failed take.
-    pub fn take_whole_frame(
+    /// The running process's ring data segment, as [`shm_ring::RingReader::data_region`] gives it: what
+    /// a producer node registers with NIXL to send frames from. A new process gets a new ring.
+    pub fn data_region(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
+        self.running.as_ref().map(|running| running.ring.data_region())
+    }
+
+    /// Passes the frame that `pending`'s reply announced on where it lies: its header read once and
+    /// checked, then `send(offset, header)` with its offset in [`Producer::data_region`], then the
+    /// re-checks, then the slot handed back (see [`shm_ring::RingReader::forward_frame`]). What a producer
+    /// node does with each frame; the host that receives it checks the rest. Returns the frame's header
+    /// and its slot. On failure the producer is killed, as after a failed take; a failed `send` is a
+    /// [`RemoteFailure::Transfer`].
+    pub fn forward_frame(
         &mut self,
         pending: Pending,
-        dst: &mut [u8],
+        send: impl FnOnce(u64, &shm_format::HeaderInfo) -> Result<(), String>,
     ) -> Result<(shm_format::HeaderInfo, u32), ProducerError> {
         let name = self.spec.name.clone();
-        let taken = match self.running.as_mut() {
+        let forwarded = match self.running.as_mut() {
             None => Err(ProducerError::Protocol {
                 name,
                 expected: format!("the process that announced frame {}", pending.sequence),
@@ -1291,17 +1299,20 @@ impl Producer {
                 expected: format!("frame {}", running.ring.next_sequence()),
                 found: format!("frame {}", pending.sequence),
             }),
-            Some(running) => match running.ring.take_frame(dst) {
-                Ok(Some(taken)) => Ok(taken),
+            Some(running) => match running.ring.forward_frame(|offset, info| send(offset, info).map_err(Sent)) {
+                Ok(Some(forwarded)) => Ok(forwarded),
                 Ok(None) => Err(ProducerError::Protocol {
                     name,
                     expected: format!("frame {} committed before the reply", pending.sequence),
                     found: "no commit".into(),
                 }),
-                Err(source) => Err(ProducerError::Ring { name, source }),
+                Err(TakeError::Ring(source)) => Err(ProducerError::Ring { name, source }),
+                Err(TakeError::Sink(Sent(message))) => {
+                    Err(ProducerError::Remote { name, failure: RemoteFailure::Transfer, message })
+                }
             },
         };
-        match taken {
+        match forwarded {
             Ok((info, slot)) => {
                 self.failed = false;
                 self.backoff = Duration::ZERO;
@@ -1368,6 +1379,12 @@ pub fn builtin_backend(name: &str) -> Result<PathBuf, MissingBackend> {
         None => Err(MissingBackend { name: name.to_string(), file, looked: dirs }),
     }
 }
+
+
+/// Why a forwarded frame's transfer failed, as the ring's sink error.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Sent(String);
 
 #[cfg(test)]
 mod tests {

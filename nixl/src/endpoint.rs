@@ -143,9 +143,11 @@ impl Endpoint {
     ///
     /// # Safety
     ///
-    /// The memory stays mapped, readable and writable, and is not reused for anything else until the
-    /// registration is dropped: a peer may write any byte of it at any time until then. Read it only as
-    /// memory another process may be writing (volatile loads), never through a Rust reference.
+    /// The memory stays mapped and readable, and is not reused for anything else, until the
+    /// registration is dropped. A peer given this endpoint's [`Endpoint::metadata`] may write any byte
+    /// of it at any time until then: the memory must then be writable, and read only as memory another
+    /// process may be writing (volatile loads), never through a Rust reference. Memory that this
+    /// endpoint only WRITEs from, and whose metadata no peer holds, may be read-only.
     pub unsafe fn register(&self, addr: *mut u8, len: usize) -> Result<Registration, NixlFailure> {
         let raw = Raw { addr: addr as usize, len };
         let handle = self.agent.register_memory(&raw, None).map_err(call("register memory"))?;

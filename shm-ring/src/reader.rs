@@ -333,26 +333,38 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         }
     }
 
-    /// Takes the next frame, if it is committed, whole into `dst` (at least the slot's frame capacity):
-    /// the same checks as [`RingReader::try_take`] (header read once and checked, the copy checksummed,
-    /// the re-checks, the manifest decoded from the copy), but the bytes stay a frame, to be passed on
-    /// as they are. A producer node does this before it sends a frame to the host that will check it
-    /// again. Returns the frame's header and its slot.
-    pub fn take_frame(&mut self, dst: &mut [u8]) -> Result<Option<(HeaderInfo, u32)>, RingError> {
+    /// The data segment's mapping in this process, read-only here (the producer writes it), for a
+    /// transfer engine that sends frames from where they lie: a producer node registers it with NIXL
+    /// and [`RingReader::forward_frame`]s each frame into a host's slot. Nothing in this process may
+    /// form a reference over it.
+    pub fn data_region(&self) -> (std::ptr::NonNull<u8>, usize) {
+        (self.data.base(), self.data.len())
+    }
+
+    /// Passes the next frame on where it lies, if it is committed (`Ok(None)` if not yet): the header
+    /// read once and checked as [`RingReader::try_take`] checks it, then `send(offset, info)` with the
+    /// frame's offset in the data segment (see [`RingReader::data_region`]), then the re-checks (header
+    /// unchanged, commit word still the grant), then the slot handed back. Returns the frame's header and
+    /// its slot.
+    ///
+    /// The payload is neither copied nor checksummed here: the frame goes to a reader that does both
+    /// (a producer node forwards frames to a host that takes them with [`RingReader::try_take`]'s
+    /// checks). A producer that rewrites the frame while `send` reads it is caught there. Any error
+    /// poisons the ring, since the frame may be half sent.
+    pub fn forward_frame<E: std::error::Error + 'static>(
+        &mut self,
+        send: impl FnOnce(u64, &HeaderInfo) -> Result<(), E>,
+    ) -> Result<Option<(HeaderInfo, u32)>, TakeError<E>> {
         if !self.poll_next()? {
             return Ok(None);
         }
         let slot = self.geometry.slot_of(self.next_sequence);
-        assert!(dst.len() as u64 >= self.geometry.frame_capacity(), "take_frame: dst shorter than a slot");
-        let taken = self.read_header(slot).and_then(|(header, info)| {
-            let base = self.geometry.frame_offset(slot) as usize;
-            let frame = &mut dst[..info.frame_len as usize];
-            let checksum = copy_and_checksum(&self.data, base, &header, frame);
+        let sent = self.read_header(slot).map_err(TakeError::Ring).and_then(|(header, info)| {
+            send(self.geometry.frame_offset(slot), &info).map_err(TakeError::Sink)?;
             self.recheck(slot, &header)?;
-            decode_body(info, frame, checksum).map_err(|source| RingError::Span { slot, source })?;
             Ok(info)
         });
-        match taken {
+        match sent {
             Ok(info) => {
                 self.release(slot);
                 Ok(Some((info, slot)))

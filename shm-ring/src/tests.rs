@@ -259,3 +259,45 @@ fn a_memfd_ring_round_trips_in_one_process() {
     let span = reader.take(soon(), None).unwrap();
     assert_eq!(span.manifest, m);
 }
+
+#[test]
+fn a_forwarded_frame_is_taken_whole_by_the_next_ring_and_its_slot_comes_back() {
+    let (near, far) = (HeapRing::new(2, 64 << 10), HeapRing::new(2, 64 << 10));
+    let (mut node, mut producer) = near.ends(3);
+    let (mut host, mut relay) = far.ends(3);
+    let (base, len) = node.data_region();
+    // More frames than slots: each forward must hand its slot back.
+    for i in 0..5u64 {
+        let m = manifest(i, i * 4, 1 + i);
+        producer.write_span(&m, soon(), |p| p.copy_from_slice(&pattern(p.len() as u64, i as u8))).unwrap();
+        let mut slot = relay.reserve(soon()).unwrap();
+        let (info, _) = node
+            .forward_frame(|offset, info| {
+                assert!(offset + info.frame_len <= len as u64);
+                // SAFETY: in bounds (above), and nothing writes the near ring while this runs.
+                let frame =
+                    unsafe { std::slice::from_raw_parts(base.as_ptr().add(offset as usize), info.frame_len as usize) };
+                slot.frame_mut()[..frame.len()].copy_from_slice(frame);
+                Ok::<(), std::io::Error>(())
+            })
+            .unwrap()
+            .unwrap();
+        assert_eq!(info.sequence, i);
+        slot.commit();
+        let span = host.try_take().unwrap().unwrap();
+        assert_eq!(span.manifest, m);
+        assert_eq!(span.payload, &pattern(m.payload_len(), i as u8)[..]);
+    }
+}
+
+#[test]
+fn a_forward_that_fails_poisons_the_ring() {
+    let ring = HeapRing::new(2, 64 << 10);
+    let (mut node, mut producer) = ring.ends(1);
+    assert!(node.forward_frame(|_, _| Ok::<(), std::io::Error>(())).unwrap().is_none(), "nothing committed yet");
+    let m = manifest(1, 0, 3);
+    producer.write_span(&m, soon(), |p| p.fill(7)).unwrap();
+    let failed = node.forward_frame(|_, _| Err(std::io::Error::other("the transfer broke")));
+    assert!(matches!(failed, Err(crate::TakeError::Sink(_))), "{failed:?}");
+    assert!(matches!(node.poll_next(), Err(RingError::Poisoned)));
+}

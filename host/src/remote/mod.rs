@@ -76,11 +76,13 @@ pub enum Fault {
     NotificationOnly,
     /// Writes the first frame into the other slot and says so.
     WrongSlot,
-    /// Announces the first frame with the epoch before the session's.
+    /// Runs the session's producer at the epoch before the session's, so that every frame it writes is
+    /// stale: a late frame of an earlier producer.
     StaleEpoch,
     /// Writes and announces only the first half of the first frame.
     Truncate,
-    /// Flips the last byte of the first frame's payload before writing it, as a bad link might.
+    /// Writes the first frame, then overwrites the last 8 bytes of its payload with its first 8 (the
+    /// header's magic) in a second WRITE that carries the notification, as a bad link might.
     Corrupt,
 }
 

@@ -3,10 +3,11 @@
 //! Each connection is one relay's session, on a thread of its own. The session starts a producer
 //! exactly as the host's supervisor does (same ABI, same sandbox, same deadlines), on a ring the node
 //! creates at the epoch the relay's ring carries, with no restarts: a failure ends the session, and the
-//! host's supervisor starts a new relay, which opens a new one. For each prefill the node takes the
-//! frame from its ring (checked as the host would check it) into a staging buffer registered with NIXL,
-//! WRITEs it into the relay's slot with a [`FrameNotice`] as the notification, waits for the transfer,
-//! and replies `Done`.
+//! host's supervisor starts a new relay, which opens a new one. The ring's data segment is registered
+//! with NIXL, so frames go from where the backend wrote them: for each prefill the node reads the
+//! frame's header once and checks it, WRITEs the frame from its slot into the relay's slot with a
+//! [`FrameNotice`] as the notification, waits for the transfer, hands the slot back and replies `Done`.
+//! The payload is not copied or checksummed here: the host does both, as for any producer.
 
 use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
@@ -18,7 +19,7 @@ use pdhost_producer::protocol::{
     self, FrameNotice, FromProducer, Hello, LayerDesc, RemoteFailure, ToNode, LINK_VERSION,
 };
 use shm_format::ring::RingGeometry;
-use shm_format::KvGeometry;
+use shm_format::{HeaderInfo, KvGeometry};
 
 use super::Fault;
 use crate::supervisor::{Producer, ProducerError, ProducerSpec, RestartPolicy};
@@ -161,7 +162,9 @@ fn run_session(stream: &TcpStream, config: &NodeConfig, session: u64) -> Result<
         identity: None,
     };
     let mut producer = Producer::new(spec, geometry);
-    producer.set_next_epoch(hello.epoch);
+    // A stale frame is one that a producer of an earlier epoch wrote.
+    let stale = config.fault == Some(Fault::StaleEpoch);
+    producer.set_next_epoch(if stale { hello.epoch.wrapping_sub(1) } else { hello.epoch });
     if let Err(e) = producer.start() {
         let (stage, status, message) = match e {
             ProducerError::StartFailed { stage, status, message, .. } => (stage, status, message),
@@ -169,7 +172,7 @@ fn run_session(stream: &TcpStream, config: &NodeConfig, session: u64) -> Result<
         };
         return Err(refuse(stream, &stage, status, message));
     }
-    let transfer = Transfer::new(&hello, ring, session).map_err(|e| refuse(stream, "nixl", 0, e))?;
+    let transfer = Transfer::new(&hello, ring, &producer, session).map_err(|e| refuse(stream, "nixl", 0, e))?;
     let described = producer.described().expect("started").clone();
     protocol::send(stream, &FromProducer::Ready(described))?;
     let served = serve_requests(stream, config, &mut producer, transfer);
@@ -177,33 +180,35 @@ fn run_session(stream: &TcpStream, config: &NodeConfig, session: u64) -> Result<
     served
 }
 
-/// The node's side of the transfers of one session.
+/// The node's side of the transfers of one session. Frames go from where the backend wrote them: the
+/// producer's ring data segment is registered with NIXL, and each WRITE reads its slot in place.
 struct Transfer {
-    /// Declared (so dropped) before the memory it names.
-    registration: Registration,
-    /// Where frames are taken to and written from.
-    staging: Vec<u8>,
+    /// Declared (so dropped) before the producer's ring, which `serve_requests` outlives.
+    frames: Registration,
+    /// The region `frames` registers, to check before each WRITE that the producer still writes there.
+    region: (std::ptr::NonNull<u8>, usize),
     endpoint: Endpoint,
     peer: String,
     ring: RingGeometry,
     data_addr: u64,
-    epoch: u64,
 }
 
 impl Transfer {
-    fn new(hello: &Hello, ring: RingGeometry, session: u64) -> Result<Transfer, String> {
+    fn new(hello: &Hello, ring: RingGeometry, producer: &Producer, session: u64) -> Result<Transfer, String> {
         let runtime = Runtime::fetch(&model::registry::home()).map_err(|e| e.to_string())?;
         runtime.load().map_err(|e| e.to_string())?;
         let endpoint =
             Endpoint::new(&format!("pdhost-node-{}-s{session}", std::process::id())).map_err(|e| e.to_string())?;
-        let mut staging = shm_ring::prefaulted(ring.frame_capacity() as usize);
-        // SAFETY: `staging` lives in this struct beside the registration and is dropped after it (field
-        // order), and a Vec's heap buffer does not move with it; no peer has this endpoint's metadata, so nothing writes it from outside, and this
-        // process writes it only between transfers (`take_whole_frame`, then a WRITE waited for).
-        let registration =
-            unsafe { endpoint.register(staging.as_mut_ptr(), staging.len()) }.map_err(|e| e.to_string())?;
+        let region = producer.data_region().ok_or("the producer is not running")?;
+        // SAFETY: the ring's mapping stays while its producer runs, and the producer runs until after
+        // this registration is dropped: `run_session` shuts it down only once `serve_requests`, which
+        // owns this `Transfer`, has returned, and with no restarts allowed it gets no new ring before
+        // (`forward` checks). The mapping is read-only here and only WRITEs read it: no peer gets this
+        // endpoint's metadata, and this process forms no reference over it.
+        let frames =
+            unsafe { endpoint.register(region.0.as_ptr(), region.1) }.map_err(|e| e.to_string())?;
         let peer = endpoint.add_peer(&hello.agent_metadata).map_err(|e| e.to_string())?;
-        Ok(Transfer { endpoint, peer, staging, registration, ring, data_addr: hello.data_addr, epoch: hello.epoch })
+        Ok(Transfer { frames, region, endpoint, peer, ring, data_addr: hello.data_addr })
     }
 }
 
@@ -214,7 +219,7 @@ fn serve_requests(
     stream: &TcpStream,
     config: &NodeConfig,
     producer: &mut Producer,
-    mut transfer: Transfer,
+    transfer: Transfer,
 ) -> Result<(), SessionError> {
     let mut fault = config.fault;
     loop {
@@ -259,63 +264,73 @@ fn serve_requests(
             Err(e) => return Err(broken(e.to_string())),
         };
         let (backend_ns, frame_ns) = pending.producer_ns();
-        let (info, _) = producer.take_whole_frame(pending, &mut transfer.staging).map_err(|e| broken(e.to_string()))?;
+        if producer.data_region() != Some(transfer.region) {
+            return Err(broken("the producer's ring is not the one registered for this session".into()));
+        }
         let injected = fault.take();
         if injected == Some(Fault::DropConnection) {
             return Err(SessionError::Refused("fault injected: connection dropped".into()));
         }
-        if injected == Some(Fault::Corrupt) {
-            transfer.staging[info.frame_len as usize - 1] ^= 0xff;
+        let forwarded = producer.forward_frame(pending, |offset, info| transfer.send(offset, slot, info, injected));
+        match forwarded {
+            Ok(_) => {}
+            Err(ProducerError::Remote { failure, message, .. }) => {
+                let _ = protocol::send(stream, &FromProducer::Remote { request_id, failure, message: message.clone() });
+                return Err(SessionError::Refused(message));
+            }
+            Err(e) => return Err(broken(e.to_string())),
         }
-        transfer.send(slot, sequence, info.frame_len, injected).map_err(|e| {
-            let _ = protocol::send(
-                stream,
-                &FromProducer::Remote { request_id, failure: RemoteFailure::Transfer, message: e.clone() },
-            );
-            SessionError::Refused(e)
-        })?;
         protocol::send(stream, &FromProducer::Done { request_id, sequence, backend_ns, frame_ns })?;
     }
 }
 
 impl Transfer {
-    /// WRITEs the staged frame of `frame_len` bytes into the relay's `slot`, announced by a notice, and
-    /// waits for the transfer (or does what `fault` says instead).
-    fn send(&self, slot: u32, sequence: u64, frame_len: u64, fault: Option<Fault>) -> Result<(), String> {
-        let (mut slot_to, mut epoch, mut len) = (slot, self.epoch, frame_len);
+    /// WRITEs the frame at `offset` in the producer's ring into the relay's `slot`, announced by a
+    /// notice, and waits for the transfer (or does what `fault` says instead).
+    fn send(&self, offset: u64, slot: u32, frame: &HeaderInfo, fault: Option<Fault>) -> Result<(), String> {
+        let (mut slot_to, mut len) = (slot, frame.frame_len);
         match fault {
             Some(Fault::WrongSlot) => slot_to = (slot + 1) % self.ring.slot_count(),
-            Some(Fault::StaleEpoch) => epoch -= 1,
-            Some(Fault::Truncate) => len = frame_len / 2,
+            Some(Fault::Truncate) => len = frame.frame_len / 2,
             _ => {}
         }
-        let notice = FrameNotice { epoch, sequence, slot: slot_to, frame_len: len }.encode();
-        let remote = self.data_addr + self.ring.frame_offset(slot_to);
-        let transfer = match fault {
-            Some(Fault::NotificationOnly) => {
-                return self.endpoint.notify(&self.peer, &notice).map_err(|e| e.to_string());
+        let notice =
+            FrameNotice { epoch: frame.producer_epoch, sequence: frame.sequence, slot: slot_to, frame_len: len }
+                .encode();
+        let (at, remote) = (offset as usize, self.data_addr + self.ring.frame_offset(slot_to));
+        let write = |at: usize, remote: u64, len: u64, notice: Option<&[u8]>| {
+            match notice {
+                Some(notice) => self.endpoint.write(&self.peer, &self.frames, at, remote, len as usize, notice),
+                None => self.endpoint.write_silently(&self.peer, &self.frames, at, remote, len as usize),
             }
-            Some(Fault::NoNotification) => {
-                self.endpoint.write_silently(&self.peer, &self.registration, 0, remote, len as usize)
+            .map_err(|e| e.to_string())
+        };
+        match fault {
+            Some(Fault::NotificationOnly) => self.endpoint.notify(&self.peer, &notice).map_err(|e| e.to_string()),
+            Some(Fault::NoNotification) => wait(write(at, remote, len, None)?, frame.sequence),
+            Some(Fault::Corrupt) => {
+                wait(write(at, remote, len, None)?, frame.sequence)?;
+                wait(write(at, remote + len - 8, 8, Some(&notice))?, frame.sequence)
             }
-            _ => self.endpoint.write(&self.peer, &self.registration, 0, remote, len as usize, &notice),
-        }
-        .map_err(|e| e.to_string())?;
-        if fault == Some(Fault::Exit) {
-            std::process::exit(9);
-        }
-        let deadline = Instant::now() + TRANSFER_WAIT;
-        let mut pause = Duration::from_micros(20);
-        while !transfer.done().map_err(|e| e.to_string())? {
-            if Instant::now() > deadline {
-                return Err(format!(
-                    "frame {sequence}: the transfer did not complete within {} s",
-                    TRANSFER_WAIT.as_secs()
-                ));
+            Some(Fault::Exit) => {
+                let _in_flight = write(at, remote, len, Some(&notice))?;
+                std::process::exit(9)
             }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
+            _ => wait(write(at, remote, len, Some(&notice))?, frame.sequence),
         }
-        Ok(())
     }
+}
+
+/// Waits for `transfer` (of frame `sequence`) to complete, within [`TRANSFER_WAIT`].
+fn wait(transfer: pdhost_nixl::Transfer<'_>, sequence: u64) -> Result<(), String> {
+    let deadline = Instant::now() + TRANSFER_WAIT;
+    let mut pause = Duration::from_micros(20);
+    while !transfer.done().map_err(|e| e.to_string())? {
+        if Instant::now() > deadline {
+            return Err(format!("frame {sequence}: the transfer did not complete within {} s", TRANSFER_WAIT.as_secs()));
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(1));
+    }
+    Ok(())
 }

@@ -311,6 +311,17 @@ fn deliver(
         sequence: coords.sequence,
         slot_capacity: capacity,
     };
+    if let Ok(info) = HeaderInfo::parse(&header) {
+        if info.producer_epoch != epoch {
+            return Err((
+                RemoteFailure::StaleEpoch,
+                format!(
+                    "slot {index}: expected frame {} of epoch {epoch}, found a frame of epoch {} (a stale frame)",
+                    coords.sequence, info.producer_epoch
+                ),
+            ));
+        }
+    }
     let info = HeaderInfo::parse(&header).and_then(|info| expect.check(&info).map(|()| info)).map_err(|e| {
         (
             RemoteFailure::NotificationWithoutData,
