@@ -189,10 +189,11 @@ impl Prefilling {
         self.prefilled.report.fallback.take()
     }
 
-    /// Notes the producer's layout and wire dtype for the report.
+    /// Notes the producer's layout, wire dtype and transport for the report.
     pub fn remote_by(&mut self, producer: &Producer) {
         self.prefilled.report.layout = producer.layout();
         self.prefilled.report.wire_dtype = producer.wire_dtype();
+        self.prefilled.report.transport = producer.described().and_then(|d| d.transport.clone());
     }
 }
 
@@ -209,6 +210,9 @@ pub struct PrefillReport {
     pub layout: Option<&'static str>,
     /// The element type of the producer's spans.
     pub wire_dtype: Option<Dtype>,
+    /// The UCX transport a producer on another machine sent its spans by (`tcp/lo`), as its node
+    /// reported it.
+    pub transport: Option<String>,
     /// Why the producer's prefill was replaced by a local one.
     pub fallback: Option<ProducerError>,
     /// Remote costs, summed over the spans.

@@ -1380,7 +1380,6 @@ pub fn builtin_backend(name: &str) -> Result<PathBuf, MissingBackend> {
     }
 }
 
-
 /// Why a forwarded frame's transfer failed, as the ring's sink error.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]

@@ -145,6 +145,9 @@ fn remote_prefill_equals_local_bit_for_bit_dense_grouped_and_chunked() {
                 let what = format!("{model} {backend} {chunking:?}");
                 assert_eq!(remote["prefill"]["where"], "remote", "{what}");
                 assert_eq!(remote["prefill"]["layout"], layout, "{what}");
+                // As UCX reported its choice to the node: UCX_TLS=tcp on loopback.
+                assert_eq!(remote["prefill"]["transport"], "tcp/lo", "{what}");
+                assert_eq!(local["prefill"]["transport"], serde_json::Value::Null, "{what}");
                 assert_eq!(remote["output_ids"], local["output_ids"], "{what}");
                 assert_eq!(remote["logits_xxh3"], local["logits_xxh3"], "{what}: logits bit-identical to local");
                 // Prefill covers all but the last prompt token, which the first decode step reads.

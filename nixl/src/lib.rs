@@ -7,15 +7,18 @@
 //! - [`Endpoint`]: one NIXL agent with a UCX backend: memory registration, the metadata two agents
 //!   exchange, a WRITE into a peer's registered memory with a notification, and the notifications
 //!   received.
+//! - [`ProtoLog`]: which UCX transport a WRITE took, as UCX reports its own protocol selection.
 //!
-//! Nothing in pdhost's serving path uses it yet; docs/notes/nixl-sys-1.5.md says what was measured and
-//! how the remote producer is meant to use it. The whole crate is behind the `nixl` feature, so the
-//! default build needs no libclang.
+//! The host's relay and the producer node (`pdhost::remote`) are built on it; docs/notes/nixl-sys-1.5.md
+//! says what was measured. The whole crate is behind the `nixl` feature, so the default build needs no
+//! libclang.
 
 #![cfg(feature = "nixl")]
 
 mod endpoint;
 mod runtime;
+mod transports;
 
 pub use endpoint::{Endpoint, NixlFailure, Registration, Transfer};
 pub use runtime::{Runtime, RuntimeError, REQUIREMENT, WHEEL_SHA256};
+pub use transports::ProtoLog;

@@ -223,6 +223,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
             "prefill": {"where": where_, "producer": report.producer.as_deref().unwrap_or("local"),
                         "layout": if report.remote { report.layout } else { None },
                         "wire_dtype": report.wire_dtype.filter(|_| report.remote).map(|d| d.name()),
+                        "transport": report.transport.as_deref().filter(|_| report.remote),
                         "spans": gen.spans, "bytes": gen.bytes,
                         "fallback_reason": fallback,
                         "fallback_kind": report.fallback.as_ref().map(|e| e.kind()),

@@ -30,6 +30,8 @@ fn serve(
     timeout: std::time::Duration,
 ) -> anyhow::Result<ExitCode> {
     use anyhow::Context;
+    // First, while this is the only thread: UCX reads these variables when it loads.
+    let protocols = pdhost_nixl::ProtoLog::capture().context("capturing UCX's protocol report")?;
     // The runtime before the first relay arrives: a first fetch takes a while, and a failed one is
     // better said now.
     pdhost_nixl::Runtime::fetch(&model::registry::home()).context("fetching NIXL's runtime")?;
@@ -47,6 +49,7 @@ fn serve(
         memory_limit: Some(memory_limit),
         timeout,
         fault: args.fault,
+        protocols: protocols.map(std::sync::Arc::new),
     };
     println!("listening on {addr} (backend {name}; hosts use --producer nixl://{addr}/{name})");
     use std::io::Write;

@@ -13,7 +13,7 @@ use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use pdhost_nixl::{Endpoint, Registration, Runtime};
+use pdhost_nixl::{Endpoint, ProtoLog, Registration, Runtime};
 use pdhost_plugin_abi::PdhostStatus;
 use pdhost_producer::protocol::{
     self, FrameNotice, FromProducer, Hello, LayerDesc, RemoteFailure, ToNode, LINK_VERSION,
@@ -45,6 +45,8 @@ pub struct NodeConfig {
     pub timeout: Duration,
     /// A fault to inject, for tests.
     pub fault: Option<Fault>,
+    /// Where UCX reports the transports it chooses, if it does ([`ProtoLog::capture`]).
+    pub protocols: Option<std::sync::Arc<ProtoLog>>,
 }
 
 /// Serves relays on `listener` until the process ends: one thread per connection.
@@ -173,7 +175,11 @@ fn run_session(stream: &TcpStream, config: &NodeConfig, session: u64) -> Result<
         return Err(refuse(stream, &stage, status, message));
     }
     let transfer = Transfer::new(&hello, ring, &producer, session).map_err(|e| refuse(stream, "nixl", 0, e))?;
-    let described = producer.described().expect("started").clone();
+    transfer.warm_up().map_err(|e| refuse(stream, "nixl", 0, e))?;
+    let mut described = producer.described().expect("started").clone();
+    described.transport = config.protocols.as_ref().and_then(|log| log.write_transport(&transfer.agent));
+    let transport = described.transport.as_deref().unwrap_or("not reported (UCX_PROTO_INFO or UCX_LOG_FILE set)");
+    tracing::info!(session, transport, "frames go by UCX");
     protocol::send(stream, &FromProducer::Ready(described))?;
     let served = serve_requests(stream, config, &mut producer, transfer);
     producer.shutdown();
@@ -188,6 +194,8 @@ struct Transfer {
     /// The region `frames` registers, to check before each WRITE that the producer still writes there.
     region: (std::ptr::NonNull<u8>, usize),
     endpoint: Endpoint,
+    /// The endpoint's agent name, as UCX's reports name it.
+    agent: String,
     peer: String,
     ring: RingGeometry,
     data_addr: u64,
@@ -197,18 +205,17 @@ impl Transfer {
     fn new(hello: &Hello, ring: RingGeometry, producer: &Producer, session: u64) -> Result<Transfer, String> {
         let runtime = Runtime::fetch(&model::registry::home()).map_err(|e| e.to_string())?;
         runtime.load().map_err(|e| e.to_string())?;
-        let endpoint =
-            Endpoint::new(&format!("pdhost-node-{}-s{session}", std::process::id())).map_err(|e| e.to_string())?;
+        let agent = format!("pdhost-node-{}-s{session}", std::process::id());
+        let endpoint = Endpoint::new(&agent).map_err(|e| e.to_string())?;
         let region = producer.data_region().ok_or("the producer is not running")?;
         // SAFETY: the ring's mapping stays while its producer runs, and the producer runs until after
         // this registration is dropped: `run_session` shuts it down only once `serve_requests`, which
         // owns this `Transfer`, has returned, and with no restarts allowed it gets no new ring before
         // (`forward` checks). The mapping is read-only here and only WRITEs read it: no peer gets this
         // endpoint's metadata, and this process forms no reference over it.
-        let frames =
-            unsafe { endpoint.register(region.0.as_ptr(), region.1) }.map_err(|e| e.to_string())?;
+        let frames = unsafe { endpoint.register(region.0.as_ptr(), region.1) }.map_err(|e| e.to_string())?;
         let peer = endpoint.add_peer(&hello.agent_metadata).map_err(|e| e.to_string())?;
-        Ok(Transfer { frames, region, endpoint, peer, ring, data_addr: hello.data_addr })
+        Ok(Transfer { frames, region, endpoint, agent, peer, ring, data_addr: hello.data_addr })
     }
 }
 
@@ -285,6 +292,15 @@ fn serve_requests(
 }
 
 impl Transfer {
+    /// A first WRITE, before the Ready reply: UCX connects and chooses its protocols now, not during the
+    /// first prefill's transfer. It copies slot 0's header bytes over the relay's slot 0, which holds no
+    /// frame yet (nothing is committed before the first prefill) and is read only after a notice.
+    fn warm_up(&self) -> Result<(), String> {
+        let (at, len) = (self.ring.frame_offset(0), shm_format::HEADER_LEN);
+        let write = self.endpoint.write_silently(&self.peer, &self.frames, at as usize, self.data_addr + at, len);
+        wait(write.map_err(|e| e.to_string())?, 0)
+    }
+
     /// WRITEs the frame at `offset` in the producer's ring into the relay's `slot`, announced by a
     /// notice, and waits for the transfer (or does what `fault` says instead).
     fn send(&self, offset: u64, slot: u32, frame: &HeaderInfo, fault: Option<Fault>) -> Result<(), String> {
@@ -327,7 +343,10 @@ fn wait(transfer: pdhost_nixl::Transfer<'_>, sequence: u64) -> Result<(), String
     let mut pause = Duration::from_micros(20);
     while !transfer.done().map_err(|e| e.to_string())? {
         if Instant::now() > deadline {
-            return Err(format!("frame {sequence}: the transfer did not complete within {} s", TRANSFER_WAIT.as_secs()));
+            return Err(format!(
+                "frame {sequence}: the transfer did not complete within {} s",
+                TRANSFER_WAIT.as_secs()
+            ));
         }
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(1));

@@ -501,6 +501,7 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
         "producer": report.producer.as_deref().unwrap_or("local"),
         "layout": if report.remote { report.layout } else { None },
         "wire_dtype": report.wire_dtype.filter(|_| report.remote).map(|d| d.name()),
+        "transport": report.transport.as_deref().filter(|_| report.remote),
         "spans": gen.spans, "bytes": gen.bytes,
         "prefix_hit_tokens": report.prefix_hit,
         "fallback_reason": report.fallback.as_ref().map(|e| format!("{}: {e}", e.kind())),

@@ -457,6 +457,7 @@ fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
             .collect(),
         identity,
         capabilities,
+        transport: None,
     };
     let described_wrong = |e: protocol::BadDescription| bad(e.to_string());
     let geometry = described.geometry().map_err(described_wrong)?;

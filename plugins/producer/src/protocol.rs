@@ -76,6 +76,10 @@ pub struct Described {
     pub identity: Option<String>,
     /// What it can do (ABI 1.2); all zero when it does not say.
     pub capabilities: CapabilitiesDesc,
+    /// How its spans reach the host when it runs on another machine: the UCX transport of its node's
+    /// WRITEs (`tcp/lo`), as UCX reported its own choice. `None` for a local producer, or where the
+    /// node could not tell.
+    pub transport: Option<String>,
 }
 
 /// A backend's capabilities, as `PdhostCapabilities` gives them.

@@ -67,14 +67,6 @@ fn gbs(mib: f64, ms: f64) -> f64 {
     mib * (1 << 20) as f64 / (ms * 1e6)
 }
 
-/// The UCX transports a relay may use, as the environment restricts them.
-fn ucx_transport() -> String {
-    match std::env::var("UCX_TLS") {
-        Ok(tls) => format!("UCX_TLS={tls}"),
-        Err(_) => "UCX's own choice (UCX_TLS unset)".to_string(),
-    }
-}
-
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
@@ -147,6 +139,8 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         ring.start()?;
     }
     let layout = producer.layout().unwrap_or("?");
+    // The UCX transport of the node's WRITEs, as UCX reported its choice to the node.
+    let transport = producer.described().and_then(|d| d.transport.clone());
 
     let mut rows = Vec::new();
     for &n in &args.tokens {
@@ -227,7 +221,11 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     drop(producer);
     drop(ring);
     // Where the span's bytes travel, and the transport's figures beside the ring's and memcpy's.
-    let path = if node.is_some() { format!("NIXL, {}", ucx_transport()) } else { "shared memory".to_string() };
+    let path = match (&node, &transport) {
+        (Some(_), Some(transport)) => format!("NIXL, UCX over {transport}"),
+        (Some(_), None) => "NIXL, UCX over a transport the node did not report".to_string(),
+        (None, _) => "shared memory".to_string(),
+    };
     let transfer = |r: &Row| {
         json!({"pd_gb_s": gbs(r.span_mib, r.ipc + r.take), "pd_ms": r.ipc + r.take,
                "ring_gb_s": r.ring.map(|(_, ipc, take)| gbs(r.span_mib, ipc + take)),
@@ -256,7 +254,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         outln!(
             "{}",
             json!({"bench": "pd", "model": args.model, "producer": name, "layout": layout, "kv_dtype": dtype.name(),
-                   "span_path": path,
+                   "span_path": path, "ucx_transport": transport,
                    "threads": threads, "iters": args.iters, "decode_tokens": args.decode_tokens, "results": results,
                    "kv_error": {"prompt_tokens": longest, "layers": layers}})
         )?;
