@@ -23,6 +23,7 @@ use pdhost_producer::protocol::{self, BadDescription, Described, FromProducer, R
 use rustix::event::{PollFd, PollFlags};
 use shm_format::ring::RingGeometry;
 use shm_format::{words, Dtype, Fingerprint, KvGeometry, LayerKv};
+use shm_ring::segment::memfd::MemfdSegment;
 use shm_ring::{create_ring, HostRing, RingError, TakeError};
 
 use crate::kv::{IngestError, IntoSequence, PagedKv, SeqId};
@@ -1270,14 +1271,28 @@ impl Producer {
         })
     }
 
-    /// The running process's ring data segment, as [`shm_ring::RingReader::data_region`] gives it: what
-    /// a producer node registers with NIXL to send frames from. A new process gets a new ring.
-    pub fn data_region(&self) -> Option<(std::ptr::NonNull<u8>, usize)> {
-        self.running.as_ref().map(|running| running.ring.data_region())
+    /// A mapping of the running process's ring data segment of the caller's own, read-only, which
+    /// outlives the process and its ring: what a producer node registers with NIXL to send frames from,
+    /// at the offsets [`Producer::forward_frame`] gives. A new process gets a new ring.
+    pub fn map_data_segment(&self) -> Result<MemfdSegment, ProducerError> {
+        let running = self.running.as_ref().ok_or_else(|| ProducerError::Protocol {
+            name: self.spec.name.clone(),
+            expected: "a running process".into(),
+            found: "none".into(),
+        })?;
+        let [_, data, ..] = running.ring.peer_fds();
+        let fd = data.try_clone_to_owned().map_err(self.io("duplicating the ring's data segment"))?;
+        let len = running.ring.geometry().data_len();
+        MemfdSegment::open(&format!("pdhost-{}.data", self.spec.name), fd, len, false).map_err(|e| ProducerError::Io {
+            name: self.spec.name.clone(),
+            op: "mapping the ring's data segment",
+            source: std::io::Error::other(e),
+        })
     }
 
     /// Passes the frame that `pending`'s reply announced on where it lies: its header read once and
-    /// checked, then `send(offset, header)` with its offset in [`Producer::data_region`], then the
+    /// checked, then `send(offset, header)` with its offset in the data segment
+    /// ([`Producer::map_data_segment`]), then the
     /// re-checks, then the slot handed back (see [`shm_ring::RingReader::forward_frame`]). What a producer
     /// node does with each frame; the host that receives it checks the rest. Returns the frame's header
     /// and its slot. On failure the producer is killed, as after a failed take; a failed `send` is a

@@ -67,6 +67,13 @@ impl Node {
         (count("fd"), count("task"), children)
     }
 
+    /// Ring segments still mapped in the node: each session maps one ring, whose data segment it
+    /// registers with NIXL, and must unmap it when it ends.
+    fn mapped_rings(&self) -> usize {
+        let maps = std::fs::read_to_string(format!("/proc/{}/maps", self.child.id())).unwrap();
+        maps.lines().filter(|l| l.contains("memfd:pdhost-")).count()
+    }
+
     /// Waits until the node's sessions are over: one thread and no children left.
     fn settled(&self) -> (usize, usize, usize) {
         for _ in 0..200 {
@@ -159,6 +166,7 @@ fn remote_prefill_equals_local_bit_for_bit_dense_grouped_and_chunked() {
         let (fds, threads, children) = node.settled();
         assert_eq!((threads, children), (1, 0), "{backend}: the node's sessions are over");
         assert!(fds <= 8, "{backend}: the node holds {fds} descriptors after its sessions");
+        assert_eq!(node.mapped_rings(), 0, "{backend}: a session's ring is still mapped (and registered)");
     }
 }
 
@@ -190,6 +198,7 @@ fn every_link_failure_is_typed_and_lands_nothing() {
             let after = node.settled();
             assert_eq!((after.1, after.2), (1, 0), "{fault}: the session is over");
             assert!(after.0 <= before.0 + 1, "{fault}: descriptors {before:?} -> {after:?}");
+            assert_eq!(node.mapped_rings(), 0, "{fault}: the session's ring is still mapped (and registered)");
         }
     }
 }

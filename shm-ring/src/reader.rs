@@ -333,17 +333,9 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         }
     }
 
-    /// The data segment's mapping in this process, read-only here (the producer writes it), for a
-    /// transfer engine that sends frames from where they lie: a producer node registers it with NIXL
-    /// and [`RingReader::forward_frame`]s each frame into a host's slot. Nothing in this process may
-    /// form a reference over it.
-    pub fn data_region(&self) -> (std::ptr::NonNull<u8>, usize) {
-        (self.data.base(), self.data.len())
-    }
-
     /// Passes the next frame on where it lies, if it is committed (`Ok(None)` if not yet): the header
     /// read once and checked as [`RingReader::try_take`] checks it, then `send(offset, info)` with the
-    /// frame's offset in the data segment (see [`RingReader::data_region`]), then the re-checks (header
+    /// frame's offset in the data segment, then the re-checks (header
     /// unchanged, commit word still the grant), then the slot handed back. Returns the frame's header and
     /// its slot.
     ///

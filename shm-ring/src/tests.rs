@@ -265,7 +265,7 @@ fn a_forwarded_frame_is_taken_whole_by_the_next_ring_and_its_slot_comes_back() {
     let (near, far) = (HeapRing::new(2, 64 << 10), HeapRing::new(2, 64 << 10));
     let (mut node, mut producer) = near.ends(3);
     let (mut host, mut relay) = far.ends(3);
-    let (base, len) = node.data_region();
+    let (base, len) = (near.data.base(), near.data.len());
     // More frames than slots: each forward must hand its slot back.
     for i in 0..5u64 {
         let m = manifest(i, i * 4, 1 + i);

@@ -16,8 +16,9 @@
 //!   any byte of that segment at any time, and nothing else. The host process never loads NIXL.
 //! - The [`node`] (`pdhost producer-node`) runs on the prefill machine. Per connection it starts a
 //!   producer exactly as the host's supervisor does, on a ring of its own at the epoch the relay's ring
-//!   carries, so that frames carry the coordinates the host expects. It takes each frame (checked, as
-//!   the host would) into a registered staging buffer and WRITEs it into the relay's slot, with a
+//!   carries, so that frames carry the coordinates the host expects. That ring's data segment is
+//!   registered with NIXL: each frame goes from the slot the backend wrote it in (its header checked
+//!   first) into the relay's slot, in one WRITE with a
 //!   [`FrameNotice`](pdhost_producer::protocol::FrameNotice) as the notification.
 //! - A failure of the link ends the relay with a typed [`RemoteFailure`]
 //!   (pdhost_producer::protocol::RemoteFailure); the supervisor restarts it with backoff, at a new

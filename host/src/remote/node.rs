@@ -20,6 +20,8 @@ use pdhost_producer::protocol::{
 };
 use shm_format::ring::RingGeometry;
 use shm_format::{HeaderInfo, KvGeometry};
+use shm_ring::segment::memfd::MemfdSegment;
+use shm_ring::segment::Segment;
 
 use super::Fault;
 use crate::supervisor::{Producer, ProducerError, ProducerSpec, RestartPolicy};
@@ -189,10 +191,12 @@ fn run_session(stream: &TcpStream, config: &NodeConfig, session: u64) -> Result<
 /// The node's side of the transfers of one session. Frames go from where the backend wrote them: the
 /// producer's ring data segment is registered with NIXL, and each WRITE reads its slot in place.
 struct Transfer {
-    /// Declared (so dropped) before the producer's ring, which `serve_requests` outlives.
+    /// Declared (so dropped) before the mapping it names.
     frames: Registration,
-    /// The region `frames` registers, to check before each WRITE that the producer still writes there.
-    region: (std::ptr::NonNull<u8>, usize),
+    /// The node's own read-only mapping of the producer's ring data segment, which outlives the
+    /// producer (a failed one is killed and its ring unmapped before the session ends). A session
+    /// allows no restart, so its producer never moves to another ring.
+    _mapping: MemfdSegment,
     endpoint: Endpoint,
     /// The endpoint's agent name, as UCX's reports name it.
     agent: String,
@@ -207,15 +211,13 @@ impl Transfer {
         runtime.load().map_err(|e| e.to_string())?;
         let agent = format!("pdhost-node-{}-s{session}", std::process::id());
         let endpoint = Endpoint::new(&agent).map_err(|e| e.to_string())?;
-        let region = producer.data_region().ok_or("the producer is not running")?;
-        // SAFETY: the ring's mapping stays while its producer runs, and the producer runs until after
-        // this registration is dropped: `run_session` shuts it down only once `serve_requests`, which
-        // owns this `Transfer`, has returned, and with no restarts allowed it gets no new ring before
-        // (`forward` checks). The mapping is read-only here and only WRITEs read it: no peer gets this
-        // endpoint's metadata, and this process forms no reference over it.
-        let frames = unsafe { endpoint.register(region.0.as_ptr(), region.1) }.map_err(|e| e.to_string())?;
+        let mapping = producer.map_data_segment().map_err(|e| e.to_string())?;
+        // SAFETY: `mapping` lives in this struct beside the registration and is dropped after it (field
+        // order). It is read-only and only WRITEs read it: no peer gets this endpoint's metadata, and
+        // this process forms no reference over it.
+        let frames = unsafe { endpoint.register(mapping.base().as_ptr(), mapping.len()) }.map_err(|e| e.to_string())?;
         let peer = endpoint.add_peer(&hello.agent_metadata).map_err(|e| e.to_string())?;
-        Ok(Transfer { frames, region, endpoint, agent, peer, ring, data_addr: hello.data_addr })
+        Ok(Transfer { frames, _mapping: mapping, endpoint, agent, peer, ring, data_addr: hello.data_addr })
     }
 }
 
@@ -271,9 +273,6 @@ fn serve_requests(
             Err(e) => return Err(broken(e.to_string())),
         };
         let (backend_ns, frame_ns) = pending.producer_ns();
-        if producer.data_region() != Some(transfer.region) {
-            return Err(broken("the producer's ring is not the one registered for this session".into()));
-        }
         let injected = fault.take();
         if injected == Some(Fault::DropConnection) {
             return Err(SessionError::Refused("fault injected: connection dropped".into()));
