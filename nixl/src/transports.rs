@@ -1,69 +1,95 @@
 //! Which UCX transport a WRITE took, as UCX itself reports it.
 //!
 //! With `UCX_PROTO_INFO=y`, UCX prints the protocols it selects for each kind of operation the first
-//! time an endpoint performs it, as a table per selection; `UCX_LOG_FILE` sends that print to a file
-//! instead of stdout. [`ProtoLog::capture`] points both at an anonymous memory file of this process,
-//! and [`ProtoLog::write_transport`] reads what the selection for `ucp_put` (a NIXL WRITE) chose for
-//! one agent: `tcp/lo` over loopback TCP, `cma/memory` where UCX moves bytes between processes of one
-//! host itself.
+//! time an endpoint performs it, as a table per selection; `UCX_LOG_FILE` sends its log to a file
+//! instead of stdout. [`ProtoLog::capture`] points both at a pipe of this process, whose reader keeps
+//! the tables and passes every other line (UCX's warnings) on to stderr, and
+//! [`ProtoLog::write_transport`] reads what the selection for `ucp_put` (a NIXL WRITE) chose for one
+//! agent: `tcp/lo` over loopback TCP, `cma/memory` where UCX moves bytes between processes of one host
+//! itself.
 
-use std::fs::File;
-use std::os::fd::{AsRawFd, FromRawFd};
-use std::os::unix::fs::FileExt;
+use std::io::{BufRead, BufReader, PipeWriter};
+use std::os::fd::AsRawFd;
+use std::sync::{Arc, Mutex};
 
-/// The file UCX writes its protocol selections into.
+/// Where UCX's protocol selections go.
 #[derive(Debug)]
 pub struct ProtoLog {
-    file: File,
+    /// The selection tables UCX printed, the oldest dropped past [`KEPT`] bytes.
+    tables: Arc<Mutex<String>>,
+    /// Kept open for the process's life: UCX opens the pipe by this descriptor's path.
+    _writer: PipeWriter,
 }
 
 /// The title UCX gives the selection table of a NIXL WRITE from host memory.
 const PUT_TITLE: &str = "remote memory write by ucp_put";
+/// How many bytes of tables are kept: each session prints about 4 KiB, read at once.
+const KEPT: usize = 1 << 20;
 
 impl ProtoLog {
-    /// Has UCX report its protocol selections into a file of this process. `Ok(None)` where the user
-    /// set `UCX_PROTO_INFO` or `UCX_LOG_FILE` (their choice stands, and transports go unreported).
+    /// Has UCX report its protocol selections to this process. `Ok(None)` where the user set
+    /// `UCX_PROTO_INFO` or `UCX_LOG_FILE` (their choice stands, and transports go unreported).
     ///
     /// Call it before any other thread starts (it sets environment variables) and before the first
-    /// endpoint (UCX reads them when it loads). UCX's own warnings go to the same file from then on.
+    /// endpoint (UCX reads them when it loads).
     pub fn capture() -> std::io::Result<Option<ProtoLog>> {
         if std::env::var_os("UCX_PROTO_INFO").is_some() || std::env::var_os("UCX_LOG_FILE").is_some() {
             return Ok(None);
         }
-        // SAFETY: a C string literal and flags; the call returns a new descriptor or -1.
-        let fd = unsafe { libc::memfd_create(c"pdhost-ucx-protocols".as_ptr(), libc::MFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just created and nothing else owns it.
-        let file = unsafe { File::from_raw_fd(fd) };
+        let (reader, writer) = std::io::pipe()?;
         std::env::set_var("UCX_PROTO_INFO", "y");
-        std::env::set_var("UCX_LOG_FILE", format!("/proc/self/fd/{}", file.as_raw_fd()));
-        Ok(Some(ProtoLog { file }))
+        std::env::set_var("UCX_LOG_FILE", format!("/proc/self/fd/{}", writer.as_raw_fd()));
+        let tables = Arc::new(Mutex::new(String::new()));
+        let kept = Arc::clone(&tables);
+        std::thread::Builder::new().name("ucx-log".into()).spawn(move || {
+            for line in BufReader::new(reader).lines().map_while(Result::ok) {
+                match table_part(&line) {
+                    Some(row) => {
+                        let mut tables = kept.lock().unwrap_or_else(|e| e.into_inner());
+                        if tables.len() > KEPT {
+                            let half = tables.len() / 2;
+                            let cut = tables[half..].find('\n').map_or(tables.len(), |at| half + at + 1);
+                            tables.drain(..cut);
+                        }
+                        tables.push_str(row);
+                        tables.push('\n');
+                    }
+                    None => eprintln!("{line}"),
+                }
+            }
+        })?;
+        Ok(Some(ProtoLog { tables, _writer: writer }))
     }
 
     /// The transports UCX chose for `agent`'s WRITEs from host memory, as its selection table names
     /// them (`tcp/lo`; several joined with ` + ` where sizes differ), or `None` before its first WRITE.
     pub fn write_transport(&self, agent: &str) -> Option<String> {
-        // Positional reads: sessions on other threads may ask at the same time.
-        let (mut bytes, mut chunk) = (Vec::new(), vec![0u8; 64 << 10]);
-        loop {
-            match self.file.read_at(&mut chunk, bytes.len() as u64) {
-                Ok(0) => break,
-                Ok(n) => bytes.extend_from_slice(&chunk[..n]),
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(_) => return None,
+        // UCX prints a table before the WRITE that needed it completes, but the reader may not have
+        // it yet: a moment's grace.
+        for _ in 0..50 {
+            let found = put_transport(&self.tables.lock().unwrap_or_else(|e| e.into_inner()), agent);
+            if found.is_some() {
+                return found;
             }
+            std::thread::sleep(std::time::Duration::from_millis(2));
         }
-        put_transport(&String::from_utf8_lossy(&bytes), agent)
+        None
     }
 }
 
-/// Finds `agent`'s `ucp_put` selection table in UCX's log `text` and returns its transports.
-fn put_transport(text: &str, agent: &str) -> Option<String> {
-    // Each line: `[time] [host:pid:thread]   | cell | cell |` or a `+---+` rule.
-    let table = |line: &str| line.find(['|', '+']).map(|at| line[at..].trim_end().to_string());
-    let lines: Vec<String> = text.lines().filter_map(table).collect();
+/// A log line's table part (`| cell | cell |` or a `+---+` rule) after UCX's `[time] [host:pid:thread]`
+/// prefix, or `None` for any other line.
+fn table_part(line: &str) -> Option<&str> {
+    let rest = line.strip_prefix('[')?;
+    let rest = &rest[rest.find("] [")? + 3..];
+    let rest = rest[rest.find(']')? + 1..].trim_start();
+    rest.starts_with(['|', '+']).then(|| rest.trim_end())
+}
+
+/// Finds `agent`'s `ucp_put` selection table in `tables` (the table lines of UCX's log, one per line)
+/// and returns its transports.
+fn put_transport(tables: &str, agent: &str) -> Option<String> {
+    let lines: Vec<&str> = tables.lines().collect();
     let titled =
         |i: usize| lines[i].contains(&format!(" {agent} ")) && lines.get(i + 1).is_some_and(|l| l.contains(PUT_TITLE));
     let start = (0..lines.len()).find(|&i| titled(i))?;
@@ -91,7 +117,7 @@ fn put_transport(text: &str, agent: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
-    use super::put_transport;
+    use super::{put_transport, table_part};
 
     const LOG: &str = "\
 [1796278953.212307] [vm:28102:0]   +--------+-------------+-----------------------------------+
@@ -115,9 +141,18 @@ mod tests {
 
     #[test]
     fn the_put_table_of_the_named_agent_gives_its_transports() {
-        assert_eq!(put_transport(LOG, "pdhost-node-28102-s1").as_deref(), Some("tcp/lo"));
-        assert_eq!(put_transport(LOG, "pdhost-node-28102-s2").as_deref(), Some("posix/memory + cma/memory"));
-        assert_eq!(put_transport(LOG, "pdhost-node-28102-s3"), None);
+        let mut tables = String::new();
+        let warning = "[1796278953.2] [vm:28102:0]   ucp_context.c:1 UCX  WARN  a warning";
+        for line in LOG.lines().chain([warning]) {
+            if let Some(row) = table_part(line) {
+                tables.push_str(row);
+                tables.push('\n');
+            }
+        }
+        assert!(!tables.contains("WARN"), "only table lines are kept");
+        assert_eq!(put_transport(&tables, "pdhost-node-28102-s1").as_deref(), Some("tcp/lo"));
+        assert_eq!(put_transport(&tables, "pdhost-node-28102-s2").as_deref(), Some("posix/memory + cma/memory"));
+        assert_eq!(put_transport(&tables, "pdhost-node-28102-s3"), None);
         assert_eq!(put_transport("", "pdhost-node-28102-s1"), None);
     }
 }
