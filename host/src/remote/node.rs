@@ -297,7 +297,7 @@ impl Transfer {
     fn warm_up(&self) -> Result<(), String> {
         let (at, len) = (self.ring.frame_offset(0), shm_format::HEADER_LEN);
         let write = self.endpoint.write_silently(&self.peer, &self.frames, at as usize, self.data_addr + at, len);
-        wait(write.map_err(|e| e.to_string())?, 0)
+        wait(write.map_err(|e| e.to_string())?, "the first WRITE, before any frame")
     }
 
     /// WRITEs the frame at `offset` in the producer's ring into the relay's `slot`, announced by a
@@ -313,6 +313,7 @@ impl Transfer {
             FrameNotice { epoch: frame.producer_epoch, sequence: frame.sequence, slot: slot_to, frame_len: len }
                 .encode();
         let (at, remote) = (offset as usize, self.data_addr + self.ring.frame_offset(slot_to));
+        let what = format!("frame {}", frame.sequence);
         let write = |at: usize, remote: u64, len: u64, notice: Option<&[u8]>| {
             match notice {
                 Some(notice) => self.endpoint.write(&self.peer, &self.frames, at, remote, len as usize, notice),
@@ -322,30 +323,27 @@ impl Transfer {
         };
         match fault {
             Some(Fault::NotificationOnly) => self.endpoint.notify(&self.peer, &notice).map_err(|e| e.to_string()),
-            Some(Fault::NoNotification) => wait(write(at, remote, len, None)?, frame.sequence),
+            Some(Fault::NoNotification) => wait(write(at, remote, len, None)?, &what),
             Some(Fault::Corrupt) => {
-                wait(write(at, remote, len, None)?, frame.sequence)?;
-                wait(write(at, remote + len - 8, 8, Some(&notice))?, frame.sequence)
+                wait(write(at, remote, len, None)?, &what)?;
+                wait(write(at, remote + len - 8, 8, Some(&notice))?, &what)
             }
             Some(Fault::Exit) => {
                 let _in_flight = write(at, remote, len, Some(&notice))?;
                 std::process::exit(9)
             }
-            _ => wait(write(at, remote, len, Some(&notice))?, frame.sequence),
+            _ => wait(write(at, remote, len, Some(&notice))?, &what),
         }
     }
 }
 
-/// Waits for `transfer` (of frame `sequence`) to complete, within [`TRANSFER_WAIT`].
-fn wait(transfer: pdhost_nixl::Transfer<'_>, sequence: u64) -> Result<(), String> {
+/// Waits for `transfer` (`what` it carries, for the error) to complete, within [`TRANSFER_WAIT`].
+fn wait(transfer: pdhost_nixl::Transfer<'_>, what: impl std::fmt::Display) -> Result<(), String> {
     let deadline = Instant::now() + TRANSFER_WAIT;
     let mut pause = Duration::from_micros(20);
     while !transfer.done().map_err(|e| e.to_string())? {
         if Instant::now() > deadline {
-            return Err(format!(
-                "frame {sequence}: the transfer did not complete within {} s",
-                TRANSFER_WAIT.as_secs()
-            ));
+            return Err(format!("{what}: the transfer did not complete within {} s", TRANSFER_WAIT.as_secs()));
         }
         std::thread::sleep(pause);
         pause = (pause * 2).min(Duration::from_millis(1));
