@@ -267,6 +267,7 @@ fn serve_reconnects_to_a_node_that_comes_back() {
     let local = generate(model, &["--producer", "local"]);
     let first = complete();
     assert_eq!((first["prefill"].as_str(), first["layout"].as_str()), (Some("remote"), Some("dense")), "{first}");
+    assert_eq!(first["transport"], "tcp/lo", "{first}");
     assert_eq!((&first["output_ids"], &first["logits_xxh3"]), (&local["output_ids"], &local["logits_xxh3"]));
     drop(node);
     let lost = complete();
