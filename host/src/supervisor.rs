@@ -1175,14 +1175,19 @@ impl Producer {
     pub fn take(&mut self, pending: Pending, kv: &mut PagedKv, seq: SeqId) -> Result<SpanTimes, ProducerError> {
         match self.take_frame(pending, kv, seq) {
             Ok(times) => {
-                self.failed = false;
-                self.backoff = Duration::ZERO;
-                self.metrics.spans_accepted += 1;
-                self.metrics.bytes += times.bytes;
+                self.accepted(times.bytes);
                 Ok(times)
             }
             Err(e) => Err(self.fail(e)),
         }
+    }
+
+    /// Counts a span the host took (or a node passed on) whole: the producer is healthy again.
+    fn accepted(&mut self, bytes: u64) {
+        self.failed = false;
+        self.backoff = Duration::ZERO;
+        self.metrics.spans_accepted += 1;
+        self.metrics.bytes += bytes;
     }
 
     fn request(&mut self, call: &PrefillCall, started: Instant) -> Result<Pending, ProducerError> {
@@ -1292,10 +1297,9 @@ impl Producer {
 
     /// Passes the frame that `pending`'s reply announced on where it lies: its header read once and
     /// checked, then `send(offset, header)` with its offset in the data segment
-    /// ([`Producer::map_data_segment`]), then the
-    /// re-checks, then the slot handed back (see [`shm_ring::RingReader::forward_frame`]). What a producer
-    /// node does with each frame; the host that receives it checks the rest. Returns the frame's header
-    /// and its slot. On failure the producer is killed, as after a failed take; a failed `send` is a
+    /// ([`Producer::map_data_segment`]), then the re-checks, then the slot handed back (see
+    /// [`shm_ring::RingReader::forward_frame`]). What a producer node does with each frame; the host
+    /// that receives it checks the rest. Returns the frame's header and its slot. On failure the producer is killed, as after a failed take; a failed `send` is a
     /// [`RemoteFailure::Transfer`].
     pub fn forward_frame(
         &mut self,
@@ -1329,10 +1333,7 @@ impl Producer {
         };
         match forwarded {
             Ok((info, slot)) => {
-                self.failed = false;
-                self.backoff = Duration::ZERO;
-                self.metrics.spans_accepted += 1;
-                self.metrics.bytes += info.payload_len;
+                self.accepted(info.payload_len);
                 Ok((info, slot))
             }
             Err(e) => Err(self.fail(e)),

@@ -335,9 +335,8 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
 
     /// Passes the next frame on where it lies, if it is committed (`Ok(None)` if not yet): the header
     /// read once and checked as [`RingReader::try_take`] checks it, then `send(offset, info)` with the
-    /// frame's offset in the data segment, then the re-checks (header
-    /// unchanged, commit word still the grant), then the slot handed back. Returns the frame's header and
-    /// its slot.
+    /// frame's offset in the data segment, then the re-checks (header unchanged, commit word still the
+    /// grant), then the slot handed back. Returns the frame's header and its slot.
     ///
     /// The payload is neither copied nor checksummed here: the frame goes to a reader that does both
     /// (a producer node forwards frames to a host that takes them with [`RingReader::try_take`]'s

@@ -311,18 +311,7 @@ fn deliver(
         sequence: coords.sequence,
         slot_capacity: capacity,
     };
-    if let Ok(info) = HeaderInfo::parse(&header) {
-        if info.producer_epoch != epoch {
-            return Err((
-                RemoteFailure::StaleEpoch,
-                format!(
-                    "slot {index}: expected frame {} of epoch {epoch}, found a frame of epoch {} (a stale frame)",
-                    coords.sequence, info.producer_epoch
-                ),
-            ));
-        }
-    }
-    let info = HeaderInfo::parse(&header).and_then(|info| expect.check(&info).map(|()| info)).map_err(|e| {
+    let no_frame = |e| {
         (
             RemoteFailure::NotificationWithoutData,
             format!(
@@ -330,7 +319,18 @@ fn deliver(
                 coords.sequence
             ),
         )
-    })?;
+    };
+    let info = HeaderInfo::parse(&header).map_err(no_frame)?;
+    if info.producer_epoch != epoch {
+        return Err((
+            RemoteFailure::StaleEpoch,
+            format!(
+                "slot {index}: expected frame {} of epoch {epoch}, found a frame of epoch {} (a stale frame)",
+                coords.sequence, info.producer_epoch
+            ),
+        ));
+    }
+    expect.check(&info).map_err(no_frame)?;
     if notice.frame_len < info.frame_len {
         return Err((
             RemoteFailure::Truncated,
