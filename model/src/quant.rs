@@ -302,16 +302,20 @@ pub(crate) use by_block_type;
 
 /// How far ahead of the weight bytes a row kernel reads it asks the CPU to fetch them
 /// ([`prefetch`]).
-pub(crate) const PREFETCH_AHEAD: usize = 2048;
+pub(crate) const PREFETCH_AHEAD: usize = 8192;
 
 /// Asks the CPU to bring the cache lines of `len` bytes at `at + PREFETCH_AHEAD` bytes past `base` toward
 /// L1. A decode step streams every weight from memory once, and a row kernel spends enough instructions
 /// on each block that the hardware prefetcher alone leaves the stream at a third of the core's read
 /// bandwidth: Gemma 3's 178 MB Q8_0 head took 29 ms to dequantize and multiply-add one row against,
 /// 9 ms with lines asked for 1.3-4 KiB ahead, as fast as from L2 (a standalone copy of the kernel's loop
-/// on the Zen 4 of 2026-12-02; in the kernels, 2 KiB did as well as 4 or better). Row kernels call it
-/// with where they are in the stream of the rows they read in order, and how many bytes they read per
-/// step. It changes no result.
+/// on the Zen 4 of 2026-12-02; in the kernels, 2 KiB did as well as 4 or better). On the Zen 5 of
+/// 2026-12-03 the leaner kernels stream faster and want it farther ahead: the head for one row through
+/// the Q8_0 quad kernel took 7.2-9.2 ms with 2 KiB, 6.8-7.8 with 4, 5.3-6.4 with 8 and 6.6-7.4 with 16
+/// (a bare read of the same bytes: 5.0-5.8 ms; with no prefetch, 22 ms), and through `exact`'s kernel
+/// 7.2-8.7 ms with 2 KiB and 5.6-7.7 with 8; products small enough for L2 did not move. Row kernels
+/// call it with where they are in the stream of the rows they read in order, and how many bytes they
+/// read per step. It changes no result.
 #[inline(always)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // only the x86-64 row kernels stream blocks
 pub(crate) fn prefetch(base: *const u8, at: usize, len: usize) {
