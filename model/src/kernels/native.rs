@@ -170,7 +170,7 @@ fn row_portable<const R: usize>(ty: GgmlType, x: [Act<'_>; R], w: &[u8], n: usiz
 pub(crate) struct Acts<'a> {
     q8: &'a Q8,
     kernel: Kernel,
-    /// Whether this CPU runs the AVX-512 kernels (so [`avx512::q8_0_quads`] too), for any row count.
+    /// Whether this CPU runs the AVX-512 kernels (so [`avx512::quads`] too), for any row count.
     wide: bool,
     pairs: Option<Pairs>,
 }
@@ -187,7 +187,7 @@ impl<'a> Acts<'a> {
         #[cfg(not(target_arch = "x86_64"))]
         let wide = false;
         // A single row would fill half of every vector of the pair kernel: the 256-bit kernels serve it
-        // as well (but Q8_0 weights go to the quad kernel, two weight rows per vector, see `quads`).
+        // as well (but the 32-value types go to the quad kernel, two weight rows per vector, see `quads`).
         let kernel = if q8.rows < 2 { kernel.narrow() } else { kernel };
         #[cfg(target_arch = "x86_64")]
         let pairs = (kernel == Kernel::Avx512).then(|| Pairs::of(q8));
@@ -267,8 +267,8 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
     );
     let w = &w[rows.start * row_bytes..rows.end * row_bytes];
     #[cfg(target_arch = "x86_64")]
-    if ty == GgmlType::Q8_0 && x.wide && t <= QUAD_ACTS && width >= 4 {
-        quads(x, w, width, out);
+    if quad_bias(ty).is_some() && x.wide && t <= QUAD_ACTS && width >= 4 {
+        quads(x, ty, w, width, out);
         return;
     }
     #[cfg(target_arch = "x86_64")]
@@ -375,22 +375,36 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
     }
 }
 
-/// Activation rows up to which Q8_0 weights go through [`avx512::q8_0_quads`] (a decode step).
+/// Activation rows up to which the 32-value block types go through [`avx512::quads`] (a decode step).
 #[cfg(target_arch = "x86_64")]
 const QUAD_ACTS: usize = 4;
 
-/// [`dots`] for Q8_0 weights (`width` rows in `w`) and at most [`QUAD_ACTS`] activation rows, on a CPU
-/// with the AVX-512 kernels: four weight rows at a time by [`avx512::q8_0_quads`], the last `width % 4`
-/// rows by the other kernels.
+/// For the block types [`avx512::quads`] computes (those whose blocks are one chunk of 32 values), what
+/// their values `v` are offset by to be unsigned bytes `v + o`, which `vpdpbusd` takes: Q8_0's `-128..128`
+/// flipped, the other types' nibbles (and fifth bits) as they are stored.
+fn quad_bias(ty: GgmlType) -> Option<i32> {
+    match ty {
+        GgmlType::Q8_0 => Some(128),
+        GgmlType::Q4_0 => Some(8),
+        GgmlType::Q5_0 => Some(16),
+        GgmlType::Q4_1 | GgmlType::Q5_1 => Some(0),
+        _ => None,
+    }
+}
+
+/// [`dots`] for weights of a [`quad_bias`] type (`width` rows in `w`) and at most [`QUAD_ACTS`]
+/// activation rows, on a CPU with the AVX-512 kernels: four weight rows at a time by
+/// [`avx512::quads`], the last `width % 4` rows by the other kernels.
 #[cfg(target_arch = "x86_64")]
-fn quads(x: &Acts<'_>, w: &[u8], width: usize, out: &mut [f32]) {
+fn quads(x: &Acts<'_>, ty: GgmlType, w: &[u8], width: usize, out: &mut [f32]) {
     let xq = x.q8;
     let (n, t) = (xq.cols, xq.rows);
-    let row_bytes = n / QK * GgmlType::Q8_0.block_bytes();
-    // Each lane's `-128 * (the sum of its four activation values)`: the weights go in as unsigned bytes,
-    // `v + 128`, so the lanes start from this to come out as `sum(v * q)`.
+    let row_bytes = n / QK * ty.block_bytes();
+    let o = quad_bias(ty).expect("a type with a quad kernel");
+    // Each lane's `-o * (the sum of its four activation values)`: the weights go in as unsigned bytes,
+    // `v + o`, so the lanes start from this to come out as `sum(v * q)`.
     let bias: Vec<[i32; 8]> = (0..t)
-        .flat_map(|r| xq.act(r).q.chunks_exact(QK).map(|c| std::array::from_fn(|l| -128 * four_sum(&c[4 * l..]))))
+        .flat_map(|r| xq.act(r).q.chunks_exact(QK).map(|c| std::array::from_fn(|l| -o * four_sum(&c[4 * l..]))))
         .collect();
     let whole = width / 4 * 4;
     for j0 in (0..whole).step_by(ROWS_PER_CALL) {
@@ -403,9 +417,10 @@ fn quads(x: &Acts<'_>, w: &[u8], width: usize, out: &mut [f32]) {
                 let mut res = [[0f32; $r]; ROWS_PER_CALL];
                 let res = &mut res[..nj];
                 // SAFETY: `x.wide` is set only where `Kernel::best` chose AVX-512 (AVX-512F, BW and VNNI
-                // present, with AVX2, FMA and F16C); `w` is `nj` (a multiple of 4) rows of `n` values as
-                // whole Q8_0 blocks, and every activation row and its biases cover `n` values.
-                unsafe { avx512::q8_0_quads::<$r>(acts, bias, w, n, res) };
+                // present, with AVX2, FMA and F16C); `ty` has a quad kernel, `w` is `nj` (a multiple of 4)
+                // rows of `n` values as whole blocks, and every activation row and its biases cover `n`
+                // values.
+                unsafe { avx512::quads::<$r>(ty, acts, bias, w, n, res) };
                 for (j, res) in res.iter().enumerate() {
                     for (i, v) in res.iter().enumerate() {
                         out[i * width + j0 + j] = *v;
@@ -422,7 +437,7 @@ fn quads(x: &Acts<'_>, w: &[u8], width: usize, out: &mut [f32]) {
     }
     if whole < width {
         let mut rest = vec![0f32; t * (width - whole)];
-        dots(x, GgmlType::Q8_0, w, whole..width, &mut rest);
+        dots(x, ty, w, whole..width, &mut rest);
         for (i, row) in rest.chunks_exact(width - whole).enumerate() {
             out[i * width + whole..(i + 1) * width].copy_from_slice(row);
         }
@@ -942,76 +957,98 @@ mod avx512 {
         std::array::from_fn(|h| super::tree8(std::array::from_fn(|l| lanes[8 * h + l])) + off[h])
     }
 
-    /// `x[r] . w` for Q8_0 weight rows four at a time (`out.len()` of them, a multiple of 4), for `R`
-    /// activation rows: two weight rows per vector, each row's 8 lanes where the portable kernel has them,
-    /// accumulated chunk after chunk with the same multiply-adds. The four rows' values are loaded once
-    /// for all `R` activation rows and go in as the unsigned operand of `vpdpbusd`, `v + 128` (one
-    /// `xor`), against the signed activations; the lanes start from `bias`, the activations'
-    /// `-128 * (the sum of each lane's four values)` (made once per product), so each is exactly
-    /// `sum(v * q)`, in 32 bits that cannot overflow (at most `4 * 255 * 128`). The four blocks' scales
-    /// are widened together and multiplied by each activation row's, one product per output as the
-    /// portable kernel forms it.
+    /// `x[r] . w` for weight rows four at a time (`out.len()` of them, a multiple of 4) of a type whose
+    /// blocks are one chunk of 32 values ([`super::quad_bias`]), for `R` activation rows: two weight rows
+    /// per vector, each row's 8 lanes where the portable kernel has them, accumulated chunk after chunk
+    /// with the same multiply-adds. The four rows' values are unpacked once for all `R` activation rows,
+    /// as unsigned bytes `v + o`, the operand `vpdpbusd` takes unsigned, against the signed activations;
+    /// the lanes start from `bias`, the activations' `-o * (the sum of each lane's four values)` (made
+    /// once per product), so each is exactly `sum(v * q)`, in 32 bits that cannot overflow (at most
+    /// `4 * 255 * 128` either way). The four blocks' scales (and offsets) are widened together and
+    /// multiplied by each activation row's, one product per output as the portable kernel forms it.
     ///
-    /// Against the pair kernel, which loads each weight chunk once per activation pair and forms its
+    /// Against the pair kernel, which unpacks each weight chunk once per activation pair and forms its
     /// bias from the weights, this cut Gemma 3's head (262144 x 640 Q8_0) for one activation row from
     /// the 256-bit kernel's 19 instructions per block to about 6, and for four rows from 26 to about 13.
     ///
     /// # Safety
     ///
-    /// [`available`] and the AVX2 kernel's features; `w` holds `out.len()` rows of `n` values as whole
-    /// Q8_0 blocks, and every `x[r]` and `bias[r]` cover `n` values.
+    /// [`available`] and the AVX2 kernel's features; `ty` has a quad kernel, `w` holds `out.len()` rows
+    /// of `n` values as whole blocks, and every `x[r]` and `bias[r]` cover `n` values.
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn q8_0_quads<const R: usize>(
+    pub(super) unsafe fn quads<const R: usize>(
+        ty: GgmlType,
         x: [super::Act<'_>; R],
         bias: [&[[i32; 8]]; R],
         w: &[u8],
         n: usize,
         out: &mut [[f32; R]],
     ) {
-        let bb = GgmlType::Q8_0.block_bytes();
+        match ty {
+            GgmlType::Q8_0 => quads_of::<R, 8>(x, bias, w, n, out),
+            GgmlType::Q4_0 => quads_of::<R, 2>(x, bias, w, n, out),
+            GgmlType::Q4_1 => quads_of::<R, 3>(x, bias, w, n, out),
+            GgmlType::Q5_0 => quads_of::<R, 6>(x, bias, w, n, out),
+            GgmlType::Q5_1 => quads_of::<R, 7>(x, bias, w, n, out),
+            _ => unreachable!("a type with a quad kernel"),
+        }
+    }
+
+    /// [`quads`] for the type with GGML id `T`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    fn quads_of<const R: usize, const T: u32>(
+        x: [super::Act<'_>; R],
+        bias: [&[[i32; 8]]; R],
+        w: &[u8],
+        n: usize,
+        out: &mut [[f32; R]],
+    ) {
+        let ty = GgmlType::from_id(T).expect("a GGML type id");
+        let bb = ty.block_bytes();
         let chunks = n / QK;
         let row_bytes = chunks * bb;
         assert!(
-            n.is_multiple_of(QK)
+            ty.block_elems() == QK
+                && n.is_multiple_of(QK)
                 && out.len().is_multiple_of(4)
                 && w.len() >= out.len() * row_bytes
-                && x.iter().all(|x| x.q.len() >= n && x.d.len() >= chunks)
+                && x.iter().all(|x| x.q.len() >= n && x.d.len() >= chunks && x.s.len() >= chunks)
                 && bias.iter().all(|b| b.len() >= chunks),
-            "q8_0_quads operands"
+            "quads operands"
         );
-        let flip = _mm512_set1_epi8(-128);
+        let offset = super::has_offset(ty);
         // Lanes 0-7 take the first row's scale of a pair, lanes 8-15 the second's.
         let firsts = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
         let seconds = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
         for (g, out) in out.chunks_exact_mut(4).enumerate() {
             let rows = w[4 * g * row_bytes..].as_ptr();
             let mut acc = [[_mm512_setzero_ps(); 2]; R];
+            let mut off = [_mm_setzero_ps(); R];
             for i in 0..chunks {
                 // The rows are read side by side: in the stream of rows, a step is every row's block.
                 crate::quant::prefetch(w.as_ptr(), 4 * g * row_bytes + i * 4 * bb, 4 * bb);
-                // SAFETY: block `i` of rows `4g..4g + 4` lies in `w` (asserted): its scale's 2 bytes and
-                // values' 32 bytes from 2; unaligned loads.
-                let (pair, scales) = unsafe {
-                    let block = |h: usize| rows.add(h * row_bytes + i * bb);
-                    let values = |h: usize| _mm256_loadu_si256(block(h).add(2).cast());
-                    let scale = |h: usize| i16::from_le_bytes([*block(h), *block(h).add(1)]);
-                    (
-                        [
-                            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(values(0)), values(1)),
-                            _mm512_inserti64x4::<1>(_mm512_castsi256_si512(values(2)), values(3)),
-                        ],
-                        _mm_cvtph_ps(_mm_setr_epi16(scale(0), scale(1), scale(2), scale(3), 0, 0, 0, 0)),
-                    )
+                // SAFETY: block `i` of rows `4g..4g + 4` lies in `w` (asserted), `bb` bytes from each of
+                // these. (Plain pointers and no closures: a closure is not compiled with this function's
+                // target features, and was a call per block.)
+                let blocks = unsafe {
+                    let at = rows.add(i * bb);
+                    [at, at.add(row_bytes), at.add(2 * row_bytes), at.add(3 * row_bytes)]
                 };
-                let pair = pair.map(|v| _mm512_xor_si512(v, flip));
+                // SAFETY: as above; `bb` is the type's block length.
+                let pair = unsafe { [pair_values::<T>(blocks[0], blocks[1]), pair_values::<T>(blocks[2], blocks[3])] };
+                // SAFETY: as above: the scale's 2 bytes at 0, the offset's at 2 where there is one.
+                let (scales, ms) =
+                    unsafe { (f16x4(blocks, 0), if offset { f16x4(blocks, 2) } else { _mm_setzero_ps() }) };
                 for r in 0..R {
                     // SAFETY: chunk i < n / 32 of a row of n values and of its biases (asserted);
                     // unaligned loads.
-                    let (q, start, xd) = unsafe {
+                    let (q, start, xd, xs) = unsafe {
                         (
                             _mm512_broadcast_i64x4(_mm256_loadu_si256(x[r].q.as_ptr().add(i * QK).cast())),
                             _mm512_broadcast_i64x4(_mm256_loadu_si256(bias[r].as_ptr().add(i).cast())),
                             *x[r].d.get_unchecked(i),
+                            *x[r].s.get_unchecked(i),
                         )
                     };
                     // Each row's scale times the activations': the portable kernel's `d * xd`.
@@ -1020,21 +1057,90 @@ mod avx512 {
                         let lanes = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(start, pair[k], q));
                         acc[r][k] = _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, dd), lanes, acc[r][k]);
                     }
+                    if offset {
+                        // The portable kernel's `m * s + off`, for the four rows at once.
+                        off[r] = _mm_fmadd_ps(ms, _mm_set1_ps(xs), off[r]);
+                    }
                 }
             }
-            for (r, acc) in acc.iter().enumerate() {
+            for (r, (acc, off)) in acc.iter().zip(&off).enumerate() {
+                let mut offs = [0f32; 4];
+                // SAFETY: 4 floats; unaligned store.
+                unsafe { _mm_storeu_ps(offs.as_mut_ptr(), *off) };
                 for (k, acc) in acc.iter().enumerate() {
                     let mut lanes = [0f32; 16];
                     // SAFETY: 16 floats; unaligned store.
                     unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), *acc) };
                     for h in 0..2 {
-                        // `+ 0.0`: the portable kernel's offset term, which Q8_0 does not have (it turns
-                        // a sum of -0.0 into 0.0, as there).
-                        out[2 * k + h][r] = super::tree8(std::array::from_fn(|l| lanes[8 * h + l])) + 0.0;
+                        let lanes = std::array::from_fn(|l| lanes[8 * h + l]);
+                        out[2 * k + h][r] = super::tree8(lanes) + offs[2 * k + h];
                     }
                 }
             }
         }
+    }
+
+    /// The f16s at byte `at` of the four blocks, widened by the CPU (exact).
+    ///
+    /// # Safety
+    ///
+    /// Each block holds 2 bytes from `at`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    unsafe fn f16x4(blocks: [*const u8; 4], at: usize) -> __m128 {
+        // SAFETY: 2 bytes from `at` in each block (the caller's contract); unaligned reads.
+        let [a, b, c, d] = unsafe {
+            [
+                blocks[0].add(at).cast::<i16>().read_unaligned(),
+                blocks[1].add(at).cast::<i16>().read_unaligned(),
+                blocks[2].add(at).cast::<i16>().read_unaligned(),
+                blocks[3].add(at).cast::<i16>().read_unaligned(),
+            ]
+        };
+        let [a, b, c, d] = [i16::from_le(a), i16::from_le(b), i16::from_le(c), i16::from_le(d)];
+        _mm_cvtph_ps(_mm_setr_epi16(a, b, c, d, 0, 0, 0, 0))
+    }
+
+    /// The 32 values of blocks `a` and `b` of the type with GGML id `T` as unsigned bytes `v + o`
+    /// ([`super::quad_bias`]), `a`'s in bytes 0-31 and `b`'s in 32-63, in position order.
+    ///
+    /// # Safety
+    ///
+    /// `a` and `b` each point to a whole block of the type.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vnni")]
+    unsafe fn pair_values<const T: u32>(a: *const u8, b: *const u8) -> __m512i {
+        if T == 8 {
+            // SAFETY: bytes 2..34 of each block (the caller's contract); unaligned loads.
+            let (va, vb) = unsafe { (_mm256_loadu_si256(a.add(2).cast()), _mm256_loadu_si256(b.add(2).cast())) };
+            return _mm512_xor_si512(_mm512_inserti64x4::<1>(_mm512_castsi256_si512(va), vb), _mm512_set1_epi8(-128));
+        }
+        // Where the nibbles start: after the scale, the offset and the fifth bits.
+        let at = match T {
+            2 => 2,
+            3 => 4,
+            6 => 6,
+            _ => 8,
+        };
+        // SAFETY: 16 bytes of nibble pairs from `at` in each block (the caller's contract); unaligned
+        // loads.
+        let (qa, qb) = unsafe { (_mm_loadu_si128(a.add(at).cast()), _mm_loadu_si128(b.add(at).cast())) };
+        // 128-bit lanes: a's bytes, a's again, b's, b's; the low nibbles of the first of each, the high
+        // nibbles of the second (positions 0-15, then 16-31).
+        let both = _mm512_castsi256_si512(_mm256_set_m128i(qb, qa));
+        let twice = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), both);
+        let highs = _mm512_mask_blend_epi64(0b1100_1100, twice, _mm512_srli_epi16::<4>(twice));
+        let values = _mm512_and_si512(highs, _mm512_set1_epi8(0x0F));
+        if matches!(T, 6 | 7) {
+            // Bit `k` of a block's `qh` (the 4 bytes before the nibbles) is position `k`'s fifth bit (16):
+            // a byte mask of both blocks.
+            // SAFETY: as above; unaligned reads.
+            let (ha, hb) =
+                unsafe { (a.add(at - 4).cast::<u32>().read_unaligned(), b.add(at - 4).cast::<u32>().read_unaligned()) };
+            let mask = u64::from(u32::from_le(ha)) | u64::from(u32::from_le(hb)) << 32;
+            return _mm512_mask_add_epi8(values, mask, values, _mm512_set1_epi8(16));
+        }
+        values
     }
 
     /// Whether this CPU runs it (AVX-512F, BW and VNNI, besides the AVX2 kernel's features).
@@ -1229,7 +1335,7 @@ mod tests {
 
     /// Every SIMD kernel gives the portable kernel's bits for every block type, batch and weight row
     /// (the tiled AVX-512 kernel from [`TILED_FROM`] rows on, with partial tiles of pairs and of weight
-    /// rows; Q8_0's quad kernel up to [`QUAD_ACTS`] rows, with weight rows left over), and the products
+    /// rows; the quad kernel of the 32-value types up to [`QUAD_ACTS`] rows, with weight rows left over), and the products
     /// are the dequantized weights' within the activations' quantization.
     #[test]
     fn simd_equals_portable_on_every_block_type_in_any_batch() {
