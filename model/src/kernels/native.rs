@@ -382,6 +382,7 @@ const QUAD_ACTS: usize = 4;
 /// For the block types [`avx512::quads`] computes (those whose blocks are one chunk of 32 values), what
 /// their values `v` are offset by to be unsigned bytes `v + o`, which `vpdpbusd` takes: Q8_0's `-128..128`
 /// flipped, the other types' nibbles (and fifth bits) as they are stored.
+#[cfg(target_arch = "x86_64")]
 fn quad_bias(ty: GgmlType) -> Option<i32> {
     match ty {
         GgmlType::Q8_0 => Some(128),
