@@ -1336,8 +1336,8 @@ mod tests {
 
     /// Every SIMD kernel gives the portable kernel's bits for every block type, batch and weight row
     /// (the tiled AVX-512 kernel from [`TILED_FROM`] rows on, with partial tiles of pairs and of weight
-    /// rows; the quad kernel of the 32-value types up to [`QUAD_ACTS`] rows, with weight rows left over), and the products
-    /// are the dequantized weights' within the activations' quantization.
+    /// rows; the quad kernel of the 32-value types up to [`QUAD_ACTS`] rows, with weight rows left
+    /// over), and the products are the dequantized weights' within the activations' quantization.
     #[test]
     fn simd_equals_portable_on_every_block_type_in_any_batch() {
         let (n, rows, t) = (512, 37, 39);
