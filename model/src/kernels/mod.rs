@@ -184,7 +184,7 @@ fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usi
             let (width, ws) = (rows.len(), &bytes[rows.start * row_bytes..rows.end * row_bytes]);
             let wide = crate::quant::avx512::available();
             macro_rules! run {
-                ($r:literal) => {{
+                ($r:literal, $h:literal) => {{
                     let xs: [&[f32]; $r] = std::array::from_fn(|i| &x[i * n..(i + 1) * n]);
                     // A few dozen weight rows per call: the call's checks are amortised.
                     let mut sums = [[0f32; $r]; ROWS_PER_CALL];
@@ -198,7 +198,7 @@ fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usi
                             unsafe { crate::quant::avx512::dot_rows::<$r>(*ty, xs, ws, n, sums) };
                         } else {
                             // SAFETY: AVX2, FMA and F16C are present (checked), and as above.
-                            unsafe { avx2::dot_rows::<$r>(*ty, xs, ws, n, sums) };
+                            unsafe { avx2::dot_rows::<$r, $h>(*ty, xs, ws, n, sums) };
                         }
                         for (j, sums) in sums.iter().enumerate() {
                             for (i, sum) in sums.iter().enumerate() {
@@ -208,11 +208,12 @@ fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usi
                     }
                 }};
             }
+            // The AVX2 kernel's weight rows side by side: as many as keep 8 of its accumulators busy.
             match t {
-                1 => run!(1),
-                2 => run!(2),
-                3 => run!(3),
-                _ => run!(4),
+                1 => run!(1, 4),
+                2 => run!(2, 2),
+                3 => run!(3, 1),
+                _ => run!(4, 1),
             }
             return;
         }
