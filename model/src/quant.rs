@@ -560,22 +560,12 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     fn q4(b: &[u8], put: &mut impl FnMut(usize, __m256), at: usize, m: Option<f32>) {
         assert!(b.len() >= at + 16);
-        let d = _mm256_set1_ps(f16_at(b, 0));
         // SAFETY: 16 bytes from `at` lie in the block (asserted).
         let qs = unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) };
         let mask = _mm_set1_epi8(0x0F);
         let lo = _mm_and_si128(qs, mask);
         let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), mask);
-        for (half, v) in [(0, lo), (16, hi)] {
-            for (i, high) in [(0, false), (8, true)] {
-                let q = _mm256_cvtepi32_ps(u8x8(v, high));
-                let value = match m {
-                    None => _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(8.0))),
-                    Some(m) => _mm256_add_ps(_mm256_mul_ps(d, q), _mm256_set1_ps(m)),
-                };
-                put(half + i, value);
-            }
-        }
+        small_values(b, put, [lo, hi], m, 8);
     }
 
     /// Q5_0 (`y = d * (q - 16)`) and Q5_1 (`y = d * q + m`): the fifth bits in the 32-bit word at
@@ -584,29 +574,45 @@ pub(crate) mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     fn q5(b: &[u8], put: &mut impl FnMut(usize, __m256), at: usize, m: Option<f32>) {
         assert!(b.len() >= at + 16);
-        let d = _mm256_set1_ps(f16_at(b, 0));
         let qh = u32::from_le_bytes([b[at - 4], b[at - 3], b[at - 2], b[at - 1]]);
         // SAFETY: 16 bytes from `at` lie in the block (asserted).
         let qs = unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) };
         let mask = _mm_set1_epi8(0x0F);
-        let lo = _mm_and_si128(qs, mask);
-        let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), mask);
-        let qh = _mm256_set1_epi32(qh as i32);
-        let one = _mm256_set1_epi32(1);
-        for (half, v) in [(0, lo), (16, hi)] {
-            for (i, high) in [(0, false), (8, true)] {
-                // Bit `half + i + lane` of qh, as 16 or 0.
-                let shifts =
-                    _mm256_add_epi32(_mm256_set1_epi32((half + i) as i32), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-                let h = _mm256_slli_epi32::<4>(_mm256_and_si256(_mm256_srlv_epi32(qh, shifts), one));
-                let q = _mm256_cvtepi32_ps(_mm256_or_si256(u8x8(v, high), h));
+        let lo = _mm_or_si128(_mm_and_si128(qs, mask), sixteens(qh as u16));
+        let hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16::<4>(qs), mask), sixteens((qh >> 16) as u16));
+        small_values(b, put, [lo, hi], m, 16);
+    }
+
+    /// The 32 values of a Q4_0, Q4_1, Q5_0 or Q5_1 block (scale `d` at byte 0), given as unsigned bytes
+    /// `q` (values 0..16, then 16..32): `d * (q - zero)` without an offset `m`, else `d * q + m`. The
+    /// bytes are made signed (`q - zero`) 16 at a time, then widened 8 at a time: the same floats as
+    /// `float(q) - zero`, as every operand is a small integer.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn small_values(b: &[u8], put: &mut impl FnMut(usize, __m256), q: [__m128i; 2], m: Option<f32>, zero: i8) {
+        let d = _mm256_set1_ps(f16_at(b, 0));
+        for (half, v) in [(0, q[0]), (16, q[1])] {
+            let v = if m.is_none() { _mm_sub_epi8(v, _mm_set1_epi8(zero)) } else { v };
+            for (i, v) in [(0, v), (8, _mm_srli_si128::<8>(v))] {
                 let value = match m {
-                    None => _mm256_mul_ps(d, _mm256_sub_ps(q, _mm256_set1_ps(16.0))),
-                    Some(m) => _mm256_add_ps(_mm256_mul_ps(d, q), _mm256_set1_ps(m)),
+                    None => _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))),
+                    Some(m) => {
+                        _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))), _mm256_set1_ps(m))
+                    }
                 };
                 put(half + i, value);
             }
         }
+    }
+
+    /// Byte `k` (of 16) is 16 where bit `k` of `bits` is set, else 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn sixteens(bits: u16) -> __m128i {
+        let spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let bytes = _mm_shuffle_epi8(_mm_cvtsi32_si128(i32::from(bits)), spread);
+        let bit = _mm_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+        _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(bytes, bit), bit), _mm_set1_epi8(16))
     }
 
     /// Q4_K (`y = d * sc * q - dmin * m` per 32-value sub-block) and Q5_K (the same with a fifth bit).
