@@ -622,8 +622,15 @@ pub(crate) mod avx2 {
         assert!(b.len() >= if five { 176 } else { 144 });
         let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
         let mask = _mm_set1_epi8(0x0F);
+        // `super::k_scales`'s products, with the block's two f16s widened once by the CPU (the portable
+        // widening, eight times a block, made Q4_K the slowest type by half).
+        let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+        let scales = |sub: usize| {
+            let (sc, m) = super::scale_min_k4_int(sub, &b[4..16]);
+            (d * f32::from(sc), dmin * f32::from(m))
+        };
         for j in 0..4 {
-            let [(d1, min1), (d2, min2)] = super::k_scales(b, j);
+            let [(d1, min1), (d2, min2)] = [scales(2 * j), scales(2 * j + 1)];
             // SAFETY: the sub-block's 32 bytes, inside the block (asserted).
             let q = unsafe {
                 [_mm_loadu_si128(qs.as_ptr().add(32 * j).cast()), _mm_loadu_si128(qs.as_ptr().add(32 * j + 16).cast())]
