@@ -616,24 +616,13 @@ mod avx2 {
                                 ones
                             };
                             let vabs = if signed { _mm256_sign_epi8(v, v) } else { v };
-                            // The scale `d * xd` is made in every lane by one vector multiply with the
-                            // activation scale broadcast from memory (a load, not an ALU operation): a
-                            // scalar multiply then a broadcast took one more of the few operations per
-                            // row and chunk that a step of several rows is made of. LLVM folds a multiply
-                            // of two splats back into that form, so `d`'s splat is hidden from it behind
-                            // an empty `asm` (the bits are the same: one f32 multiply either way).
-                            let mut dv = _mm256_set1_ps(d);
-                            // SAFETY: an empty template: it reads and writes only the named register.
-                            unsafe {
-                                std::arch::asm!("/* {dv} */", dv = inout(ymm_reg) dv, options(pure, nomem, nostack, preserves_flags));
-                            }
                             for r in 0..R {
                                 // SAFETY: chunk xi < n / 32 of a row of n values (asserted above); unaligned
                                 // load.
                                 let (q, xd, xs) = unsafe {
                                     (
                                         _mm256_loadu_si256(x[r].q.as_ptr().add(xi * QK).cast()),
-                                        _mm256_broadcast_ss(&*x[r].d.as_ptr().add(xi)),
+                                        *x[r].d.get_unchecked(xi),
                                         *x[r].s.get_unchecked(xi),
                                     )
                                 };
@@ -647,7 +636,7 @@ mod avx2 {
                                     _mm256_madd_epi16(_mm256_maddubs_epi16(vabs, q), isc)
                                 };
                                 let lanes = _mm256_cvtepi32_ps(lanes);
-                                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dv, xd), lanes, acc[r]);
+                                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), lanes, acc[r]);
                                 if offset {
                                     off[r] = m.mul_add(xs, off[r]);
                                 }
