@@ -400,11 +400,13 @@ pub(crate) mod avx2 {
     /// of accumulator `v` takes, with fused multiply-adds in increasing position, the products at
     /// positions `k` with `k mod 16 == 8v + l`, and the lanes are then summed in its fixed order.
     ///
-    /// `H` weight rows are read side by side, block by block: each output is two chains of
-    /// multiply-adds, and `H * R` outputs in flight hide their latency. One row at a time (two chains
-    /// for one activation row) left the kernel waiting on its own adds: Gemma 3's `exact` head for one
-    /// activation row took 33 ms, its 178 MB read at 5.4 GB/s where a memcpy of it ran at 9.7 (Zen 3).
-    /// The callers pass `H = 4 / R` (at least 1): `2 * H * R` accumulators of the 16 vector registers.
+    /// One instance per block type (as the AVX-512 twin), whose `H` weight rows are read side by side,
+    /// block by block: each output is two chains of multiply-adds, and `H * R` outputs in flight hide
+    /// their latency. The callers pass `H = 4 / R` (at least 1): `2 * H * R` accumulators of the 16
+    /// vector registers. One instance for every type, matching it at every block and reading one
+    /// weight row at a time, took 33 ms for Gemma 3's head and one activation row; this takes 14-15 ms,
+    /// the pace of its 178 MB from memory (Zen 3; on a streamed Q8_0 matrix, `H` = 4 alone was 10%
+    /// faster than 1, and made no difference on matrices that fit in cache).
     ///
     /// # Safety
     ///
