@@ -40,8 +40,12 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 /// Restarts per producer per minute: one a second, so that the faulty producer keeps coming back under
 /// its faults rather than sitting out the restart cap's window.
 const MAX_RESTARTS: &str = "60";
-/// A producer that does not answer a prefill within this is killed (the `hang` fault and SIGSTOP).
-const PRODUCER_TIMEOUT: &str = "3";
+/// A producer that does not answer a prefill within this is killed (the `hang` fault and SIGSTOP). It
+/// must stay well above a loaded prefill: on a 2-core Zen 3, with the host decoding 8 sequences beside
+/// both producers, a soak prompt's prefill took close to 3 s, the first value of this. At 3 s a third of
+/// the prefills timed out, and each timeout restarted a healthy producer, so that the two were never up
+/// together for the resource snapshots.
+const PRODUCER_TIMEOUT: &str = "10";
 /// How long the soak waits for both producers to be up again before a resource snapshot.
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(75);
 /// Problems described after the report; the counts cover all of them.
