@@ -19,7 +19,10 @@
 //! The AVX2 kernel unpacks each chunk in registers (`maddubs` of the 8-bit values, `madd` with the
 //! integer scales: exactly the portable lanes, as no 16-bit pair can saturate: at most
 //! `2 * 128 * 127`) and loads each weight chunk once for up to four activation rows. Where the CPU has
-//! AVX-VNNI, one `vpdpbusd` gives the 32-value types' lanes (the same sums, never saturating).
+//! AVX-VNNI, one `vpdpbusd` gives the 32-value types' lanes (the same sums, never saturating). From
+//! eight activation rows on (prefill), every 256-bit CPU runs it tiled instead: each weight row is
+//! unpacked once per product into a panel, then met by the activations eight rows at a time
+//! ([`avx2::tile`]), where the row kernel unpacked it again for every four rows.
 
 use super::dot::tree8;
 use super::q8::{Act, Q8, QK};
@@ -65,6 +68,12 @@ const _: () = assert!(2 * TILE_PAIRS == 8);
 const TILED_FROM: usize = 16;
 /// Weight rows unpacked into a panel at a time.
 const PANEL_ROWS: usize = 32;
+/// From how many activation rows the 256-bit kernels run tiled ([`avx2::Panel`]): every weight row is
+/// unpacked once into a panel for all of them, instead of once per [`ROWS`] rows.
+const TILED_FROM_256: usize = 8;
+/// Activation rows of a group of the 256-bit tiled kernel ([`Octets`]): 8 accumulators, and a weight
+/// chunk's operands loaded once for all of them.
+const OCTET: usize = 8;
 
 /// One chunk of 32 weights, unpacked: weight `k` is `d * isc[k / 16] * v[k] + m`.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -173,6 +182,8 @@ pub(crate) struct Acts<'a> {
     /// Whether this CPU runs the AVX-512 kernels (so [`avx512::quads`] too), for any row count.
     wide: bool,
     pairs: Option<Pairs>,
+    /// The rows in groups for the 256-bit tiled kernel, where it runs (from [`TILED_FROM_256`] rows).
+    octets: Option<Octets>,
 }
 
 impl<'a> Acts<'a> {
@@ -193,7 +204,64 @@ impl<'a> Acts<'a> {
         let pairs = (kernel == Kernel::Avx512).then(|| Pairs::of(q8));
         #[cfg(not(target_arch = "x86_64"))]
         let pairs = None;
-        Acts { q8, kernel, wide, pairs }
+        #[cfg(target_arch = "x86_64")]
+        let octets = (matches!(kernel, Kernel::Avx2 | Kernel::Vnni | Kernel::VnniVl) && q8.rows >= TILED_FROM_256)
+            .then(|| Octets::of(q8));
+        #[cfg(not(target_arch = "x86_64"))]
+        let octets = None;
+        Acts { q8, kernel, wide, pairs, octets }
+    }
+}
+
+/// Activation rows in groups of [`OCTET`] (the last group holds the rest), as the 256-bit tiled kernel
+/// reads them: per group and chunk, each row's 32 values, then each row's scale eight times (a vector:
+/// `d * xd` is then one vector multiply, where a broadcast of a scalar product cost an operation more),
+/// so that one pointer walks a group chunk after chunk; the rows' sums likewise.
+#[derive(Debug)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Octets {
+    rows: usize,
+    chunks: usize,
+    q: Vec<i8>,
+    d: Vec<f32>,
+    s: Vec<f32>,
+}
+
+impl Octets {
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn of(x: &Q8) -> Self {
+        let (t, chunks) = (x.rows, x.cols / QK);
+        let mut out = Octets {
+            rows: t,
+            chunks,
+            q: vec![0; t * chunks * QK],
+            d: vec![0.0; 8 * t * chunks],
+            s: vec![0.0; t * chunks],
+        };
+        for r in 0..t {
+            let (g, i) = (r / OCTET, r % OCTET);
+            let width = out.width(g);
+            let a = x.act(r);
+            for c in 0..chunks {
+                let at = g * OCTET * chunks + c * width + i;
+                out.q[at * QK..(at + 1) * QK].copy_from_slice(&a.q[c * QK..(c + 1) * QK]);
+                out.d[8 * at..8 * (at + 1)].fill(a.d[c]);
+                out.s[at] = a.s[c];
+            }
+        }
+        out
+    }
+
+    /// Rows in group `g`.
+    fn width(&self, g: usize) -> usize {
+        OCTET.min(self.rows - g * OCTET)
+    }
+
+    /// Group `g`'s values, scales and sums.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    fn group(&self, g: usize) -> (&[i8], &[f32], &[f32]) {
+        let (from, len) = (g * OCTET * self.chunks, self.width(g) * self.chunks);
+        (&self.q[from * QK..(from + len) * QK], &self.d[8 * from..8 * (from + len)], &self.s[from..from + len])
     }
 }
 
@@ -290,6 +358,43 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
                             out[(2 * p0 + i) * width + j0 + jt + j] = *v;
                         }
                     }
+                }
+            }
+        }
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    if let Some(octets) = &x.octets {
+        let mut panel = avx2::Panel::default();
+        for j0 in (0..width).step_by(PANEL_ROWS) {
+            let nj = PANEL_ROWS.min(width - j0);
+            // SAFETY: `octets` exists only where `Kernel::best` chose a 256-bit kernel (AVX2, FMA and F16C
+            // present); `ty` is supported and `w` holds `nj` rows of whole blocks from row `j0`.
+            unsafe { panel.fill(ty, &w[j0 * row_bytes..(j0 + nj) * row_bytes], nj, n) };
+            for g in 0..t.div_ceil(OCTET) {
+                macro_rules! run {
+                    ($r:literal) => {
+                        for j in 0..nj {
+                            // SAFETY: as above; the panel holds row `j` of `octets.chunks` chunks and
+                            // group `g` holds `$r` rows.
+                            let res = unsafe { avx2::tile::<$r>(&panel, j, octets, g) };
+                            // SAFETY: as above.
+                            let offs = unsafe { panel.offsets::<$r>(j, octets, g) };
+                            for (i, (v, off)) in res.iter().zip(offs).enumerate() {
+                                out[(g * OCTET + i) * width + j0 + j] = v + off;
+                            }
+                        }
+                    };
+                }
+                match octets.width(g) {
+                    1 => run!(1),
+                    2 => run!(2),
+                    3 => run!(3),
+                    4 => run!(4),
+                    5 => run!(5),
+                    6 => run!(6),
+                    7 => run!(7),
+                    _ => run!(8),
                 }
             }
         }
@@ -656,6 +761,135 @@ mod avx2 {
     rows_of!(rows_of, "avx2,fma,f16c", false, _mm256_dpbusd_avx_epi32);
     rows_of!(rows_of_vnni, "avx2,fma,f16c,avxvnni", true, _mm256_dpbusd_avx_epi32);
     rows_of!(rows_of_vnni_vl, "avx2,fma,f16c,avx512f,avx512vl,avx512vnni", true, _mm256_dpbusd_epi32);
+
+    /// Weight rows unpacked for the tiled kernel ([`tile`]), each chunk once: per row and chunk (row after
+    /// row), the 32 values' magnitudes and the values (whose signs `sign` moves onto the activations),
+    /// the integer scales as `madd`'s operand (the K-quants; 1 otherwise), `d` and the offset `m`.
+    #[derive(Debug, Default)]
+    pub(super) struct Panel {
+        chunks: usize,
+        scaled: bool,
+        offset: bool,
+        abs: Vec<__m256i>,
+        v: Vec<__m256i>,
+        isc: Vec<__m256i>,
+        d: Vec<f32>,
+        m: Vec<f32>,
+    }
+
+    impl Panel {
+        /// Unpacks the `rows` rows of `n` values of `w` (whole blocks of `ty`), replacing what it held.
+        ///
+        /// # Safety
+        ///
+        /// [`available`]; `ty` is [`super::supports`]ed.
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) unsafe fn fill(&mut self, ty: GgmlType, w: &[u8], rows: usize, n: usize) {
+            crate::quant::by_block_type!(ty, T => self.fill_of::<T>(w, rows, n))
+        }
+
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        fn fill_of<const T: u32>(&mut self, w: &[u8], rows: usize, n: usize) {
+            let ty = GgmlType::from_id(T).expect("a GGML type id");
+            let (be, bb) = (ty.block_elems(), ty.block_bytes());
+            let (per, blocks, chunks) = (be / QK, n / be, n / QK);
+            assert!(n.is_multiple_of(be) && w.len() >= rows * blocks * bb, "panel operands");
+            self.chunks = chunks;
+            self.scaled = matches!(T, 12..=14);
+            self.offset = super::has_offset(ty);
+            let len = rows * chunks;
+            for v in [&mut self.abs, &mut self.v, &mut self.isc] {
+                v.clear();
+                v.resize(len, _mm256_setzero_si256());
+            }
+            for v in [&mut self.d, &mut self.m] {
+                v.clear();
+                v.resize(len, 0.0);
+            }
+            for (j, wr) in w.chunks_exact(blocks * bb).take(rows).enumerate() {
+                for (i, b) in wr.chunks_exact(bb).enumerate() {
+                    unpack::<T>(b, &mut |c, v, isc, d, m| {
+                        let at = j * chunks + i * per + c;
+                        self.abs[at] = _mm256_sign_epi8(v, v);
+                        self.v[at] = v;
+                        self.isc[at] = _mm256_set_m128i(_mm_set1_epi16(isc[1]), _mm_set1_epi16(isc[0]));
+                        self.d[at] = d;
+                        self.m[at] = m;
+                    });
+                }
+            }
+        }
+
+        /// The offsets' terms of row `j` for the `R` activation rows of group `g` of `x`, each summed chunk
+        /// after chunk as [`super::row_portable`] sums it (zero for the types without an offset), with
+        /// the CPU's fused multiply-add (baseline x86-64 calls a library function for `mul_add`).
+        ///
+        /// # Safety
+        ///
+        /// [`available`].
+        #[target_feature(enable = "avx2,fma,f16c")]
+        pub(super) unsafe fn offsets<const R: usize>(&self, j: usize, x: &super::Octets, g: usize) -> [f32; R] {
+            let mut off = [0f32; R];
+            if self.offset {
+                let m = &self.m[j * self.chunks..(j + 1) * self.chunks];
+                let (_, _, s) = x.group(g);
+                assert!(s.len() == R * m.len(), "offsets operands");
+                // Chunk after chunk for every row at once: the rows' sums are independent chains.
+                for (&m, s) in m.iter().zip(s.chunks_exact(R)) {
+                    for (off, &s) in off.iter_mut().zip(s) {
+                        *off = m.mul_add(s, *off);
+                    }
+                }
+            }
+            off
+        }
+    }
+
+    /// Panel row `j` against the `R` rows of group `g` of `x`, without the offsets' terms
+    /// ([`Panel::offsets`]): per chunk, every row's lanes from the chunk's operands loaded once, in the
+    /// order of [`rows`] (the same lanes, scales and multiply-adds, so the same bits).
+    ///
+    /// # Safety
+    ///
+    /// [`available`]; the panel holds row `j` of `x.chunks` chunks and group `g` holds `R` rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn tile<const R: usize>(panel: &Panel, j: usize, x: &super::Octets, g: usize) -> [f32; R] {
+        let chunks = panel.chunks;
+        let (q, xd, _) = x.group(g);
+        assert!(
+            chunks == x.chunks
+                && x.width(g) == R
+                && panel.d.len() >= (j + 1) * chunks
+                && q.len() == R * chunks * QK
+                && xd.len() == 8 * R * chunks,
+            "tile operands"
+        );
+        let row = j * chunks..(j + 1) * chunks;
+        let (abs, v, isc, d) = (&panel.abs[row.clone()], &panel.v[row.clone()], &panel.isc[row.clone()], &panel.d[row]);
+        let mut acc = [_mm256_setzero_ps(); R];
+        let ones = _mm256_set1_epi16(1);
+        for (c, (q, xd)) in q.chunks_exact(R * QK).zip(xd.chunks_exact(8 * R)).enumerate() {
+            let (abs, v, d) = (abs[c], v[c], _mm256_set1_ps(d[c]));
+            let isc = if panel.scaled { isc[c] } else { ones };
+            for (r, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: row r's 32 values of this chunk lie in `q` (R * 32 bytes), and its scale 8 times
+                // in `xd`; unaligned loads.
+                let (q, xd) = unsafe {
+                    (_mm256_loadu_si256(q.as_ptr().add(r * QK).cast()), _mm256_loadu_ps(xd.as_ptr().add(8 * r)))
+                };
+                let lanes =
+                    _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(abs, _mm256_sign_epi8(q, v)), isc));
+                *acc = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), lanes, *acc);
+            }
+        }
+        std::array::from_fn(|r| {
+            let mut lanes = [0f32; 8];
+            // SAFETY: 8 f32s; unaligned store.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
+            super::tree8(lanes)
+        })
+    }
 
     /// Every chunk of one block of the type with GGML id `T`, in order: `put(c, v, isc, d, m)` with the
     /// 32 values as signed bytes in position order and the integer scales of values 0..16 and 16..32,
@@ -1335,7 +1569,8 @@ mod tests {
     }
 
     /// Every SIMD kernel gives the portable kernel's bits for every block type, batch and weight row
-    /// (the tiled AVX-512 kernel from [`TILED_FROM`] rows on, with partial tiles of pairs and of weight
+    /// (the tiled AVX-512 kernel from [`TILED_FROM`] rows on, the tiled 256-bit one from
+    /// [`TILED_FROM_256`] with whole and partial groups of rows, with partial tiles of pairs and of weight
     /// rows; the quad kernel of the 32-value types up to [`QUAD_ACTS`] rows, with weight rows left
     /// over), and the products are the dequantized weights' within the activations' quantization.
     #[test]
@@ -1362,7 +1597,10 @@ mod tests {
                 let mut all = vec![0f32; t * rows];
                 dots(&Acts::with(kernel, &xq), ty, &w, 0..rows, &mut all);
                 assert_eq!(bits(&all), bits(&portable), "{} {kernel:?}, every row", ty.name());
-                for (from, len) in [(0, 1), (3, 1), (1, 2), (2, 3), (0, 4), (1, 6), (0, 7), (3, 16), (1, 17), (6, 33)] {
+                let lens = [(0, 1), (3, 1), (1, 2), (2, 3), (0, 4), (1, 6), (0, 7), (3, 16), (1, 17), (6, 33)];
+                // Every width of the 256-bit tiled kernel's last group (8 + 2 ..= 8 + 6).
+                let groups = [(2, 10), (1, 11), (0, 12), (0, 13), (4, 14)];
+                for (from, len) in lens.into_iter().chain(groups) {
                     let xs = Q8::new(&x[from * n..(from + len) * n], len, n).unwrap();
                     // Three weight rows: a pair of them side by side, then one alone.
                     let mut got = vec![0f32; len * 3];
