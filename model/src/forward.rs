@@ -269,7 +269,7 @@ impl Model {
         let head = self.lm_head.as_ref().unwrap_or(&self.embed);
         let head_q8 = self.q8.as_ref().and_then(|q| q.head.as_ref());
         let n = wanted.len() / c.hidden;
-        let mut logits = self.exec.matmul_t(&wanted, head, head_q8, n, c.hidden, c.vocab).into_iter();
+        let mut logits = self.exec.matmul_t_rows(&wanted, head, head_q8, n, c.hidden, c.vocab).into_iter();
 
         let mut outputs = Vec::with_capacity(segments.len());
         let single = segments.len() == 1;
@@ -287,7 +287,15 @@ impl Model {
                 }
             }
             let count = if seg.all_logits { len } else { 1 };
-            outputs.push(Output { kv, logits: logits.by_ref().take(count * c.vocab).collect() });
+            let logits = match count {
+                1 => logits.next().unwrap_or_default(),
+                _ => {
+                    let mut all = Vec::with_capacity(count * c.vocab);
+                    logits.by_ref().take(count).for_each(|row| all.extend_from_slice(&row));
+                    all
+                }
+            };
+            outputs.push(Output { kv, logits });
         }
         outputs
     }
@@ -436,15 +444,34 @@ impl Model {
     }
 }
 
-/// The index of the largest value (the first, on ties, as `torch.argmax`).
+/// The index of the largest value (the first, on ties, as `torch.argmax`): the first index whose value
+/// no later value exceeds, so NaNs are passed over (but a NaN first value is the answer, as nothing
+/// compares greater than it).
+///
+/// The largest value first, in eight lanes that the compiler keeps in one vector, then the first index
+/// holding it, eight values at a time: a greedy step over Gemma 3's 262144 logits took 0.2 ms as one
+/// compare and branch per value, serial in every decode step of every sequence.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in logits.iter().enumerate() {
-        if x > logits[best] {
-            best = i;
+    const LANES: usize = 8;
+    match logits.first() {
+        None => return 0,
+        Some(x) if x.is_nan() => return 0,
+        Some(_) => {}
+    }
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = logits.chunks_exact(LANES);
+    let rest = chunks.remainder();
+    for chunk in chunks {
+        for (m, &x) in lanes.iter_mut().zip(chunk) {
+            *m = if x > *m { x } else { *m };
         }
     }
-    best as u32
+    let max = lanes.iter().chain(rest).fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    let at = logits
+        .chunks(LANES)
+        .position(|chunk| chunk.iter().fold(false, |hit, &x| hit | (x == max)))
+        .map_or(0, |c| c * LANES + logits[c * LANES..].iter().position(|&x| x == max).unwrap_or(0));
+    at as u32
 }
 
 /// Past K/V kept contiguously per layer: what the model crate's own tests and tools use. pdhost's host
@@ -485,5 +512,43 @@ impl PastKv for VecKv {
             k: Cow::Borrowed(&self.k[layer][a..b]),
             v: Cow::Borrowed(&self.v[layer][a..b]),
         }]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::argmax;
+
+    /// What [`argmax`] computes, one compare per value.
+    fn first_max(xs: &[f32]) -> u32 {
+        let mut best = 0;
+        for (i, &x) in xs.iter().enumerate() {
+            if x > xs[best] {
+                best = i;
+            }
+        }
+        best as u32
+    }
+
+    #[test]
+    fn argmax_is_the_first_largest_value_with_nans_ties_and_signed_zeros() {
+        let mut state = 0x2545_f491_u32;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state
+        };
+        // Few distinct values, so that ties are common, and the special ones.
+        let values = [-1.5, 0.0, -0.0, 2.0, 3.25, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 3.25];
+        for len in (0..40).chain([257, 1000]) {
+            for _ in 0..50 {
+                let xs: Vec<f32> = (0..len).map(|_| values[next() as usize % values.len()]).collect();
+                assert_eq!(argmax(&xs), first_max(&xs), "{xs:?}");
+            }
+        }
+        assert_eq!(argmax(&[f32::NAN, 1.0, 2.0]), 0);
+        assert_eq!(argmax(&[1.0, f32::NAN, 2.0, 2.0]), 2);
+        assert_eq!(argmax(&[-0.0, 0.0]), 0);
     }
 }

@@ -78,6 +78,21 @@ impl Exec {
         out
     }
 
+    /// [`Exec::matmul_t`] as one vector per row of `x`: the same bits, each written once (a decode
+    /// step's logits, one row per sequence, without a copy of them all to split).
+    pub fn matmul_t_rows(
+        &self,
+        x: &[f32],
+        w: &Weight,
+        q8: Option<&Q8>,
+        t: usize,
+        n_in: usize,
+        n_out: usize,
+    ) -> Vec<Vec<f32>> {
+        let [out] = self.products(x, [(w, q8, n_out)], t, n_in);
+        out.into_rows()
+    }
+
     /// The products of the same activations `x` (`t x n_in`) with several weights `(w, q8, n_out)`, each
     /// as [`Exec::matmul_t`] computes it (the same bits), the activations quantized once for all of them.
     pub fn matmul_many<const N: usize>(
@@ -87,6 +102,17 @@ impl Exec {
         t: usize,
         n_in: usize,
     ) -> [Vec<f32>; N] {
+        self.products(x, ws, t, n_in).map(Parts::into_flat)
+    }
+
+    /// [`Exec::matmul_many`]'s products, each as its tasks left it.
+    fn products<const N: usize>(
+        &self,
+        x: &[f32],
+        ws: [(&Weight, Option<&Q8>, usize); N],
+        t: usize,
+        n_in: usize,
+    ) -> [Parts; N] {
         assert_eq!(x.len(), t * n_in, "activation shape");
         let ws = ws.map(|(w, q8, n_out)| {
             assert_eq!(w.len(), n_out * n_in, "weight shape");
@@ -123,7 +149,7 @@ impl Exec {
         t: usize,
         n_in: usize,
         n_out: usize,
-    ) -> Vec<f32> {
+    ) -> Parts {
         let simd = dot::simd();
         // Weight rows per task: enough work to be worth a hand-off, and several tasks per thread when
         // there are rows enough. Which rows go together never changes a result.
@@ -147,23 +173,53 @@ impl Exec {
                 })
                 .collect()
         });
-        if tasks == 1 {
-            return parts.into_iter().next().unwrap_or_default();
-        }
-        let mut c = vec![0f32; t * n_out];
-        for (task, part) in parts.iter().enumerate() {
-            let j0 = task * per_task;
-            let width = part.len() / t.max(1);
-            for (i, row) in part.chunks_exact(width.max(1)).enumerate() {
-                c[i * n_out + j0..][..width].copy_from_slice(row);
-            }
-        }
-        c
+        Parts { t, n_out, parts }
     }
 
     /// Runs `f` inside the pool, so rayon's parallel iterators in it use these threads.
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
+    }
+}
+
+/// One product's outputs as its tasks left them: per task, `t` rows of that task's output columns.
+struct Parts {
+    t: usize,
+    n_out: usize,
+    parts: Vec<Vec<f32>>,
+}
+
+impl Parts {
+    /// The `t x n_out` outputs, row-major: row after row, each task's part of it in task order, written
+    /// once and never zeroed first.
+    fn into_flat(self) -> Vec<f32> {
+        if self.parts.len() == 1 {
+            return self.parts.into_iter().next().unwrap_or_default();
+        }
+        let mut c = Vec::with_capacity(self.t * self.n_out);
+        for i in 0..self.t {
+            self.row_into(i, &mut c);
+        }
+        c
+    }
+
+    /// Each of the `t` rows as its own vector.
+    fn into_rows(self) -> Vec<Vec<f32>> {
+        (0..self.t)
+            .map(|i| {
+                let mut row = Vec::with_capacity(self.n_out);
+                self.row_into(i, &mut row);
+                row
+            })
+            .collect()
+    }
+
+    /// Appends row `i`.
+    fn row_into(&self, i: usize, out: &mut Vec<f32>) {
+        for part in &self.parts {
+            let width = part.len() / self.t;
+            out.extend_from_slice(&part[i * width..(i + 1) * width]);
+        }
     }
 }
 
