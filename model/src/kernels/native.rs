@@ -253,12 +253,14 @@ impl Octets {
     }
 
     /// Rows in group `g`.
+    #[inline]
     fn width(&self, g: usize) -> usize {
         OCTET.min(self.rows - g * OCTET)
     }
 
     /// Group `g`'s values, scales and sums.
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+    #[inline]
     fn group(&self, g: usize) -> (&[i8], &[f32], &[f32]) {
         let (from, len) = (g * OCTET * self.chunks, self.width(g) * self.chunks);
         (&self.q[from * QK..(from + len) * QK], &self.d[8 * from..8 * (from + len)], &self.s[from..from + len])
@@ -378,10 +380,8 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
                             // SAFETY: as above; the panel holds row `j` of `octets.chunks` chunks and
                             // group `g` holds `$r` rows.
                             let res = unsafe { avx2::tile::<$r>(&panel, j, octets, g) };
-                            // SAFETY: as above.
-                            let offs = unsafe { panel.offsets::<$r>(j, octets, g) };
-                            for (i, (v, off)) in res.iter().zip(offs).enumerate() {
-                                out[(g * OCTET + i) * width + j0 + j] = v + off;
+                            for (i, v) in res.iter().enumerate() {
+                                out[(g * OCTET + i) * width + j0 + j] = *v;
                             }
                         }
                     };
@@ -820,58 +820,60 @@ mod avx2 {
                 }
             }
         }
-
-        /// The offsets' terms of row `j` for the `R` activation rows of group `g` of `x`, each summed chunk
-        /// after chunk as [`super::row_portable`] sums it (zero for the types without an offset), with
-        /// the CPU's fused multiply-add (baseline x86-64 calls a library function for `mul_add`).
-        ///
-        /// # Safety
-        ///
-        /// [`available`].
-        #[target_feature(enable = "avx2,fma,f16c")]
-        pub(super) unsafe fn offsets<const R: usize>(&self, j: usize, x: &super::Octets, g: usize) -> [f32; R] {
-            let mut off = [0f32; R];
-            if self.offset {
-                let m = &self.m[j * self.chunks..(j + 1) * self.chunks];
-                let (_, _, s) = x.group(g);
-                assert!(s.len() == R * m.len(), "offsets operands");
-                // Chunk after chunk for every row at once: the rows' sums are independent chains.
-                for (&m, s) in m.iter().zip(s.chunks_exact(R)) {
-                    for (off, &s) in off.iter_mut().zip(s) {
-                        *off = m.mul_add(s, *off);
-                    }
-                }
-            }
-            off
-        }
     }
 
-    /// Panel row `j` against the `R` rows of group `g` of `x`, without the offsets' terms
-    /// ([`Panel::offsets`]): per chunk, every row's lanes from the chunk's operands loaded once, in the
-    /// order of [`rows`] (the same lanes, scales and multiply-adds, so the same bits).
+    /// Panel row `j` against the `R` rows of group `g` of `x`: per chunk, every row's lanes from the
+    /// chunk's operands loaded once, in the order of [`rows`] (the same lanes, scales, multiply-adds and
+    /// offsets' terms, so the same bits).
     ///
     /// # Safety
     ///
     /// [`available`]; the panel holds row `j` of `x.chunks` chunks and group `g` holds `R` rows.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn tile<const R: usize>(panel: &Panel, j: usize, x: &super::Octets, g: usize) -> [f32; R] {
+        match (panel.scaled, panel.offset) {
+            (false, false) => tile_of::<R, false, false>(panel, j, x, g),
+            (false, true) => tile_of::<R, false, true>(panel, j, x, g),
+            (true, false) => tile_of::<R, true, false>(panel, j, x, g),
+            (true, true) => tile_of::<R, true, true>(panel, j, x, g),
+        }
+    }
+
+    /// [`tile`] for a panel of integer scales (`SCALED`) and offsets (`OFFSET`) or not.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn tile_of<const R: usize, const SCALED: bool, const OFFSET: bool>(
+        panel: &Panel,
+        j: usize,
+        x: &super::Octets,
+        g: usize,
+    ) -> [f32; R] {
         let chunks = panel.chunks;
-        let (q, xd, _) = x.group(g);
+        let (q, xd, xs) = x.group(g);
         assert!(
             chunks == x.chunks
                 && x.width(g) == R
                 && panel.d.len() >= (j + 1) * chunks
                 && q.len() == R * chunks * QK
-                && xd.len() == 8 * R * chunks,
+                && xd.len() == 8 * R * chunks
+                && xs.len() == R * chunks,
             "tile operands"
         );
         let row = j * chunks..(j + 1) * chunks;
-        let (abs, v, isc, d) = (&panel.abs[row.clone()], &panel.v[row.clone()], &panel.isc[row.clone()], &panel.d[row]);
+        let (abs, v, isc, d, m) = (
+            &panel.abs[row.clone()],
+            &panel.v[row.clone()],
+            &panel.isc[row.clone()],
+            &panel.d[row.clone()],
+            &panel.m[row],
+        );
         let mut acc = [_mm256_setzero_ps(); R];
+        let mut off = [0f32; R];
         let ones = _mm256_set1_epi16(1);
-        for (c, (q, xd)) in q.chunks_exact(R * QK).zip(xd.chunks_exact(8 * R)).enumerate() {
+        let rows = q.chunks_exact(R * QK).zip(xd.chunks_exact(8 * R)).zip(xs.chunks_exact(R));
+        for (c, ((q, xd), xs)) in rows.enumerate() {
             let (abs, v, d) = (abs[c], v[c], _mm256_set1_ps(d[c]));
-            let isc = if panel.scaled { isc[c] } else { ones };
+            let isc = if SCALED { isc[c] } else { ones };
             for (r, acc) in acc.iter_mut().enumerate() {
                 // SAFETY: row r's 32 values of this chunk lie in `q` (R * 32 bytes), and its scale 8 times
                 // in `xd`; unaligned loads.
@@ -882,12 +884,18 @@ mod avx2 {
                     _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(abs, _mm256_sign_epi8(q, v)), isc));
                 *acc = _mm256_fmadd_ps(_mm256_mul_ps(d, xd), lanes, *acc);
             }
+            if OFFSET {
+                // Every row's chain, chunk after chunk (eight rows: one vector multiply-add).
+                for (off, &s) in off.iter_mut().zip(xs) {
+                    *off = m[c].mul_add(s, *off);
+                }
+            }
         }
         std::array::from_fn(|r| {
             let mut lanes = [0f32; 8];
             // SAFETY: 8 f32s; unaligned store.
             unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc[r]) };
-            super::tree8(lanes)
+            super::tree8(lanes) + off[r]
         })
     }
 
