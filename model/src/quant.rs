@@ -485,14 +485,24 @@ pub(crate) mod avx2 {
         }
         for (sums, acc) in out.iter_mut().zip(&acc) {
             for r in 0..R {
-                let mut lanes = [[0f32; 8]; 2];
-                for v in 0..2 {
-                    // SAFETY: 8 f32s; unaligned store.
-                    unsafe { _mm256_storeu_ps(lanes[v].as_mut_ptr(), acc[r][v]) };
-                }
-                sums[r] = crate::kernels::dot::reduce(lanes);
+                sums[r] = reduce(acc[r]);
             }
         }
+    }
+
+    /// [`crate::kernels::dot::reduce`] in registers: the two accumulators added lane by lane, then the
+    /// high half onto the low, then pairs, the same sums in the same order (so the same bits). Through
+    /// memory and the scalar order, LLVM transposed four rows' lanes: about 80 instructions per group of
+    /// Gemma 3's head rows, against 320 for their 80 chunks.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn reduce(acc: [__m256; 2]) -> f32 {
+        let s = _mm256_add_ps(acc[0], acc[1]);
+        // Lanes l + (l + 4): s0 + s4, s1 + s5, s2 + s6, s3 + s7.
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+        // (s0 + s4) + (s2 + s6), (s1 + s5) + (s3 + s7).
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
     }
 
     /// One block of a supported `ty`, eight values at a time, in increasing position.
