@@ -532,13 +532,7 @@ mod tests {
 
     #[test]
     fn argmax_is_the_first_largest_value_with_nans_ties_and_signed_zeros() {
-        let mut state = 0x2545_f491_u32;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            state
-        };
+        let mut next = crate::testing::xorshift32(0x2545_f491);
         // Few distinct values, so that ties are common, and the special ones.
         let values = [-1.5, 0.0, -0.0, 2.0, 3.25, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 3.25];
         for len in (0..40).chain([257, 1000]) {

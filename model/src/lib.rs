@@ -16,3 +16,17 @@ pub mod kernels;
 pub mod quant;
 pub mod registry;
 pub mod tokenizer;
+
+/// What the crate's tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    /// Xorshift32 from `state` (not 0): the tests' pseudo-random source, the same sequence everywhere.
+    pub(crate) fn xorshift32(mut state: u32) -> impl FnMut() -> u32 {
+        move || {
+            state ^= state << 13;
+            state ^= state >> 17;
+            state ^= state << 5;
+            state
+        }
+    }
+}

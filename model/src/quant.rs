@@ -1015,13 +1015,7 @@ mod tests {
     /// block type (scales random too: negative, tiny, large; never NaN or infinite).
     #[test]
     fn the_avx2_dequantizer_equals_the_portable_one_on_every_block_type() {
-        let mut state = 0x2545_F491_u32;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            state
-        };
+        let mut next = crate::testing::xorshift32(0x2545_F491);
         let types = [
             GgmlType::Q8_0,
             GgmlType::Q4_0,

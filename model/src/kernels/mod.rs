@@ -337,13 +337,7 @@ mod tests {
     /// Pseudo-random whole blocks of `ty` for `elems` weights, with finite, moderate scales.
     pub(super) fn random_blocks(ty: crate::quant::GgmlType, elems: usize, seed: u32) -> Vec<u8> {
         use crate::quant::GgmlType as T;
-        let mut state = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 17;
-            state ^= state << 5;
-            state
-        };
+        let mut next = crate::testing::xorshift32(seed.wrapping_mul(2_654_435_761).wrapping_add(1));
         let f16 = |v: f32| half::f16::from_f32(v).to_bits().to_le_bytes();
         let (be, bb) = (ty.block_elems(), ty.block_bytes());
         let mut out = Vec::new();
