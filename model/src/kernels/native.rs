@@ -764,7 +764,7 @@ mod avx2 {
 
     /// Weight rows unpacked for the tiled kernel ([`tile`]), each chunk once: per row and chunk (row after
     /// row), the 32 values' magnitudes and the values (whose signs `sign` moves onto the activations),
-    /// the integer scales as `madd`'s operand (the K-quants; 1 otherwise), `d` and the offset `m`.
+    /// the integer scales as `madd`'s operand (the K-quants only), `d` and the offset `m`.
     #[derive(Debug, Default)]
     pub(super) struct Panel {
         chunks: usize,
@@ -799,9 +799,14 @@ mod avx2 {
             self.scaled = matches!(T, 12..=14);
             self.offset = super::has_offset(ty);
             let len = rows * chunks;
-            for v in [&mut self.abs, &mut self.v, &mut self.isc] {
+            for v in [&mut self.abs, &mut self.v] {
                 v.clear();
                 v.resize(len, _mm256_setzero_si256());
+            }
+            // The 32-value types' scales are 1: the tile takes a constant for them.
+            self.isc.clear();
+            if self.scaled {
+                self.isc.resize(len, _mm256_setzero_si256());
             }
             for v in [&mut self.d, &mut self.m] {
                 v.clear();
@@ -813,7 +818,9 @@ mod avx2 {
                         let at = j * chunks + i * per + c;
                         self.abs[at] = _mm256_sign_epi8(v, v);
                         self.v[at] = v;
-                        self.isc[at] = _mm256_set_m128i(_mm_set1_epi16(isc[1]), _mm_set1_epi16(isc[0]));
+                        if matches!(T, 12..=14) {
+                            self.isc[at] = _mm256_set_m128i(_mm_set1_epi16(isc[1]), _mm_set1_epi16(isc[0]));
+                        }
                         self.d[at] = d;
                         self.m[at] = m;
                     });
@@ -863,7 +870,7 @@ mod avx2 {
         let (abs, v, isc, d, m) = (
             &panel.abs[row.clone()],
             &panel.v[row.clone()],
-            &panel.isc[row.clone()],
+            if SCALED { &panel.isc[row.clone()] } else { &[][..] },
             &panel.d[row.clone()],
             &panel.m[row],
         );
