@@ -184,11 +184,26 @@ pub(crate) struct Acts<'a> {
     pairs: Option<Pairs>,
     /// The rows in groups for the 256-bit tiled kernel, where it runs (from [`TILED_FROM_256`] rows).
     octets: Option<Octets>,
-    /// Where the 256-bit row kernel runs on more than one row: the rows' sums in groups of [`ROWS`],
-    /// interleaved chunk by chunk (group, then chunk, then row; the last group padded with zeros), so a
-    /// group's offsets' terms are one vector multiply-add per chunk. As four scalar chains they held four
-    /// more registers through the loop and cost 9-14% of a four-row product of Q4_1 or Q4_K (Zen 3).
+    /// Where the 256-bit row kernel runs on more than one row: the rows in groups of [`ROWS`], their
+    /// operands interleaved for it ([`Group`]).
     sums: Vec<f32>,
+    scales: Vec<f32>,
+}
+
+/// The per-chunk operands of a group of up to [`ROWS`] activation rows, interleaved for the 256-bit row
+/// kernel (chunk, then row; a short last group padded with zeros), where it runs on more than one row.
+/// The sums make a group's offsets' terms one vector multiply-add per chunk: as four scalar chains they
+/// held four more registers through the loop and cost 9-14% of a four-row product of Q4_1 or Q4_K. Each
+/// scale is stored eight times, so `d * xd` is one vector multiply with a memory operand, where a scalar
+/// product and its broadcast were two operations: 5-15% of a four-row product of every block type (Zen 3).
+/// Each lane computes what the scalar form did, so the bits are the same.
+#[derive(Clone, Copy, Debug, Default)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+struct Group<'a> {
+    /// `ROWS` per chunk.
+    sums: &'a [f32],
+    /// `8 * ROWS` per chunk.
+    scales: &'a [f32],
 }
 
 impl<'a> Acts<'a> {
@@ -214,26 +229,34 @@ impl<'a> Acts<'a> {
             .then(|| Octets::of(q8));
         #[cfg(not(target_arch = "x86_64"))]
         let octets = None;
-        let mut sums = Vec::new();
+        let (mut sums, mut scales) = (Vec::new(), Vec::new());
         #[cfg(target_arch = "x86_64")]
         if matches!(kernel, Kernel::Avx2 | Kernel::Vnni | Kernel::VnniVl) && octets.is_none() && q8.rows > 1 {
             let chunks = q8.cols / QK;
-            sums = vec![0.0; q8.rows.div_ceil(ROWS) * chunks * ROWS];
+            let slots = q8.rows.div_ceil(ROWS) * chunks * ROWS;
+            (sums, scales) = (vec![0.0; slots], vec![0.0; 8 * slots]);
             for r in 0..q8.rows {
                 let (g, i) = (r / ROWS, r % ROWS);
-                for (c, &s) in q8.act(r).s.iter().enumerate().take(chunks) {
-                    sums[(g * chunks + c) * ROWS + i] = s;
+                let a = q8.act(r);
+                for c in 0..chunks {
+                    let at = (g * chunks + c) * ROWS + i;
+                    sums[at] = a.s[c];
+                    scales[8 * at..8 * (at + 1)].fill(a.d[c]);
                 }
             }
         }
-        Acts { q8, kernel, wide, pairs, octets, sums }
+        Acts { q8, kernel, wide, pairs, octets, sums, scales }
     }
 
-    /// The interleaved sums of the group of [`ROWS`] rows from row `r0` (empty where there are none).
+    /// The interleaved operands of the group of [`ROWS`] rows from row `r0` (empty where there are none).
     #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-    fn sums_from(&self, r0: usize) -> &[f32] {
+    fn group(&self, r0: usize) -> Group<'_> {
         let len = self.q8.cols / QK * ROWS;
-        self.sums.get(r0 / ROWS * len..(r0 / ROWS + 1) * len).unwrap_or_default()
+        let g = r0 / ROWS;
+        Group {
+            sums: self.sums.get(g * len..(g + 1) * len).unwrap_or_default(),
+            scales: self.scales.get(8 * g * len..8 * (g + 1) * len).unwrap_or_default(),
+        }
     }
 }
 
@@ -477,13 +500,13 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
                         // is supported, `w` is `res.len()` rows of whole blocks and each activation row
                         // holds `n` values.
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::Avx2 => unsafe { avx2::rows::<$r>(ty, acts, x.sums_from(r0), w, n, res) },
+                        Kernel::Avx2 => unsafe { avx2::rows::<$r>(ty, acts, x.group(r0), w, n, res) },
                         // SAFETY: as above, and AVX-VNNI is present.
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::Vnni => unsafe { avx2::rows_vnni::<$r>(ty, acts, x.sums_from(r0), w, n, res) },
+                        Kernel::Vnni => unsafe { avx2::rows_vnni::<$r>(ty, acts, x.group(r0), w, n, res) },
                         // SAFETY: as above, and AVX512-VNNI and VL are present.
                         #[cfg(target_arch = "x86_64")]
-                        Kernel::VnniVl => unsafe { avx2::rows_vnni_vl::<$r>(ty, acts, x.sums_from(r0), w, n, res) },
+                        Kernel::VnniVl => unsafe { avx2::rows_vnni_vl::<$r>(ty, acts, x.group(r0), w, n, res) },
                         #[cfg(target_arch = "x86_64")]
                         Kernel::Avx512 => unreachable!("the AVX-512 kernel runs on pairs"),
                     }
@@ -670,18 +693,18 @@ mod avx2 {
     /// # Safety
     ///
     /// [`available`]; `ty` is [`super::supports`]ed, `w` holds `out.len()` rows of `n` values as whole
-    /// blocks, and every `x[r]` holds `n` values. With more than one row, `sums` is their group's
-    /// interleaved sums (`Acts::sums`).
+    /// blocks, and every `x[r]` holds `n` values. With more than one row, `group` is their group's
+    /// interleaved operands.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn rows<const R: usize>(
         ty: GgmlType,
         x: [Act<'_>; R],
-        sums: &[f32],
+        group: super::Group<'_>,
         w: &[u8],
         n: usize,
         out: &mut [[f32; R]],
     ) {
-        crate::quant::by_block_type!(ty, T => rows_of::<R, T>(x, sums, w, n, out))
+        crate::quant::by_block_type!(ty, T => rows_of::<R, T>(x, group, w, n, out))
     }
 
     /// [`rows`] with AVX-VNNI, the same bits.
@@ -693,12 +716,12 @@ mod avx2 {
     pub(super) unsafe fn rows_vnni<const R: usize>(
         ty: GgmlType,
         x: [Act<'_>; R],
-        sums: &[f32],
+        group: super::Group<'_>,
         w: &[u8],
         n: usize,
         out: &mut [[f32; R]],
     ) {
-        crate::quant::by_block_type!(ty, T => rows_of_vnni::<R, T>(x, sums, w, n, out))
+        crate::quant::by_block_type!(ty, T => rows_of_vnni::<R, T>(x, group, w, n, out))
     }
 
     /// [`rows`] with AVX512-VNNI's 256-bit `vpdpbusd`, the same bits.
@@ -710,12 +733,12 @@ mod avx2 {
     pub(super) unsafe fn rows_vnni_vl<const R: usize>(
         ty: GgmlType,
         x: [Act<'_>; R],
-        sums: &[f32],
+        group: super::Group<'_>,
         w: &[u8],
         n: usize,
         out: &mut [[f32; R]],
     ) {
-        crate::quant::by_block_type!(ty, T => rows_of_vnni_vl::<R, T>(x, sums, w, n, out))
+        crate::quant::by_block_type!(ty, T => rows_of_vnni_vl::<R, T>(x, group, w, n, out))
     }
 
     /// Defines the row kernel for the type with GGML id `T` with the given target features; with `vnni`
@@ -727,7 +750,7 @@ mod avx2 {
             #[target_feature(enable = $features)]
             fn $name<const R: usize, const T: u32>(
                 x: [Act<'_>; R],
-                sums: &[f32],
+                group: super::Group<'_>,
                 w: &[u8],
                 n: usize,
                 out: &mut [[f32; R]],
@@ -736,15 +759,17 @@ mod avx2 {
                 let (be, bb) = (ty.block_elems(), ty.block_bytes());
                 let (per, blocks) = (be / QK, n / be);
                 let chunks = n / QK;
-                // The offsets' chains of several rows are the lanes of one vector (see `Acts::sums`).
+                // Several rows read their scales and sums interleaved (`super::Group`).
+                let grouped = R > 1;
                 let offset = super::has_offset(ty);
-                let lanes_off = offset && R > 1;
                 assert!(
                     n % be == 0
                         && w.len() >= out.len() * blocks * bb
                         && x.iter().all(|x| x.q.len() >= n && x.d.len() >= chunks && x.s.len() >= chunks)
                         && R <= super::ROWS
-                        && (!lanes_off || sums.len() >= chunks * super::ROWS),
+                        && (!grouped
+                            || (group.sums.len() >= chunks * super::ROWS
+                                && group.scales.len() >= 8 * chunks * super::ROWS)),
                     "rows operands"
                 );
                 // Values 0..=63 are unsigned bytes for `maddubs`; signed ones go through `|v| * sign(q, v)`.
@@ -766,16 +791,11 @@ mod avx2 {
                                 ones
                             };
                             let vabs = if signed { _mm256_sign_epi8(v, v) } else { v };
+                            let dv = _mm256_set1_ps(d);
                             for r in 0..R {
                                 // SAFETY: chunk xi < n / 32 of a row of n values (asserted above); unaligned
                                 // load.
-                                let (q, xd, xs) = unsafe {
-                                    (
-                                        _mm256_loadu_si256(x[r].q.as_ptr().add(xi * QK).cast()),
-                                        *x[r].d.get_unchecked(xi),
-                                        *x[r].s.get_unchecked(xi),
-                                    )
-                                };
+                                let q = unsafe { _mm256_loadu_si256(x[r].q.as_ptr().add(xi * QK).cast()) };
                                 let q = if signed { _mm256_sign_epi8(q, v) } else { q };
                                 // The `unsafe` is needed only where AVX-VNNI is not enabled (never run there).
                                 #[allow(unused_unsafe)]
@@ -786,21 +806,33 @@ mod avx2 {
                                     _mm256_madd_epi16(_mm256_maddubs_epi16(vabs, q), isc)
                                 };
                                 let lanes = _mm256_cvtepi32_ps(lanes);
-                                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d * xd), lanes, acc[r]);
-                                if offset && !lanes_off {
-                                    off[r] = m.mul_add(xs, off[r]);
+                                let scale = if grouped {
+                                    // SAFETY: chunk xi's 8 * ROWS scales lie in `group.scales` (asserted
+                                    // above), row r's 8 from `8 * (xi * ROWS + r)`; unaligned load.
+                                    let xd = unsafe {
+                                        _mm256_loadu_ps(group.scales.as_ptr().add(8 * (xi * super::ROWS + r)))
+                                    };
+                                    _mm256_mul_ps(dv, xd)
+                                } else {
+                                    // SAFETY: chunk xi < n / 32 (asserted above).
+                                    _mm256_set1_ps(d * unsafe { *x[r].d.get_unchecked(xi) })
+                                };
+                                acc[r] = _mm256_fmadd_ps(scale, lanes, acc[r]);
+                                if offset && !grouped {
+                                    // SAFETY: as above.
+                                    off[r] = m.mul_add(unsafe { *x[r].s.get_unchecked(xi) }, off[r]);
                                 }
                             }
-                            if lanes_off {
-                                // SAFETY: chunk xi's ROWS sums lie in `sums` (asserted above); unaligned
-                                // load.
-                                let s = unsafe { _mm_loadu_ps(sums.as_ptr().add(xi * super::ROWS)) };
+                            if offset && grouped {
+                                // SAFETY: chunk xi's ROWS sums lie in `group.sums` (asserted above);
+                                // unaligned load.
+                                let s = unsafe { _mm_loadu_ps(group.sums.as_ptr().add(xi * super::ROWS)) };
                                 // Lane r: the same fused multiply-add as row r's scalar chain.
                                 off_lanes = _mm_fmadd_ps(_mm_set1_ps(m), s, off_lanes);
                             }
                         });
                     }
-                    if lanes_off {
+                    if offset && grouped {
                         let mut lanes = [0f32; super::ROWS];
                         // SAFETY: ROWS = 4 f32s; unaligned store.
                         unsafe { _mm_storeu_ps(lanes.as_mut_ptr(), off_lanes) };
