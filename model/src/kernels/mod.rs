@@ -131,37 +131,28 @@ impl Exec {
             .as_ref()
             .filter(|_| ws.iter().any(|(_, _, native, _)| native.is_some()))
             .map(|xq| native::Acts::new(xq, dot::simd()));
-        ws.map(|(w, q8, native, n_out)| {
-            let native = native.zip(acts.as_ref());
-            self.product(x, xq.as_ref(), w, q8, native, t, n_in, n_out)
-        })
-    }
-
-    /// One product of [`Exec::matmul_many`], split across the pool by weight rows.
-    #[allow(clippy::too_many_arguments)]
-    fn product(
-        &self,
-        x: &[f32],
-        xq: Option<&Q8>,
-        w: &Weight,
-        q8: Option<&Q8>,
-        native: Option<((crate::quant::GgmlType, &[u8]), &native::Acts<'_>)>,
-        t: usize,
-        n_in: usize,
-        n_out: usize,
-    ) -> Parts {
         let simd = dot::simd();
         // Weight rows per task: enough work to be worth a hand-off, and several tasks per thread when
         // there are rows enough. Which rows go together never changes a result.
-        let per_task = (n_out / (4 * self.threads())).max(64).min(n_out.max(1));
-        let tasks = n_out.div_ceil(per_task);
-        let parts: Vec<Vec<f32>> = self.pool.install(|| {
-            (0..tasks)
-                .into_par_iter()
-                .map(|task| {
-                    let rows = task * per_task..((task + 1) * per_task).min(n_out);
+        let per_task = ws.map(|(.., n_out)| (n_out / (4 * self.threads())).max(64).min(n_out.max(1)));
+        // Every product's tasks in one parallel region: a decode step of a small model is hundreds of
+        // products of tens of microseconds each, and each region costs a hand-off to the other threads
+        // and a wait for the last of them.
+        let counts: [usize; N] = std::array::from_fn(|p| ws[p].3.div_ceil(per_task[p]));
+        let tasks: Vec<(usize, std::ops::Range<usize>)> = (0..N)
+            .flat_map(|p| {
+                let (n_out, per) = (ws[p].3, per_task[p]);
+                (0..counts[p]).map(move |k| (p, k * per..((k + 1) * per).min(n_out)))
+            })
+            .collect();
+        let mut outs: Vec<Vec<f32>> = self.pool.install(|| {
+            tasks
+                .par_iter()
+                .map(|(p, rows)| {
+                    let (w, q8, native, _) = ws[*p];
+                    let rows = rows.clone();
                     let mut out = vec![0f32; t * rows.len()];
-                    match (native, q8, xq, w) {
+                    match (native.zip(acts.as_ref()), q8, xq.as_ref(), w) {
                         (Some(((ty, bytes), acts)), _, _, _) => native::dots(acts, ty, bytes, rows, &mut out),
                         (_, Some(w), Some(xq), _) => q8::dots(simd, xq, w, rows, &mut out),
                         (_, _, _, Weight::F32(w)) => {
@@ -173,7 +164,8 @@ impl Exec {
                 })
                 .collect()
         });
-        Parts { t, n_out, parts }
+        // The tasks are in product order: each product's parts are the next ones.
+        std::array::from_fn(|p| Parts { t, n_out: ws[p].3, parts: outs.drain(..counts[p]).collect() })
     }
 
     /// Runs `f` inside the pool, so rayon's parallel iterators in it use these threads.
