@@ -7,14 +7,19 @@
 //! frame from the ring straight into the sequence's pages ([`IntoSequence`]), validating everything on the
 //! way, and commits the span in one step or leaves the cache exactly as it was.
 
-use std::collections::{BTreeMap, VecDeque};
+mod error;
+mod process;
+mod restarts;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
 use std::ffi::OsString;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::UnixStream;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use pdhost_plugin_abi::PdhostStatus;
@@ -22,36 +27,18 @@ pub use pdhost_producer::protocol::PrefillCall;
 use pdhost_producer::protocol::{self, BadDescription, Described, FromProducer, RecvError, RemoteFailure, ToProducer};
 use rustix::event::{PollFd, PollFlags};
 use shm_format::ring::RingGeometry;
-use shm_format::{words, Dtype, Fingerprint, KvGeometry, LayerKv};
+use shm_format::{Dtype, Fingerprint, KvGeometry, LayerKv};
 use shm_ring::segment::memfd::MemfdSegment;
-use shm_ring::{create_ring, HostRing, RingError, TakeError};
+use shm_ring::{create_ring, TakeError};
 
-use crate::kv::{IngestError, IntoSequence, PagedKv, SeqId};
-
-/// How often and how fast a failed producer is restarted.
-#[derive(Clone, Copy, Debug)]
-pub struct RestartPolicy {
-    /// Wait before the first restart after a failure; doubles on each consecutive failure.
-    pub initial_backoff: Duration,
-    /// Longest wait.
-    pub max_backoff: Duration,
-    /// Most restarts within `window`; past that, requests fail with `restart_limit` until the window
-    /// moves on.
-    pub max_restarts: u32,
-    /// The window.
-    pub window: Duration,
-}
-
-impl Default for RestartPolicy {
-    fn default() -> Self {
-        RestartPolicy {
-            initial_backoff: Duration::from_millis(50),
-            max_backoff: Duration::from_secs(2),
-            max_restarts: 10,
-            window: Duration::from_secs(60),
-        }
-    }
-}
+pub use self::error::ProducerError;
+pub use self::process::harden_host;
+use self::process::{
+    config_with_shape, inheritable, log_output, peak_memory, signal_name, wait_readable, Ready, Running,
+};
+pub use self::restarts::RestartPolicy;
+use self::restarts::{Refused, Restarts};
+use crate::kv::{IntoSequence, PagedKv, SeqId};
 
 /// Everything needed to start a producer.
 #[derive(Clone, Debug)]
@@ -124,277 +111,6 @@ pub struct Metrics {
     pub bytes: u64,
 }
 
-/// Why a producer could not prefill a request. Each has a stable [`ProducerError::kind`].
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ProducerError {
-    /// The process could not be started.
-    #[error("producer {name}: starting {program}: {source}")]
-    Spawn {
-        /// Producer.
-        name: String,
-        /// Program.
-        program: String,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The producer reported a start-up failure (library, open, describe).
-    #[error("producer {name}: {stage} failed: {message}")]
-    StartFailed {
-        /// Producer.
-        name: String,
-        /// `load`, `open`, `describe`, `capabilities`, `ring`.
-        stage: String,
-        /// The backend's status code, 0 when the producer failed on its own.
-        status: u32,
-        /// Its reason.
-        message: String,
-    },
-    /// The backend loaded another model than the host's: same KV shape perhaps, but other weights,
-    /// tokenizer or rope.
-    #[error("producer {name}: describe: model identity: {what}: expected {expected}, found {found}")]
-    IdentityMismatch {
-        /// Producer.
-        name: String,
-        /// `weights`, `tokenizer`, `rope`, or `identity` (unreadable).
-        what: &'static str,
-        /// The host's.
-        expected: String,
-        /// The backend's.
-        found: String,
-    },
-    /// An earlier start failed in a way every start would repeat (a bad config, a library without the
-    /// entry symbol, another model): the producer is not started again.
-    #[error("producer {name}: not started again, since every start would fail the same way: {reason}")]
-    StartRefused {
-        /// Producer.
-        name: String,
-        /// The first failure's kind.
-        kind: &'static str,
-        /// The first failure, in full.
-        reason: String,
-    },
-    /// The backend describes a model the host does not run.
-    #[error("producer {name}: describe: {what}: expected {expected}, found {found}")]
-    DescribeMismatch {
-        /// Producer.
-        name: String,
-        /// What differs: `layer 5`, `KV geometry`, `fingerprint`, `layout`, `dtype`.
-        what: String,
-        /// What the host runs.
-        expected: String,
-        /// What the backend described.
-        found: String,
-    },
-    /// The process exited (crashed, was killed, or exited on its own) before answering.
-    #[error("producer {name} exited {status} while {during}")]
-    Exited {
-        /// Producer.
-        name: String,
-        /// `with status N` or `by signal SIGNAME`.
-        status: String,
-        /// What the host was waiting for.
-        during: &'static str,
-    },
-    /// The producer made a system call its sandbox forbids (`SIGSYS`): it was stopped on the spot.
-    #[error(
-        "producer {name} was stopped by its sandbox while {during}: the backend made a system call the \
-         sandbox forbids (starting a process, signalling another one, the network, ...; see \
-         docs/plugin-abi.md, or run it with --sandbox off)"
-    )]
-    Sandbox {
-        /// Producer.
-        name: String,
-        /// What the host was waiting for.
-        during: &'static str,
-    },
-    /// The producer died by a signal at its memory cap: its peak resident memory was near the cap, or its
-    /// last words were an allocation failure.
-    #[error(
-        "producer {name} exited {status} while {during}, at its memory limit of {} MiB ({}peak resident {} MiB)",
-        *limit >> 20,
-        last_words.as_deref().map(|w| format!("{w:?}, ")).unwrap_or_default(),
-        *peak >> 20
-    )]
-    MemoryLimit {
-        /// Producer.
-        name: String,
-        /// `by SIGNAME`.
-        status: String,
-        /// What the host was waiting for.
-        during: &'static str,
-        /// Peak resident memory in bytes.
-        peak: u64,
-        /// The cap in bytes.
-        limit: u64,
-        /// The line of its stderr that named the failed allocation, if one did.
-        last_words: Option<String>,
-    },
-    /// No answer before the deadline; the producer was killed.
-    #[error("producer {name}: no answer within {} while {during}; killed it", words::duration(*waited))]
-    Timeout {
-        /// Producer.
-        name: String,
-        /// How long the host waited.
-        waited: Duration,
-        /// What the host was waiting for.
-        during: &'static str,
-    },
-    /// The backend panicked inside `prefill` (the `PANIC` status): its state is unknown, so the producer
-    /// was killed and the next request starts a new one.
-    #[error("producer {name}: {message}; restarting it")]
-    Panicked {
-        /// Producer.
-        name: String,
-        /// Its reason.
-        message: String,
-    },
-    /// The backend returned OK but left a region unwritten, in whole or in part: nothing was committed,
-    /// and the producer keeps running.
-    #[error("producer {name}: {message}")]
-    Unwritten {
-        /// Producer.
-        name: String,
-        /// The layer, K or V, and the bytes.
-        message: String,
-    },
-    /// The backend's prefill returned an error status.
-    #[error("producer {name}: {message}")]
-    Backend {
-        /// Producer.
-        name: String,
-        /// The status name.
-        status: String,
-        /// Its reason.
-        message: String,
-    },
-    /// The relay of a producer on another machine could not deliver the span (the connection, the node
-    /// or the transfer failed, or a transfer broke the link's rules); the relay was killed.
-    #[error("producer {name}: {message}")]
-    Remote {
-        /// Producer.
-        name: String,
-        /// What went wrong.
-        failure: RemoteFailure,
-        /// One line.
-        message: String,
-    },
-    /// The ring or the frame broke the protocol; the producer was killed.
-    #[error("producer {name}: {source}")]
-    Ring {
-        /// Producer.
-        name: String,
-        /// Why.
-        #[source]
-        source: RingError,
-    },
-    /// The span was well-formed but does not fit this request and cache; the producer was killed.
-    #[error("producer {name}: span rejected: {source}")]
-    Rejected {
-        /// Producer.
-        name: String,
-        /// Why.
-        #[source]
-        source: IngestError,
-    },
-    /// A control message that is not the protocol.
-    #[error("producer {name}: control channel: expected {expected}, found {found}")]
-    Protocol {
-        /// Producer.
-        name: String,
-        /// What the host expected.
-        expected: String,
-        /// What arrived.
-        found: String,
-    },
-    /// Too many restarts in the window; the producer stays down for now.
-    #[error(
-        "producer {name}: {restarts} restarts within {}: not restarting before {} from now",
-        words::duration(*window),
-        words::duration(*wait)
-    )]
-    RestartLimit {
-        /// Producer.
-        name: String,
-        /// Restarts counted.
-        restarts: u32,
-        /// Window.
-        window: Duration,
-        /// Until the oldest restart leaves the window.
-        wait: Duration,
-    },
-    /// The producer failed recently; it is not restarted before its backoff has passed.
-    #[error("producer {name}: restarting after a failure in {}: not yet", words::duration(*wait))]
-    BackingOff {
-        /// Producer.
-        name: String,
-        /// Time left.
-        wait: Duration,
-    },
-    /// A system call on the host side failed.
-    #[error("producer {name}: {op}: {source}")]
-    Io {
-        /// Producer.
-        name: String,
-        /// What failed.
-        op: &'static str,
-        /// Why.
-        #[source]
-        source: std::io::Error,
-    },
-}
-
-impl ProducerError {
-    /// A stable snake_case name, for metrics and JSON: the ring's or the cache's own kind for rejected
-    /// frames and spans (`checksum_mismatch`, `layer_count_mismatch`, ...).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            ProducerError::Spawn { .. } => "spawn_failed",
-            ProducerError::StartFailed { .. } => "start_failed",
-            ProducerError::DescribeMismatch { .. } => "describe_mismatch",
-            ProducerError::IdentityMismatch { .. } => "identity_mismatch",
-            ProducerError::StartRefused { kind, .. } => kind,
-            ProducerError::Unwritten { .. } => "unwritten_region",
-            ProducerError::Exited { .. } => "producer_exited",
-            ProducerError::Sandbox { .. } => "sandbox_violation",
-            ProducerError::MemoryLimit { .. } => "memory_limit",
-            ProducerError::Timeout { .. } => "timeout",
-            ProducerError::Panicked { .. } => "backend_panic",
-            ProducerError::Backend { .. } => "backend_error",
-            ProducerError::Remote { failure, .. } => failure.kind(),
-            ProducerError::Ring { source, .. } => source.kind(),
-            ProducerError::Rejected { source, .. } => source.kind(),
-            ProducerError::Protocol { .. } => "protocol",
-            ProducerError::RestartLimit { .. } => "restart_limit",
-            ProducerError::BackingOff { .. } => "backing_off",
-            ProducerError::Io { .. } => "io",
-        }
-    }
-}
-
-impl ProducerError {
-    /// Whether every start of the same producer would fail the same way, so that restarting is pointless:
-    /// a library that does not load as a backend, a config the backend refuses, a description or an
-    /// identity the host does not run.
-    pub fn repeats_on_every_start(&self) -> bool {
-        let refused = |code: u32| {
-            [PdhostStatus::BadConfig, PdhostStatus::Unsupported, PdhostStatus::InvalidArgument]
-                .iter()
-                .any(|&s| s as u32 == code)
-        };
-        match self {
-            ProducerError::DescribeMismatch { .. } | ProducerError::IdentityMismatch { .. } => true,
-            ProducerError::StartFailed { stage, status, .. } => match stage.as_str() {
-                "load" => true,
-                "open" | "describe" | "capabilities" => refused(*status) || *status == 0,
-                _ => false,
-            },
-            _ => false,
-        }
-    }
-}
-
 /// What one remote span cost, as measured on both sides.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SpanTimes {
@@ -414,54 +130,6 @@ impl SpanTimes {
     /// Round trip not accounted for by the backend, the framing or the take: request and reply IPC.
     pub fn ipc(&self) -> Duration {
         self.round_trip.saturating_sub(self.backend + self.frame + self.take)
-    }
-}
-
-/// A started producer.
-#[derive(Debug)]
-struct Running {
-    child: Child,
-    pidfd: OwnedFd,
-    ring: HostRing,
-    socket: UnixStream,
-    described: Described,
-    /// Requests this process was asked to prefill and not yet told are over.
-    open_requests: std::collections::HashSet<u64>,
-    /// Disconnects when the threads logging the process's stdout and stderr are done.
-    logging: crossbeam_channel::Receiver<()>,
-    /// The last lines of its stderr.
-    last_lines: LastLines,
-}
-
-/// The last [`LastLines::KEEP`] lines a producer wrote to stderr, kept by its logging thread.
-#[derive(Clone, Debug, Default)]
-struct LastLines(Arc<Mutex<VecDeque<String>>>);
-
-impl LastLines {
-    const KEEP: usize = 8;
-
-    fn push(&self, line: &str) {
-        let mut lines = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if lines.len() == Self::KEEP {
-            lines.pop_front();
-        }
-        lines.push_back(line.to_string());
-    }
-
-    /// The last line that says an allocation failed, as the standard libraries of Rust (`memory
-    /// allocation of N bytes failed`), C++ (`std::bad_alloc`) and Python (`MemoryError`) say it when
-    /// `RLIMIT_DATA` refuses memory. A C backend that dereferences the null `malloc` gave it says nothing.
-    fn allocation_failure(&self) -> Option<String> {
-        let lines = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        lines
-            .iter()
-            .rev()
-            .find(|l| {
-                (l.contains("memory allocation of") && l.contains("failed"))
-                    || l.contains("std::bad_alloc")
-                    || l.contains("MemoryError")
-            })
-            .cloned()
     }
 }
 
@@ -501,202 +169,10 @@ pub struct Producer {
     running: Option<Running>,
     next_epoch: u64,
     metrics: Metrics,
-    /// Start times of recent restarts, for the cap.
-    recent_restarts: VecDeque<Instant>,
-    /// Whether the last process failed (the next start is a restart, after `backoff`).
-    failed: bool,
-    backoff: Duration,
-    not_before: Instant,
+    /// Backoff and the restart cap.
+    restarts: Restarts,
     /// Set by a start failure that every start would repeat: its kind and text.
     start_refused: Option<(&'static str, String)>,
-}
-
-/// Makes this process non-dumpable: no core dumps of host memory, and no ptrace attach or
-/// `/proc/<pid>/mem` reads by other processes of the same user (producers included). The setting is read
-/// back: a host that could not harden itself says so rather than run exposed.
-pub fn harden_host() -> std::io::Result<()> {
-    // SAFETY: prctl with integer arguments.
-    if unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: as above.
-    match unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) } {
-        0 => Ok(()),
-        -1 => Err(std::io::Error::last_os_error()),
-        found => Err(std::io::Error::other(format!("PR_GET_DUMPABLE: expected 0 after setting it, found {found}"))),
-    }
-}
-
-/// The peak resident memory of the exited (not yet reaped) process behind `pidfd`, in bytes: `waitid` with
-/// `WNOWAIT` reports its resource usage and leaves it for the reap.
-fn peak_memory(pidfd: BorrowedFd<'_>) -> Option<u64> {
-    // SAFETY: both out-structs are zeroed plain C structs that the kernel fills; `pidfd` is a live pidfd.
-    unsafe {
-        let mut info: libc::siginfo_t = std::mem::zeroed();
-        let mut usage: libc::rusage = std::mem::zeroed();
-        let flags = libc::WEXITED | libc::WNOWAIT | libc::WNOHANG;
-        let r = libc::syscall(libc::SYS_waitid, libc::P_PIDFD, pidfd.as_raw_fd(), &mut info, flags, &mut usage);
-        (r == 0 && info.si_pid() != 0).then(|| usage.ru_maxrss as u64 * 1024)
-    }
-}
-
-fn signal_name(sig: i32) -> String {
-    match sig {
-        libc::SIGKILL => "SIGKILL".into(),
-        libc::SIGABRT => "SIGABRT".into(),
-        libc::SIGSEGV => "SIGSEGV".into(),
-        libc::SIGBUS => "SIGBUS".into(),
-        libc::SIGTERM => "SIGTERM".into(),
-        libc::SIGILL => "SIGILL".into(),
-        libc::SIGFPE => "SIGFPE".into(),
-        libc::SIGSYS => "SIGSYS".into(),
-        other => format!("signal {other}"),
-    }
-}
-
-/// What woke a wait on the control socket.
-enum Ready {
-    Socket,
-    Exited,
-    TimedOut,
-}
-
-fn wait_readable(socket: BorrowedFd<'_>, pidfd: BorrowedFd<'_>, deadline: Instant) -> std::io::Result<Ready> {
-    loop {
-        let now = Instant::now();
-        if now >= deadline {
-            return Ok(Ready::TimedOut);
-        }
-        let left = deadline - now;
-        let ts = rustix::event::Timespec { tv_sec: left.as_secs() as i64, tv_nsec: i64::from(left.subsec_nanos()) };
-        let mut fds = [PollFd::from_borrowed_fd(socket, PollFlags::IN), PollFd::from_borrowed_fd(pidfd, PollFlags::IN)];
-        match rustix::event::poll(&mut fds, Some(&ts)) {
-            Ok(0) => continue,
-            Ok(_) if !fds[0].revents().is_empty() => return Ok(Ready::Socket),
-            Ok(_) => return Ok(Ready::Exited),
-            Err(rustix::io::Errno::INTR) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
-}
-
-/// The backend's configuration: what the host knows of the model's shape (`num_layers`, `layers`,
-/// `kv_heads`, `head_dim`, `window`, `layer_shapes`, `max_tokens`; `docs/plugin-abi.md` lists them with
-/// their types), then the user's keys, which override the host's. A config that is not a JSON object is
-/// passed as it is, for the backend to refuse.
-fn config_with_shape(config: &str, geometry: &KvGeometry, max_tokens: u64, rope: Option<(f64, f64)>) -> String {
-    let Ok(serde_json::Value::Object(user)) = serde_json::from_str::<serde_json::Value>(config) else {
-        return config.to_string();
-    };
-    let letter = |l: &LayerKv| match l {
-        LayerKv::Full { .. } => 'F',
-        LayerKv::Sliding { .. } => 'S',
-        LayerKv::Recurrent { .. } => 'R',
-    };
-    // Arrays, not objects: a minimal flat-JSON parser looking for `"window"` must not find a layer's.
-    let shape = |l: &LayerKv| match *l {
-        LayerKv::Full { kv_heads, head_dim } => serde_json::json!(["full", kv_heads, head_dim]),
-        LayerKv::Sliding { window, kv_heads, head_dim } => serde_json::json!(["sliding", kv_heads, head_dim, window]),
-        LayerKv::Recurrent { state_elems } => serde_json::json!(["recurrent", state_elems]),
-    };
-    let mut out = serde_json::json!({
-        "num_layers": geometry.layers.len(),
-        "layers": geometry.layers.iter().map(letter).collect::<String>(),
-        "layer_shapes": geometry.layers.iter().map(shape).collect::<Vec<_>>(),
-        "max_tokens": max_tokens,
-    });
-    let host = out.as_object_mut().expect("an object");
-    if let Some((global, local)) = rope {
-        host.insert("rope_theta".into(), global.into());
-        host.insert("rope_local_theta".into(), local.into());
-    }
-    if let Some((kv_heads, head_dim)) = geometry.uniform_heads() {
-        host.insert("kv_heads".into(), kv_heads.into());
-        host.insert("head_dim".into(), head_dim.into());
-    }
-    let windows: std::collections::BTreeSet<u32> = geometry
-        .layers
-        .iter()
-        .filter_map(|l| if let LayerKv::Sliding { window, .. } = l { Some(*window) } else { None })
-        .collect();
-    if let [window] = windows.iter().collect::<Vec<_>>()[..] {
-        host.insert("window".into(), (*window).into());
-    }
-    host.extend(user);
-    out.to_string()
-}
-
-/// Reads a producer's stdout and stderr on two threads until the process closes them, logging each line
-/// tagged with the producer and its pid. A line longer than 4 KiB is cut there. The receiver disconnects
-/// once both threads are done.
-fn log_output(
-    name: &str,
-    pid: u32,
-    stdout: Option<std::process::ChildStdout>,
-    stderr: Option<std::process::ChildStderr>,
-) -> (crossbeam_channel::Receiver<()>, LastLines) {
-    let (done, logging) = crossbeam_channel::bounded::<()>(0);
-    let last_lines = LastLines::default();
-    let pump = |stream: &'static str, from: Box<dyn std::io::Read + Send>| {
-        let (name, done, last_lines) = (name.to_string(), done.clone(), last_lines.clone());
-        let spawned = std::thread::Builder::new().name(format!("{name}-{stream}")).spawn(move || {
-            let _done = done;
-            use std::io::{BufRead, Read};
-            let mut reader = std::io::BufReader::new(from);
-            let mut line = Vec::new();
-            loop {
-                line.clear();
-                match Read::take(&mut reader, 4096).read_until(b'\n', &mut line) {
-                    Ok(0) | Err(_) => return,
-                    Ok(_) => {
-                        let text = String::from_utf8_lossy(&line);
-                        let text = text.trim_end();
-                        if stream == "stderr" && !text.is_empty() {
-                            last_lines.push(text);
-                        }
-                        // A backend's stderr is its diagnostics: shown by default. Its stdout only at
-                        // the info level (a server's default).
-                        // A line from the logging callback carries its level (`@pdhost:info text`).
-                        let tagged = text.strip_prefix(pdhost_producer::LOG_TAG).and_then(|t| t.split_once(' '));
-                        match (text.is_empty(), stream, tagged) {
-                            (true, ..) => {}
-                            (false, "stderr", Some(("error", t))) => tracing::error!(producer = %name, pid, "{t}"),
-                            (false, "stderr", Some(("warn", t))) => tracing::warn!(producer = %name, pid, "{t}"),
-                            (false, "stderr", Some(("info", t))) => tracing::info!(producer = %name, pid, "{t}"),
-                            (false, "stderr", Some(("debug", t))) => tracing::debug!(producer = %name, pid, "{t}"),
-                            (false, "stderr", _) => tracing::warn!(producer = %name, pid, stream, "{text}"),
-                            (false, ..) => tracing::info!(producer = %name, pid, stream, "{text}"),
-                        }
-                    }
-                }
-            }
-        });
-        // Without the thread the pipe fills and the producer blocks on a write: then it times out and
-        // is restarted, which is the supervisor's ordinary path.
-        drop(spawned);
-    };
-    if let Some(out) = stdout {
-        pump("stdout", Box::new(out));
-    }
-    if let Some(err) = stderr {
-        pump("stderr", Box::new(err));
-    }
-    (logging, last_lines)
-}
-
-/// Inheritable duplicates of the descriptors a producer needs, to be closed in the host right after the
-/// spawn. The originals stay close-on-exec.
-///
-/// Descriptors travel by number (`--fds`) instead of being moved into place by a `pre_exec` closure: with
-/// no closure, `Command::spawn` uses `posix_spawn` (`clone(CLONE_VM | CLONE_VFORK)`) instead of `fork`. A
-/// fork of the host would copy the page tables of its gigabyte of weights and write-protect its KV pools,
-/// so that the first span after every (re)start took a minor fault per page it landed in (5,089 faults,
-/// 6.7 ms instead of 1.3 ms, for a 744-token Gemma 3 270M span). The one cost: a child another thread of
-/// the host spawns at the same moment would inherit these duplicates too; the host spawns producers from
-/// one thread.
-fn inheritable(fds: [BorrowedFd<'_>; 5]) -> std::io::Result<Vec<OwnedFd>> {
-    // `dup` gives a new descriptor without FD_CLOEXEC.
-    fds.iter().map(|fd| rustix::io::dup(fd).map_err(std::io::Error::from)).collect()
 }
 
 impl Producer {
@@ -709,10 +185,7 @@ impl Producer {
             running: None,
             next_epoch: 1,
             metrics: Metrics::default(),
-            recent_restarts: VecDeque::new(),
-            failed: false,
-            backoff: Duration::ZERO,
-            not_before: Instant::now(),
+            restarts: Restarts::default(),
             start_refused: None,
         }
     }
@@ -828,27 +301,14 @@ impl Producer {
 
     fn spawn(&mut self) -> Result<Running, ProducerError> {
         let name = self.spec.name.clone();
-        if self.failed {
-            let now = Instant::now();
-            let window = self.spec.restart.window;
-            while self.recent_restarts.front().is_some_and(|&t| now.duration_since(t) > window) {
-                self.recent_restarts.pop_front();
+        match self.restarts.admit(&self.spec.restart, Instant::now()) {
+            Ok(false) => {}
+            Ok(true) => self.metrics.restarts += 1,
+            // A request does not wait out the backoff: it is refused now (and falls back, or fails).
+            Err(Refused::BackingOff { wait }) => return Err(ProducerError::BackingOff { name, wait }),
+            Err(Refused::Limit { restarts, wait }) => {
+                return Err(ProducerError::RestartLimit { name, restarts, window: self.spec.restart.window, wait })
             }
-            if self.recent_restarts.len() as u32 >= self.spec.restart.max_restarts {
-                let oldest = *self.recent_restarts.front().expect("non-empty at the cap");
-                return Err(ProducerError::RestartLimit {
-                    name,
-                    restarts: self.recent_restarts.len() as u32,
-                    window,
-                    wait: window.saturating_sub(now.duration_since(oldest)),
-                });
-            }
-            if self.not_before > now {
-                // A request does not wait out the backoff: it is refused now (and falls back, or fails).
-                return Err(ProducerError::BackingOff { name, wait: self.not_before - now });
-            }
-            self.recent_restarts.push_back(now);
-            self.metrics.restarts += 1;
         }
         let epoch = self.next_epoch;
         self.next_epoch += 1;
@@ -915,8 +375,7 @@ impl Producer {
             logging,
             last_lines,
         };
-        // Until Ready, the process counts as failed: a crash during start-up is a restart next time.
-        self.failed = true;
+        self.restarts.starting();
         let deadline = Instant::now() + self.spec.start_timeout;
         let message = match self.receive(&mut running, deadline, "starting") {
             Ok(m) => m,
@@ -1125,11 +584,7 @@ impl Producer {
         if let Some(running) = self.running.take() {
             self.reap(running);
         }
-        self.failed = true;
-        let policy = self.spec.restart;
-        self.backoff =
-            if self.backoff.is_zero() { policy.initial_backoff } else { (self.backoff * 2).min(policy.max_backoff) };
-        self.not_before = Instant::now() + self.backoff;
+        self.restarts.failed(&self.spec.restart, Instant::now());
         error
     }
 
@@ -1184,8 +639,7 @@ impl Producer {
 
     /// Counts a span the host took (or a node passed on) whole: the producer is healthy again.
     fn accepted(&mut self, bytes: u64) {
-        self.failed = false;
-        self.backoff = Duration::ZERO;
+        self.restarts.succeeded();
         self.metrics.spans_accepted += 1;
         self.metrics.bytes += bytes;
     }
@@ -1400,157 +854,3 @@ pub fn builtin_backend(name: &str) -> Result<PathBuf, MissingBackend> {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 struct Sent(String);
-
-#[cfg(test)]
-mod tests {
-    use pdhost_producer::protocol::LayerDesc;
-
-    use super::*;
-
-    fn gemma3_270m(head_dim: u32) -> KvGeometry {
-        shm_format::testing::interleaved(18, 6, 512, 1, head_dim)
-    }
-
-    /// What a backend describing `geometry` sends in its `Ready`.
-    fn described(geometry: &KvGeometry) -> Described {
-        let layers = geometry
-            .layers
-            .iter()
-            .map(|l| match *l {
-                LayerKv::Full { kv_heads, head_dim } => {
-                    LayerDesc { kind: 0, kv_heads, head_dim, window: 0, state_elems: 0 }
-                }
-                LayerKv::Sliding { window, kv_heads, head_dim } => {
-                    LayerDesc { kind: 1, kv_heads, head_dim, window, state_elems: 0 }
-                }
-                LayerKv::Recurrent { state_elems } => {
-                    LayerDesc { kind: 2, kv_heads: 0, head_dim: 0, window: 0, state_elems }
-                }
-            })
-            .collect();
-        Described { layout: 1, dtype: 0, fingerprint: geometry.fingerprint().0, layers, ..Described::default() }
-    }
-
-    fn producer(geometry: KvGeometry) -> Producer {
-        let spec = ProducerSpec {
-            name: "faulty".into(),
-            program: PathBuf::from("/nonexistent"),
-            program_args: Vec::new(),
-            backend: PathBuf::from("/nonexistent.so"),
-            config: "{}".into(),
-            slots: 2,
-            slot_capacity: 1 << 20,
-            start_timeout: Duration::from_secs(1),
-            request_timeout: Duration::from_secs(1),
-            restart: RestartPolicy::default(),
-            sandbox: true,
-            memory_limit: None,
-            identity: None,
-        };
-        Producer::new(spec, geometry)
-    }
-
-    fn mismatch(ours: KvGeometry, d: &Described) -> String {
-        let err = producer(ours).check_described(d).unwrap_err();
-        assert_eq!(err.kind(), "describe_mismatch");
-        err.to_string()
-    }
-
-    #[test]
-    fn a_describe_mismatch_names_what_differs_in_words() {
-        let ours = gemma3_270m(256);
-        assert!(producer(ours.clone()).check_described(&described(&ours)).is_ok());
-
-        // A wrong head size alone: expected and found no longer read the same.
-        assert_eq!(
-            mismatch(ours.clone(), &described(&gemma3_270m(128))),
-            "producer faulty: describe: layer 0: expected sliding window 512 with 1 KV head of size 256, \
-             found sliding window 512 with 1 KV head of size 128 (17 more layers differ: 1-17)"
-        );
-
-        let fewer = shm_format::testing::interleaved(17, 6, 512, 1, 256);
-        assert_eq!(
-            mismatch(ours.clone(), &described(&fewer)),
-            "producer faulty: describe: KV geometry: expected 18 layers: sliding window 512 (15 layers: 0-4, 6-10, \
-             12-16; 1 KV head of size 256), full attention (3 layers: 5, 11, 17; 1 KV head of size 256), found 17 \
-             layers: sliding window 512 (15 layers: 0-4, 6-10, 12-16; 1 KV head of size 256), full attention (2 \
-             layers: 5, 11; 1 KV head of size 256)"
-        );
-
-        let mut kind = described(&ours);
-        kind.layers[3].kind = 7;
-        assert_eq!(
-            mismatch(ours.clone(), &kind),
-            "producer faulty: describe: layer 3 kind: expected 0 (full attention), 1 (sliding window) or 2 \
-             (recurrent), found 7"
-        );
-
-        let mut fingerprint = described(&ours);
-        fingerprint.fingerprint ^= 1;
-        let text = mismatch(ours.clone(), &fingerprint);
-        assert!(text.starts_with("producer faulty: describe: fingerprint: expected "), "{text}");
-
-        let mut dtype = described(&ours);
-        dtype.dtype = 9;
-        assert_eq!(
-            mismatch(ours, &dtype),
-            "producer faulty: describe: dtype: expected 0 (f32), 1 (f16) or 2 (bf16), found 9"
-        );
-    }
-
-    #[test]
-    fn the_config_carries_the_shape_and_the_user_overrides_it() {
-        let geometry = gemma3_270m(256);
-        let config = config_with_shape(r#"{"model": "m.gguf", "head_dim": 16}"#, &geometry, 4096, Some((1e6, 1e4)));
-        let c: serde_json::Value = serde_json::from_str(&config).unwrap();
-        assert_eq!(c["num_layers"], 18);
-        assert_eq!(c["layers"], "SSSSSFSSSSSFSSSSSF");
-        assert_eq!(
-            (c["kv_heads"].clone(), c["window"].clone(), c["max_tokens"].clone()),
-            (1.into(), 512.into(), 4096.into())
-        );
-        assert_eq!(c["layer_shapes"][5], serde_json::json!(["full", 1, 256]));
-        assert_eq!(c["layer_shapes"][0], serde_json::json!(["sliding", 1, 256, 512]));
-        assert_eq!((c["model"].clone(), c["head_dim"].clone()), ("m.gguf".into(), 16.into()), "the user's keys win");
-        // Not an object: passed on for the backend to refuse.
-        assert_eq!((c["rope_theta"].as_f64(), c["rope_local_theta"].as_f64()), (Some(1e6), Some(1e4)));
-        assert_eq!(config_with_shape("[1]", &geometry, 1, None), "[1]");
-    }
-
-    #[test]
-    fn the_host_is_not_dumpable_once_hardened() {
-        harden_host().expect("PR_SET_DUMPABLE");
-        // SAFETY: prctl with integer arguments.
-        assert_eq!(unsafe { libc::prctl(libc::PR_GET_DUMPABLE, 0, 0, 0, 0) }, 0);
-    }
-
-    #[test]
-    fn waits_and_unexpected_replies_read_as_words() {
-        let timeout = ProducerError::Timeout {
-            name: "gpu".into(),
-            waited: Duration::from_secs(120),
-            during: "awaiting a prefill",
-        };
-        assert_eq!(timeout.to_string(), "producer gpu: no answer within 120 s while awaiting a prefill; killed it");
-        let limit = ProducerError::RestartLimit {
-            name: "gpu".into(),
-            restarts: 10,
-            window: Duration::from_secs(60),
-            wait: Duration::from_millis(1500),
-        };
-        assert_eq!(limit.to_string(), "producer gpu: 10 restarts within 60 s: not restarting before 1.5 s from now");
-        let backing_off = ProducerError::BackingOff { name: "gpu".into(), wait: Duration::from_millis(50) };
-        assert_eq!(backing_off.to_string(), "producer gpu: restarting after a failure in 50 ms: not yet");
-        let reply = FromProducer::Done { request_id: 6, sequence: 0, backend_ns: 0, frame_ns: 0 };
-        let protocol = ProducerError::Protocol {
-            name: "gpu".into(),
-            expected: "a Done or Failed reply for request 7".into(),
-            found: reply.summary(),
-        };
-        assert_eq!(
-            protocol.to_string(),
-            "producer gpu: control channel: expected a Done or Failed reply for request 7, found a Done reply for \
-             request 6 (frame 0)"
-        );
-    }
-}
