@@ -1,0 +1,110 @@
+use super::*;
+use crate::quant::dequantize_blocks;
+
+const TYPES: [GgmlType; 8] = [
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+];
+
+/// Every kernel this CPU runs.
+fn kernels() -> Vec<Kernel> {
+    let mut all = vec![Kernel::Portable];
+    #[cfg(target_arch = "x86_64")]
+    if avx2::available() {
+        all.push(Kernel::Avx2);
+        if avx2::vnni() {
+            all.push(Kernel::Vnni);
+        }
+        if avx2::vnni_vl() {
+            all.push(Kernel::VnniVl);
+        }
+        if avx512::available() {
+            all.push(Kernel::Avx512);
+        }
+    }
+    all
+}
+
+/// Every chunk is the block's dequantized values, up to the rounding of `d * isc * v + m`.
+#[test]
+fn chunks_are_the_dequantized_weights() {
+    for (i, ty) in TYPES.into_iter().enumerate() {
+        let bytes = super::super::tests::random_blocks(ty, 4 * ty.block_elems(), i as u32);
+        let mut want = vec![0f32; 4 * ty.block_elems()];
+        dequantize_blocks(ty, &bytes, &mut want);
+        for (bi, b) in bytes.chunks_exact(ty.block_bytes()).enumerate() {
+            for c in 0..ty.block_elems() / QK {
+                let ch = chunk(ty, b, c);
+                for k in 0..QK {
+                    let got = ch.d * f32::from(ch.isc[k / 16]) * f32::from(ch.v[k]) + ch.m;
+                    let want = want[bi * ty.block_elems() + c * QK + k];
+                    assert!((got - want).abs() <= 1e-5 * want.abs().max(1.0), "{} chunk {c} value {k}", ty.name());
+                }
+            }
+        }
+    }
+}
+
+/// Every SIMD kernel gives the portable kernel's bits for every block type, batch and weight row
+/// (the tiled AVX-512 kernel from [`TILED_FROM`] rows on, the tiled 256-bit one from
+/// [`TILED_FROM_256`] with whole and partial groups of rows, with partial tiles of pairs and of weight
+/// rows; the quad kernel of the 32-value types up to [`QUAD_ACTS`] rows, with weight rows left
+/// over), and the products are the dequantized weights' within the activations' quantization.
+#[test]
+fn simd_equals_portable_on_every_block_type_in_any_batch() {
+    let (n, rows, t) = (512, 37, 39);
+    let x: Vec<f32> = (0..t * n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+    let xq = Q8::new(&x, t, n).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for (i, ty) in TYPES.into_iter().enumerate() {
+        let w = super::super::tests::random_blocks(ty, rows * n, 7 + i as u32);
+        let mut f = vec![0f32; rows * n];
+        dequantize_blocks(ty, &w, &mut f);
+        let mut portable = vec![0f32; t * rows];
+        dots(&Acts::new(&xq, false), ty, &w, 0..rows, &mut portable);
+        for r in 0..t {
+            for j in 0..rows {
+                let exact: f32 = (0..n).map(|k| x[r * n + k] * f[j * n + k]).sum();
+                let scale: f32 = (0..n).map(|k| (x[r * n + k] * f[j * n + k]).abs()).sum();
+                let got = portable[r * rows + j];
+                assert!((got - exact).abs() <= 0.02 * scale + 1e-4, "{}: {got} vs {exact}", ty.name());
+            }
+        }
+        for kernel in kernels() {
+            let mut all = vec![0f32; t * rows];
+            dots(&Acts::with(kernel, &xq), ty, &w, 0..rows, &mut all);
+            assert_eq!(bits(&all), bits(&portable), "{} {kernel:?}, every row", ty.name());
+            let lens = [(0, 1), (3, 1), (1, 2), (2, 3), (0, 4), (1, 6), (0, 7), (3, 16), (1, 17), (6, 33)];
+            // Every width of the 256-bit tiled kernel's last group (8 + 2 ..= 8 + 6).
+            let groups = [(2, 10), (1, 11), (0, 12), (0, 13), (4, 14)];
+            for (from, len) in lens.into_iter().chain(groups) {
+                let xs = Q8::new(&x[from * n..(from + len) * n], len, n).unwrap();
+                // Three weight rows: a pair of them side by side, then one alone.
+                let mut got = vec![0f32; len * 3];
+                dots(&Acts::with(kernel, &xs), ty, &w, 3..6, &mut got);
+                let want: Vec<f32> =
+                    (from..from + len).flat_map(|r| portable[r * rows + 3..r * rows + 6].to_vec()).collect();
+                assert_eq!(bits(&got), bits(&want), "{} {kernel:?} rows {from}+{len}", ty.name());
+            }
+            // A decode step's rows against many weight rows: Q8_0's quad kernel, then its last rows
+            // by the others.
+            for (from, len) in [(0, 1), (5, 2), (2, 3), (9, 4)] {
+                let xs = Q8::new(&x[from * n..(from + len) * n], len, n).unwrap();
+                for js in [0..rows, 2..rows, 4..12] {
+                    let mut got = vec![0f32; len * js.len()];
+                    dots(&Acts::with(kernel, &xs), ty, &w, js.clone(), &mut got);
+                    let want: Vec<f32> = (from..from + len)
+                        .flat_map(|r| portable[r * rows + js.start..r * rows + js.end].to_vec())
+                        .collect();
+                    assert_eq!(bits(&got), bits(&want), "{} {kernel:?} rows {from}+{len}, {js:?}", ty.name());
+                }
+            }
+        }
+    }
+}
