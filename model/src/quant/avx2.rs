@@ -1,0 +1,368 @@
+//! AVX2 twins of the portable dequantizer for the block types, value for value the same: every value is
+//! the same operations on the same operands (a product and a sum are never fused), eight at a time. Each
+//! block hands its vectors, in increasing position, to a consumer: a store ([`dequantize`]) or the
+//! multiply-adds of a dot product ([`dot_rows`]), which then never round-trips the weights through memory.
+
+use std::arch::x86_64::*;
+
+use super::GgmlType;
+
+/// Whether [`dequantize`] and [`dot_rows`] handle `ty`.
+pub(crate) fn supports(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_0
+            | GgmlType::Q5_1
+            | GgmlType::Q4K
+            | GgmlType::Q5K
+            | GgmlType::Q6K
+    )
+}
+
+/// Whether this CPU runs them (AVX2, FMA and F16C).
+pub(crate) fn available() -> bool {
+    std::arch::is_x86_feature_detected!("avx2")
+        && std::arch::is_x86_feature_detected!("fma")
+        && std::arch::is_x86_feature_detected!("f16c")
+}
+
+/// Dequantizes whole blocks of a supported `ty`.
+///
+/// # Safety
+///
+/// [`available`], `src` is whole blocks and `dst` holds exactly their values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
+    let (be, bb) = (ty.block_elems(), ty.block_bytes());
+    for (b, y) in src.chunks_exact(bb).zip(dst.chunks_exact_mut(be)) {
+        block(ty, b, &mut |at, v| {
+            assert!(at + 8 <= y.len());
+            // SAFETY: in bounds (asserted); unaligned store.
+            unsafe { _mm256_storeu_ps(y.as_mut_ptr().add(at), v) }
+        });
+    }
+}
+
+/// `x[r] . w` for each weight row `w` of `ty` blocks (`n` values, whole blocks) in `ws`, one row per
+/// element of `out`, as the f32 kernel (`kernels::dot`) computes it over the dequantized row: lane `l`
+/// of accumulator `v` takes, with fused multiply-adds in increasing position, the products at
+/// positions `k` with `k mod 16 == 8v + l`, and the lanes are then summed in its fixed order.
+///
+/// One instance per block type (as the AVX-512 twin), whose `H` weight rows are read side by side,
+/// block by block: each output is two chains of multiply-adds, and `H * R` outputs in flight hide
+/// their latency. The callers pass `H = 4 / R` (at least 1): `2 * H * R` accumulators of the 16
+/// vector registers. One instance for every type, matching it at every block and reading one
+/// weight row at a time, took 33 ms for Gemma 3's head and one activation row; this takes 14-15 ms,
+/// the pace of its 178 MB from memory (Zen 3; on a streamed Q8_0 matrix, `H` = 4 alone was 10%
+/// faster than 1, and made no difference on matrices that fit in cache).
+///
+/// # Safety
+///
+/// [`available`], `ty` is [`supports`]ed, `ws` holds `out.len()` rows of whole blocks, and every `x[r]`
+/// holds at least `n` values.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn dot_rows<const R: usize, const H: usize>(
+    ty: GgmlType,
+    x: [&[f32]; R],
+    ws: &[u8],
+    n: usize,
+    out: &mut [[f32; R]],
+) {
+    super::by_block_type!(ty, T => rows_of::<R, T, H>(x, ws, n, out))
+}
+
+/// [`dot_rows`] for the type with GGML id `T`: groups of `H` weight rows, then the rest one at a time.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn rows_of<const R: usize, const T: u32, const H: usize>(x: [&[f32]; R], ws: &[u8], n: usize, out: &mut [[f32; R]]) {
+    let (be, bb) = super::geometry::<T>();
+    let row_bytes = n / be * bb;
+    assert!(
+        n.is_multiple_of(be) && ws.len() >= out.len() * row_bytes && x.iter().all(|x| x.len() >= n),
+        "dot_rows operands"
+    );
+    let (whole, rest) = out.split_at_mut(out.len() / H * H);
+    for (g, out) in whole.chunks_exact_mut(H).enumerate() {
+        group::<R, T, H>(x, ws, g * H, n, out);
+    }
+    for (j, out) in rest.chunks_exact_mut(1).enumerate() {
+        group::<R, T, 1>(x, ws, whole.len() + j, n, out);
+    }
+}
+
+/// The `H` weight rows from row `j` of `ws`, into `out` (`H` rows).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn group<const R: usize, const T: u32, const H: usize>(
+    x: [&[f32]; R],
+    ws: &[u8],
+    j: usize,
+    n: usize,
+    out: &mut [[f32; R]],
+) {
+    let ty = GgmlType::from_id(T).expect("a GGML type id");
+    let (be, bb) = super::geometry::<T>();
+    let row_bytes = n / be * bb;
+    assert!(out.len() == H && ws.len() >= (j + H) * row_bytes && x.iter().all(|x| x.len() >= n), "group operands");
+    let rows = ws[j * row_bytes..].as_ptr();
+    let xs: [*const f32; R] = std::array::from_fn(|r| x[r].as_ptr());
+    let mut acc = [[[_mm256_setzero_ps(); 2]; R]; H];
+    for i in 0..n / be {
+        let base = i * be;
+        // The rows are read side by side: in the stream of rows, a step is every row's block.
+        super::prefetch(ws.as_ptr(), j * row_bytes + i * H * bb, H * bb);
+        for (h, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: block `i` of row `j + h` lies in `ws` (asserted), and `bb` is its length.
+            let b = unsafe { std::slice::from_raw_parts(rows.add(h * row_bytes + i * bb), bb) };
+            block(ty, b, &mut |at, wv| {
+                // Blocks are whole 16s, so the accumulator is fixed at each call site (a constant
+                // index keeps the accumulators in registers).
+                let v = usize::from(at % 16 == 8);
+                for r in 0..R {
+                    // SAFETY: base + at + 8 <= n <= x[r].len() (asserted); unaligned load.
+                    let xv = unsafe { _mm256_loadu_ps(xs[r].add(base + at)) };
+                    acc[r][v] = _mm256_fmadd_ps(xv, wv, acc[r][v]);
+                }
+            });
+        }
+    }
+    for (sums, acc) in out.iter_mut().zip(&acc) {
+        for r in 0..R {
+            sums[r] = reduce(acc[r]);
+        }
+    }
+}
+
+/// [`crate::kernels::dot::reduce`] in registers: the two accumulators added lane by lane, then the
+/// high half onto the low, then pairs, the same sums in the same order (so the same bits). Through
+/// memory and the scalar order, LLVM transposed four rows' lanes: about 80 instructions per group of
+/// Gemma 3's head rows, against 320 for their 80 chunks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn reduce(acc: [__m256; 2]) -> f32 {
+    let s = _mm256_add_ps(acc[0], acc[1]);
+    // Lanes l + (l + 4): s0 + s4, s1 + s5, s2 + s6, s3 + s7.
+    let s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps::<1>(s));
+    // (s0 + s4) + (s2 + s6), (s1 + s5) + (s3 + s7).
+    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
+}
+
+/// One block of a supported `ty`, eight values at a time, in increasing position.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn block(ty: GgmlType, b: &[u8], put: &mut impl FnMut(usize, __m256)) {
+    match ty {
+        GgmlType::Q8_0 => q8_0(b, put),
+        GgmlType::Q4_0 => q4(b, put, 2, None),
+        GgmlType::Q4_1 => q4(b, put, 4, Some(f16_at(b, 2))),
+        GgmlType::Q5_0 => q5(b, put, 6, None),
+        GgmlType::Q5_1 => q5(b, put, 8, Some(f16_at(b, 2))),
+        GgmlType::Q4K => q4_k(b, put, false),
+        GgmlType::Q5K => q4_k(b, put, true),
+        GgmlType::Q6K => q6_k(b, put),
+        _ => unreachable!("supports() was checked"),
+    }
+}
+
+/// The f16 at `b[at..at + 2]`, widened by the CPU (exact, as every f16 is an f32).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
+    let bits = u32::from(u16::from_le_bytes([b[at], b[at + 1]]));
+    let value: __m128;
+    // Written out because the intrinsics' form, `_mm_cvtph_ps(_mm_cvtsi32_si128(..))`, is compiled
+    // to a `vpinsrw` into whatever register is free, keeping its other lanes: the conversion then
+    // waits on that register's last writer, often the previous block's arithmetic, and a kernel's
+    // blocks run one after another instead of side by side (see `avx512::f16_splat` for what that
+    // chain cost). `vmovd` from a general register writes the whole register.
+    // SAFETY: F16C is enabled in every caller (this function's target features); the instructions
+    // touch only the two named registers.
+    unsafe {
+        std::arch::asm!(
+            "vmovd {v}, {bits:e}",
+            "vcvtph2ps {v}, {v}",
+            bits = in(reg) bits,
+            v = out(xmm_reg) value,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    _mm_cvtss_f32(value)
+}
+
+/// 8 unsigned bytes of `v` (its low half, or with `high` its high half), as 32-bit lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn u8x8(v: __m128i, high: bool) -> __m256i {
+    _mm256_cvtepu8_epi32(if high { _mm_srli_si128::<8>(v) } else { v })
+}
+
+/// `y = d * q`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q8_0(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
+    assert!(b.len() >= 34);
+    let d = _mm256_set1_ps(f16_at(b, 0));
+    for i in 0..4 {
+        // SAFETY: bytes 2 + 8i .. 10 + 8i lie in the block (asserted).
+        let q = unsafe { _mm_loadl_epi64(b.as_ptr().add(2 + 8 * i).cast()) };
+        put(8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q))));
+    }
+}
+
+/// Q4_0 (`y = d * (q - 8)`) and Q4_1 (`y = d * q + m`): 16 bytes of nibbles from byte `at`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4(b: &[u8], put: &mut impl FnMut(usize, __m256), at: usize, m: Option<f32>) {
+    assert!(b.len() >= at + 16);
+    // SAFETY: 16 bytes from `at` lie in the block (asserted).
+    let qs = unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) };
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_and_si128(qs, mask);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), mask);
+    small_values(b, put, [lo, hi], m, 8);
+}
+
+/// Q5_0 (`y = d * (q - 16)`) and Q5_1 (`y = d * q + m`): the fifth bits in the 32-bit word at
+/// `at - 4`, nibbles from `at`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q5(b: &[u8], put: &mut impl FnMut(usize, __m256), at: usize, m: Option<f32>) {
+    assert!(b.len() >= at + 16);
+    let qh = u32::from_le_bytes([b[at - 4], b[at - 3], b[at - 2], b[at - 1]]);
+    // SAFETY: 16 bytes from `at` lie in the block (asserted).
+    let qs = unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) };
+    let mask = _mm_set1_epi8(0x0F);
+    let lo = _mm_or_si128(_mm_and_si128(qs, mask), sixteens(qh as u16));
+    let hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16::<4>(qs), mask), sixteens((qh >> 16) as u16));
+    small_values(b, put, [lo, hi], m, 16);
+}
+
+/// The 32 values of a Q4_0, Q4_1, Q5_0 or Q5_1 block (scale `d` at byte 0), given as unsigned bytes
+/// `q` (values 0..16, then 16..32): `d * (q - zero)` without an offset `m`, else `d * q + m`. The
+/// bytes are made signed (`q - zero`) 16 at a time, then widened 8 at a time: the same floats as
+/// `float(q) - zero`, as every operand is a small integer.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn small_values(b: &[u8], put: &mut impl FnMut(usize, __m256), q: [__m128i; 2], m: Option<f32>, zero: i8) {
+    let d = _mm256_set1_ps(f16_at(b, 0));
+    for (half, v) in [(0, q[0]), (16, q[1])] {
+        let v = if m.is_none() { _mm_sub_epi8(v, _mm_set1_epi8(zero)) } else { v };
+        for (i, v) in [(0, v), (8, _mm_srli_si128::<8>(v))] {
+            let value = match m {
+                None => _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))),
+                Some(m) => {
+                    _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))), _mm256_set1_ps(m))
+                }
+            };
+            put(half + i, value);
+        }
+    }
+}
+
+/// Byte `k` (of 16) is 16 where bit `k` of `bits` is set, else 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sixteens(bits: u16) -> __m128i {
+    let spread = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let bytes = _mm_shuffle_epi8(_mm_cvtsi32_si128(i32::from(bits)), spread);
+    let bit = _mm_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+    _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(bytes, bit), bit), _mm_set1_epi8(16))
+}
+
+/// Q4_K (`y = d * sc * q - dmin * m` per 32-value sub-block) and Q5_K (the same with a fifth bit).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_k(b: &[u8], put: &mut impl FnMut(usize, __m256), five: bool) {
+    assert!(b.len() >= if five { 176 } else { 144 });
+    let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
+    let mask = _mm_set1_epi8(0x0F);
+    // `super::k_scales`'s products, with the block's two f16s widened once by the CPU (the portable
+    // widening, eight times a block, made Q4_K the slowest type by half).
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let scales = |sub: usize| {
+        let (sc, m) = super::scale_min_k4_int(sub, &b[4..16]);
+        (d * f32::from(sc), dmin * f32::from(m))
+    };
+    for j in 0..4 {
+        let [(d1, min1), (d2, min2)] = [scales(2 * j), scales(2 * j + 1)];
+        // SAFETY: the sub-block's 32 bytes, inside the block (asserted).
+        let q = unsafe {
+            [_mm_loadu_si128(qs.as_ptr().add(32 * j).cast()), _mm_loadu_si128(qs.as_ptr().add(32 * j + 16).cast())]
+        };
+        // The low nibbles are values 64j .. 64j + 32, the high ones the next 32.
+        for (sub, dd, mm, bit) in [(0, d1, min1, 2 * j), (32, d2, min2, 2 * j + 1)] {
+            for (part, q) in q.iter().enumerate() {
+                let v = if sub == 0 { _mm_and_si128(*q, mask) } else { _mm_and_si128(_mm_srli_epi16::<4>(*q), mask) };
+                for (at, high) in [(0, false), (8, true)] {
+                    let mut n = u8x8(v, high);
+                    let l0 = 16 * part + at;
+                    if five {
+                        // SAFETY: 8 of the 32 high-bit bytes (asserted block length).
+                        let h = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(qh.as_ptr().add(l0).cast()) });
+                        let set =
+                            _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(bit as i32)), _mm256_set1_epi32(1));
+                        n = _mm256_add_epi32(n, _mm256_slli_epi32::<4>(set));
+                    }
+                    let value =
+                        _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(n)), _mm256_set1_ps(mm));
+                    put(64 * j + sub + l0, value);
+                }
+            }
+        }
+    }
+}
+
+/// The 6-bit values (0..64, before the offset of -32) of half `n` of a Q6_K block, as four vectors
+/// of 32 bytes: vector `k` holds values `128n + 32k .. 128n + 32k + 32`, in position order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn q6_k_values(b: &[u8], n: usize) -> [__m256i; 4] {
+    assert!(b.len() >= 192 && n < 2);
+    let m4 = _mm256_set1_epi8(0x0F);
+    let m2 = _mm256_set1_epi8(0x03);
+    // SAFETY: the low bits at 64n..64n + 64 and the high bits at 128 + 32n..160 + 32n lie in the block
+    // (asserted).
+    let (la, lb, h) = unsafe {
+        (
+            _mm256_loadu_si256(b.as_ptr().add(64 * n).cast()),
+            _mm256_loadu_si256(b.as_ptr().add(64 * n + 32).cast()),
+            _mm256_loadu_si256(b.as_ptr().add(128 + 32 * n).cast()),
+        )
+    };
+    let high = [
+        _mm256_and_si256(h, m2),
+        _mm256_and_si256(_mm256_srli_epi16::<2>(h), m2),
+        _mm256_and_si256(_mm256_srli_epi16::<4>(h), m2),
+        _mm256_and_si256(_mm256_srli_epi16::<6>(h), m2),
+    ];
+    [
+        _mm256_or_si256(_mm256_and_si256(la, m4), _mm256_slli_epi16::<4>(high[0])),
+        _mm256_or_si256(_mm256_and_si256(lb, m4), _mm256_slli_epi16::<4>(high[1])),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(la), m4), _mm256_slli_epi16::<4>(high[2])),
+        _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(lb), m4), _mm256_slli_epi16::<4>(high[3])),
+    ]
+}
+
+/// Q6_K: `y = (d * sc) * (q - 32)` per 16-value group.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q6_k(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
+    assert!(b.len() >= 210);
+    let d = f16_at(b, 208);
+    let sc = &b[192..208];
+    for n in 0..2 {
+        let qs = q6_k_values(b, n);
+        for (k, q) in qs.into_iter().enumerate() {
+            let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
+            for g in 0..4 {
+                let n32 = _mm256_sub_epi32(u8x8(halves[g / 2], g % 2 == 1), _mm256_set1_epi32(32));
+                let scale = d * f32::from(sc[8 * n + g / 2 + 2 * k] as i8);
+                put(128 * n + 32 * k + 8 * g, _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(n32)));
+            }
+        }
+    }
+}
