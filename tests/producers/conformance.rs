@@ -189,6 +189,36 @@ fn restarts_back_off_and_stop_at_the_cap() {
 }
 
 #[test]
+fn a_cap_of_zero_refuses_every_restart() {
+    // `serve --max-restarts 0`, and every producer node: the first failure is the last start.
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::F32);
+    let before = snapshot();
+    let crash = config(&gemma(), Dtype::F32, serde_json::json!({"fault": "kill_before", "on_requests": [1]}));
+    let mut p = producer(&e, builtin("faulty"), crash, Duration::from_secs(30));
+    p.set_restart_policy(pdhost::supervisor::RestartPolicy {
+        max_restarts: 0,
+        initial_backoff: Duration::ZERO,
+        ..Default::default()
+    });
+    let first = e
+        .prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail })
+        .expect_err("request 1 crashes the producer");
+    assert!(first.to_string().contains("producer_exited"), "{first}");
+    // Request 2 would succeed, but no restart is allowed: refused with the cap named, no process started.
+    let second = e
+        .prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail })
+        .expect_err("no restart");
+    assert!(
+        second.to_string().contains("restart_limit") && second.to_string().contains("restarts are off"),
+        "{second}"
+    );
+    assert_eq!((p.metrics().starts, p.metrics().restarts, p.pid()), (1, 0, None));
+    drop(p);
+    assert_eq!(snapshot(), before);
+}
+
+#[test]
 fn a_request_during_the_backoff_is_refused_at_once() {
     let _serial = serial();
     let mut e = engine(&gemma(), Dtype::F32);

@@ -193,12 +193,8 @@ pub enum ProducerError {
         /// What arrived.
         found: String,
     },
-    /// Too many restarts in the window; the producer stays down for now.
-    #[error(
-        "producer {name}: {restarts} restarts within {}: not restarting before {} from now",
-        words::duration(*window),
-        words::duration(*wait)
-    )]
+    /// Too many restarts in the window; the producer stays down for now (for good with a cap of zero).
+    #[error("producer {name}: {}", restart_limit_words(*restarts, *window, *wait))]
     RestartLimit {
         /// Producer.
         name: String,
@@ -228,6 +224,17 @@ pub enum ProducerError {
         #[source]
         source: std::io::Error,
     },
+}
+
+fn restart_limit_words(restarts: u32, window: Duration, wait: Duration) -> String {
+    match restarts {
+        0 => "failed, and restarts are off (a cap of 0 per window)".to_string(),
+        n => format!(
+            "{n} restarts within {}: not restarting before {} from now",
+            words::duration(window),
+            words::duration(wait)
+        ),
+    }
 }
 
 impl ProducerError {

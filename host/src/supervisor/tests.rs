@@ -131,6 +131,13 @@ fn waits_and_unexpected_replies_read_as_words() {
         wait: Duration::from_millis(1500),
     };
     assert_eq!(limit.to_string(), "producer gpu: 10 restarts within 60 s: not restarting before 1.5 s from now");
+    let off = ProducerError::RestartLimit {
+        name: "gpu".into(),
+        restarts: 0,
+        window: Duration::from_secs(60),
+        wait: Duration::from_secs(60),
+    };
+    assert_eq!(off.to_string(), "producer gpu: failed, and restarts are off (a cap of 0 per window)");
     let backing_off = ProducerError::BackingOff { name: "gpu".into(), wait: Duration::from_millis(50) };
     assert_eq!(backing_off.to_string(), "producer gpu: restarting after a failure in 50 ms: not yet");
     let reply = FromProducer::Done { request_id: 6, sequence: 0, backend_ns: 0, frame_ns: 0 };
