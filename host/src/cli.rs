@@ -94,7 +94,7 @@ pub struct ProducerNodeArgs {
     #[arg(long, value_enum, default_value_t = Switch::On)]
     pub sandbox: Switch,
     /// Cap on each producer's private memory, in MiB (default: half of this machine's memory).
-    #[arg(long, allow_negative_numbers = true, value_name = "MIB")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MIB")]
     pub producer_memory: Option<u64>,
     /// Seconds a producer may take to start and to answer each prefill.
     #[arg(long, allow_negative_numbers = true, default_value_t = 120.0, value_name = "SECONDS")]
@@ -126,7 +126,7 @@ pub struct CheckBackendArgs {
     #[arg(long, allow_negative_numbers = true, default_value_t = 1e-2)]
     pub tie_margin: f64,
     /// Tokens decoded per prompt in the greedy check (1 to 256).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, value_parser = whole, default_value_t = 16, allow_negative_numbers = true)]
     pub decode_tokens: u64,
     /// Element type of the KV cache, and of the spans the host asks for.
     #[arg(long, value_enum, default_value_t = KvDtype::F32)]
@@ -135,7 +135,7 @@ pub struct CheckBackendArgs {
     #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]
     pub precision: PrecisionArg,
     /// Threads for the forward pass: 1 to 4 per core (default: one per core).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,
     /// Seconds the backend may take to start and to answer each prefill.
     #[arg(long, default_value_t = 120.0)]
@@ -177,14 +177,14 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "PATH")]
     pub prompt_file: Option<PathBuf>,
     /// Prompt token ids, used verbatim: `--prompt-ids 2,818,5279`.
-    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    #[arg(long, value_parser = token_id, value_delimiter = ',', allow_negative_numbers = true)]
     pub prompt_ids: Option<Vec<u32>>,
     /// Tokens to generate at most (EOS stops earlier and is included). Prompt plus output must fit the
     /// model's context (or --context).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 64)]
     pub max_tokens: u64,
     /// Prompt plus output tokens at most (default: the model's context, from its metadata).
-    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
     pub context: Option<u64>,
     /// Who prefills: `rngd` (dense K/V, the RNGD-NPU contract), `gpu` (grouped K/V, one tensor set per
     /// attention group), `faulty` (fault injection, see --backend-config), `torch` (PyTorch and
@@ -215,24 +215,24 @@ pub struct GenerateArgs {
     pub sandbox: Switch,
     /// Cap on each producer's private memory, in MiB (RLIMIT_DATA; default: half of this machine's
     /// memory). A producer that dies at its cap is reported as `memory_limit`.
-    #[arg(long, allow_negative_numbers = true, value_name = "MIB")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MIB")]
     pub producer_memory: Option<u64>,
     /// Element type of the KV cache, and of the producer's spans (`bf16` gives the RNGD contract's wire
     /// format; `f32` matches transformers' fp32 exactly).
     #[arg(long, value_enum, default_value_t = KvDtype::F32)]
     pub kv_dtype: KvDtype,
     /// Tokens per KV page (1 to 4096, and at most the context).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 64)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 64)]
     pub page_size: u64,
     /// Prompt tokens per prefill span (0: the whole prompt as one span).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 0)]
     pub prefill_chunk: u64,
     /// Arithmetic: `exact` is f32 on dequantized weights (matches transformers' fp32); `fast` quantizes
     /// activations to 8 bits and computes integer dot products on the GGUF's own blocks.
     #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]
     pub precision: PrecisionArg,
     /// Threads for the forward pass: 1 to 4 per core (default: one per core).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,
     /// Sample with this temperature (0 to 100; 0 is greedy) instead of greedy decoding.
     #[arg(long, allow_negative_numbers = true)]
@@ -241,7 +241,7 @@ pub struct GenerateArgs {
     #[arg(long, allow_negative_numbers = true, default_value_t = 1.0, requires = "temperature")]
     pub top_p: f64,
     /// Sampling seed.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0, requires = "temperature")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 0, requires = "temperature")]
     pub seed: u64,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
@@ -258,23 +258,23 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1")]
     pub host: std::net::IpAddr,
     /// Port to listen on (0: any free port; the address is printed once the server is ready).
-    #[arg(long, default_value_t = 8080)]
+    #[arg(long, default_value_t = 8080, allow_negative_numbers = true)]
     pub port: u16,
     /// Prompt plus output tokens per request, at most (default 9216, or the model's context when smaller).
-    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
     pub context: Option<u64>,
     /// Tokens per KV page (1 to 4096, and at most the model's context).
-    #[arg(long, default_value_t = 64, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, default_value_t = 64, allow_negative_numbers = true)]
     pub page_size: u64,
     /// Sequences generated at once (1 to 64): each decode round advances every live sequence by one token.
-    #[arg(long, default_value_t = 4, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, default_value_t = 4, allow_negative_numbers = true)]
     pub slots: u64,
     /// Share the K/V of full pages of prompt prefixes between requests (`docs/serving.md`, "Prefix
     /// cache"): a hit prefills only the rest of the prompt, and outputs stay bit-identical.
     #[arg(long, value_enum, default_value_t = Switch::Off)]
     pub prefix_cache: Switch,
     /// Requests that may wait beyond the slots; past that the answer is 503 with Retry-After.
-    #[arg(long, default_value_t = 16, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, default_value_t = 16, allow_negative_numbers = true)]
     pub queue: u64,
     /// Who prefills: `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS`, a backend library `PATH.so`,
     /// `nixl://HOST:PORT/NAME`, or `local` (see `generate`). Several backends separated by commas (`faulty,rngd`) share the producer
@@ -283,11 +283,11 @@ pub struct ServeArgs {
     pub producer: String,
     /// Producer processes (1 to 8; default: one per backend in `--producer`): this many prompts prefill at
     /// once, each while the live sequences keep decoding.
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub producers: Option<u64>,
     /// Restarts per producer within a minute (0 to 1000) before its requests are refused with
     /// `restart_limit` (and fall back, or fail) until the minute moves on.
-    #[arg(long, default_value_t = 10, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, default_value_t = 10, allow_negative_numbers = true)]
     pub max_restarts: u64,
     /// JSON object merged into the backend's configuration (see `generate`).
     #[arg(long, value_name = "JSON")]
@@ -305,7 +305,7 @@ pub struct ServeArgs {
     pub sandbox: Switch,
     /// Cap on each producer's private memory, in MiB (RLIMIT_DATA; default: half of this machine's
     /// memory). A producer that dies at its cap is reported as `memory_limit`.
-    #[arg(long, allow_negative_numbers = true, value_name = "MIB")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MIB")]
     pub producer_memory: Option<u64>,
     /// Element type of the KV cache and of the producer's spans.
     #[arg(long, value_enum, default_value_t = KvDtype::F32)]
@@ -314,12 +314,12 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]
     pub precision: PrecisionArg,
     /// Threads for the forward pass: 1 to 4 per core (default: one per core).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,
     /// Prompt tokens per prefill span, and per local prefill piece between decode rounds (0: the whole
     /// prompt as one). Each producer's ring holds two spans of this size (default 2048, or the context
     /// when smaller; outputs are the same bits at any size).
-    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
     pub prefill_chunk: Option<u64>,
     /// A key every `/v1/` request must carry as `Authorization: Bearer KEY` (401 without it).
     #[arg(long, value_name = "KEY")]
@@ -552,10 +552,10 @@ pub struct SoakBenchArgs {
     #[arg(long, default_value = "smollm2-135m")]
     pub model: String,
     /// Requests sent in all (1 to 100000).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1000)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 1000)]
     pub requests: u64,
     /// Requests in flight at once (1 to 64).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 8)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 8)]
     pub concurrency: u64,
     /// Share of prefills the `faulty` producer fails, each in one of its modes chosen at random (0 to 1).
     #[arg(long, allow_negative_numbers = true, default_value_t = 0.25)]
@@ -572,13 +572,13 @@ pub struct SoakBenchArgs {
     #[arg(long, allow_negative_numbers = true, default_value_t = 10.0, value_name = "SECONDS")]
     pub kill_every: f64,
     /// Output tokens per request (`max_tokens`, greedy; 1 to 256).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 16)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 16)]
     pub max_tokens: u64,
     /// Seed of the faults, the request mix and the disconnect moments.
-    #[arg(long, default_value_t = 7)]
+    #[arg(long, value_parser = whole, default_value_t = 7, allow_negative_numbers = true)]
     pub seed: u64,
     /// Forward-pass threads of the server (default: one per core).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,
     /// Print one JSON object instead of a report.
     #[arg(long)]
@@ -604,7 +604,7 @@ pub struct ServeBenchArgs {
     #[arg(long, default_value = "rngd")]
     pub producer: String,
     /// Forward-pass threads of the started server: 1 to 4 per core (default: one per core).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,
     /// Arithmetic of the started server (and its producers), as `serve --precision`.
     #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]
@@ -618,23 +618,23 @@ pub struct ServeBenchArgs {
     pub prefix_cache: Switch,
     /// Prompt plus output tokens per request in the started server (default 9216, or the model's context
     /// when smaller).
-    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
     pub context: Option<u64>,
     /// Prompt tokens per prefill span in the started server, as `serve --prefill-chunk` (its default
     /// when not given).
-    #[arg(long, allow_negative_numbers = true, value_name = "TOKENS")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
     pub prefill_chunk: Option<u64>,
     /// Prompt lengths in tokens, exact (each 1 to the context less the longest output).
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 8192])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 8192])]
     pub inputs: Vec<u64>,
     /// Output lengths in tokens (`max_tokens`, greedy; each 1 to 4096).
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [32u64, 128])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [32u64, 128])]
     pub outputs: Vec<u64>,
     /// Requests in flight at once (each 1 to 64): a cell sends batches of this many and waits for all.
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
     pub concurrency: Vec<u64>,
     /// Timed batches per cell (1 to 100).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 3)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 3)]
     pub repeats: u64,
     /// Streamed responses (server-sent events), whole ones, or a cell of each.
     #[arg(long, value_enum, default_value_t = StreamArg::Both)]
@@ -651,13 +651,13 @@ pub struct ServeBenchArgs {
     #[arg(long, conflicts_with = "url")]
     pub mixed: bool,
     /// `--mixed`: streams decoding (1 to 16).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 2)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 2)]
     pub streams: u64,
     /// `--mixed`: long prompts sent at once while the streams decode (1 to 8).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 2)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 2)]
     pub long_prompts: u64,
     /// `--mixed`: tokens per long prompt.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 2048)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 2048)]
     pub long_prompt: u64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -677,24 +677,38 @@ pub struct PdBenchArgs {
     #[arg(long, default_value = "rngd", value_parser = pd_producer)]
     pub producer: String,
     /// Prompt lengths in tokens (each from 1 to the model's context, less the decoded tokens).
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 512, 2048])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 512, 2048])]
     pub tokens: Vec<u64>,
     /// Tokens decoded after the first (at most 4096).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 16)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 16)]
     pub decode_tokens: u64,
     /// Measured runs per length (after one warm-up run), 1 to 1000; medians are reported.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 3)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 3)]
     pub iters: u64,
     /// Element type of the KV cache, and so of the spans (the RNGD contract is bf16).
     #[arg(long, value_enum, default_value_t = KvDtype::Bf16)]
     pub kv_dtype: KvDtype,
     /// Threads for the forward pass, in the host and in the producer: 1 to 4 per core (default: one
     /// per core).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+/// A flag's whole number: clap's own refusal of `-1` is Rust's "invalid digit found in string", which does
+/// not say what was expected. Ranges are checked later, where the message names them.
+fn whole(text: &str) -> Result<u64, String> {
+    text.parse().map_err(|e: std::num::ParseIntError| match e.kind() {
+        std::num::IntErrorKind::PosOverflow => format!("expected a whole number up to {}", u64::MAX),
+        _ => "expected a whole number, 0 or more".to_string(),
+    })
+}
+
+/// A token id of `--prompt-ids` (checked against the vocabulary later).
+fn token_id(text: &str) -> Result<u32, String> {
+    text.parse().map_err(|_| format!("expected a token id, a whole number from 0 to {}", u32::MAX))
 }
 
 /// `bench pd --producer`: a built-in backend or a producer node's URL.
@@ -710,15 +724,15 @@ fn pd_producer(text: &str) -> Result<String, String> {
 #[derive(Debug, Args)]
 pub struct ModelBenchArgs {
     /// Prompt lengths in tokens (each 1 to the smaller model's context, less the decoded tokens).
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64])]
     pub prompt_tokens: Vec<u64>,
     /// Tokens to decode (1 to 4096).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 32)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 32)]
     pub decode_tokens: u64,
     /// Sequences decoded at once (each 1 to 16): each step is one batched forward pass over all of them,
     /// and the decode columns are their aggregate tokens/s (llama.cpp's: one `llama_decode` per step for
     /// all of them).
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
     pub batch: Vec<u64>,
     /// Skip llama.cpp (no reference column).
     #[arg(long)]
@@ -732,13 +746,13 @@ pub struct ModelBenchArgs {
 #[derive(Debug, Args)]
 pub struct KernelsBenchArgs {
     /// Rows multiplied at once (each 1 to 64), as a decode step of that many sequences.
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
     pub batch: Vec<u64>,
     /// Forward-pass threads (each 1 to 4 per core).
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 2])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 2])]
     pub threads: Vec<u64>,
     /// Timed passes per case, 1 to 1000; the best is reported.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 7)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 7)]
     pub iters: u64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -749,10 +763,10 @@ pub struct KernelsBenchArgs {
 #[derive(Debug, Args)]
 pub struct IngestBenchArgs {
     /// Span lengths in tokens (1 to 65536).
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [512u64, 2048, 8192])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [512u64, 2048, 8192])]
     pub tokens: Vec<u64>,
     /// Repetitions per case, 1 to 1000 (default: enough for about 1 GiB moved, at least 3).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub iters: Option<u64>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -763,10 +777,10 @@ pub struct IngestBenchArgs {
 #[derive(Debug, Args)]
 pub struct RingBenchArgs {
     /// Span payload sizes in MiB (1 to 4096).
-    #[arg(long, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 16, 256])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 16, 256])]
     pub sizes: Vec<u64>,
     /// Repetitions per size, 1 to 10000 (default: enough for about 2 GiB moved, at least 5).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub iters: Option<u64>,
     /// Print one JSON object instead of a table.
     #[arg(long)]

@@ -545,9 +545,9 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         ("kernels", "--iters"),
     ] {
         for value in ["0", "-5", &max, "abc"] {
-            cases.push(
-                case(&format!("bench {bench} {flag} {value}"), &["bench", bench, flag, value]).refused(2, &[flag]),
-            );
+            // A negative count says what a count is, not Rust's "invalid digit found in string".
+            let says: &[&str] = if value == "-5" { &[flag, "expected a whole number, 0 or more"] } else { &[flag] };
+            cases.push(case(&format!("bench {bench} {flag} {value}"), &["bench", bench, flag, value]).refused(2, says));
         }
     }
     let more = vec![
@@ -559,6 +559,10 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
             .refused(2, &["--producers: expected 2 to 8, found 1"]),
         case("serve max-restarts 1001", &["serve", "--max-restarts", "1001"])
             .refused(2, &["--max-restarts: expected 0 to 1000, found 1001"]),
+        case("serve max-restarts -1", &["serve", "--max-restarts", "-1"])
+            .refused(2, &["'-1' for '--max-restarts <MAX_RESTARTS>': expected a whole number, 0 or more"]),
+        case("serve port -1", &["serve", "--port", "-1"]).refused(2, &["'-1' for '--port <PORT>': -1 is not in 0..=65535"]),
+        tiny_gen("prompt-ids -2", &["--prompt-ids", "1,-2"]).refused(2, &["expected a token id, a whole number from 0"]),
         // Bounds just past the edge.
         tiny_gen("page-size past the context", &["--page-size", "2049"])
             .refused(2, &["--page-size: expected 1 to 2048 tokens"]),
