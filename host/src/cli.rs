@@ -254,8 +254,8 @@ pub struct ServeArgs {
     /// A known model name (fetched on first use), a .gguf file, or a Hugging Face checkpoint directory.
     #[arg(long, default_value = "gemma3-270m")]
     pub model: String,
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
+    /// Address to listen on: an IP address (0.0.0.0 or :: for every interface), or `localhost`.
+    #[arg(long, value_parser = listen_ip, default_value = "127.0.0.1")]
     pub host: std::net::IpAddr,
     /// Port to listen on (0: any free port; the address is printed once the server is ready).
     #[arg(long, default_value_t = 8080, allow_negative_numbers = true)]
@@ -706,6 +706,16 @@ fn whole(text: &str) -> Result<u64, String> {
     })
 }
 
+/// `serve --host`: an IP address, or `localhost` (the loopback address, as `vllm serve` and `llama-server`
+/// take it). Other names are refused rather than resolved: the address a server binds should not depend
+/// on a resolver.
+fn listen_ip(text: &str) -> Result<std::net::IpAddr, String> {
+    match text {
+        "localhost" => Ok(std::net::Ipv4Addr::LOCALHOST.into()),
+        _ => text.parse().map_err(|_| "expected an IP address (such as 127.0.0.1, 0.0.0.0 or ::1) or localhost".into()),
+    }
+}
+
 /// A token id of `--prompt-ids` (checked against the vocabulary later).
 fn token_id(text: &str) -> Result<u32, String> {
     text.parse().map_err(|_| format!("expected a token id, a whole number from 0 to {}", u32::MAX))
@@ -785,4 +795,20 @@ pub struct RingBenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn whole_numbers_and_addresses_say_what_they_expected() {
+        assert_eq!(whole("42"), Ok(42));
+        assert_eq!(whole("-1").unwrap_err(), "expected a whole number, 0 or more");
+        assert_eq!(whole("18446744073709551616").unwrap_err(), "expected a whole number up to 18446744073709551615");
+        assert_eq!(token_id("-2").unwrap_err(), "expected a token id, a whole number from 0 to 4294967295");
+        assert_eq!(listen_ip("localhost"), Ok(std::net::Ipv4Addr::LOCALHOST.into()));
+        assert_eq!(listen_ip("::1"), Ok(std::net::Ipv6Addr::LOCALHOST.into()));
+        assert!(listen_ip("example.org").unwrap_err().starts_with("expected an IP address"));
+    }
 }

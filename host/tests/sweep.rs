@@ -562,6 +562,8 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         case("serve max-restarts -1", &["serve", "--max-restarts", "-1"])
             .refused(2, &["'-1' for '--max-restarts <MAX_RESTARTS>': expected a whole number, 0 or more"]),
         case("serve port -1", &["serve", "--port", "-1"]).refused(2, &["'-1' for '--port <PORT>': -1 is not in 0..=65535"]),
+        case("serve host name", &["serve", "--host", "example.org"])
+            .refused(2, &["'example.org' for '--host <HOST>': expected an IP address (such as 127.0.0.1"]),
         tiny_gen("prompt-ids -2", &["--prompt-ids", "1,-2"]).refused(2, &["expected a token id, a whole number from 0"]),
         // Bounds just past the edge.
         tiny_gen("page-size past the context", &["--page-size", "2049"])
