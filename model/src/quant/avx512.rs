@@ -115,6 +115,16 @@ fn f16_splat(b: &[u8], at: usize) -> __m512 {
     _mm512_cvtph_ps(_mm256_set1_epi16(bits as i16))
 }
 
+/// The quants `from` to `from + 15` as floats (exact), lane by lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+fn quants(from: f32) -> __m512 {
+    _mm512_add_ps(
+        _mm512_setr_ps(0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0, 12.0, 13.0, 14.0, 15.0),
+        _mm512_set1_ps(from),
+    )
+}
+
 /// One block of the type with GGML id `T`, 16 values at a time in increasing position.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f")]
@@ -140,22 +150,32 @@ fn block<const T: u32>(b: &[u8], put: &mut impl FnMut(usize, __m512)) {
             assert!(b.len() >= at + 16);
             let d = f16_splat(b, 0);
             let m = if matches!(T, 3 | 7) { Some(f16_splat(b, 2)) } else { None };
+            // The block's 16 (32 with a fifth bit) possible values, each by the portable dequantizer's
+            // operations on its quant: then every value is one lookup by its quant.
+            let zero = _mm512_set1_ps(if five { 16.0 } else { 8.0 });
+            let (low, high) = match m {
+                None => (
+                    _mm512_mul_ps(d, _mm512_sub_ps(quants(0.0), zero)),
+                    _mm512_mul_ps(d, _mm512_sub_ps(quants(16.0), zero)),
+                ),
+                Some(m) => {
+                    (_mm512_add_ps(_mm512_mul_ps(d, quants(0.0)), m), _mm512_add_ps(_mm512_mul_ps(d, quants(16.0)), m))
+                }
+            };
             // SAFETY: 16 bytes from `at` lie in the block (asserted).
             let qs = unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) };
             let mask = _mm_set1_epi8(0x0F);
             let halves = [_mm_and_si128(qs, mask), _mm_and_si128(_mm_srli_epi16::<4>(qs), mask)];
             let qh = if five { u32::from_le_bytes([b[at - 4], b[at - 3], b[at - 2], b[at - 1]]) } else { 0 };
             for (h, v) in halves.into_iter().enumerate() {
-                let mut q = _mm512_cvtepu8_epi32(v);
-                if five {
-                    // Bit `16h + lane` of qh sets 16 in that lane: the 16 bits are a lane mask.
-                    q = _mm512_mask_or_epi32(q, (qh >> (16 * h)) as __mmask16, q, _mm512_set1_epi32(16));
-                }
-                let q = _mm512_cvtepi32_ps(q);
-                let zero = _mm512_set1_ps(if five { 16.0 } else { 8.0 });
-                let value = match m {
-                    None => _mm512_mul_ps(d, _mm512_sub_ps(q, zero)),
-                    Some(m) => _mm512_add_ps(_mm512_mul_ps(d, q), m),
+                let q = _mm512_cvtepu8_epi32(v);
+                let value = if five {
+                    // Bit `16h + lane` of qh sets 16 in that lane: the 16 bits are a lane mask, and
+                    // bit 4 of a lane's index picks `high`.
+                    let q = _mm512_mask_or_epi32(q, (qh >> (16 * h)) as __mmask16, q, _mm512_set1_epi32(16));
+                    _mm512_permutex2var_ps(low, q, high)
+                } else {
+                    _mm512_permutexvar_ps(q, low)
                 };
                 put(16 * h, value);
             }
@@ -174,21 +194,24 @@ fn block<const T: u32>(b: &[u8], put: &mut impl FnMut(usize, __m512)) {
             for j in 0..4 {
                 let [(d1, min1), (d2, min2)] = [scales(2 * j), scales(2 * j + 1)];
                 for (sub, dd, mm, bit) in [(0, d1, min1, 2 * j), (32, d2, min2, 2 * j + 1)] {
+                    // Without a fifth bit a quant is 0 to 15: the sub-block's 16 values, each by the
+                    // portable operations, and every value is one lookup by its quant.
+                    let table = _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dd), quants(0.0)), _mm512_set1_ps(mm));
                     for part in 0..2 {
                         // SAFETY: 16 of the sub-block's 32 bytes, inside the block (asserted).
                         let q = unsafe { _mm_loadu_si128(qs.as_ptr().add(32 * j + 16 * part).cast()) };
                         let v =
                             if sub == 0 { _mm_and_si128(q, mask) } else { _mm_and_si128(_mm_srli_epi16::<4>(q), mask) };
                         let mut n = _mm512_cvtepu8_epi32(v);
-                        if five {
-                            // SAFETY: 16 of the 32 high-bit bytes (asserted block length).
-                            let h = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(qh.as_ptr().add(16 * part).cast()) });
-                            let set = _mm512_and_si512(
-                                _mm512_srlv_epi32(h, _mm512_set1_epi32(bit as i32)),
-                                _mm512_set1_epi32(1),
-                            );
-                            n = _mm512_add_epi32(n, _mm512_slli_epi32::<4>(set));
+                        if !five {
+                            put(64 * j + sub + 16 * part, _mm512_permutexvar_ps(n, table));
+                            continue;
                         }
+                        // SAFETY: 16 of the 32 high-bit bytes (asserted block length).
+                        let h = _mm512_cvtepu8_epi32(unsafe { _mm_loadu_si128(qh.as_ptr().add(16 * part).cast()) });
+                        let set =
+                            _mm512_and_si512(_mm512_srlv_epi32(h, _mm512_set1_epi32(bit as i32)), _mm512_set1_epi32(1));
+                        n = _mm512_add_epi32(n, _mm512_slli_epi32::<4>(set));
                         let value =
                             _mm512_sub_ps(_mm512_mul_ps(_mm512_set1_ps(dd), _mm512_cvtepi32_ps(n)), _mm512_set1_ps(mm));
                         put(64 * j + sub + 16 * part, value);
