@@ -472,7 +472,7 @@ print(json.dumps(out))
 /// With two slots, a short request admitted while a long stream decodes finishes first (the order of
 /// events, not timings), and both compute exactly what they compute alone.
 #[test]
-fn slots_interleave_streams_and_each_equals_generate_alone() {
+fn slots_interleave_streams_and_each_equals_generate_alone_sampled_or_greedy() {
     // Spans of two tokens: the short prompt's prefill comes in pieces between the long stream's rounds.
     let s = serve(&["--producer", "rngd", "--slots", "2", "--prefill-chunk", "2"]);
     let long = json!({"prompt": "Once upon a time", "max_tokens": 120, "temperature": 0, "stream": true});
@@ -486,12 +486,16 @@ fn slots_interleave_streams_and_each_equals_generate_alone() {
             long_chunks.push(data.to_string());
         }
     }
+    // The short one samples: its seed gives the same draws in a batch as alone.
     let (status, v) = post(
         &s,
         "/v1/completions",
-        &json!({"prompt": "The three primary colours are", "max_tokens": 3, "temperature": 0}).to_string(),
+        &json!({"prompt": "The three primary colours are", "max_tokens": 3, "temperature": 0.8, "top_p": 0.9,
+                "seed": 5})
+        .to_string(),
     );
-    let short = generate("The three primary colours are", 3, &[]);
+    let sampled = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "5"];
+    let short = generate("The three primary colours are", 3, &sampled);
     assert_eq!(status, 200, "{v}");
     let prefilled = v["usage"]["prompt_tokens"].as_u64().unwrap() - 1;
     assert_eq!(v["pdhost"]["spans"].as_u64(), Some(prefilled.div_ceil(2)), "{v}");

@@ -17,6 +17,9 @@ use zerocopy::FromBytes;
 use crate::kv::convert::{convert, to_f32};
 use crate::kv::{IngestError, KvConfig, PagedKv, SeqId};
 use crate::supervisor::{PrefillCall, Producer, ProducerError, SpanTimes};
+use sampler::Sampler;
+
+mod sampler;
 
 const _: () = assert!(cfg!(target_endian = "little"), "spans are little-endian; the engine writes f32s as they lie");
 
@@ -663,10 +666,7 @@ impl Engine {
         prefilled: Prefilled,
         started: Instant,
     ) -> Result<Live, EngineError> {
-        let mut rng = Rng(match req.sampling {
-            Sampling::TopP { seed, .. } => seed ^ 0x9E37_79B9_7F4A_7C15,
-            Sampling::Greedy => 0,
-        });
+        let mut sampler = Sampler::new(req.sampling);
         let (&last, head) = req.prompt.split_last().expect("a prompt has at least one token");
         let Prefilled { forward: mut prefill, ingest, bytes, spans, report } = prefilled;
         // The last prompt token, run by the host: its logits choose the first output token.
@@ -680,7 +680,7 @@ impl Engine {
             None
         } else {
             hash_logits(&mut hasher, &out.logits);
-            Some(sample(&out.logits, req.sampling, &mut rng))
+            Some(sampler.sample(&out.logits))
         };
         let ttft = started.elapsed();
         Ok(Live {
@@ -688,8 +688,7 @@ impl Engine {
             request_id,
             prompt_len: req.prompt.len(),
             max_tokens: req.max_tokens,
-            sampling: req.sampling,
-            rng,
+            sampler,
             hasher,
             next,
             to_run: None,
@@ -751,7 +750,7 @@ impl Engine {
                     continue;
                 }
                 hash_logits(&mut live.hasher, &out.logits);
-                live.next = Some(sample(&out.logits, live.sampling, &mut live.rng));
+                live.next = Some(live.sampler.sample(&out.logits));
             }
         }
         for (live, result) in lives.iter_mut().zip(&mut results) {
@@ -805,8 +804,8 @@ pub struct Live {
     request_id: u64,
     prompt_len: usize,
     max_tokens: usize,
-    sampling: Sampling,
-    rng: Rng,
+    /// Its sampling settings, generator and scratch space.
+    sampler: Sampler,
     hasher: twox_hash::XxHash3_64,
     /// The token to emit at the next step.
     next: Option<u32>,
@@ -864,48 +863,4 @@ impl Live {
 
 fn hash_logits(hasher: &mut twox_hash::XxHash3_64, logits: &[f32]) {
     hasher.write(zerocopy::IntoBytes::as_bytes(logits));
-}
-
-/// A small seeded generator (splitmix64) for sampling.
-struct Rng(u64);
-
-impl Rng {
-    fn next_f32(&mut self) -> f32 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
-    }
-}
-
-fn sample(logits: &[f32], sampling: Sampling, rng: &mut Rng) -> u32 {
-    match sampling {
-        Sampling::Greedy => model::forward::argmax(logits),
-        Sampling::TopP { temperature, top_p, .. } => {
-            let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut probs: Vec<(f32, u32)> =
-                logits.iter().enumerate().map(|(i, &l)| (((l - max) / temperature).exp(), i as u32)).collect();
-            let total: f32 = probs.iter().map(|p| p.0).sum();
-            probs.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-            let mut kept = 0.0;
-            let mut n = 0;
-            for p in &probs {
-                kept += p.0 / total;
-                n += 1;
-                if kept >= top_p {
-                    break;
-                }
-            }
-            let mass: f32 = probs[..n].iter().map(|p| p.0).sum();
-            let mut r = rng.next_f32() * mass;
-            for p in &probs[..n] {
-                if r < p.0 {
-                    return p.1;
-                }
-                r -= p.0;
-            }
-            probs[n - 1].1
-        }
-    }
 }
