@@ -46,6 +46,11 @@ impl Sampler {
         self.weights.extend(logits.iter().map(|&l| ((l - max) / temperature).exp()));
         let total: f32 = self.weights.iter().sum();
         let u = self.rng.next_f32();
+        if !total.is_finite() {
+            // Logits a broken model made (NaN): nothing to weigh them by, so the first largest; a
+            // draw is still taken, so the generator stays in step.
+            return model::forward::argmax(logits);
+        }
         if top_p >= 1.0 {
             let mut r = u * total;
             for (i, &w) in self.weights.iter().enumerate() {
@@ -169,6 +174,16 @@ mod tests {
             let share = f64::from(c) / 20_000.0;
             let want = (i + 1) as f64 / 10.0;
             assert!((share - want).abs() < 0.02, "token {i}: {share:.3} of the draws, expected about {want}");
+        }
+    }
+
+    #[test]
+    fn logits_with_a_nan_still_give_a_token() {
+        for logits in [[0.5, f32::NAN, 2.0, 1.0], [f32::NAN; 4]] {
+            for top_p in [1.0, 0.5] {
+                let mut sampler = Sampler::new(Sampling::TopP { temperature: 1.0, top_p, seed: 1 });
+                assert!(sampler.sample(&logits) < 4, "{logits:?}, top_p {top_p}");
+            }
         }
     }
 
