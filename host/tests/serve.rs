@@ -173,8 +173,10 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
 
     // Token ids as the prompt, and a stop string that ends the text before it.
     let ids = reference["prompt_ids"].clone();
-    let (status, v) =
-        post(&s, "/v1/completions", &json!({"prompt": ids, "max_tokens": 12, "temperature": 0}).to_string());
+    // With the "off" values of fields the server does not implement, as clients send them: accepted.
+    let off = json!({"prompt": ids, "max_tokens": 12, "temperature": 0, "presence_penalty": 0, "frequency_penalty": 0.0,
+                     "logit_bias": {}, "logprobs": null, "echo": false, "best_of": 1, "user": "u"});
+    let (status, v) = post(&s, "/v1/completions", &off.to_string());
     assert_eq!((status, &v["pdhost"]["output_ids"]), (200, &reference["output_ids"]));
     let full = reference["text"].as_str().unwrap();
     let cut = full.char_indices().nth(full.chars().count() / 2).map_or(0, |(i, _)| i);
@@ -212,6 +214,12 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         (r#"{"prompt":"hi","n":2}"#, 400, "n: expected 1"),
         (r#"{"prompt":"hi","temperature":-1}"#, 400, "temperature: expected a number from 0"),
         (r#"{"prompt":"hi","top_p":2}"#, 400, "top_p: expected a number above 0 and at most 1, found 2"),
+        // Fields the server does not implement, turned on: refused, never answered as if not asked.
+        (r#"{"prompt":"hi","presence_penalty":0.5}"#, 400, "presence_penalty: expected 0 (penalties are not"),
+        (r#"{"prompt":"hi","logprobs":2}"#, 400, "logprobs: expected null, false or 0 (log-probabilities are"),
+        (r#"{"prompt":"hi","echo":true}"#, 400, "echo: expected false (the prompt is not echoed), found true"),
+        (r#"{"prompt":"hi","logit_bias":{"7":-100}}"#, 400, r#"logit_bias: expected an empty object"#),
+        (r#"{"prompt":"hi","best_of":3}"#, 400, "best_of: expected 1 (one completion per request), found 3"),
     ] {
         let (got, v) = post(&s, "/v1/completions", body);
         assert_eq!(got, status, "{v}");
@@ -240,7 +248,7 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
 
     // Metrics count what happened.
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(4.0));
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(12.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(17.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
     assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(4.0));
     assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(4.0));
@@ -361,7 +369,11 @@ fn chat_completions_use_the_models_template_and_equal_generate() {
     let s = serve(&["--producer", "gpu"]);
     assert_eq!(get(&s, "/v1/models").1["data"][0]["chat_template"], "metadata");
     let body = json!({"model": MODEL, "messages": case["messages"], "max_tokens": 10, "temperature": 0});
-    let (status, v) = post(&s, "/v1/chat/completions", &body.to_string());
+    let mut off = body.clone();
+    off["tools"] = json!([]);
+    off["response_format"] = json!({"type": "text"});
+    off["logprobs"] = json!(false);
+    let (status, v) = post(&s, "/v1/chat/completions", &off.to_string());
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["object"], "chat.completion");
     assert_eq!(v["usage"]["prompt_tokens"], case["ids"].as_array().unwrap().len(), "the template's ids");
@@ -399,6 +411,17 @@ fn chat_completions_use_the_models_template_and_equal_generate() {
             }),
             "{v}"
         );
+    }
+    // What a chat client can ask for and this server does not do: refused, naming the field.
+    for (field, value) in [
+        ("response_format", json!({"type": "json_object"})),
+        ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
+        ("logprobs", json!(true)),
+    ] {
+        let mut asks = body.clone();
+        asks[field] = value;
+        let (status, v) = post(&s, "/v1/chat/completions", &asks.to_string());
+        assert_eq!((status, &v["error"]["param"]), (400, &json!(field)), "{v}");
     }
 }
 

@@ -80,6 +80,45 @@ fn kind(v: &Value) -> String {
     }
 }
 
+/// OpenAI fields this server does not implement, each with what leaves it off and what the refusal says
+/// was expected. A body that turns one on is refused rather than answered as if it had not asked: a
+/// client that sends `presence_penalty: 0.5` and gets unpenalized text back has a wrong answer and no way
+/// to tell. Each field's "off" value, or its absence or `null`, is accepted, as OpenAI's clients send them.
+const UNSUPPORTED: &[(&str, fn(&Value) -> bool, &str)] = &[
+    ("presence_penalty", is_zero, "0 (penalties are not supported)"),
+    ("frequency_penalty", is_zero, "0 (penalties are not supported)"),
+    ("repetition_penalty", |v| v.as_f64() == Some(1.0), "1 (penalties are not supported)"),
+    ("logit_bias", |v| v.as_object().is_some_and(Map::is_empty), "an empty object (logit bias is not supported)"),
+    ("logprobs", |v| v == &Value::Bool(false) || is_zero(v), "null, false or 0 (log-probabilities are not returned)"),
+    ("top_logprobs", is_zero, "0 (log-probabilities are not returned)"),
+    ("echo", |v| v == &Value::Bool(false), "false (the prompt is not echoed)"),
+    ("best_of", |v| v.as_u64() == Some(1), "1 (one completion per request)"),
+    ("suffix", |v| v.as_str() == Some(""), "an empty string (no insertion after the completion)"),
+    ("tools", |v| v.as_array().is_some_and(Vec::is_empty), "an empty list (tool calls are not supported)"),
+    ("tool_choice", |v| v.as_str() == Some("none") || v.as_str() == Some("auto"), "\"none\" or \"auto\" (no tools)"),
+    (
+        "response_format",
+        |v| v.get("type").and_then(Value::as_str) == Some("text"),
+        "{\"type\": \"text\"} (no constrained output)",
+    ),
+];
+
+fn is_zero(v: &Value) -> bool {
+    v.as_f64() == Some(0.0)
+}
+
+/// The first field of [`UNSUPPORTED`] that `m` turns on, refused.
+fn refuse_unsupported(m: &Map<String, Value>) -> Result<(), ApiError> {
+    for &(name, off, expected) in UNSUPPORTED {
+        match m.get(name) {
+            None | Some(Value::Null) => {}
+            Some(v) if off(v) => {}
+            Some(v) => return Err(ApiError::invalid(name, expected, v)),
+        }
+    }
+    Ok(())
+}
+
 /// The prompt of a completion: text to tokenize, ids, or a conversation to render with the chat template.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Prompt {
@@ -234,7 +273,8 @@ impl Completion {
         Completion::from_map(m, Some(Prompt::Messages(messages)))
     }
 
-    /// Reads a completion body. Unknown fields are ignored, as OpenAI's clients send extras.
+    /// Reads a completion body. Unknown fields are ignored, as OpenAI's clients send extras; known ones
+    /// this server does not implement are refused when set ([`UNSUPPORTED`]).
     pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
         Completion::from_map(obj(body)?, None)
     }
@@ -250,6 +290,7 @@ impl Completion {
             Some(p) => p,
             None => Self::prompt(&m)?,
         };
+        refuse_unsupported(&m)?;
         if let Some(n) = opt_u64(&m, "n", Field::MaxTokens)? {
             if n != 1 {
                 return Err(ApiError::invalid("n", "1 (one completion per request)", n));
