@@ -84,24 +84,55 @@ fn kind(v: &Value) -> String {
 /// was expected. A body that turns one on is refused rather than answered as if it had not asked: a
 /// client that sends `presence_penalty: 0.5` and gets unpenalized text back has a wrong answer and no way
 /// to tell. Each field's "off" value, or its absence or `null`, is accepted, as OpenAI's clients send them.
-const UNSUPPORTED: &[(&str, fn(&Value) -> bool, &str)] = &[
-    ("presence_penalty", is_zero, "0 (penalties are not supported)"),
-    ("frequency_penalty", is_zero, "0 (penalties are not supported)"),
-    ("repetition_penalty", |v| v.as_f64() == Some(1.0), "1 (penalties are not supported)"),
-    ("logit_bias", |v| v.as_object().is_some_and(Map::is_empty), "an empty object (logit bias is not supported)"),
-    ("logprobs", |v| v == &Value::Bool(false) || is_zero(v), "null, false or 0 (log-probabilities are not returned)"),
-    ("top_logprobs", is_zero, "0 (log-probabilities are not returned)"),
-    ("echo", |v| v == &Value::Bool(false), "false (the prompt is not echoed)"),
-    ("best_of", |v| v.as_u64() == Some(1), "1 (one completion per request)"),
-    ("suffix", |v| v.as_str() == Some(""), "an empty string (no insertion after the completion)"),
-    ("tools", |v| v.as_array().is_some_and(Vec::is_empty), "an empty list (tool calls are not supported)"),
-    ("tool_choice", |v| v.as_str() == Some("none") || v.as_str() == Some("auto"), "\"none\" or \"auto\" (no tools)"),
-    (
-        "response_format",
-        |v| v.get("type").and_then(Value::as_str) == Some("text"),
-        "{\"type\": \"text\"} (no constrained output)",
-    ),
+const UNSUPPORTED: &[Unsupported] = &[
+    Unsupported { field: "presence_penalty", off: is_zero, expected: "0 (penalties are not supported)" },
+    Unsupported { field: "frequency_penalty", off: is_zero, expected: "0 (penalties are not supported)" },
+    Unsupported {
+        field: "repetition_penalty",
+        off: |v| v.as_f64() == Some(1.0),
+        expected: "1 (penalties are not supported)",
+    },
+    Unsupported {
+        field: "logit_bias",
+        off: |v| v.as_object().is_some_and(Map::is_empty),
+        expected: "an empty object (logit bias is not supported)",
+    },
+    Unsupported {
+        field: "logprobs",
+        off: |v| v == &Value::Bool(false) || is_zero(v),
+        expected: "null, false or 0 (log-probabilities are not returned)",
+    },
+    Unsupported { field: "top_logprobs", off: is_zero, expected: "0 (log-probabilities are not returned)" },
+    Unsupported { field: "echo", off: |v| v == &Value::Bool(false), expected: "false (the prompt is not echoed)" },
+    Unsupported { field: "best_of", off: |v| v.as_u64() == Some(1), expected: "1 (one completion per request)" },
+    Unsupported {
+        field: "suffix",
+        off: |v| v.as_str() == Some(""),
+        expected: "an empty string (no insertion after the completion)",
+    },
+    Unsupported {
+        field: "tools",
+        off: |v| v.as_array().is_some_and(Vec::is_empty),
+        expected: "an empty list (tool calls are not supported)",
+    },
+    Unsupported {
+        field: "tool_choice",
+        off: |v| matches!(v.as_str(), Some("none" | "auto")),
+        expected: "\"none\" or \"auto\" (no tools)",
+    },
+    Unsupported {
+        field: "response_format",
+        off: |v| v.get("type").and_then(Value::as_str) == Some("text"),
+        expected: "{\"type\": \"text\"} (no constrained output)",
+    },
 ];
+
+/// A field of [`UNSUPPORTED`]: its name, whether a value leaves it off, and what a refusal says was expected.
+struct Unsupported {
+    field: &'static str,
+    off: fn(&Value) -> bool,
+    expected: &'static str,
+}
 
 fn is_zero(v: &Value) -> bool {
     v.as_f64() == Some(0.0)
@@ -109,11 +140,11 @@ fn is_zero(v: &Value) -> bool {
 
 /// The first field of [`UNSUPPORTED`] that `m` turns on, refused.
 fn refuse_unsupported(m: &Map<String, Value>) -> Result<(), ApiError> {
-    for &(name, off, expected) in UNSUPPORTED {
-        match m.get(name) {
+    for u in UNSUPPORTED {
+        match m.get(u.field) {
             None | Some(Value::Null) => {}
-            Some(v) if off(v) => {}
-            Some(v) => return Err(ApiError::invalid(name, expected, v)),
+            Some(v) if (u.off)(v) => {}
+            Some(v) => return Err(ApiError::invalid(u.field, u.expected, v)),
         }
     }
     Ok(())
