@@ -243,10 +243,29 @@ pub struct GenerateArgs {
     /// Sampling seed.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 0, requires = "temperature")]
     pub seed: u64,
+    /// Subtracted from the logit of every token the output already holds (-2 to 2; OpenAI's
+    /// `presence_penalty`). Penalties apply greedy or sampled.
+    #[arg(long, allow_negative_numbers = true)]
+    pub presence_penalty: Option<f64>,
+    /// Subtracted once for each time the output holds a token (-2 to 2; `frequency_penalty`).
+    #[arg(long, allow_negative_numbers = true)]
+    pub frequency_penalty: Option<f64>,
+    /// Divides the positive logits, and multiplies the others, of tokens in the prompt or the output
+    /// (above 0, at most 10; 1 is off; vLLM's `repetition_penalty`).
+    #[arg(long, allow_negative_numbers = true)]
+    pub repetition_penalty: Option<f64>,
+    /// Biases added to tokens' logits, as ID:BIAS pairs separated by commas, e.g. `50256:-100,13:2.5`
+    /// (-100 to 100; `logit_bias`).
+    #[arg(long, value_parser = logit_bias, allow_hyphen_values = true)]
+    pub logit_bias: Option<LogitBias>,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,
 }
+
+/// `--logit-bias`: token ids and their biases, as given (their bounds are checked with the request's).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LogitBias(pub Vec<(u64, f64)>);
 
 /// `pdhost serve`.
 #[derive(Debug, Args)]
@@ -721,6 +740,20 @@ fn token_id(text: &str) -> Result<u32, String> {
     text.parse().map_err(|_| format!("expected a token id, a whole number from 0 to {}", u32::MAX))
 }
 
+/// `--logit-bias`: `ID:BIAS` pairs separated by commas.
+fn logit_bias(text: &str) -> Result<LogitBias, String> {
+    text.split(',')
+        .map(|pair| {
+            let (id, bias) = pair.split_once(':').ok_or_else(|| format!("expected ID:BIAS pairs, found {pair:?}"))?;
+            let id = id.trim().parse().map_err(|_| format!("expected a token id before ':', found {:?}", id.trim()))?;
+            let bias =
+                bias.trim().parse().map_err(|_| format!("expected a number after '{id}:', found {:?}", bias.trim()))?;
+            Ok((id, bias))
+        })
+        .collect::<Result<_, _>>()
+        .map(LogitBias)
+}
+
 /// `bench pd --producer`: a built-in backend or a producer node's URL.
 fn pd_producer(text: &str) -> Result<String, String> {
     match text {
@@ -810,5 +843,9 @@ mod tests {
         assert_eq!(listen_ip("localhost"), Ok(std::net::Ipv4Addr::LOCALHOST.into()));
         assert_eq!(listen_ip("::1"), Ok(std::net::Ipv6Addr::LOCALHOST.into()));
         assert!(listen_ip("example.org").unwrap_err().starts_with("expected an IP address"));
+        assert_eq!(logit_bias("7:-100, 13:2.5"), Ok(LogitBias(vec![(7, -100.0), (13, 2.5)])));
+        assert_eq!(logit_bias("7=-100").unwrap_err(), "expected ID:BIAS pairs, found \"7=-100\"");
+        assert_eq!(logit_bias("x:1").unwrap_err(), "expected a token id before ':', found \"x\"");
+        assert_eq!(logit_bias("7:much").unwrap_err(), "expected a number after '7:', found \"much\"");
     }
 }

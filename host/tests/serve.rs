@@ -214,11 +214,12 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         (r#"{"prompt":"hi","n":2}"#, 400, "n: expected 1"),
         (r#"{"prompt":"hi","temperature":-1}"#, 400, "temperature: expected a number from 0"),
         (r#"{"prompt":"hi","top_p":2}"#, 400, "top_p: expected a number above 0 and at most 1, found 2"),
-        // Fields the server does not implement, turned on: refused, never answered as if not asked.
-        (r#"{"prompt":"hi","presence_penalty":0.5}"#, 400, "presence_penalty: expected 0 (penalties are not"),
+        // Penalties out of range, and fields the server does not implement turned on: refused, never
+        // answered as if not asked.
+        (r#"{"prompt":"hi","presence_penalty":3}"#, 400, "presence_penalty: expected a number from -2 to 2, found 3"),
         (r#"{"prompt":"hi","logprobs":2}"#, 400, "logprobs: expected null, false or 0 (log-probabilities are"),
         (r#"{"prompt":"hi","echo":true}"#, 400, "echo: expected false (the prompt is not echoed), found true"),
-        (r#"{"prompt":"hi","logit_bias":{"7":-100}}"#, 400, r#"logit_bias: expected an empty object"#),
+        (r#"{"prompt":"hi","logit_bias":{"7":-500}}"#, 400, "logit_bias: expected biases from -100 to 100, found -500"),
         (r#"{"prompt":"hi","best_of":3}"#, 400, "best_of: expected 1 (one completion per request), found 3"),
     ] {
         let (got, v) = post(&s, "/v1/completions", body);
@@ -509,16 +510,22 @@ fn slots_interleave_streams_and_each_equals_generate_alone_sampled_or_greedy() {
             long_chunks.push(data.to_string());
         }
     }
-    // The short one samples: its seed gives the same draws in a batch as alone.
+    // The short one samples, with penalties and a bias against the token it would draw first without
+    // them: its seed gives the same draws in a batch as alone.
+    let sampled = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "5"];
+    let unbiased = generate("The three primary colours are", 3, &sampled)["output_ids"][0].as_u64().unwrap();
     let (status, v) = post(
         &s,
         "/v1/completions",
         &json!({"prompt": "The three primary colours are", "max_tokens": 3, "temperature": 0.8, "top_p": 0.9,
-                "seed": 5})
+                "seed": 5, "repetition_penalty": 1.2, "frequency_penalty": 0.5,
+                "logit_bias": {unbiased.to_string(): -100}})
         .to_string(),
     );
-    let sampled = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "5"];
-    let short = generate("The three primary colours are", 3, &sampled);
+    let bias = format!("{unbiased}:-100");
+    let penalized = ["--repetition-penalty", "1.2", "--frequency-penalty", "0.5", "--logit-bias", &bias];
+    let short = generate("The three primary colours are", 3, &[&sampled[..], &penalized[..]].concat());
+    assert_ne!(short["output_ids"][0], unbiased, "the bias moved the first draw");
     assert_eq!(status, 200, "{v}");
     let prefilled = v["usage"]["prompt_tokens"].as_u64().unwrap() - 1;
     assert_eq!(v["pdhost"]["spans"].as_u64(), Some(prefilled.div_ceil(2)), "{v}");

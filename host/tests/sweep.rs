@@ -364,6 +364,16 @@ fn every_reported_case_is_refused_or_handled() {
             .refused(2, &["--top-p: expected a number above 0 and at most 1, found 2"]),
         g("top-p NaN", &["--temperature", "1", "--top-p", "NaN"]).refused(2, &["--top-p", "found NaN"]),
         g("top-p negative", &["--temperature", "1", "--top-p", "-0.1"]).refused(2, &["--top-p", "found -0.1"]),
+        g("presence-penalty 3", &["--presence-penalty", "3"])
+            .refused(2, &["--presence-penalty: expected a number from -2 to 2, found 3"]),
+        g("frequency-penalty NaN", &["--frequency-penalty", "NaN"]).refused(2, &["--frequency-penalty", "found NaN"]),
+        g("repetition-penalty 0", &["--repetition-penalty", "0"])
+            .refused(2, &["--repetition-penalty: expected a number above 0 and at most 10 (1: off), found 0"]),
+        g("logit-bias twice", &["--logit-bias", "5:1,5:-2"]).refused(2, &["--logit-bias: expected each token once"]),
+        g("logit-bias out of the vocabulary", &["--logit-bias", "4294967296:1"])
+            .refused(2, &["--logit-bias: expected token ids below", "found 4294967296"]),
+        g("logit-bias inf", &["--logit-bias", "5:inf"]).refused(2, &["--logit-bias: expected biases from -100 to 100"]),
+        g("logit-bias no colon", &["--logit-bias", "5=1"]).refused(2, &["expected ID:BIAS pairs, found \"5=1\""]),
         g("threads 0", &["--threads", "0"]).refused(2, &["--threads: expected 1 to", "found 0"]),
         case("bench pd threads 0", &["bench", "pd", "--threads", "0"]).refused(2, &["--threads", "found 0"]),
         g("threads 1000", &["--threads", "1000"]).refused(2, &["--threads", "found 1000"]),

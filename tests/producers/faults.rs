@@ -55,7 +55,13 @@ fn expected(mode: &str, dense: bool) -> Option<&'static [&'static str]> {
 }
 
 fn request() -> Request {
-    Request { prompt: PROMPT.to_vec(), max_tokens: 6, prefill_chunk: 4, sampling: Sampling::Greedy }
+    Request {
+        prompt: PROMPT.to_vec(),
+        max_tokens: 6,
+        prefill_chunk: 4,
+        sampling: Sampling::Greedy,
+        penalties: Default::default(),
+    }
 }
 
 /// What `--producer local` generates.

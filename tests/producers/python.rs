@@ -19,7 +19,13 @@ fn python(engine: &Engine, class: &str, timeout: Duration) -> Producer {
 }
 
 fn request() -> Request {
-    Request { prompt: PROMPT.to_vec(), max_tokens: 4, prefill_chunk: 4, sampling: Sampling::Greedy }
+    Request {
+        prompt: PROMPT.to_vec(),
+        max_tokens: 4,
+        prefill_chunk: 4,
+        sampling: Sampling::Greedy,
+        penalties: Default::default(),
+    }
 }
 
 #[test]

@@ -18,6 +18,7 @@ fn soak_200_requests_with_random_faults() {
             max_tokens: 3,
             prefill_chunk: (i % 3) as usize * 3,
             sampling: Sampling::Greedy,
+            penalties: Default::default(),
         })
         .collect();
     let mut local = engine(&gemma(), dtype);

@@ -243,7 +243,13 @@ fn kv_check(layers: &[LayerError], tolerance: f64) -> Check {
 fn greedy(engine: &mut Engine, producer: &mut Producer, prompts: &[Vec<u32>], decode: usize, margin: f64) -> Check {
     let (mut equal, mut ties) = (0, 0);
     for prompt in prompts {
-        let req = Request { prompt: prompt.clone(), max_tokens: decode, prefill_chunk: 0, sampling: Sampling::Greedy };
+        let req = Request {
+            prompt: prompt.clone(),
+            max_tokens: decode,
+            prefill_chunk: 0,
+            sampling: Sampling::Greedy,
+            penalties: Default::default(),
+        };
         let remote =
             match engine.generate_with(&req, PrefillBy::Remote { producer, on_failure: OnFailure::Fail }, |_| {}) {
                 Ok(g) => g.output,
@@ -321,7 +327,13 @@ fn deadline(engine: &mut Engine, producer: &mut Producer, prompt: &[u32], timeou
 
 /// TTFT of the longest prompt, remote against local (informational: never fails).
 fn timings(engine: &mut Engine, producer: &mut Producer, prompt: &[u32]) -> Check {
-    let req = Request { prompt: prompt.to_vec(), max_tokens: 1, prefill_chunk: 0, sampling: Sampling::Greedy };
+    let req = Request {
+        prompt: prompt.to_vec(),
+        max_tokens: 1,
+        prefill_chunk: 0,
+        sampling: Sampling::Greedy,
+        penalties: Default::default(),
+    };
     let t = Instant::now();
     let remote = engine.generate_with(&req, PrefillBy::Remote { producer, on_failure: OnFailure::Fail }, |_| {});
     let remote_ms = t.elapsed().as_secs_f64() * 1e3;

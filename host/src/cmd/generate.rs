@@ -133,6 +133,10 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         top_p: Some(args.top_p),
         seed: args.seed,
         prefill_chunk: args.prefill_chunk,
+        presence_penalty: args.presence_penalty,
+        frequency_penalty: args.frequency_penalty,
+        repetition_penalty: args.repetition_penalty,
+        logit_bias: args.logit_bias.clone().map(|b| b.0).unwrap_or_default(),
     };
     let request = request::check_request(&raw, &limits)?;
     let prompt = request.prompt.clone();

@@ -17,6 +17,7 @@ use zerocopy::FromBytes;
 use crate::kv::convert::{convert, to_f32};
 use crate::kv::{IngestError, KvConfig, PagedKv, SeqId};
 use crate::supervisor::{PrefillCall, Producer, ProducerError, SpanTimes};
+pub use sampler::Penalties;
 use sampler::Sampler;
 
 mod sampler;
@@ -249,6 +250,8 @@ pub struct Request {
     pub prefill_chunk: usize,
     /// How to pick tokens.
     pub sampling: Sampling,
+    /// What changes the logits before a token is picked.
+    pub penalties: Penalties,
 }
 
 /// Why generation stopped.
@@ -666,7 +669,7 @@ impl Engine {
         prefilled: Prefilled,
         started: Instant,
     ) -> Result<Live, EngineError> {
-        let mut sampler = Sampler::new(req.sampling);
+        let mut sampler = Sampler::new(req.sampling, req.penalties.clone(), &req.prompt);
         let (&last, head) = req.prompt.split_last().expect("a prompt has at least one token");
         let Prefilled { forward: mut prefill, ingest, bytes, spans, report } = prefilled;
         // The last prompt token, run by the host: its logits choose the first output token.
@@ -680,7 +683,7 @@ impl Engine {
             None
         } else {
             hash_logits(&mut hasher, &out.logits);
-            Some(sampler.sample(&out.logits))
+            Some(sampler.next(&out.logits))
         };
         let ttft = started.elapsed();
         Ok(Live {
@@ -750,7 +753,7 @@ impl Engine {
                     continue;
                 }
                 hash_logits(&mut live.hasher, &out.logits);
-                live.next = Some(live.sampler.sample(&out.logits));
+                live.next = Some(live.sampler.next(&out.logits));
             }
         }
         for (live, result) in lives.iter_mut().zip(&mut results) {

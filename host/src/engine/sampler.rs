@@ -7,12 +7,51 @@
 //! vocabulary is drawn from in token order when `top_p` keeps all of it, and otherwise only the tokens
 //! that can be in the nucleus are sorted.
 
+use std::collections::{HashMap, HashSet};
+
 use super::Sampling;
+
+/// Changes to a sequence's logits before its next token is chosen (greedy or sampled), as OpenAI's and
+/// vLLM's completions APIs define them. They apply in this order: the bias, the repetition penalty, then
+/// the presence and frequency penalties. The logits a response's hash covers are the model's, before
+/// any of them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Penalties {
+    /// Subtracted from the logit of every token the output already holds (OpenAI's `presence_penalty`).
+    pub presence: f32,
+    /// Subtracted once for each time the output holds the token (`frequency_penalty`).
+    pub frequency: f32,
+    /// A token in the prompt or the output has its logit divided by this when positive and multiplied by
+    /// it when not (vLLM's and transformers' `repetition_penalty`; 1 leaves logits alone).
+    pub repetition: f32,
+    /// Added to a token's logit (`logit_bias`): token id and bias.
+    pub bias: Vec<(u32, f32)>,
+}
+
+impl Default for Penalties {
+    fn default() -> Self {
+        Penalties { presence: 0.0, frequency: 0.0, repetition: 1.0, bias: Vec::new() }
+    }
+}
+
+impl Penalties {
+    /// Whether these change any logit.
+    pub fn any(&self) -> bool {
+        self.presence != 0.0 || self.frequency != 0.0 || self.repetition != 1.0 || !self.bias.is_empty()
+    }
+}
 
 /// A sequence's sampling state: its settings, its generator and its scratch space.
 #[derive(Debug)]
 pub(super) struct Sampler {
     sampling: Sampling,
+    penalties: Penalties,
+    /// How often each token has been chosen so far (for the presence and frequency penalties).
+    counts: HashMap<u32, u32>,
+    /// The prompt's tokens, where the repetition penalty needs them.
+    prompt: HashSet<u32>,
+    /// The logits with the penalties applied, reused from draw to draw.
+    adjusted: Vec<f32>,
     rng: Rng,
     /// Each token's weight `exp((logit - max) / temperature)`, reused from draw to draw.
     weights: Vec<f32>,
@@ -21,12 +60,55 @@ pub(super) struct Sampler {
 }
 
 impl Sampler {
-    pub(super) fn new(sampling: Sampling) -> Self {
+    pub(super) fn new(sampling: Sampling, penalties: Penalties, prompt: &[u32]) -> Self {
         let seed = match sampling {
             Sampling::TopP { seed, .. } => seed ^ 0x9E37_79B9_7F4A_7C15,
             Sampling::Greedy => 0,
         };
-        Self { sampling, rng: Rng(seed), weights: Vec::new(), candidates: Vec::new() }
+        let prompt = if penalties.repetition != 1.0 { prompt.iter().copied().collect() } else { HashSet::new() };
+        Self {
+            sampling,
+            penalties,
+            counts: HashMap::new(),
+            prompt,
+            adjusted: Vec::new(),
+            rng: Rng(seed),
+            weights: Vec::new(),
+            candidates: Vec::new(),
+        }
+    }
+
+    /// The next token from the model's `logits` (not empty), after the [`Penalties`], which then count
+    /// it as part of the output.
+    pub(super) fn next(&mut self, logits: &[f32]) -> u32 {
+        if !self.penalties.any() {
+            return self.sample(logits);
+        }
+        let mut adjusted = std::mem::take(&mut self.adjusted);
+        adjusted.clear();
+        adjusted.extend_from_slice(logits);
+        let p = &self.penalties;
+        for &(token, bias) in &p.bias {
+            if let Some(l) = adjusted.get_mut(token as usize) {
+                *l += bias;
+            }
+        }
+        if p.repetition != 1.0 {
+            for &token in self.prompt.iter().chain(self.counts.keys().filter(|t| !self.prompt.contains(t))) {
+                if let Some(l) = adjusted.get_mut(token as usize) {
+                    *l = if *l > 0.0 { *l / p.repetition } else { *l * p.repetition };
+                }
+            }
+        }
+        for (&token, &count) in &self.counts {
+            if let Some(l) = adjusted.get_mut(token as usize) {
+                *l -= p.presence + p.frequency * count as f32;
+            }
+        }
+        let token = self.sample(&adjusted);
+        self.adjusted = adjusted;
+        *self.counts.entry(token).or_insert(0) += 1;
+        token
     }
 
     /// The next token from `logits` (not empty).
@@ -36,7 +118,7 @@ impl Sampler {
     /// token order. Below 1 the nucleus is kept: the tokens by weight, heaviest first (ties: the lower
     /// id), up to the first whose running share `sum(w / total)` reaches `top_p`, and the draw is walked
     /// through it in that order.
-    pub(super) fn sample(&mut self, logits: &[f32]) -> u32 {
+    fn sample(&mut self, logits: &[f32]) -> u32 {
         let (temperature, top_p) = match self.sampling {
             Sampling::Greedy => return model::forward::argmax(logits),
             Sampling::TopP { temperature, top_p, .. } => (temperature, top_p),
@@ -152,7 +234,10 @@ mod tests {
             let logits = logits(5000, seed);
             let want = nucleus_by_full_sort(&logits, temperature, top_p);
             let sampling = Sampling::TopP { temperature, top_p, seed };
-            let (mut sampler, mut rng) = (Sampler::new(sampling), Sampler::new(sampling).rng);
+            let (mut sampler, mut rng) = (
+                Sampler::new(sampling, Penalties::default(), &[]),
+                Sampler::new(sampling, Penalties::default(), &[]).rng,
+            );
             for _ in 0..50 {
                 let got = sampler.sample(&logits);
                 assert_eq!(got, draw(&want, rng.next_f32()), "seed {seed}, top_p {top_p}");
@@ -165,7 +250,8 @@ mod tests {
     fn with_top_p_1_every_token_can_come_and_in_its_share() {
         // Four tokens of weights 1, 2, 3, 4 (logits their logs): 20000 draws land near 10%, 20%, 30%, 40%.
         let logits: Vec<f32> = [1f32, 2.0, 3.0, 4.0].iter().map(|w| w.ln()).collect();
-        let mut sampler = Sampler::new(Sampling::TopP { temperature: 1.0, top_p: 1.0, seed: 9 });
+        let mut sampler =
+            Sampler::new(Sampling::TopP { temperature: 1.0, top_p: 1.0, seed: 9 }, Penalties::default(), &[]);
         let mut counts = [0u32; 4];
         for _ in 0..20_000 {
             counts[sampler.sample(&logits) as usize] += 1;
@@ -177,11 +263,44 @@ mod tests {
         }
     }
 
+    /// Greedy choices of a sampler with `penalties` and prompt `prompt`, over the same logits each step.
+    fn greedy(penalties: Penalties, prompt: &[u32], logits: &[f32], steps: usize) -> Vec<u32> {
+        let mut s = Sampler::new(Sampling::Greedy, penalties, prompt);
+        (0..steps).map(|_| s.next(logits)).collect()
+    }
+
+    #[test]
+    fn each_penalty_moves_the_choice_as_its_api_defines_it() {
+        let logits = [1.0, 0.9, 0.5, -0.2];
+        let off = Penalties::default();
+        assert_eq!(greedy(off.clone(), &[], &logits, 3), [0, 0, 0]);
+        // Presence: once chosen, token 0 is 1.0 - 0.5 = 0.5 < 0.9, and token 1 then 0.4 < 0.5.
+        let presence = Penalties { presence: 0.5, ..off.clone() };
+        assert_eq!(greedy(presence, &[], &logits, 3), [0, 1, 0]);
+        // Frequency: each choice costs 0.3 more, so tokens 0 and 1 take turns until both are below
+        // token 2 (1.0 - 0.6 = 0.4 and 0.9 - 0.6 = 0.3 against 0.5).
+        let frequency = Penalties { frequency: 0.3, ..off.clone() };
+        assert_eq!(greedy(frequency, &[], &logits, 5), [0, 1, 0, 1, 2]);
+        // Repetition over the prompt and the output: token 0 in the prompt is 1.0 / 2 = 0.5, so token 1
+        // wins; then token 1 is 0.45, and token 0 ties token 2 at 0.5 and wins as the lower id. Token 3's
+        // negative logit is multiplied.
+        let repetition = Penalties { repetition: 2.0, ..off.clone() };
+        assert_eq!(greedy(repetition.clone(), &[0], &logits, 2), [1, 0]);
+        let mut s = Sampler::new(Sampling::Greedy, repetition, &[3]);
+        s.next(&logits);
+        assert_eq!(s.adjusted, [1.0, 0.9, 0.5, -0.4]);
+        // A bias, before the penalties: +1 on token 2 makes it 1.5, and its presence penalty then 1.0,
+        // which token 0 (1.0, earlier) ties and wins.
+        let bias = Penalties { bias: vec![(2, 1.0)], presence: 0.5, ..off };
+        assert_eq!(greedy(bias, &[], &logits, 2), [2, 0]);
+    }
+
     #[test]
     fn logits_with_a_nan_still_give_a_token() {
         for logits in [[0.5, f32::NAN, 2.0, 1.0], [f32::NAN; 4]] {
             for top_p in [1.0, 0.5] {
-                let mut sampler = Sampler::new(Sampling::TopP { temperature: 1.0, top_p, seed: 1 });
+                let mut sampler =
+                    Sampler::new(Sampling::TopP { temperature: 1.0, top_p, seed: 1 }, Penalties::default(), &[]);
                 assert!(sampler.sample(&logits) < 4, "{logits:?}, top_p {top_p}");
             }
         }
@@ -191,12 +310,12 @@ mod tests {
     fn the_same_seed_draws_the_same_tokens_and_greedy_takes_the_first_largest() {
         let logits = logits(3000, 7);
         let run = |seed| {
-            let mut s = Sampler::new(Sampling::TopP { temperature: 1.2, top_p: 1.0, seed });
+            let mut s = Sampler::new(Sampling::TopP { temperature: 1.2, top_p: 1.0, seed }, Penalties::default(), &[]);
             (0..40).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
         assert_eq!(run(11), run(11));
         assert_ne!(run(11), run(12));
-        let mut greedy = Sampler::new(Sampling::Greedy);
+        let mut greedy = Sampler::new(Sampling::Greedy, Penalties::default(), &[]);
         assert_eq!(greedy.sample(&[0.5, 2.0, -1.0, 2.0]), 1);
     }
 }

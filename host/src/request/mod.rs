@@ -45,6 +45,14 @@ pub enum Field {
     Temperature,
     /// Nucleus mass.
     TopP,
+    /// `presence_penalty`.
+    PresencePenalty,
+    /// `frequency_penalty`.
+    FrequencyPenalty,
+    /// `repetition_penalty`.
+    RepetitionPenalty,
+    /// `logit_bias`.
+    LogitBias,
     /// Forward-pass threads.
     Threads,
     /// Tokens per KV page.
@@ -132,6 +140,10 @@ impl Field {
             Field::MaxTokens => "--max-tokens",
             Field::Temperature => "--temperature",
             Field::TopP => "--top-p",
+            Field::PresencePenalty => "--presence-penalty",
+            Field::FrequencyPenalty => "--frequency-penalty",
+            Field::RepetitionPenalty => "--repetition-penalty",
+            Field::LogitBias => "--logit-bias",
             Field::Threads => "--threads",
             Field::PageSize => "--page-size",
             Field::PrefillChunk => "--prefill-chunk",
@@ -178,6 +190,10 @@ impl Field {
             Field::Prompt | Field::PromptFile | Field::PromptIds => "prompt",
             Field::MaxTokens => "max_tokens",
             Field::TopP => "top_p",
+            Field::PresencePenalty => "presence_penalty",
+            Field::FrequencyPenalty => "frequency_penalty",
+            Field::RepetitionPenalty => "repetition_penalty",
+            Field::LogitBias => "logit_bias",
             other => other.flag().trim_start_matches("--"),
         }
     }
@@ -301,6 +317,14 @@ pub struct RawRequest {
     pub seed: u64,
     /// Prompt tokens per prefill span (0: the whole prompt).
     pub prefill_chunk: u64,
+    /// `presence_penalty` (`None`: 0).
+    pub presence_penalty: Option<f64>,
+    /// `frequency_penalty` (`None`: 0).
+    pub frequency_penalty: Option<f64>,
+    /// `repetition_penalty` (`None`: 1).
+    pub repetition_penalty: Option<f64>,
+    /// `logit_bias`: token id and bias, as given.
+    pub logit_bias: Vec<(u64, f64)>,
 }
 
 /// Checks a request against the model's limits: a non-empty prompt of ids inside the vocabulary, prompt
@@ -349,12 +373,65 @@ pub fn check_request(raw: &RawRequest, limits: &Limits) -> Result<engine::Reques
         ));
     }
     let sampling = check_sampling(raw.temperature, raw.top_p, raw.seed)?;
+    let penalties = check_penalties(raw, limits)?;
     Ok(engine::Request {
         prompt: raw.prompt.clone(),
         max_tokens: raw.max_tokens as usize,
         prefill_chunk: raw.prefill_chunk as usize,
         sampling,
+        penalties,
     })
+}
+
+/// The most tokens `logit_bias` may name (OpenAI's limit).
+pub const MAX_LOGIT_BIAS: usize = 300;
+
+/// Presence and frequency penalties from -2 to 2 (OpenAI's range), a repetition penalty above 0 and at
+/// most 10, and up to [`MAX_LOGIT_BIAS`] biases from -100 to 100 on distinct tokens inside the vocabulary.
+pub fn check_penalties(raw: &RawRequest, limits: &Limits) -> Result<engine::Penalties, Invalid> {
+    let within = |field: Field, v: Option<f64>, default: f64| match v {
+        None => Ok(default as f32),
+        Some(v) if v.is_finite() && (-2.0..=2.0).contains(&v) => Ok(v as f32),
+        Some(v) => Err(Invalid::new(field, "a number from -2 to 2", number(v))),
+    };
+    let presence = within(Field::PresencePenalty, raw.presence_penalty, 0.0)?;
+    let frequency = within(Field::FrequencyPenalty, raw.frequency_penalty, 0.0)?;
+    let repetition = match raw.repetition_penalty {
+        None => 1.0,
+        Some(r) if r.is_finite() && r > 0.0 && r <= 10.0 => r as f32,
+        Some(r) => {
+            return Err(Invalid::new(Field::RepetitionPenalty, "a number above 0 and at most 10 (1: off)", number(r)))
+        }
+    };
+    if raw.logit_bias.len() > MAX_LOGIT_BIAS {
+        return Err(Invalid::new(
+            Field::LogitBias,
+            format!("at most {MAX_LOGIT_BIAS} tokens"),
+            format_args!("{} tokens", raw.logit_bias.len()),
+        ));
+    }
+    let mut bias = Vec::with_capacity(raw.logit_bias.len());
+    for &(token, b) in &raw.logit_bias {
+        if token >= limits.vocab as u64 {
+            return Err(Invalid::new(
+                Field::LogitBias,
+                format!("token ids below {}'s vocabulary size {}", limits.model, limits.vocab),
+                token,
+            ));
+        }
+        if !(b.is_finite() && (-100.0..=100.0).contains(&b)) {
+            return Err(Invalid::new(
+                Field::LogitBias,
+                "biases from -100 to 100",
+                format_args!("{} for token {token}", number(b)),
+            ));
+        }
+        if bias.iter().any(|&(t, _)| u64::from(t) == token) {
+            return Err(Invalid::new(Field::LogitBias, "each token once", format_args!("token {token} twice")));
+        }
+        bias.push((token as u32, b as f32));
+    }
+    Ok(engine::Penalties { presence, frequency, repetition, bias })
 }
 
 /// Temperature finite and at least 0 (0 is greedy), top-p in (0, 1].

@@ -82,21 +82,9 @@ fn kind(v: &Value) -> String {
 
 /// OpenAI fields this server does not implement, each with what leaves it off and what the refusal says
 /// was expected. A body that turns one on is refused rather than answered as if it had not asked: a
-/// client that sends `presence_penalty: 0.5` and gets unpenalized text back has a wrong answer and no way
-/// to tell. Each field's "off" value, or its absence or `null`, is accepted, as OpenAI's clients send them.
+/// client that sends `echo: true` and gets no prompt back has a wrong answer and no way to tell. Each
+/// field's "off" value, or its absence or `null`, is accepted, as OpenAI's clients send them.
 const UNSUPPORTED: &[Unsupported] = &[
-    Unsupported { field: "presence_penalty", off: is_zero, expected: "0 (penalties are not supported)" },
-    Unsupported { field: "frequency_penalty", off: is_zero, expected: "0 (penalties are not supported)" },
-    Unsupported {
-        field: "repetition_penalty",
-        off: |v| v.as_f64() == Some(1.0),
-        expected: "1 (penalties are not supported)",
-    },
-    Unsupported {
-        field: "logit_bias",
-        off: |v| v.as_object().is_some_and(Map::is_empty),
-        expected: "an empty object (logit bias is not supported)",
-    },
     Unsupported {
         field: "logprobs",
         off: |v| v == &Value::Bool(false) || is_zero(v),
@@ -132,6 +120,23 @@ struct Unsupported {
     field: &'static str,
     off: fn(&Value) -> bool,
     expected: &'static str,
+}
+
+/// `logit_bias`: an object of token ids, as strings (OpenAI's form), to biases.
+fn logit_bias(m: &Map<String, Value>) -> Result<Vec<(u64, f64)>, ApiError> {
+    const EXPECTED: &str = "an object of token ids (as strings) to numbers";
+    match m.get("logit_bias") {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Object(o)) => o
+            .iter()
+            .map(|(k, v)| match (k.parse::<u64>(), v.as_f64()) {
+                (Ok(id), Some(b)) => Ok((id, b)),
+                (Err(_), _) => Err(ApiError::invalid("logit_bias", EXPECTED, format_args!("the key {k:?}"))),
+                (_, None) => Err(ApiError::invalid("logit_bias", EXPECTED, format_args!("{} for {k:?}", kind(v)))),
+            })
+            .collect(),
+        Some(v) => Err(ApiError::invalid("logit_bias", EXPECTED, kind(v))),
+    }
 }
 
 fn is_zero(v: &Value) -> bool {
@@ -362,6 +367,10 @@ impl Completion {
                 Some(v) => return Err(ApiError::invalid("seed", "an integer", kind(v))),
             },
             prefill_chunk: 0,
+            presence_penalty: opt_f64(&m, "presence_penalty")?,
+            frequency_penalty: opt_f64(&m, "frequency_penalty")?,
+            repetition_penalty: opt_f64(&m, "repetition_penalty")?,
+            logit_bias: logit_bias(&m)?,
         };
         Ok(Completion { model, prompt, raw, stop, stream, include_usage })
     }
