@@ -1,6 +1,7 @@
 //! Drawing a sequence's next token from its logits: greedy, or temperature and nucleus (top-p) sampling
-//! from a seeded generator. A sequence's draws depend only on its logits and its seed, never on the batch,
-//! so a sampled request gives the same tokens alone, in a batch of a server, and through `generate`.
+//! from a seeded generator, after the request's [`Penalties`]. A sequence's draws depend only on its
+//! logits, its own prompt and output, and its seed, never on the batch, so a sampled request gives the
+//! same tokens alone, in a batch of a server, and through `generate`.
 //!
 //! One draw of a 262144-token vocabulary used to cost a full sort of it (about 10 ms, as much as the
 //! forward pass of a decode step). Now the weights go into a buffer the sequence keeps, the whole
