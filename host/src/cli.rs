@@ -658,6 +658,10 @@ pub struct ServeBenchArgs {
     /// Streamed responses (server-sent events), whole ones, or a cell of each.
     #[arg(long, value_enum, default_value_t = StreamArg::Both)]
     pub stream: StreamArg,
+    /// Sampling temperature of every request (0 to 100; 0 is greedy). Above 0 every request carries the
+    /// same seed, so a sampled response must still equal its reference token for token.
+    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
+    pub temperature: f64,
     /// After the matrix, run the same cells against llama.cpp's `llama-server` on the same GGUF with the
     /// same threads (`-np` the widest concurrency, at least 4; `-c` the context per slot), and print
     /// both side by side. It is built from source into $PDHOST_HOME on first use (several minutes).

@@ -43,6 +43,9 @@ fn every_cell_of_the_matrix_equals_its_reference() {
         // The 64-token prompts prefill in spans of 24: several per request, each answer still equal.
         "--prefill-chunk",
         "24",
+        // Sampled, with one seed: every answer still equals its reference, alone or beside another.
+        "--temperature",
+        "0.9",
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "status {}, stderr {stderr}", out.status);
@@ -51,6 +54,7 @@ fn every_cell_of_the_matrix_equals_its_reference() {
     });
     assert_eq!(v["bench"], "serve");
     assert_eq!(v["prefill_chunk"], 24);
+    assert_eq!((v["temperature"].as_f64(), v["seed"].as_u64()), (Some(0.9), Some(1)));
     assert_eq!((v["model"].as_str(), v["server"].as_str(), n(&v["context"])), (Some(MODEL), Some("started"), 512));
 
     // 2 inputs x 1 output x 2 concurrencies x 2 stream modes, each cell 1 batch of `concurrency` requests.

@@ -352,6 +352,8 @@ fn every_reported_case_is_refused_or_handled() {
             .refused(2, &["--prompt-tokens: expected 1 to", "found 0"]),
         case("bench model prompt-tokens u64::MAX", &["bench", "model", "--no-llama-cpp", "--prompt-tokens", &max])
             .refused(2, &["--prompt-tokens: expected 1 to"]),
+        case("bench serve temperature -1", &["bench", "serve", "--temperature", "-1"])
+            .refused(2, &["--temperature: expected a number from 0 (greedy) to 100, found -1"]),
         case("bench ingest tokens u64::MAX", &["bench", "ingest", "--tokens", &max])
             .refused(2, &["--tokens: expected 1 to 65536"]),
         // Accepted, or silently changed.

@@ -4,7 +4,8 @@
 //!
 //! Each cell sends `repeats` timed batches of `concurrency` requests, one thread per request; a batch
 //! waits for all of its requests before the next starts. Prompts are token ids cut from a fixture text to
-//! the exact length, and decoding is greedy, so every response of a cell must equal the reference.
+//! the exact length, and decoding is greedy (or sampled with one seed, `--temperature`), so every
+//! response of a cell must equal the reference.
 
 use std::collections::{BTreeSet, VecDeque};
 use std::io::{BufRead, BufReader};
@@ -22,6 +23,8 @@ use serde_json::{json, Value};
 use crate::cli::ServeBenchArgs;
 use crate::cmd::outln;
 
+/// The seed of every request when `--temperature` samples: the same draws alone or in a batch.
+const SEED: u64 = 1;
 const TEXT: &str = include_str!("../../../../fixtures/prompts/lgpl-650w.txt");
 
 /// The context a started server gets unless told otherwise (as `pdhost serve`: the incident's deployment).
@@ -100,6 +103,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     }
     let streams = args.stream.cells();
     let threads = request::check_threads(args.threads)?;
+    request::check_sampling(Some(args.temperature), None, SEED)?;
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(REQUEST_TIMEOUT))
@@ -209,7 +213,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     'matrix: for &input in &args.inputs {
         for &output in &args.outputs {
             let prompt = &text_ids[..input as usize];
-            let body = json!({"prompt": prompt, "max_tokens": output, "temperature": 0});
+            let body = json!({"prompt": prompt, "max_tokens": output, "temperature": args.temperature, "seed": SEED});
             bar.set_message(format!("{input} in, {output} out: reference"));
             let reference = match send(&agent, &url, &body, false) {
                 Ok(r) => r,
@@ -309,7 +313,9 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                 "threads": if started { json!(threads) } else { Value::Null },
                 "precision": if started { json!(args.precision.precision().name()) } else { Value::Null },
                 "kv_dtype": if started { json!(dtype.name()) } else { Value::Null },
-                "context": context, "prefill_chunk": args.prefill_chunk, "repeats": repeats, "cells": cells,
+                "context": context, "prefill_chunk": args.prefill_chunk, "repeats": repeats,
+                "temperature": args.temperature, "seed": if args.temperature > 0.0 { json!(SEED) } else { Value::Null },
+                "cells": cells,
                 "totals": total.json(), "summary": total.summary(), "problems": problems,
                 "peer": if args.peer { json!({"server": "llama-server", "cells": peer_cells.iter().map(super::peer::PeerCell::json).collect::<Vec<_>>()}) } else { Value::Null },
             })
@@ -330,8 +336,13 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
             _ => format!("the server at {url} ({context}-token context)"),
         };
         outln!(
-            "{name} over HTTP, {how}; {repeats} timed batch(es) of `conc` concurrent requests per cell, greedy; each \
+            "{name} over HTTP, {how}; {repeats} timed batch(es) of `conc` concurrent requests per cell, {}; each \
              response checked against a lone non-stream request for the same prompt (prefill seen: {})",
+            if args.temperature > 0.0 {
+                format!("sampled at temperature {}, seed {SEED}", args.temperature)
+            } else {
+                "greedy".into()
+            },
             producers.join(", ")
         )?;
         outln!(
