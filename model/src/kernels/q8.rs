@@ -149,14 +149,29 @@ fn quantize(w: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
                 }
             }
             let amax = lanes.iter().fold(0f32, |m, &v| m.max(v));
-            let d = amax / 127.0;
-            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let (d, inv) = block_scale(amax);
             for (q, &v) in qb.iter_mut().zip(wb) {
                 *q = round_half_away(v * inv) as i8;
             }
             *scale = d;
         }
         sums.copy_from_slice(&sum[..blocks]);
+    }
+}
+
+/// A block's scale `d = max|w| / 127` and its inverse, by which the values are multiplied. A block
+/// whose inverse would overflow (every value below about 4e-37, subnormal `d`) is all zeros: `d` and the
+/// inverse 0. (Before, `1 / d` was infinite there and the values came out as garbage; a debug build
+/// overflowed in the rounding.) Every value times the inverse is then at most 127 and some in magnitude,
+/// or NaN (a NaN or infinite value).
+#[inline(always)]
+fn block_scale(amax: f32) -> (f32, f32) {
+    let d = amax / 127.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    if inv.is_finite() {
+        (d, inv)
+    } else {
+        (0.0, 0.0)
     }
 }
 
@@ -199,19 +214,15 @@ unsafe fn quantize_avx512(w: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mu
             // `max` returns its second operand when either is NaN: a NaN value leaves the running
             // maximum as it was, as `f32::max` does in the portable fold.
             let lanes = v.iter().fold(_mm512_setzero_ps(), |m, &v| _mm512_max_ps(_mm512_abs_ps(v), m));
-            let amax = _mm512_reduce_max_ps(lanes);
-            let d = amax / 127.0;
-            let inv = _mm512_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+            let (d, inv) = block_scale(_mm512_reduce_max_ps(lanes));
+            let inv = _mm512_set1_ps(inv);
             for (h, v) in v.into_iter().enumerate() {
                 let x = _mm512_mul_ps(v, inv);
-                // `x as i32`: truncation, saturating above, and 0 for NaN.
-                let mut whole = _mm512_cvttps_epi32(x);
-                whole = _mm512_mask_mov_epi32(
-                    whole,
-                    _mm512_cmp_ps_mask::<_CMP_GE_OQ>(x, _mm512_set1_ps(2_147_483_648.0)),
-                    _mm512_set1_epi32(i32::MAX),
-                );
-                whole = _mm512_mask_mov_epi32(whole, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x), _mm512_setzero_si512());
+                // `x as i32`: truncation, and 0 for NaN ([`block_scale`] keeps every other `x` near 127 or
+                // below, so nothing saturates).
+                let whole = _mm512_cvttps_epi32(x);
+                let whole =
+                    _mm512_mask_mov_epi32(whole, _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(x, x), _mm512_setzero_si512());
                 let frac = _mm512_sub_ps(x, _mm512_cvtepi32_ps(whole));
                 let one = _mm512_set1_epi32(1);
                 let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, _mm512_set1_ps(0.5));
@@ -442,13 +453,10 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn quantize_avx512_equals_the_portable_quantizer() {
-        if !(std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw")) {
-            // Without AVX-512 this quantizer never runs; the portable one is what does.
-            return;
-        }
+        let avx512 = std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw");
         let mut next = crate::testing::xorshift32(0x9E37_79B9);
         // Whole groups and a tail (13 blocks), values of every size, with NaN, infinities, zeros,
-        // negative zero and subnormal blocks among them.
+        // negative zero and a block of subnormal values among them.
         for blocks in [1, 8, 13, 16, 21] {
             let mut w: Vec<f32> = (0..blocks * QK)
                 .map(|_| {
@@ -467,6 +475,14 @@ mod tests {
             let (mut q0, mut d0, mut s0) = (vec![0i8; n], vec![0f32; blocks], vec![0f32; blocks]);
             let (mut q1, mut d1, mut s1) = (vec![0i8; n], vec![0f32; blocks], vec![0f32; blocks]);
             quantize(&w, &mut q0, &mut d0, &mut s0);
+            if blocks > 4 {
+                // A block of subnormal values is zeros, like the block of zeros after it.
+                assert_eq!((d0[3], &q0[96..128]), (0.0, &[0i8; 32][..]));
+            }
+            if !avx512 {
+                // Without AVX-512 that quantizer never runs; the portable one is what does.
+                continue;
+            }
             // SAFETY: AVX-512F and BW are present (checked above).
             unsafe { quantize_avx512(&w, &mut q1, &mut d1, &mut s1) };
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
