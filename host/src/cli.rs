@@ -781,6 +781,10 @@ pub struct ModelBenchArgs {
     /// all of them).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
     pub batch: Vec<u64>,
+    /// Timed runs of every case on each side (1 to 20), each after an untimed warm-up prefill, llama.cpp's
+    /// interleaved with pdhost's; the median is reported (a 2-core VM's speed moves by 10-30%).
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 3)]
+    pub repeats: u64,
     /// Skip llama.cpp (no reference column).
     #[arg(long)]
     pub no_llama_cpp: bool,

@@ -446,12 +446,26 @@ fn every_reported_case_is_refused_or_handled() {
             .never(&["found 0"]),
         case(
             "bench model without llama.cpp prints -",
-            &["bench", "model", "--no-llama-cpp", "--prompt-tokens", "4", "--decode-tokens", "1", "--batch", "1,2"],
+            &[
+                "bench",
+                "model",
+                "--no-llama-cpp",
+                "--prompt-tokens",
+                "4",
+                "--decode-tokens",
+                "1",
+                "--batch",
+                "1,2",
+                "--repeats",
+                "1",
+            ],
         )
         .prints(&[" - ", "gemma3-270m   exact  peak RSS of a `generate` of the first prompt: "])
         .never(&["NaN"]),
         case("bench model batch 0", &["bench", "model", "--no-llama-cpp", "--batch", "1,0"])
             .refused(2, &["--batch: expected 1 to 16, found 0"]),
+        case("bench model repeats 21", &["bench", "model", "--no-llama-cpp", "--repeats", "21"])
+            .refused(2, &["--repeats: expected 1 to 20, found 21"]),
         case("bench kernels", &["bench", "kernels", "--batch", "1,2", "--threads", "1", "--iters", "1"])
             .prints(&["gemma3-270m   exact    1     2 ", "smollm2-135m  fast     1     1 ", "x memcpy"])
             .never(&["NaN", "inf"]),

@@ -89,8 +89,8 @@ impl Exec {
         n_in: usize,
         n_out: usize,
     ) -> Vec<Vec<f32>> {
-        let [out] = self.products(x, [(w, q8, n_out)], t, n_in);
-        out.into_rows()
+        let [out] = self.products(x, [(w, q8, n_out)], t, n_in, Layout::Rows);
+        out
     }
 
     /// The products of the same activations `x` (`t x n_in`) with several weights `(w, q8, n_out)`, each
@@ -102,17 +102,18 @@ impl Exec {
         t: usize,
         n_in: usize,
     ) -> [Vec<f32>; N] {
-        self.products(x, ws, t, n_in).map(Parts::into_flat)
+        self.products(x, ws, t, n_in, Layout::Flat).map(|mut v| v.pop().unwrap_or_default())
     }
 
-    /// [`Exec::matmul_many`]'s products, each as its tasks left it.
+    /// [`Exec::matmul_many`]'s products, each laid out as `layout` says.
     fn products<const N: usize>(
         &self,
         x: &[f32],
         ws: [(&Weight, Option<&Q8>, usize); N],
         t: usize,
         n_in: usize,
-    ) -> [Parts; N] {
+        layout: Layout,
+    ) -> [Vec<Vec<f32>>; N] {
         assert_eq!(x.len(), t * n_in, "activation shape");
         let ws = ws.map(|(w, q8, n_out)| {
             assert_eq!(w.len(), n_out * n_in, "weight shape");
@@ -145,27 +146,64 @@ impl Exec {
                 (0..counts[p]).map(move |k| (p, k * per..((k + 1) * per).min(n_out)))
             })
             .collect();
-        let mut outs: Vec<Vec<f32>> = self.pool.install(|| {
-            tasks
-                .par_iter()
-                .map(|(p, rows)| {
-                    let (w, q8, native, _) = ws[*p];
-                    let rows = rows.clone();
-                    let mut out = vec![0f32; t * rows.len()];
-                    match (native.zip(acts.as_ref()), q8, xq.as_ref(), w) {
-                        (Some(((ty, bytes), acts)), _, _, _) => native::dots(acts, ty, bytes, rows, &mut out),
-                        (_, Some(w), Some(xq), _) => q8::dots(simd, xq, w, rows, &mut out),
-                        (_, _, _, Weight::F32(w)) => {
-                            dot::dots(simd, x, t, &w[rows.start * n_in..rows.end * n_in], n_in, &mut out)
-                        }
-                        (_, _, _, w) => blocks(simd, x, t, w, rows, n_in, &mut out),
-                    }
-                    out
-                })
-                .collect()
+        // The outputs, allocated but not yet written: the tasks write each element once, in place (a
+        // zeroing of them all, and a gather of the tasks' parts into them on one thread, cost 5% of a
+        // prefill).
+        let mut outs: [Vec<Vec<f32>>; N] = std::array::from_fn(|p| match layout {
+            Layout::Flat => vec![Vec::with_capacity(t * ws[p].3)],
+            Layout::Rows => (0..t).map(|_| Vec::with_capacity(ws[p].3)).collect(),
         });
-        // The tasks are in product order: each product's parts are the next ones.
-        std::array::from_fn(|p| Parts { t, n_out: ws[p].3, parts: outs.drain(..counts[p]).collect() })
+        let dests: [Dest; N] = std::array::from_fn(|p| Dest {
+            rows: match layout {
+                Layout::Flat => (0..t).map(|i| outs[p][0].as_mut_ptr().wrapping_add(i * ws[p].3)).collect(),
+                Layout::Rows => outs[p].iter_mut().map(Vec::as_mut_ptr).collect(),
+            },
+        });
+        self.pool.install(|| {
+            tasks.par_iter().for_each(|(p, rows)| {
+                let (w, q8, native, _) = ws[*p];
+                let rows = rows.clone();
+                let width = rows.len();
+                SCRATCH.with_borrow_mut(|scratch| {
+                    // Every kernel writes each element of its output, so the scratch is never zeroed.
+                    if scratch.len() < t * width {
+                        scratch.resize(t * width, 0.0);
+                    }
+                    let out = &mut scratch[..t * width];
+                    match (native.zip(acts.as_ref()), q8, xq.as_ref(), w) {
+                        (Some(((ty, bytes), acts)), _, _, _) => native::dots(acts, ty, bytes, rows.clone(), out),
+                        (_, Some(w), Some(xq), _) => q8::dots(simd, xq, w, rows.clone(), out),
+                        (_, _, _, Weight::F32(w)) => {
+                            dot::dots(simd, x, t, &w[rows.start * n_in..rows.end * n_in], n_in, out)
+                        }
+                        (_, _, _, w) => blocks(simd, x, t, w, rows.clone(), n_in, out),
+                    }
+                    for (i, part) in out.chunks_exact(width).enumerate() {
+                        // SAFETY: row `i` of product `p` has room for its `n_out` columns (allocated
+                        // above, alive until after this region); this task alone writes columns
+                        // `rows`, which lie inside them.
+                        unsafe { dests[*p].rows[i].add(rows.start).copy_from_nonoverlapping(part.as_ptr(), width) };
+                    }
+                    if scratch.capacity() > SCRATCH_KEPT {
+                        *scratch = Vec::new();
+                    }
+                });
+            })
+        });
+        for (p, out) in outs.iter_mut().enumerate() {
+            let n_out = ws[p].3;
+            for v in out.iter_mut() {
+                let len = v.capacity().min(match layout {
+                    Layout::Flat => t * n_out,
+                    Layout::Rows => n_out,
+                });
+                // SAFETY: the tasks of product `p` cover its columns `0..n_out` between them, and each
+                // wrote its columns of every row: every element up to `len` is written (a task that
+                // panicked took the region, and this function, with it).
+                unsafe { v.set_len(len) };
+            }
+        }
+        outs
     }
 
     /// Runs `f` inside the pool, so rayon's parallel iterators in it use these threads.
@@ -174,45 +212,32 @@ impl Exec {
     }
 }
 
-/// One product's outputs as its tasks left them: per task, `t` rows of that task's output columns.
-struct Parts {
-    t: usize,
-    n_out: usize,
-    parts: Vec<Vec<f32>>,
+/// How [`Exec::products`] lays out each product's `t x n_out` outputs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    /// One vector, row after row.
+    Flat,
+    /// One vector per row.
+    Rows,
 }
 
-impl Parts {
-    /// The `t x n_out` outputs, row-major: row after row, each task's part of it in task order, written
-    /// once and never zeroed first.
-    fn into_flat(self) -> Vec<f32> {
-        if self.parts.len() == 1 {
-            return self.parts.into_iter().next().unwrap_or_default();
-        }
-        let mut c = Vec::with_capacity(self.t * self.n_out);
-        for i in 0..self.t {
-            self.row_into(i, &mut c);
-        }
-        c
-    }
+/// Where a product's outputs go: row `i`'s `n_out` columns from `rows[i]`, in memory that outlives the
+/// parallel region and that each task writes its own columns of.
+struct Dest {
+    rows: Vec<*mut f32>,
+}
 
-    /// Each of the `t` rows as its own vector.
-    fn into_rows(self) -> Vec<Vec<f32>> {
-        (0..self.t)
-            .map(|i| {
-                let mut row = Vec::with_capacity(self.n_out);
-                self.row_into(i, &mut row);
-                row
-            })
-            .collect()
-    }
+// SAFETY: the tasks write through the pointers to disjoint columns only, each element once, while the
+// vectors they point into are neither read nor moved.
+unsafe impl Sync for Dest {}
 
-    /// Appends row `i`.
-    fn row_into(&self, i: usize, out: &mut Vec<f32>) {
-        for part in &self.parts {
-            let width = part.len() / self.t;
-            out.extend_from_slice(&part[i * width..(i + 1) * width]);
-        }
-    }
+/// The most scratch a pool thread keeps between products, in floats (16 MiB): what a product's task
+/// of a long prefill needs beyond it is freed after the task.
+const SCRATCH_KEPT: usize = 4 << 20;
+
+thread_local! {
+    /// A task's outputs before they go to their place in the product's (each kernel writes every one).
+    static SCRATCH: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Weight rows per call of a row kernel over blocks.

@@ -1,7 +1,7 @@
 # Times llama.cpp (through llama-cpp-python's bindings of its C API) on a GGUF file: prefill of the given
 # prompt ids, then greedy decode of N tokens by each of B sequences at once (one llama_decode call per step
-# for all of them), for every B given, with the given thread count. Prints one JSON object. Run by
-# `pdhost bench model`.
+# for all of them), for every B given, with the given thread count, after a warm-up prefill. Prints one JSON
+# object. Run by `pdhost bench model`, once per repeat, between its own runs.
 import json, sys, time
 
 import llama_cpp as L
@@ -44,14 +44,15 @@ def prefill(seq):
     decode([(t, p, seq, p == len(ids) - 1) for p, t in enumerate(ids)])
 
 
-prefill(0)  # warm-up
-L.llama_memory_clear(memory, True)
-t = time.perf_counter()
-prefill(0)
-prefill_tok_s = len(ids) / (time.perf_counter() - t)
-first = argmax(-1)
-decode_tok_s = {}
-for b in batches:
+def timed_prefill():
+    L.llama_memory_clear(memory, True)
+    t = time.perf_counter()
+    prefill(0)
+    return len(ids) / (time.perf_counter() - t)
+
+
+def timed_decode(b):
+    """Aggregate tokens/s of b sequences decoding n_decode tokens each after their prefills."""
     L.llama_memory_clear(memory, True)
     for s in range(b):
         prefill(s)
@@ -62,5 +63,11 @@ for b in batches:
             t = time.perf_counter()
         decode([(nxt[s], len(ids) + step, s, True) for s in range(b)])
         nxt = [argmax(s) for s in range(b)]
-    decode_tok_s[str(b)] = b * n_decode / (time.perf_counter() - t)
+    return b * n_decode / (time.perf_counter() - t)
+
+
+prefill(0)  # warm-up
+first = argmax(-1)
+prefill_tok_s = timed_prefill()
+decode_tok_s = {str(b): timed_decode(b) for b in batches}
 print(json.dumps({"prefill_tok_s": prefill_tok_s, "decode_tok_s": decode_tok_s}))

@@ -78,6 +78,27 @@ fn generate_memory_mib(model: &str, precision: &str, prompt: &[u32], decode: u64
     Ok((mib("peak_rss_bytes")?, mib("kv_pool_bytes")?))
 }
 
+/// The median of `xs` (the mean of the middle two of an even count).
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+/// [`run_batch`] after one untimed prefill of `req` (the warm-up llama.cpp's side gets too).
+fn run_cell(engine: &mut Engine, req: &Request, batch: usize) -> anyhow::Result<(f64, f64)> {
+    let warm = engine.admit(req, pdhost::engine::PrefillBy::Local)?;
+    engine.finish(warm);
+    run_batch(engine, req, batch)
+}
+
 /// Prefills `batch` copies of `req` (the first one's prefill timed), then decodes all of them together,
 /// one batched step at a time: prefill tok/s of one prompt, aggregate decode tok/s.
 fn run_batch(engine: &mut Engine, req: &Request, batch: usize) -> anyhow::Result<(f64, f64)> {
@@ -161,6 +182,8 @@ fn cases(args: &ModelBenchArgs) -> anyhow::Result<Vec<Case>> {
 pub(super) const MAX_DECODE: u64 = 4096;
 /// The most sequences `--batch` decodes at once.
 const MAX_BATCH: u64 = 16;
+/// The most timed runs of a case.
+const MAX_REPEATS: u64 = 20;
 
 pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
     let batches: Vec<usize> = args
@@ -168,9 +191,10 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         .iter()
         .map(|&b| request::check_count(Field::Batch, b, 1, MAX_BATCH).map(|b| b as usize))
         .collect::<Result<_, _>>()?;
+    let repeats = request::check_count(Field::Repeats, args.repeats, 1, MAX_REPEATS)?;
     let cases = cases(args)?;
     let llama_site = if args.no_llama_cpp { None } else { Some(llama_cpp_python(args.json)?) };
-    let bar = super::progress((8 * batches.len() * args.prompt_tokens.len()) as u64, args.json);
+    let bar = super::progress(8 * repeats * (batches.len() * args.prompt_tokens.len()) as u64, args.json);
     let (mut rows, mut loads, mut residents) = (Vec::new(), Vec::new(), Vec::new());
     for case in &cases {
         let name = case.name;
@@ -200,36 +224,59 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         for threads in [1, 2] {
             for request in &case.requests {
                 let prompt = &request.prompt;
-                let llama = match &llama_site {
-                    Some(site) => Some(llama_cpp(site, &case.path, threads, args.decode_tokens, &batches, prompt)?),
-                    None => None,
-                };
-                for precision in [Precision::Exact, Precision::Fast] {
-                    model.configure(precision, threads);
-                    for &batch in &batches {
-                        let what =
-                            format!("{name} {} {threads}t {} tokens batch {batch}", precision.name(), prompt.len());
-                        bar.set_message(what);
+                // Per repeat, llama.cpp's run, then each of pdhost's cells: both sides' samples of a
+                // repeat are taken within a minute of each other, as this machine's speed drifts.
+                let cells: Vec<(Precision, usize)> = [Precision::Exact, Precision::Fast]
+                    .into_iter()
+                    .flat_map(|p| batches.iter().map(move |&b| (p, b)))
+                    .collect();
+                let mut ours = vec![(Vec::new(), Vec::new()); cells.len()];
+                let mut theirs: Vec<(f64, Vec<(usize, f64)>)> = Vec::new();
+                for rep in 0..repeats {
+                    if let Some(site) = &llama_site {
+                        bar.set_message(format!(
+                            "{name} llama.cpp {threads}t {} tokens, run {}",
+                            prompt.len(),
+                            rep + 1
+                        ));
+                        theirs.push(llama_cpp(site, &case.path, threads, args.decode_tokens, &batches, prompt)?);
+                    }
+                    for (&(precision, batch), (prefills, decodes)) in cells.iter().zip(&mut ours) {
+                        bar.set_message(format!(
+                            "{name} {} {threads}t {} tokens batch {batch}, run {}",
+                            precision.name(),
+                            prompt.len(),
+                            rep + 1
+                        ));
+                        model.configure(precision, threads);
                         let max_len = (prompt.len() + request.max_tokens) as u64;
                         let mut engine = Engine::new(model, Dtype::F32, 64, max_len, batch as u32)?;
-                        let result = run_batch(&mut engine, request, batch);
+                        let result = run_cell(&mut engine, request, batch);
                         model = engine.model;
                         let (prefill, decode) = result?;
-                        rows.push(Row {
-                            model: name,
-                            precision: precision.name(),
-                            threads,
-                            prompt: prompt.len(),
-                            batch,
-                            prefill,
-                            decode,
-                            llama: llama.as_ref().map(|(prefill, decode)| {
-                                let at = decode.iter().find(|(b, _)| *b == batch).map_or(f64::NAN, |(_, d)| *d);
-                                (*prefill, at)
-                            }),
-                        });
+                        prefills.push(prefill);
+                        decodes.push(decode);
                         bar.inc(1);
                     }
+                }
+                let llama_prefill = median(theirs.iter().map(|(p, _)| *p).collect());
+                for (&(precision, batch), (prefills, decodes)) in cells.iter().zip(ours) {
+                    let llama_decode = median(
+                        theirs
+                            .iter()
+                            .flat_map(|(_, d)| d.iter().filter(|(b, _)| *b == batch).map(|(_, d)| *d))
+                            .collect(),
+                    );
+                    rows.push(Row {
+                        model: name,
+                        precision: precision.name(),
+                        threads,
+                        prompt: prompt.len(),
+                        batch,
+                        prefill: median(prefills),
+                        decode: median(decodes),
+                        llama: llama_site.is_some().then_some((llama_prefill, llama_decode)),
+                    });
                 }
             }
         }
@@ -260,11 +307,11 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         outln!(
             "{}",
             json!({"bench": "model", "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-                   "batch": batches, "loads": loads, "resident": residents, "results": out})
+                   "batch": batches, "repeats": repeats, "loads": loads, "resident": residents, "results": out})
         )?;
     } else {
         outln!(
-            "prefill of a prompt and greedy decode of {} tokens by `batch` sequences at once through the paged KV cache (f32 KV); llama.cpp on the same GGUF, same threads, same run",
+            "prefill of a prompt and greedy decode of {} tokens by `batch` sequences at once through the paged KV cache (f32 KV), the median of {repeats} run(s), each after a warm-up prefill; llama.cpp on the same GGUF, same threads, timed the same way, its runs interleaved with pdhost's",
             args.decode_tokens
         )?;
         for l in &loads {
