@@ -258,6 +258,10 @@ pub struct GenerateArgs {
     /// (-100 to 100; `logit_bias`).
     #[arg(long, value_parser = logit_bias, allow_hyphen_values = true)]
     pub logit_bias: Option<LogitBias>,
+    /// With `--json`: each output token's log-probability under the model's logits (before penalties,
+    /// bias and temperature), with this many of the most likely tokens at each step (0 to 20).
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "json")]
+    pub logprobs: Option<u64>,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,

@@ -217,7 +217,7 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         // Penalties out of range, and fields the server does not implement turned on: refused, never
         // answered as if not asked.
         (r#"{"prompt":"hi","presence_penalty":3}"#, 400, "presence_penalty: expected a number from -2 to 2, found 3"),
-        (r#"{"prompt":"hi","logprobs":2}"#, 400, "logprobs: expected null, false or 0 (log-probabilities are"),
+        (r#"{"prompt":"hi","logprobs":21}"#, 400, "logprobs: expected 0 to 20 alternatives per token, found 21"),
         (r#"{"prompt":"hi","echo":true}"#, 400, "echo: expected false (the prompt is not echoed), found true"),
         (r#"{"prompt":"hi","logit_bias":{"7":-500}}"#, 400, "logit_bias: expected biases from -100 to 100, found -500"),
         (r#"{"prompt":"hi","best_of":3}"#, 400, "best_of: expected 1 (one completion per request), found 3"),
@@ -417,13 +417,83 @@ fn chat_completions_use_the_models_template_and_equal_generate() {
     for (field, value) in [
         ("response_format", json!({"type": "json_object"})),
         ("tools", json!([{"type": "function", "function": {"name": "f"}}])),
-        ("logprobs", json!(true)),
+        // Alternatives without the log-probabilities they come with.
+        ("top_logprobs", json!(2)),
     ] {
         let mut asks = body.clone();
         asks[field] = value;
         let (status, v) = post(&s, "/v1/chat/completions", &asks.to_string());
         assert_eq!((status, &v["error"]["param"]), (400, &json!(field)), "{v}");
     }
+}
+
+/// Log-probabilities: the model's own (those `generate --logprobs` reports, from the logits a
+/// response's hash covers), in each API's shape, the same streamed or not while another request shares
+/// the batch, and the greedy token always the likeliest.
+#[test]
+fn logprobs_are_those_of_generate_streamed_or_not_in_either_api() {
+    let s = serve(&["--producer", "rngd", "--slots", "2"]);
+    let prompt = "The capital of France is";
+    let reference = generate(prompt, 8, &["--logprobs", "3"]);
+    let want: Vec<&Value> = reference["logprobs"].as_array().unwrap().iter().collect();
+    assert_eq!(want.len(), 8);
+    for t in &want {
+        assert_eq!(t["top"][0][0], t["id"], "greedy: the likeliest token {t}");
+        assert_eq!(t["top"][0][1], t["logprob"]);
+        let tops: Vec<f64> = t["top"].as_array().unwrap().iter().map(|p| p[1].as_f64().unwrap()).collect();
+        assert!(tops.windows(2).all(|w| w[0] >= w[1]) && tops[0] <= 0.0, "{t}");
+    }
+    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3});
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    // The stream and the whole response at once: they share decode steps.
+    let (chunks, (status, whole)) = std::thread::scope(|scope| {
+        let stream = scope.spawn(|| sse(&s, &streamed));
+        let whole = post(&s, "/v1/completions", &body.to_string());
+        (stream.join().unwrap(), whole)
+    });
+    assert_eq!(status, 200, "{whole}");
+    assert_eq!(whole["pdhost"]["output_ids"], reference["output_ids"]);
+    let lp = &whole["choices"][0]["logprobs"];
+    let values = |key: &str, v: &Value| v[key].as_array().unwrap().clone();
+    assert_eq!(values("token_logprobs", lp), want.iter().map(|t| t["logprob"].clone()).collect::<Vec<_>>());
+    let tokens: Vec<String> = values("tokens", lp).iter().map(|t| t.as_str().unwrap().to_string()).collect();
+    assert_eq!(tokens.concat(), whole["choices"][0]["text"].as_str().unwrap(), "the tokens spell the text");
+    for (top, t) in values("top_logprobs", lp).iter().zip(&want) {
+        let mut got: Vec<f64> = top.as_object().unwrap().values().map(|v| v.as_f64().unwrap()).collect();
+        got.sort_by(|a, b| b.total_cmp(a));
+        let expected: Vec<f64> = t["top"].as_array().unwrap().iter().map(|p| p[1].as_f64().unwrap()).collect();
+        assert_eq!(got, expected, "{top}");
+    }
+    let offsets = values("text_offset", lp);
+    assert_eq!(offsets[0], 0);
+    // Streamed: the chunks' log-probabilities, in order, are the whole response's.
+    let chunks: Vec<Value> =
+        chunks.iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()).collect();
+    let parts: Vec<&Value> = chunks.iter().map(|c| &c["choices"][0]["logprobs"]).filter(|l| !l.is_null()).collect();
+    let joined = |key: &str| parts.iter().flat_map(|p| values(key, p)).collect::<Vec<_>>();
+    assert_eq!(joined("token_logprobs"), values("token_logprobs", lp));
+    assert_eq!(joined("tokens"), values("tokens", lp));
+    assert_eq!(joined("text_offset"), offsets);
+
+    // Chat: `logprobs: true` and `top_logprobs`, each token with its bytes.
+    let chat = json!({"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6, "temperature": 0,
+                      "logprobs": true, "top_logprobs": 2});
+    let (status, v) = post(&s, "/v1/chat/completions", &chat.to_string());
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len() as u64, v["usage"]["completion_tokens"].as_u64().unwrap());
+    let bytes: Vec<u8> =
+        content.iter().flat_map(|t| t["bytes"].as_array().unwrap().iter().map(|b| b.as_u64().unwrap() as u8)).collect();
+    assert_eq!(String::from_utf8(bytes).unwrap(), v["choices"][0]["message"]["content"].as_str().unwrap());
+    for t in content {
+        assert_eq!(t["top_logprobs"].as_array().unwrap().len(), 2, "{t}");
+        assert_eq!(t["top_logprobs"][0]["token"], t["token"], "greedy: the likeliest {t}");
+        assert_eq!(t["top_logprobs"][0]["logprob"], t["logprob"]);
+    }
+    // Without them: null, as before.
+    let (_, v) = post(&s, "/v1/completions", &json!({"prompt": prompt, "max_tokens": 2}).to_string());
+    assert!(v["choices"][0]["logprobs"].is_null(), "{v}");
 }
 
 /// The official `openai` Python client, pinned, in a virtual environment under pdhost's cache (made once).
@@ -472,6 +542,11 @@ s = c.completions.create(model="{MODEL}", prompt="The capital of France is", max
 out["streamed"] = "".join(ch.choices[0].text for ch in s if ch.choices)
 r = c.chat.completions.create(model="{MODEL}", messages=[{{"role": "user", "content": "Hi"}}], max_tokens=4, temperature=0)
 out["chat_role"] = r.choices[0].message.role
+r = c.chat.completions.create(model="{MODEL}", messages=[{{"role": "user", "content": "Hi"}}], max_tokens=4,
+                              temperature=0, logprobs=True, top_logprobs=2)
+out["chat_logprobs"] = [[t.token, len(t.top_logprobs)] for t in r.choices[0].logprobs.content]
+r = c.completions.create(model="{MODEL}", prompt="The capital of France is", max_tokens=3, temperature=0, logprobs=1)
+out["logprobs"] = r.choices[0].logprobs.token_logprobs
 out["models"] = [m.id for m in c.models.list()]
 try:
     c.completions.create(model="{MODEL}", prompt="x", max_tokens=99999)
@@ -488,6 +563,11 @@ print(json.dumps(out))
     assert_eq!(v["streamed"], reference["text"]);
     assert_eq!(v["usage"][1], 12);
     assert_eq!(v["chat_role"], "assistant");
+    assert_eq!(v["chat_logprobs"].as_array().unwrap().len(), 4, "{v}");
+    assert!(v["chat_logprobs"].as_array().unwrap().iter().all(|t| t[1] == 2), "{v}");
+    let lps = generate("The capital of France is", 3, &["--logprobs", "1"]);
+    let want: Vec<&Value> = lps["logprobs"].as_array().unwrap().iter().map(|t| &t["logprob"]).collect();
+    assert_eq!(v["logprobs"].as_array().unwrap().iter().collect::<Vec<_>>(), want);
     assert_eq!(v["models"], json!([MODEL]));
     assert_eq!(v["error"][0], 400);
     assert!(v["error"][1].as_str().unwrap().starts_with("max_tokens: expected at most"), "{v}");

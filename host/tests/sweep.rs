@@ -376,6 +376,9 @@ fn every_reported_case_is_refused_or_handled() {
             .refused(2, &["--logit-bias: expected token ids below", "found 4294967296"]),
         g("logit-bias inf", &["--logit-bias", "5:inf"]).refused(2, &["--logit-bias: expected biases from -100 to 100"]),
         g("logit-bias no colon", &["--logit-bias", "5=1"]).refused(2, &["expected ID:BIAS pairs, found \"5=1\""]),
+        g("logprobs 21", &["--logprobs", "21", "--json"])
+            .refused(2, &["--logprobs: expected 0 to 20 alternatives per token, found 21"]),
+        g("logprobs without --json", &["--logprobs", "2"]).refused(2, &["--json"]),
         g("threads 0", &["--threads", "0"]).refused(2, &["--threads: expected 1 to", "found 0"]),
         case("bench pd threads 0", &["bench", "pd", "--threads", "0"]).refused(2, &["--threads", "found 0"]),
         g("threads 1000", &["--threads", "1000"]).refused(2, &["--threads", "found 1000"]),

@@ -94,6 +94,16 @@ impl Tokenizer {
             Tokenizer::Hf { inner, .. } => inner.decode(ids, skip_special).unwrap_or_default(),
         }
     }
+
+    /// The bytes token `id` stands for (special tokens' text included): a byte-fallback or byte-level
+    /// token may hold part of a character, which [`Tokenizer::decode`] would replace. (From a
+    /// `tokenizer.json`, the decoded text's bytes.)
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        match self {
+            Tokenizer::Gguf(t) => t.decode_bytes(&[id], false),
+            Tokenizer::Hf { inner, .. } => inner.decode(&[id], false).unwrap_or_default().into_bytes(),
+        }
+    }
 }
 
 /// A vocabulary: token texts by id, and ids by text. Each text is held once, end to end with the others
@@ -440,6 +450,11 @@ impl GgufTokenizer {
 
     /// The text of `ids`. With `skip_special`, control tokens are left out.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> String {
+        String::from_utf8_lossy(&self.decode_bytes(ids, skip_special)).into_owned()
+    }
+
+    /// The bytes of `ids`, which need not be whole UTF-8 characters.
+    pub fn decode_bytes(&self, ids: &[u32], skip_special: bool) -> Vec<u8> {
         let mut bytes = Vec::new();
         for &id in ids {
             let Some(t) = self.vocab.text(id) else { continue };
@@ -462,7 +477,7 @@ impl GgufTokenizer {
                 (Algorithm::Gpt2 { .. }, _) => bytes.extend(t.chars().filter_map(char_to_byte)),
             }
         }
-        String::from_utf8_lossy(&bytes).into_owned()
+        bytes
     }
 }
 

@@ -260,6 +260,7 @@ fn a_prefix_cache_hit_prefills_only_the_rest_and_changes_no_bit() {
         prefill_chunk: 4,
         sampling: Sampling::Greedy,
         penalties: Default::default(),
+        logprobs: None,
     };
     // The reference: B alone, without a prefix cache.
     let want = engine(&model, Dtype::F32).generate(&req(&b), |_| {}).unwrap();

@@ -25,6 +25,7 @@ fn request() -> Request {
         prefill_chunk: 4,
         sampling: Sampling::Greedy,
         penalties: Default::default(),
+        logprobs: None,
     }
 }
 

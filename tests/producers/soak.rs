@@ -19,6 +19,7 @@ fn soak_200_requests_with_random_faults() {
             prefill_chunk: (i % 3) as usize * 3,
             sampling: Sampling::Greedy,
             penalties: Default::default(),
+            logprobs: None,
         })
         .collect();
     let mut local = engine(&gemma(), dtype);

@@ -249,6 +249,7 @@ fn greedy(engine: &mut Engine, producer: &mut Producer, prompts: &[Vec<u32>], de
             prefill_chunk: 0,
             sampling: Sampling::Greedy,
             penalties: Default::default(),
+            logprobs: None,
         };
         let remote =
             match engine.generate_with(&req, PrefillBy::Remote { producer, on_failure: OnFailure::Fail }, |_| {}) {
@@ -333,6 +334,7 @@ fn timings(engine: &mut Engine, producer: &mut Producer, prompt: &[u32]) -> Chec
         prefill_chunk: 0,
         sampling: Sampling::Greedy,
         penalties: Default::default(),
+        logprobs: None,
     };
     let t = Instant::now();
     let remote = engine.generate_with(&req, PrefillBy::Remote { producer, on_failure: OnFailure::Fail }, |_| {});

@@ -137,6 +137,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         frequency_penalty: args.frequency_penalty,
         repetition_penalty: args.repetition_penalty,
         logit_bias: args.logit_bias.clone().map(|b| b.0).unwrap_or_default(),
+        logprobs: args.logprobs.map(|n| (Field::Logprobs, n)),
     };
     let request = request::check_request(&raw, &limits)?;
     let prompt = request.prompt.clone();
@@ -217,7 +218,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
                "restarts": m.restarts, "bytes": m.bytes})
     });
     if args.json {
-        let out = json!({
+        let mut out = json!({
             "model": model_name,
             "prompt_ids": prompt,
             "output_ids": gen.output,
@@ -238,6 +239,14 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
                                       "take": ms(report.remote_times.take), "ipc": ms(report.remote_times.ipc())}},
             "memory": {"kv_pool_bytes": budget, "peak_rss_bytes": request::peak_rss_bytes()},
         });
+        if args.logprobs.is_some() {
+            out["logprobs"] = gen
+                .logprobs
+                .iter()
+                .map(|t| json!({"id": t.token, "logprob": t.logprob, "top": t.top}))
+                .collect::<Vec<_>>()
+                .into();
+        }
         writeln!(stdout, "{out}").map_err(StdoutError)?;
     } else {
         if tokenizer.is_none() {

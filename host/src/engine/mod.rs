@@ -17,9 +17,11 @@ use zerocopy::FromBytes;
 use crate::kv::convert::{convert, to_f32};
 use crate::kv::{IngestError, KvConfig, PagedKv, SeqId};
 use crate::supervisor::{PrefillCall, Producer, ProducerError, SpanTimes};
+pub use logprobs::{TokenLogprob, MAX_TOP_LOGPROBS};
 pub use sampler::Penalties;
 use sampler::Sampler;
 
+mod logprobs;
 mod sampler;
 
 const _: () = assert!(cfg!(target_endian = "little"), "spans are little-endian; the engine writes f32s as they lie");
@@ -252,6 +254,9 @@ pub struct Request {
     pub sampling: Sampling,
     /// What changes the logits before a token is picked.
     pub penalties: Penalties,
+    /// Whether to report each generated token's log-probability ([`TokenLogprob`]), and then with how
+    /// many of the most likely tokens at each step (0 to [`MAX_TOP_LOGPROBS`]).
+    pub logprobs: Option<usize>,
 }
 
 /// Why generation stopped.
@@ -291,6 +296,8 @@ pub struct Generation {
     /// XXH3-64 of the bits of every logits vector a token was sampled from, in order: equal hashes mean
     /// bit-identical logits (how tests prove remote and local prefill compute the same thing).
     pub logits_hash: u64,
+    /// Each output token's log-probability, where the request asked for them (else empty).
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// The engine for one model.
@@ -685,6 +692,7 @@ impl Engine {
             hash_logits(&mut hasher, &out.logits);
             Some(sampler.next(&out.logits))
         };
+        let drawn = next.iter().filter_map(|&t| req.logprobs.map(|top| logprobs::of(&out.logits, t, top))).collect();
         let ttft = started.elapsed();
         Ok(Live {
             seq,
@@ -696,6 +704,8 @@ impl Engine {
             next,
             to_run: None,
             output: Vec::new(),
+            top_logprobs: req.logprobs,
+            logprobs: drawn,
             finish: if next.is_none() { Some(Finish::Length) } else { None },
             spans,
             bytes,
@@ -753,7 +763,11 @@ impl Engine {
                     continue;
                 }
                 hash_logits(&mut live.hasher, &out.logits);
-                live.next = Some(live.sampler.next(&out.logits));
+                let next = live.sampler.next(&out.logits);
+                if let Some(top) = live.top_logprobs {
+                    live.logprobs.push(logprobs::of(&out.logits, next, top));
+                }
+                live.next = Some(next);
             }
         }
         for (live, result) in lives.iter_mut().zip(&mut results) {
@@ -783,6 +797,7 @@ impl Engine {
     pub fn finish(&mut self, live: Live) -> Generation {
         let _ = self.kv.remove_sequence(live.seq);
         let decode = if !live.output.is_empty() { live.decode_start.elapsed() } else { Duration::ZERO };
+        let emitted = live.output.len();
         Generation {
             finish: live.finish.unwrap_or(Finish::Stopped),
             output: live.output,
@@ -795,6 +810,12 @@ impl Engine {
             decode,
             report: live.report,
             logits_hash: live.hasher.finish(),
+            logprobs: {
+                // A token drawn but never emitted (the sequence ended first) has none.
+                let mut lps = live.logprobs;
+                lps.truncate(emitted);
+                lps
+            },
         }
     }
 }
@@ -815,6 +836,10 @@ pub struct Live {
     /// The last emitted token, to run through the model at the next step.
     to_run: Option<u32>,
     output: Vec<u32>,
+    /// Whether, and with how many alternatives, to report log-probabilities.
+    top_logprobs: Option<usize>,
+    /// The log-probability of each token drawn (`output`'s, and the next one's once drawn).
+    logprobs: Vec<TokenLogprob>,
     finish: Option<Finish>,
     spans: usize,
     bytes: u64,
@@ -861,6 +886,11 @@ impl Live {
     /// How its prompt was prefilled.
     pub fn report(&self) -> &PrefillReport {
         &self.report
+    }
+
+    /// The log-probabilities of the tokens emitted so far, where its request asked for them (else none).
+    pub fn logprobs(&self) -> &[TokenLogprob] {
+        &self.logprobs[..self.logprobs.len().min(self.output.len())]
     }
 }
 

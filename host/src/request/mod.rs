@@ -127,6 +127,10 @@ pub enum Field {
     Listen,
     /// Producer node: the backend it runs.
     Backend,
+    /// Log-probabilities: a completion's count of alternatives.
+    Logprobs,
+    /// Log-probabilities: a chat completion's count of alternatives.
+    TopLogprobs,
 }
 
 impl Field {
@@ -181,6 +185,8 @@ impl Field {
             Field::TieMargin => "--tie-margin",
             Field::Listen => "--listen",
             Field::Backend => "--backend",
+            Field::Logprobs => "--logprobs",
+            Field::TopLogprobs => "--top-logprobs",
         }
     }
 
@@ -194,6 +200,7 @@ impl Field {
             Field::FrequencyPenalty => "frequency_penalty",
             Field::RepetitionPenalty => "repetition_penalty",
             Field::LogitBias => "logit_bias",
+            Field::TopLogprobs => "top_logprobs",
             other => other.flag().trim_start_matches("--"),
         }
     }
@@ -325,6 +332,8 @@ pub struct RawRequest {
     pub repetition_penalty: Option<f64>,
     /// `logit_bias`: token id and bias, as given.
     pub logit_bias: Vec<(u64, f64)>,
+    /// Log-probabilities wanted, with how many alternatives per token, and which field asked.
+    pub logprobs: Option<(Field, u64)>,
 }
 
 /// Checks a request against the model's limits: a non-empty prompt of ids inside the vocabulary, prompt
@@ -374,12 +383,20 @@ pub fn check_request(raw: &RawRequest, limits: &Limits) -> Result<engine::Reques
     }
     let sampling = check_sampling(raw.temperature, raw.top_p, raw.seed)?;
     let penalties = check_penalties(raw, limits)?;
+    let logprobs = match raw.logprobs {
+        None => None,
+        Some((_, n)) if n <= engine::MAX_TOP_LOGPROBS as u64 => Some(n as usize),
+        Some((field, n)) => {
+            return Err(Invalid::new(field, format!("0 to {} alternatives per token", engine::MAX_TOP_LOGPROBS), n))
+        }
+    };
     Ok(engine::Request {
         prompt: raw.prompt.clone(),
         max_tokens: raw.max_tokens as usize,
         prefill_chunk: raw.prefill_chunk as usize,
         sampling,
         penalties,
+        logprobs,
     })
 }
 

@@ -85,12 +85,6 @@ fn kind(v: &Value) -> String {
 /// client that sends `echo: true` and gets no prompt back has a wrong answer and no way to tell. Each
 /// field's "off" value, or its absence or `null`, is accepted, as OpenAI's clients send them.
 const UNSUPPORTED: &[Unsupported] = &[
-    Unsupported {
-        field: "logprobs",
-        off: |v| v == &Value::Bool(false) || is_zero(v),
-        expected: "null, false or 0 (log-probabilities are not returned)",
-    },
-    Unsupported { field: "top_logprobs", off: is_zero, expected: "0 (log-probabilities are not returned)" },
     Unsupported { field: "echo", off: |v| v == &Value::Bool(false), expected: "false (the prompt is not echoed)" },
     Unsupported { field: "best_of", off: |v| v.as_u64() == Some(1), expected: "1 (one completion per request)" },
     Unsupported {
@@ -139,8 +133,25 @@ fn logit_bias(m: &Map<String, Value>) -> Result<Vec<(u64, f64)>, ApiError> {
     }
 }
 
-fn is_zero(v: &Value) -> bool {
-    v.as_f64() == Some(0.0)
+/// A completion's `logprobs`: how many alternatives to report with each token's log-probability
+/// (`null` or `false`: none reported). Bounds are checked with the rest of the request.
+fn completion_logprobs(m: &Map<String, Value>) -> Result<Option<(Field, u64)>, ApiError> {
+    match m.get("logprobs") {
+        None | Some(Value::Null | Value::Bool(false)) => Ok(None),
+        Some(_) => Ok(opt_u64(m, "logprobs", Field::Logprobs)?.map(|n| (Field::Logprobs, n))),
+    }
+}
+
+/// A chat completion's `logprobs` (a boolean) and `top_logprobs` (alternatives per token, which asks
+/// for `logprobs`).
+fn chat_logprobs(m: &Map<String, Value>) -> Result<Option<(Field, u64)>, ApiError> {
+    let on = opt_bool(m, "logprobs")?;
+    let top = opt_u64(m, "top_logprobs", Field::TopLogprobs)?;
+    match (on, top) {
+        (false, Some(n)) if n > 0 => Err(ApiError::invalid("top_logprobs", "0 or null unless \"logprobs\" is true", n)),
+        (false, _) => Ok(None),
+        (true, top) => Ok(Some((Field::TopLogprobs, top.unwrap_or(0)))),
+    }
 }
 
 /// The first field of [`UNSUPPORTED`] that `m` turns on, refused.
@@ -352,6 +363,10 @@ impl Completion {
             Some(Value::Object(o)) => opt_bool(o, "include_usage")?,
             Some(v) => return Err(ApiError::invalid("stream_options", "an object", kind(v))),
         };
+        let logprobs = match prompt {
+            Prompt::Messages(_) => chat_logprobs(&m)?,
+            _ => completion_logprobs(&m)?,
+        };
         let raw = RawRequest {
             prompt: Vec::new(),
             prompt_field: Some(Field::Prompt),
@@ -371,6 +386,7 @@ impl Completion {
             frequency_penalty: opt_f64(&m, "frequency_penalty")?,
             repetition_penalty: opt_f64(&m, "repetition_penalty")?,
             logit_bias: logit_bias(&m)?,
+            logprobs,
         };
         Ok(Completion { model, prompt, raw, stop, stream, include_usage })
     }

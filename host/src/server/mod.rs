@@ -29,6 +29,7 @@ use model::chat::ChatTemplate;
 use model::tokenizer::Tokenizer;
 use serde_json::{json, Value};
 
+use crate::engine::TokenLogprob;
 use crate::request::{self, Limits};
 
 pub mod api;
@@ -281,26 +282,76 @@ impl Endpoint {
         }
     }
 
-    /// The choice of a whole response.
-    fn choice(self, text: &str, finish: &str) -> Value {
+    /// The choice of a whole response (`logprobs` from [`Endpoint::logprobs`], or null).
+    fn choice(self, text: &str, finish: &str, logprobs: Value) -> Value {
         match self {
-            Endpoint::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
+            Endpoint::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}),
             Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
-                                     "finish_reason": finish, "logprobs": null}),
+                                     "finish_reason": finish, "logprobs": logprobs}),
         }
     }
 
     /// The choice of a stream chunk: new text, or the end.
-    fn delta(self, text: &str, first: bool, finish: Option<&str>) -> Value {
+    fn delta(self, text: &str, first: bool, finish: Option<&str>, logprobs: Value) -> Value {
         match self {
-            Endpoint::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": null}),
+            Endpoint::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}),
             Endpoint::Chat => {
                 let delta = match (first, finish) {
                     (_, Some(_)) => json!({}),
                     (true, None) => json!({"role": "assistant", "content": text}),
                     (false, None) => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": null})
+                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs})
+            }
+        }
+    }
+
+    /// Tokens' log-probabilities in this API's shape: a completion's `tokens`, `token_logprobs`,
+    /// `top_logprobs` (token text to log-probability) and `text_offset` (characters from the start of
+    /// the completion, `offset` on), or a chat completion's `content` of `{token, logprob, bytes,
+    /// top_logprobs}`. A token that is not whole UTF-8 characters is named `bytes:\xNN...`, as
+    /// OpenAI names it.
+    fn logprobs(self, tokenizer: &Tokenizer, lps: &[TokenLogprob], offset: &mut usize) -> Value {
+        let named = |id: u32| {
+            let bytes = tokenizer.token_bytes(id);
+            let name = match std::str::from_utf8(&bytes) {
+                Ok(s) => s.to_string(),
+                Err(_) => format!("bytes:{}", bytes.iter().map(|b| format!("\\x{b:02x}")).collect::<String>()),
+            };
+            (name, bytes)
+        };
+        match self {
+            Endpoint::Text => {
+                let (mut tokens, mut offsets, mut tops) = (Vec::new(), Vec::new(), Vec::new());
+                for t in lps {
+                    let (name, _) = named(t.token);
+                    offsets.push(*offset);
+                    *offset += name.chars().count();
+                    tokens.push(name);
+                    let mut top = serde_json::Map::new();
+                    for &(id, lp) in &t.top {
+                        // Two ids of one text: the likelier one's figure.
+                        top.entry(named(id).0).or_insert(json!(lp));
+                    }
+                    tops.push(Value::Object(top));
+                }
+                json!({"tokens": tokens, "token_logprobs": lps.iter().map(|t| t.logprob).collect::<Vec<_>>(),
+                       "top_logprobs": tops, "text_offset": offsets})
+            }
+            Endpoint::Chat => {
+                let entry = |id: u32, lp: f32| {
+                    let (name, bytes) = named(id);
+                    json!({"token": name, "logprob": lp, "bytes": bytes})
+                };
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|t| {
+                        let mut v = entry(t.token, t.logprob);
+                        v["top_logprobs"] = t.top.iter().map(|&(id, lp)| entry(id, lp)).collect::<Vec<_>>().into();
+                        v
+                    })
+                    .collect();
+                json!({"content": content, "refusal": null})
             }
         }
     }
@@ -385,19 +436,26 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     let cmpl = endpoint.id(id);
     let created = unix_now();
     let model = app.config.model.clone();
+    let wants_logprobs = c.raw.logprobs.is_some();
+    let tokenizer = Arc::clone(&app.tokenizer);
     if !c.stream {
-        let mut text = String::new();
+        let (mut text, mut logprobs) = (String::new(), Vec::new());
         while let Some(event) = rx.recv().await {
             match event {
-                Event::Text(t) => text.push_str(&t),
+                Event::Text(t, lps) => {
+                    text.push_str(&t);
+                    logprobs.extend(lps);
+                }
                 Event::Done(done) => {
+                    let logprobs =
+                        if wants_logprobs { endpoint.logprobs(&tokenizer, &logprobs, &mut 0) } else { Value::Null };
                     return Ok(Json(json!({
                         "id": cmpl, "object": endpoint.object(false), "created": created, "model": model,
-                        "choices": [endpoint.choice(&text, done.finish)],
+                        "choices": [endpoint.choice(&text, done.finish, logprobs)],
                         "usage": usage(prompt_tokens, done.completion_tokens),
                         "pdhost": done.pdhost,
                     }))
-                    .into_response())
+                    .into_response());
                 }
                 Event::Failed(message) => {
                     return Err(ApiError::new(
@@ -421,10 +479,11 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     let (sse_tx, sse_rx) = tokio::sync::mpsc::channel::<Result<SseEvent, Infallible>>(64);
     let include_usage = c.include_usage;
     tokio::spawn(async move {
-        let mut first = true;
-        let mut chunk = |text: &str, finish: Option<&str>, usage: Option<Value>| {
+        let (mut first, mut offset) = (true, 0);
+        let mut chunk = |text: &str, lps: &[TokenLogprob], usage: Option<Value>| {
+            let logprobs = if wants_logprobs { endpoint.logprobs(&tokenizer, lps, &mut offset) } else { Value::Null };
             let mut v = json!({"id": cmpl, "object": endpoint.object(true), "created": created, "model": model,
-                               "choices": [endpoint.delta(text, first, finish)]});
+                               "choices": [endpoint.delta(text, first, None, logprobs)]});
             first = false;
             if let Some(u) = usage {
                 v["choices"] = json!([]);
@@ -434,16 +493,16 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         };
         while let Some(event) = rx.recv().await {
             let sent = match event {
-                Event::Text(t) => sse_tx.send(Ok(chunk(&t, None, None))).await,
+                Event::Text(t, lps) => sse_tx.send(Ok(chunk(&t, &lps, None))).await,
                 Event::Done(done) => {
                     let mut last = json!({"id": cmpl, "object": endpoint.object(true), "created": created,
-                        "model": model, "choices": [endpoint.delta("", false, Some(done.finish))]});
+                        "model": model, "choices": [endpoint.delta("", false, Some(done.finish), Value::Null)]});
                     last["pdhost"] = done.pdhost;
                     let last = SseEvent::default().data(last.to_string());
                     let _ = sse_tx.send(Ok(last)).await;
                     if include_usage {
                         let _ =
-                            sse_tx.send(Ok(chunk("", None, Some(usage(prompt_tokens, done.completion_tokens))))).await;
+                            sse_tx.send(Ok(chunk("", &[], Some(usage(prompt_tokens, done.completion_tokens))))).await;
                     }
                     let _ = sse_tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
                     break;

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
-use crate::engine::{Engine, EngineError, Finish, Live, OnFailure, Prefilling, Remote, Request};
+use crate::engine::{Engine, EngineError, Finish, Live, OnFailure, Prefilling, Remote, Request, TokenLogprob};
 use crate::supervisor::Producer;
 use crate::text::TextStream;
 
@@ -59,8 +59,9 @@ pub struct Job {
 /// What a request hears from the engine.
 #[derive(Debug)]
 pub enum Event {
-    /// New text.
-    Text(String),
+    /// New text, and the log-probabilities of the tokens it completes where the request asked for
+    /// them (a token whose text is still held back comes with a later chunk).
+    Text(String, Vec<TokenLogprob>),
     /// The end.
     Done(Done),
     /// The request failed (its one-line reason).
@@ -347,6 +348,7 @@ impl<'t> Scheduler<'_, 't> {
                         live: l,
                         stream: TextStream::new(self.tokenizer),
                         sent: 0,
+                        logprobs_sent: 0,
                         last_token: None,
                         stopped_by_string: false,
                         cancelled: false,
@@ -384,6 +386,8 @@ struct Running<'t> {
     stream: TextStream<'t>,
     /// Bytes of text sent.
     sent: usize,
+    /// Tokens whose log-probabilities were sent.
+    logprobs_sent: usize,
     last_token: Option<Instant>,
     stopped_by_string: bool,
     cancelled: bool,
@@ -409,9 +413,13 @@ fn advance(metrics: &Metrics, r: &mut Running<'_>, step: Result<Option<u32>, Eng
     r.stream.push(id);
     let text = r.stream.shown();
     let (end, stop) = safe_end(text, r.sent, &r.job.stop);
-    if end > r.sent && r.job.events.send(Event::Text(text[r.sent..end].to_string())).is_err() {
-        r.cancelled = true;
-        return ControlFlow::Break(());
+    if end > r.sent {
+        let logprobs = r.live.logprobs()[r.logprobs_sent..].to_vec();
+        r.logprobs_sent += logprobs.len();
+        if r.job.events.send(Event::Text(text[r.sent..end].to_string(), logprobs)).is_err() {
+            r.cancelled = true;
+            return ControlFlow::Break(());
+        }
     }
     r.sent = end;
     if stop {
@@ -449,7 +457,7 @@ fn safe_end(text: &str, sent: usize, stop: &[String]) -> (usize, bool) {
 
 /// Frees an ended request's pages and answers it (unless its client is gone).
 fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
-    let Running { job, live, stream, sent, stopped_by_string, cancelled, failed, admitted, .. } = r;
+    let Running { job, live, stream, sent, logprobs_sent, stopped_by_string, cancelled, failed, admitted, .. } = r;
     let gen = loaded.engine.finish(live);
     // Its pages are free now, before its client hears of it.
     metrics.kv_usage(&loaded.engine.kv.usage());
@@ -470,12 +478,13 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
         metrics.requests.with_label_values(&["cancelled"]).inc();
         return;
     }
-    // What is left once nothing can grow into a stop string any more.
-    if !stopped_by_string {
-        let text = stream.text();
-        if text.len() > sent {
-            let _ = events.send(Event::Text(text[sent..].to_string()));
-        }
+    // What is left once nothing can grow into a stop string any more, and the log-probabilities of
+    // every token not yet reported (a stop string's own tokens included: they were generated).
+    let rest =
+        if stopped_by_string { String::new() } else { stream.text().get(sent..).unwrap_or_default().to_string() };
+    let logprobs = gen.logprobs.get(logprobs_sent..).unwrap_or_default().to_vec();
+    if !rest.is_empty() || !logprobs.is_empty() {
+        let _ = events.send(Event::Text(rest, logprobs));
     }
     let finish = match gen.finish {
         Finish::Length => "length",
