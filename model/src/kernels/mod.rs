@@ -231,9 +231,10 @@ struct Dest {
 // vectors they point into are neither read nor moved.
 unsafe impl Sync for Dest {}
 
-/// The most scratch a pool thread keeps between products, in floats (16 MiB): what a product's task
-/// of a long prefill needs beyond it is freed after the task.
-const SCRATCH_KEPT: usize = 4 << 20;
+/// The most scratch a pool thread keeps between products, in floats (4 MiB: a task's outputs for a few
+/// thousand prompt tokens). What a longer prefill's task needs beyond it is freed after the task, so a
+/// server that once prefilled a long prompt does not keep that much per thread.
+const SCRATCH_KEPT: usize = 1 << 20;
 
 thread_local! {
     /// A task's outputs before they go to their place in the product's (each kernel writes every one).
