@@ -97,7 +97,17 @@ fn tokenizers_match_hugging_face_ids() {
             assert_eq!(tok.encode(text, false), ids(&case["ids_plain"]), "{name} {text:?}");
             assert_eq!(tok.encode(text, tok.add_bos()), ids(&case["ids_with_bos"]), "{name} {text:?} with BOS");
             assert_eq!(tok.decode(&ids(&case["ids_plain"]), false), text, "{name} decode {text:?}");
+            // Each token's own bytes (the API's log-probabilities name tokens by them), end to end, are
+            // the text's.
+            let bytes: Vec<u8> = ids(&case["ids_plain"]).iter().flat_map(|&id| tok.token_bytes(id)).collect();
+            assert_eq!(bytes, text.as_bytes(), "{name} token bytes of {text:?}");
         }
+        // A character past the vocabulary (Gemma's byte fallback) or made of several byte-level tokens
+        // (SmolLM2): some token of it is part of a character, whose bytes stay as they are.
+        let ids = tok.encode("\u{10FFFD}\u{1F9EC}", false);
+        let parts: Vec<Vec<u8>> = ids.iter().map(|&id| tok.token_bytes(id)).collect();
+        assert_eq!(parts.concat(), "\u{10FFFD}\u{1F9EC}".as_bytes(), "{name} {ids:?}");
+        assert!(parts.iter().any(|p| std::str::from_utf8(p).is_err()), "{name}: {parts:?}");
     }
 }
 
