@@ -246,7 +246,7 @@ fn a_request_during_the_backoff_is_refused_at_once() {
 
 #[test]
 fn a_prefix_cache_hit_prefills_only_the_rest_and_changes_no_bit() {
-    use pdhost::engine::{Request, Sampling};
+    use pdhost::engine::Request;
     let _serial = serial();
     let model = gemma();
     // B shares A's first 16 tokens: four 4-token pages. The tiny model's window is 8, so chunked
@@ -254,14 +254,7 @@ fn a_prefix_cache_hit_prefills_only_the_rest_and_changes_no_bit() {
     let a: Vec<u32> = (0..17).map(|i| 2 + (i * 37 % 200)).collect();
     let mut b = a[..16].to_vec();
     b.extend([9, 8, 7, 6, 5]);
-    let req = |prompt: &[u32]| Request {
-        prompt: prompt.to_vec(),
-        max_tokens: 6,
-        prefill_chunk: 4,
-        sampling: Sampling::Greedy,
-        penalties: Default::default(),
-        logprobs: None,
-    };
+    let req = |prompt: &[u32]| Request::greedy(prompt.to_vec(), 6, 4);
     // The reference: B alone, without a prefix cache.
     let want = engine(&model, Dtype::F32).generate(&req(&b), |_| {}).unwrap();
     assert_eq!(want.spans, 5);

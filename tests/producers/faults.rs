@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use pdhost::engine::{EngineError, OnFailure, PrefillBy, Request, Sampling};
+use pdhost::engine::{EngineError, OnFailure, PrefillBy, Request};
 
 use super::*;
 
@@ -55,14 +55,7 @@ fn expected(mode: &str, dense: bool) -> Option<&'static [&'static str]> {
 }
 
 fn request() -> Request {
-    Request {
-        prompt: PROMPT.to_vec(),
-        max_tokens: 6,
-        prefill_chunk: 4,
-        sampling: Sampling::Greedy,
-        penalties: Default::default(),
-        logprobs: None,
-    }
+    Request::greedy(PROMPT.to_vec(), 6, 4)
 }
 
 /// What `--producer local` generates.

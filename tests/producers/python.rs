@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use pdhost::engine::{EngineError, OnFailure, PrefillBy, Request, Sampling};
+use pdhost::engine::{EngineError, OnFailure, PrefillBy, Request};
 
 use super::*;
 
@@ -19,14 +19,7 @@ fn python(engine: &Engine, class: &str, timeout: Duration) -> Producer {
 }
 
 fn request() -> Request {
-    Request {
-        prompt: PROMPT.to_vec(),
-        max_tokens: 4,
-        prefill_chunk: 4,
-        sampling: Sampling::Greedy,
-        penalties: Default::default(),
-        logprobs: None,
-    }
+    Request::greedy(PROMPT.to_vec(), 4, 4)
 }
 
 #[test]

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use pdhost::engine::{OnFailure, PrefillBy, Request, Sampling};
+use pdhost::engine::{OnFailure, PrefillBy, Request};
 
 use super::*;
 
@@ -13,14 +13,7 @@ fn soak_200_requests_with_random_faults() {
     let _serial = serial();
     let dtype = Dtype::Bf16;
     let requests: Vec<Request> = (0..200u32)
-        .map(|i| Request {
-            prompt: (0..5 + i % 11).map(|t| 2 + (t * 7 + i) % 250).collect(),
-            max_tokens: 3,
-            prefill_chunk: (i % 3) as usize * 3,
-            sampling: Sampling::Greedy,
-            penalties: Default::default(),
-            logprobs: None,
-        })
+        .map(|i| Request::greedy((0..5 + i % 11).map(|t| 2 + (t * 7 + i) % 250).collect(), 3, (i % 3) as usize * 3))
         .collect();
     let mut local = engine(&gemma(), dtype);
     let expected: Vec<Vec<u32>> = requests.iter().map(|r| local.generate(r, |_| {}).unwrap().output).collect();

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use model::forward::NoPast;
-use pdhost::engine::{Engine, OnFailure, PrefillBy, Request, Sampling};
+use pdhost::engine::{Engine, OnFailure, PrefillBy, Request};
 use pdhost::request::{self, Field, Invalid};
 use pdhost::supervisor::{Producer, RestartPolicy};
 use serde::Serialize;
@@ -243,14 +243,7 @@ fn kv_check(layers: &[LayerError], tolerance: f64) -> Check {
 fn greedy(engine: &mut Engine, producer: &mut Producer, prompts: &[Vec<u32>], decode: usize, margin: f64) -> Check {
     let (mut equal, mut ties) = (0, 0);
     for prompt in prompts {
-        let req = Request {
-            prompt: prompt.clone(),
-            max_tokens: decode,
-            prefill_chunk: 0,
-            sampling: Sampling::Greedy,
-            penalties: Default::default(),
-            logprobs: None,
-        };
+        let req = Request::greedy(prompt.clone(), decode, 0);
         let remote =
             match engine.generate_with(&req, PrefillBy::Remote { producer, on_failure: OnFailure::Fail }, |_| {}) {
                 Ok(g) => g.output,
@@ -328,14 +321,7 @@ fn deadline(engine: &mut Engine, producer: &mut Producer, prompt: &[u32], timeou
 
 /// TTFT of the longest prompt, remote against local (informational: never fails).
 fn timings(engine: &mut Engine, producer: &mut Producer, prompt: &[u32]) -> Check {
-    let req = Request {
-        prompt: prompt.to_vec(),
-        max_tokens: 1,
-        prefill_chunk: 0,
-        sampling: Sampling::Greedy,
-        penalties: Default::default(),
-        logprobs: None,
-    };
+    let req = Request::greedy(prompt.to_vec(), 1, 0);
     let t = Instant::now();
     let remote = engine.generate_with(&req, PrefillBy::Remote { producer, on_failure: OnFailure::Fail }, |_| {});
     let remote_ms = t.elapsed().as_secs_f64() * 1e3;

@@ -259,6 +259,20 @@ pub struct Request {
     pub logprobs: Option<usize>,
 }
 
+impl Request {
+    /// Greedy decoding of `prompt`, with nothing else asked: no penalties, no log-probabilities.
+    pub fn greedy(prompt: Vec<u32>, max_tokens: usize, prefill_chunk: usize) -> Self {
+        Request {
+            prompt,
+            max_tokens,
+            prefill_chunk,
+            sampling: Sampling::Greedy,
+            penalties: Penalties::default(),
+            logprobs: None,
+        }
+    }
+}
+
 /// Why generation stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Finish {
