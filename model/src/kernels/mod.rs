@@ -191,15 +191,15 @@ impl Exec {
             })
         });
         for (p, out) in outs.iter_mut().enumerate() {
-            let n_out = ws[p].3;
+            let len = match layout {
+                Layout::Flat => t * ws[p].3,
+                Layout::Rows => ws[p].3,
+            };
             for v in out.iter_mut() {
-                let len = v.capacity().min(match layout {
-                    Layout::Flat => t * n_out,
-                    Layout::Rows => n_out,
-                });
-                // SAFETY: the tasks of product `p` cover its columns `0..n_out` between them, and each
-                // wrote its columns of every row: every element up to `len` is written (a task that
-                // panicked took the region, and this function, with it).
+                // SAFETY: `len` is what each vector was allocated for above; the tasks of product `p`
+                // cover its columns `0..n_out` between them, and each wrote its columns of every row, so
+                // every element up to `len` is written (a task that panicked took the region, and this
+                // function, with it).
                 unsafe { v.set_len(len) };
             }
         }
