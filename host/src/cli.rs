@@ -789,6 +789,10 @@ pub struct ModelBenchArgs {
     /// interleaved with pdhost's; the median is reported (a 2-core VM's speed moves by 10-30%).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 3)]
     pub repeats: u64,
+    /// Element type of pdhost's KV cache. llama.cpp's is f16 (its default), so `f16` moves the same K/V
+    /// bytes on both sides; f32 is what `generate` and `serve` default to.
+    #[arg(long, value_enum, default_value_t = KvDtype::F32)]
+    pub kv_dtype: KvDtype,
     /// Skip llama.cpp (no reference column).
     #[arg(long)]
     pub no_llama_cpp: bool,

@@ -461,10 +461,18 @@ fn every_reported_case_is_refused_or_handled() {
                 "1,2",
                 "--repeats",
                 "1",
+                "--kv-dtype",
+                "f16",
             ],
         )
-        .prints(&[" - ", "gemma3-270m   exact  peak RSS of a `generate` of the first prompt: "])
+        .prints(&[
+            " - ",
+            "gemma3-270m   exact  peak RSS of a `generate` of the first prompt: ",
+            "(f16 KV; llama.cpp's is f16)",
+        ])
         .never(&["NaN"]),
+        case("bench model kv-dtype f8", &["bench", "model", "--no-llama-cpp", "--kv-dtype", "f8"])
+            .refused(2, &["invalid value 'f8' for '--kv-dtype <KV_DTYPE>' [possible values: f32, bf16, f16]"]),
         case("bench model batch 0", &["bench", "model", "--no-llama-cpp", "--batch", "1,0"])
             .refused(2, &["--batch: expected 1 to 16, found 0"]),
         case("bench model repeats 21", &["bench", "model", "--no-llama-cpp", "--repeats", "21"])

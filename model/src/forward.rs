@@ -16,22 +16,105 @@
 use std::borrow::Cow;
 use std::ops::Range;
 
+use half::{bf16, f16};
 use rayon::prelude::*;
 use shm_format::Dtype;
 
 use crate::arch::{Arch, Attention, Model};
-use crate::kernels::{Dot, Gate};
+use crate::kernels::{Dot, Elem, Gate};
 
-/// One run of past K/V: consecutive positions from `start`, each row `kv_heads * head_dim` f32 values.
-/// Borrowed where the cache holds f32, widened where it holds a narrower type.
+/// One run of past K/V: consecutive positions from `start`, each row `kv_heads * head_dim` values.
 #[derive(Debug)]
 pub struct Run<'a> {
     /// First position.
     pub start: u64,
     /// K rows, position-major.
-    pub k: Cow<'a, [f32]>,
+    pub k: KvValues<'a>,
     /// V rows, position-major.
-    pub v: Cow<'a, [f32]>,
+    pub v: KvValues<'a>,
+}
+
+/// A run's K or V values in the cache's own element type, borrowed from the cache where its memory
+/// allows (attention widens 16-bit values to f32 in registers as it loads them, never into a copy).
+/// Every run a [`PastKv`] gives has one element type.
+#[derive(Debug)]
+pub enum KvValues<'a> {
+    /// f32.
+    F32(Cow<'a, [f32]>),
+    /// bfloat16.
+    Bf16(Cow<'a, [bf16]>),
+    /// IEEE half.
+    F16(Cow<'a, [f16]>),
+}
+
+impl KvValues<'_> {
+    /// The element type.
+    pub fn dtype(&self) -> Dtype {
+        match self {
+            KvValues::F32(_) => Dtype::F32,
+            KvValues::Bf16(_) => Dtype::Bf16,
+            KvValues::F16(_) => Dtype::F16,
+        }
+    }
+
+    /// How many values.
+    pub fn len(&self) -> usize {
+        match self {
+            KvValues::F32(v) => v.len(),
+            KvValues::Bf16(v) => v.len(),
+            KvValues::F16(v) => v.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// An element type a cache holds K/V in: its values in a [`KvValues`], and a chunk's values (already
+/// rounded to it) narrowed to it, exactly.
+trait CacheElem: Elem {
+    /// The values, if they are of this type.
+    fn of<'b>(values: &'b KvValues<'_>) -> Option<&'b [Self]>;
+    /// `x`, a value of this type held as f32.
+    fn narrow(x: f32) -> Self;
+}
+
+impl CacheElem for f32 {
+    fn of<'b>(values: &'b KvValues<'_>) -> Option<&'b [f32]> {
+        match values {
+            KvValues::F32(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn narrow(x: f32) -> f32 {
+        x
+    }
+}
+
+impl CacheElem for bf16 {
+    fn of<'b>(values: &'b KvValues<'_>) -> Option<&'b [bf16]> {
+        match values {
+            KvValues::Bf16(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn narrow(x: f32) -> bf16 {
+        bf16::from_f32(x)
+    }
+}
+
+impl CacheElem for f16 {
+    fn of<'b>(values: &'b KvValues<'_>) -> Option<&'b [f16]> {
+        match values {
+            KvValues::F16(v) => Some(v),
+            _ => None,
+        }
+    }
+    fn narrow(x: f32) -> f16 {
+        f16::from_f32(x)
+    }
 }
 
 /// K/V of positions before a chunk.
@@ -136,11 +219,43 @@ pub fn round_to(dtype: Dtype, x: f32) -> f32 {
 const ATTN_ROWS: usize = 4;
 
 /// The K and V rows a segment's queries may see at one layer, from position `from` on: the past's, read
-/// in place, then the chunk's.
-struct Visible<'a> {
+/// in place, then the chunk's, all in the past's element type.
+struct Visible<'a, E> {
     from: u64,
-    k: Vec<&'a [f32]>,
-    v: Vec<&'a [f32]>,
+    k: Vec<&'a [E]>,
+    v: Vec<&'a [E]>,
+}
+
+impl<'a, E: CacheElem> Visible<'a, E> {
+    /// The rows of `runs` (all of element type `E`), then those of the chunk (`k`, `v`), `row` values
+    /// each.
+    fn new(from: u64, runs: &'a [Run<'_>], k: &'a [E], v: &'a [E], row: usize) -> Self {
+        let (mut ks, mut vs) = (Vec::new(), Vec::new());
+        for run in runs {
+            let of = |values| E::of(values).unwrap_or_else(|| panic!("past K/V runs of one element type"));
+            ks.extend(of(&run.k).chunks_exact(row));
+            vs.extend(of(&run.v).chunks_exact(row));
+        }
+        ks.extend(k.chunks_exact(row));
+        vs.extend(v.chunks_exact(row));
+        Visible { from, k: ks, v: vs }
+    }
+}
+
+/// A segment's [`Visible`] rows, in its past's element type.
+enum AnyVisible<'a> {
+    F32(Visible<'a, f32>),
+    Bf16(Visible<'a, bf16>),
+    F16(Visible<'a, f16>),
+}
+
+/// A chunk's K and V narrowed to its past's 16-bit element type (exact: they are rounded to the
+/// cache's type already), so that a segment's rows are of one type.
+enum Narrowed {
+    /// The past is f32, or there is none: the chunk's f32 rows are read as they are.
+    No,
+    Bf16(Vec<bf16>, Vec<bf16>),
+    F16(Vec<f16>, Vec<f16>),
 }
 
 /// Where each row of a batch comes from.
@@ -331,29 +446,41 @@ impl Model {
             Attention::Full => 0,
             Attention::Sliding(w) => (pos + 1).saturating_sub(u64::from(w)),
         };
-        // Per segment: the past runs it needs, then an index of its visible rows from `from` on.
+        // Per segment: the past runs it needs, its chunk's K/V in their element type, then an index of
+        // its visible rows from `from` on.
         let pasts: Vec<(u64, Vec<Run<'_>>)> = segments
             .iter()
             .map(|s| {
                 let from = first_visible(s.start).min(s.start);
-                (from, s.past.runs(l, from..s.start))
+                let runs = s.past.runs(l, from..s.start);
+                let held: usize = runs.iter().map(|r| r.k.len()).sum();
+                assert_eq!(held as u64, (s.start - from) * kvd as u64, "past K/V values of layer {l}");
+                (from, runs)
             })
             .collect();
-        let index: Vec<Visible<'_>> = segments
+        let chunk = |s: usize| rows.first[s] * kvd..(rows.first[s] + segments[s].tokens.len()) * kvd;
+        let narrowed: Vec<Narrowed> = pasts
             .iter()
-            .zip(&pasts)
             .enumerate()
-            .map(|(s, (seg, (from, runs)))| {
-                let (mut ks, mut vs) = (Vec::new(), Vec::new());
-                for run in runs {
-                    ks.extend(run.k.chunks_exact(kvd));
-                    vs.extend(run.v.chunks_exact(kvd));
+            .map(|(s, (_, runs))| {
+                fn narrow<E: CacheElem>(x: &[f32]) -> Vec<E> {
+                    x.iter().map(|&x| E::narrow(x)).collect()
                 }
-                assert_eq!(ks.len() as u64, seg.start - from, "past K/V rows of layer {l}");
-                let chunk = rows.first[s] * kvd..(rows.first[s] + seg.tokens.len()) * kvd;
-                ks.extend(k[chunk.clone()].chunks_exact(kvd));
-                vs.extend(v[chunk].chunks_exact(kvd));
-                Visible { from: *from, k: ks, v: vs }
+                match runs.first().map(|r| r.k.dtype()) {
+                    Some(Dtype::Bf16) => Narrowed::Bf16(narrow(&k[chunk(s)]), narrow(&v[chunk(s)])),
+                    Some(Dtype::F16) => Narrowed::F16(narrow(&k[chunk(s)]), narrow(&v[chunk(s)])),
+                    _ => Narrowed::No,
+                }
+            })
+            .collect();
+        let index: Vec<AnyVisible<'_>> = pasts
+            .iter()
+            .zip(&narrowed)
+            .enumerate()
+            .map(|(s, ((from, runs), narrowed))| match narrowed {
+                Narrowed::No => AnyVisible::F32(Visible::new(*from, runs, &k[chunk(s)], &v[chunk(s)], kvd)),
+                Narrowed::Bf16(k, v) => AnyVisible::Bf16(Visible::new(*from, runs, k, v, kvd)),
+                Narrowed::F16(k, v) => AnyVisible::F16(Visible::new(*from, runs, k, v, kvd)),
             })
             .collect();
         let mut blocks = Vec::new();
@@ -380,9 +507,14 @@ impl Model {
                 .map(|&(b, h0)| {
                     let block = blocks[b].clone();
                     let visible = &index[rows.segment[block.start]];
+                    let from = match visible {
+                        AnyVisible::F32(v) => v.from,
+                        AnyVisible::Bf16(v) => v.from,
+                        AnyVisible::F16(v) => v.from,
+                    };
                     let span = |i: usize| {
                         let pos = rows.pos[i];
-                        (first_visible(pos) - visible.from) as usize..(pos - visible.from) as usize + 1
+                        (first_visible(pos) - from) as usize..(pos - from) as usize + 1
                     };
                     let queries: Vec<&[f32]> = block
                         .clone()
@@ -390,7 +522,12 @@ impl Model {
                         .collect();
                     let spans: Vec<Range<usize>> =
                         block.clone().flat_map(|i| std::iter::repeat_n(span(i), per)).collect();
-                    self.attend(dot, &queries, &spans, visible, h0 / group * hd)
+                    let at = h0 / group * hd;
+                    match visible {
+                        AnyVisible::F32(v) => self.attend(dot, &queries, &spans, v, at),
+                        AnyVisible::Bf16(v) => self.attend(dot, &queries, &spans, v, at),
+                        AnyVisible::F16(v) => self.attend(dot, &queries, &spans, v, at),
+                    }
                 })
                 .collect()
         });
@@ -406,12 +543,12 @@ impl Model {
     /// One attention task: each query's output (`queries.len() x head_dim`, in order) over the visible
     /// rows `spans[i]` of its own, the K/V head's values starting at column `at`. The spans are those of
     /// consecutive positions: their starts and their ends never decrease.
-    fn attend(
+    fn attend<E: Elem>(
         &self,
         dot: Dot,
         queries: &[&[f32]],
         spans: &[Range<usize>],
-        visible: &Visible<'_>,
+        visible: &Visible<'_, E>,
         at: usize,
     ) -> Vec<f32> {
         let hd = self.config.head_dim;
@@ -440,7 +577,7 @@ impl Model {
             |i: usize, rows: Range<usize>| &scores[i * m + rows.start - union.start..i * m + rows.end - union.start];
         let shared = last.start..first.end;
         let mut out = vec![0f32; queries.len() * hd];
-        let (vs, mut outs): (&[&[f32]], Vec<&mut [f32]>) = (&visible.v, out.chunks_exact_mut(hd).collect());
+        let (vs, mut outs): (&[&[E]], Vec<&mut [f32]>) = (&visible.v, out.chunks_exact_mut(hd).collect());
         if shared.is_empty() {
             for (i, (o, span)) in outs.iter_mut().zip(spans).enumerate() {
                 dot.add_scaled_rows(o, weights(i, span.clone()), &vs[span.clone()], at);
@@ -524,8 +661,8 @@ impl PastKv for VecKv {
         let (a, b) = (positions.start as usize * self.row, positions.end as usize * self.row);
         vec![Run {
             start: positions.start,
-            k: Cow::Borrowed(&self.k[layer][a..b]),
-            v: Cow::Borrowed(&self.v[layer][a..b]),
+            k: KvValues::F32(Cow::Borrowed(&self.k[layer][a..b])),
+            v: KvValues::F32(Cow::Borrowed(&self.v[layer][a..b])),
         }]
     }
 }

@@ -1,9 +1,13 @@
 //! A row's results depend on nothing but its own sequence: not on the chunks its prompt is cut into,
 //! the other sequences of its batch, nor the thread count. Checked bit for bit on the tiny checkpoints
-//! (Gemma 3 with an 8-token sliding window, and Llama) with f32 and bf16 K/V.
+//! (Gemma 3 with an 8-token sliding window, and Llama) with f32, bf16 and f16 K/V.
 
+use std::borrow::Cow;
+use std::ops::Range;
+
+use half::{bf16, f16};
 use model::arch::Model;
-use model::forward::{round_to, ChunkKv, NoPast, Output, Segment, VecKv};
+use model::forward::{round_to, ChunkKv, KvValues, NoPast, Output, PastKv, Run, Segment, VecKv};
 use model::kernels::Precision;
 use shm_format::Dtype;
 
@@ -28,13 +32,46 @@ fn fingerprint(kv: &VecKv, logits: &[Vec<f32>]) -> (Vec<Vec<u32>>, Vec<Vec<u32>>
     (kv.k.iter().chain(&kv.v).map(|l| bits(l)).collect(), logits.iter().map(|l| bits(l)).collect())
 }
 
+/// A past held in a 16-bit type, as the host's paged cache holds it: attention reads its values in
+/// place, widening them as it loads them.
+struct NarrowKv<E: Clone + 'static> {
+    k: Vec<Vec<E>>,
+    v: Vec<Vec<E>>,
+    row: usize,
+    values: for<'a> fn(Cow<'a, [E]>) -> KvValues<'a>,
+}
+
+impl<E: Clone + Sync> PastKv for NarrowKv<E> {
+    fn runs(&self, layer: usize, positions: Range<u64>) -> Vec<Run<'_>> {
+        if positions.is_empty() {
+            return Vec::new();
+        }
+        let (a, b) = (positions.start as usize * self.row, positions.end as usize * self.row);
+        let (k, v) = (Cow::Borrowed(&self.k[layer][a..b]), Cow::Borrowed(&self.v[layer][a..b]));
+        vec![Run { start: positions.start, k: (self.values)(k), v: (self.values)(v) }]
+    }
+}
+
+/// `kv`'s values (already rounded to `dtype`) in `dtype` itself, or as they are for f32.
+fn held_as(kv: &VecKv, dtype: Dtype) -> Box<dyn PastKv + '_> {
+    fn narrow<E: Clone>(kv: &VecKv, to: fn(f32) -> E, values: for<'a> fn(Cow<'a, [E]>) -> KvValues<'a>) -> NarrowKv<E> {
+        let of = |layers: &[Vec<f32>]| layers.iter().map(|l| l.iter().map(|&x| to(x)).collect()).collect();
+        NarrowKv { k: of(&kv.k), v: of(&kv.v), row: kv.row, values }
+    }
+    match dtype {
+        Dtype::F32 => Box::new(VecKv { k: kv.k.clone(), v: kv.v.clone(), row: kv.row }),
+        Dtype::Bf16 => Box::new(narrow(kv, bf16::from_f32, |v| KvValues::Bf16(v))),
+        Dtype::F16 => Box::new(narrow(kv, f16::from_f32, |v| KvValues::F16(v))),
+    }
+}
+
 /// Prefills `prompt` in pieces of `chunk` into a cache that stores `model.kv_dtype` values, keeping the
 /// logits of every position.
 fn chunked(model: &Model, prompt: &[u32], chunk: usize) -> (VecKv, Vec<Vec<f32>>) {
     let mut kv = VecKv::default();
     let mut logits = Vec::new();
     for (i, part) in prompt.chunks(chunk).enumerate() {
-        let mut out = model.forward(part, (i * chunk) as u64, &kv, true);
+        let mut out = model.forward(part, (i * chunk) as u64, &*held_as(&kv, model.kv_dtype), true);
         // What a cache of that dtype holds.
         for x in out.kv.k.iter_mut().chain(out.kv.v.iter_mut()).flatten() {
             *x = round_to(model.kv_dtype, *x);
@@ -51,7 +88,7 @@ const MODELS: [&str; 2] = ["tiny_gemma3_8l", "tiny_llama_4l"];
 fn prefill_gives_the_same_bits_at_every_chunking() {
     for name in MODELS {
         for precision in [Precision::Exact, Precision::Fast] {
-            for dtype in [Dtype::F32, Dtype::Bf16] {
+            for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
                 let model = load(name, precision, 2, dtype);
                 let p = prompt(29, 1);
                 let (kv, logits) = chunked(&model, &p, p.len());
@@ -75,15 +112,16 @@ fn a_batch_computes_each_sequence_as_it_would_alone() {
             let model = load(name, precision, 2, Dtype::Bf16);
             // Three sequences with different histories, stepped at different positions.
             let prompts = [prompt(5, 2), prompt(19, 3), prompt(11, 4)];
-            let pasts: Vec<VecKv> = prompts.iter().map(|p| chunked(&model, p, p.len()).0).collect();
+            let kvs: Vec<VecKv> = prompts.iter().map(|p| chunked(&model, p, p.len()).0).collect();
+            let pasts: Vec<Box<dyn PastKv>> = kvs.iter().map(|kv| held_as(kv, model.kv_dtype)).collect();
             let next = [[7u32], [200], [31]];
             let alone: Vec<Output> =
-                (0..3).map(|i| model.forward(&next[i], prompts[i].len() as u64, &pasts[i], false)).collect();
+                (0..3).map(|i| model.forward(&next[i], prompts[i].len() as u64, &*pasts[i], false)).collect();
             let segments: Vec<Segment<'_>> = (0..3)
                 .map(|i| Segment {
                     tokens: &next[i],
                     start: prompts[i].len() as u64,
-                    past: &pasts[i],
+                    past: &*pasts[i],
                     all_logits: false,
                 })
                 .collect();

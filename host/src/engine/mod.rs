@@ -10,11 +10,11 @@ use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use model::arch::Model;
-use model::forward::{ChunkKv, PastKv, Run, Segment};
+use model::forward::{ChunkKv, KvValues, PastKv, Run, Segment};
 use shm_format::{Dtype, EntryKind, Manifest};
 use zerocopy::FromBytes;
 
-use crate::kv::convert::{convert, to_f32};
+use crate::kv::convert::convert;
 use crate::kv::{IngestError, KvConfig, PagedKv, SeqId};
 use crate::supervisor::{PrefillCall, Producer, ProducerError, SpanTimes};
 pub use logprobs::{TokenLogprob, MAX_TOP_LOGPROBS};
@@ -353,21 +353,34 @@ impl PastKv for PagedPast<'_> {
                 continue;
             }
             let (from, to) = ((a - run.start) as usize * bytes, (b - run.start) as usize * bytes);
-            let (run_k, run_v) = (&run.k[from..to], &run.v[from..to]);
-            // An f32 cache is read in place (page pools are 4-byte aligned, so this always succeeds);
-            // other dtypes are widened.
-            if dtype == Dtype::F32 {
-                if let (Ok(k), Ok(v)) = (<[f32]>::ref_from_bytes(run_k), <[f32]>::ref_from_bytes(run_v)) {
-                    runs.push(Run { start: a, k: Cow::Borrowed(k), v: Cow::Borrowed(v) });
-                    continue;
-                }
-            }
-            let (mut k, mut v) = (vec![0f32; (b - a) as usize * row], vec![0f32; (b - a) as usize * row]);
-            to_f32(dtype, run_k, &mut k);
-            to_f32(dtype, run_v, &mut v);
-            runs.push(Run { start: a, k: Cow::Owned(k), v: Cow::Owned(v) });
+            let (k, v) = (&run.k[from..to], &run.v[from..to]);
+            runs.push(Run { start: a, k: values(dtype, k), v: values(dtype, v) });
         }
         runs
+    }
+}
+
+/// `bytes` of the cache's `dtype` as values of that type: borrowed, as page pools are 4-byte aligned
+/// and the cache little-endian; copied only if neither held.
+fn values(dtype: Dtype, bytes: &[u8]) -> KvValues<'_> {
+    use half::slice::HalfBitsSliceExt;
+    use half::{bf16, f16};
+    let native = cfg!(target_endian = "little");
+    if dtype == Dtype::F32 {
+        return KvValues::F32(match <[f32]>::ref_from_bytes(bytes) {
+            Ok(v) if native => Cow::Borrowed(v),
+            _ => Cow::Owned(bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()),
+        });
+    }
+    let bits: Cow<'_, [u16]> = match <[u16]>::ref_from_bytes(bytes) {
+        Ok(v) if native => Cow::Borrowed(v),
+        _ => Cow::Owned(bytes.chunks_exact(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect()),
+    };
+    match (dtype, bits) {
+        (Dtype::Bf16, Cow::Borrowed(b)) => KvValues::Bf16(Cow::Borrowed(b.reinterpret_cast())),
+        (Dtype::Bf16, Cow::Owned(b)) => KvValues::Bf16(b.into_iter().map(bf16::from_bits).collect()),
+        (_, Cow::Borrowed(b)) => KvValues::F16(Cow::Borrowed(b.reinterpret_cast())),
+        (_, Cow::Owned(b)) => KvValues::F16(b.into_iter().map(f16::from_bits).collect()),
     }
 }
 
@@ -910,4 +923,50 @@ impl Live {
 
 fn hash_logits(hasher: &mut twox_hash::XxHash3_64, logits: &[f32]) {
     hasher.write(zerocopy::IntoBytes::as_bytes(logits));
+}
+
+#[cfg(test)]
+mod tests {
+    use zerocopy::IntoBytes;
+
+    use super::*;
+
+    /// What [`values`] gives, widened, whether it borrows or (for bytes at an odd address) copies.
+    fn widened(values: &KvValues<'_>) -> Vec<u32> {
+        match values {
+            KvValues::F32(v) => v.iter().map(|x| x.to_bits()).collect(),
+            KvValues::Bf16(v) => v.iter().map(|x| x.to_f32().to_bits()).collect(),
+            KvValues::F16(v) => v.iter().map(|x| x.to_f32().to_bits()).collect(),
+        }
+    }
+
+    #[test]
+    fn cache_bytes_are_read_as_their_values_in_place_or_copied() {
+        let xs = [1.5f32, -0.0, 3.0e-5, -1024.25, 0.1];
+        let f32_bytes: Vec<u8> = xs.iter().flat_map(|x| x.to_le_bytes()).collect();
+        for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            let len = xs.len() * dtype.size() as usize;
+            // 4-byte aligned storage, as a page pool's: values at its start are borrowed, values one
+            // byte on are copied.
+            let (mut at_start, mut one_on) = (vec![0u32; len.div_ceil(4)], vec![0u32; len.div_ceil(4) + 1]);
+            let (at_start, one_on) = (&mut at_start.as_mut_bytes()[..len], &mut one_on.as_mut_bytes()[1..=len]);
+            convert(Dtype::F32, &f32_bytes, dtype, at_start);
+            convert(Dtype::F32, &f32_bytes, dtype, one_on);
+            let want: Vec<u32> = xs.iter().map(|&x| model::forward::round_to(dtype, x).to_bits()).collect();
+            let (aligned, odd) = (values(dtype, at_start), values(dtype, one_on));
+            assert!(borrowed(&aligned) && !borrowed(&odd), "{dtype:?}: borrowed in place, copied one byte on");
+            for v in [&aligned, &odd] {
+                assert_eq!(v.dtype(), dtype);
+                assert_eq!(widened(v), want, "{dtype:?}");
+            }
+        }
+    }
+
+    fn borrowed(values: &KvValues<'_>) -> bool {
+        match values {
+            KvValues::F32(v) => matches!(v, Cow::Borrowed(_)),
+            KvValues::Bf16(v) => matches!(v, Cow::Borrowed(_)),
+            KvValues::F16(v) => matches!(v, Cow::Borrowed(_)),
+        }
+    }
 }

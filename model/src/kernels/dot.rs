@@ -44,6 +44,104 @@ pub(crate) fn tree8(s: [f32; LANES]) -> f32 {
     (s4[0] + s4[2]) + (s4[1] + s4[3])
 }
 
+/// The element type of the rows a kernel's second operand reads: f32, or a 16-bit type a KV cache may
+/// hold, read in place and widened to f32 as each vector is loaded. Widening is exact, so a product over
+/// bf16 or f16 rows has the bits of the same product over the rows widened to f32 beforehand.
+pub trait Elem: Copy + Send + Sync + sealed::Sealed + 'static {
+    /// Which of the three it is, for the loads.
+    #[doc(hidden)]
+    const KIND: ElemKind;
+    /// The value as f32 (exact).
+    fn widen(self) -> f32;
+}
+
+/// [`Elem::KIND`].
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ElemKind {
+    /// f32.
+    F32,
+    /// bfloat16.
+    Bf16,
+    /// IEEE half.
+    F16,
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::bf16 {}
+    impl Sealed for half::f16 {}
+}
+
+impl Elem for f32 {
+    const KIND: ElemKind = ElemKind::F32;
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Elem for half::bf16 {
+    const KIND: ElemKind = ElemKind::Bf16;
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Elem for half::f16 {
+    const KIND: ElemKind = ElemKind::F16;
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// 8 elements from `p`, widened to f32.
+///
+/// # Safety
+///
+/// The CPU supports AVX2, FMA and F16C; `p` points to 8 readable elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load8<E: Elem>(p: *const E) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // SAFETY: 8 elements at `p` (the caller's contract); unaligned loads.
+    unsafe {
+        match E::KIND {
+            ElemKind::F32 => _mm256_loadu_ps(p.cast()),
+            ElemKind::Bf16 => {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast()))))
+            }
+            ElemKind::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+        }
+    }
+}
+
+/// 16 elements from `p`, widened to f32.
+///
+/// # Safety
+///
+/// The CPU supports AVX-512F (and [`load8`]'s features); `p` points to 16 readable elements.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
+#[inline]
+unsafe fn load16<E: Elem>(p: *const E) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    // SAFETY: 16 elements at `p` (the caller's contract); unaligned loads.
+    unsafe {
+        match E::KIND {
+            ElemKind::F32 => _mm512_loadu_ps(p.cast()),
+            ElemKind::Bf16 => {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p.cast()))))
+            }
+            ElemKind::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+        }
+    }
+}
+
 /// Which instructions run the f32 kernels: the bits are the same whichever does.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Isa {
@@ -83,12 +181,14 @@ impl Isa {
     }
 }
 
-/// Whether the AVX2/FMA kernels can run here.
+/// Whether the AVX2/FMA kernels can run here (with F16C, which every AVX2 CPU has, for 16-bit K/V rows).
 #[inline]
 pub(crate) fn simd() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -99,7 +199,7 @@ pub(crate) fn simd() -> bool {
 /// `out[r][c] = x[r] . w[c]` over the first `n` elements, portably.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-fn tile_portable<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
+fn tile_portable<const R: usize, const C: usize, W: Elem>(x: [&[f32]; R], w: [&[W]; C], n: usize) -> [[f32; C]; R] {
     let mut acc = [[[[0f32; LANES]; VECS]; C]; R];
     let whole = n / STEP * STEP;
     for k in (0..whole).step_by(STEP) {
@@ -108,7 +208,7 @@ fn tile_portable<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C],
                 for v in 0..VECS {
                     let (xv, wv) = (&x[r][k + v * LANES..][..LANES], &w[c][k + v * LANES..][..LANES]);
                     for l in 0..LANES {
-                        acc[r][c][v][l] = xv[l].mul_add(wv[l], acc[r][c][v][l]);
+                        acc[r][c][v][l] = xv[l].mul_add(wv[l].widen(), acc[r][c][v][l]);
                     }
                 }
             }
@@ -119,7 +219,7 @@ fn tile_portable<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C],
         for c in 0..C {
             let mut s = reduce(acc[r][c]);
             for k in whole..n {
-                s = x[r][k].mul_add(w[c][k], s);
+                s = x[r][k].mul_add(w[c][k].widen(), s);
             }
             out[r][c] = s;
         }
@@ -133,11 +233,11 @@ fn tile_portable<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C],
 ///
 /// The CPU supports AVX2 and FMA, and every slice holds at least `n` elements.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 // Index loops over the small constant-size arrays keep the two kernels visibly the same sequence.
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile_avx2<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
+unsafe fn tile_avx2<const R: usize, const C: usize, W: Elem>(x: [&[f32]; R], w: [&[W]; C], n: usize) -> [[f32; C]; R] {
     use std::arch::x86_64::*;
     let mut acc = [[[_mm256_setzero_ps(); VECS]; C]; R];
     let whole = n / STEP * STEP;
@@ -147,7 +247,7 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; 
             let mut wv = [_mm256_setzero_ps(); C];
             for c in 0..C {
                 // SAFETY: k + 16 <= n <= w[c].len(); unaligned load.
-                wv[c] = unsafe { _mm256_loadu_ps(w[c].as_ptr().add(k + v * LANES)) };
+                wv[c] = unsafe { load8(w[c].as_ptr().add(k + v * LANES)) };
             }
             for r in 0..R {
                 // SAFETY: k + 16 <= n <= x[r].len(); unaligned load.
@@ -169,7 +269,7 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; 
             }
             let mut s = reduce(lanes);
             for k in whole..n {
-                s = x[r][k].mul_add(w[c][k], s);
+                s = x[r][k].mul_add(w[c][k].widen(), s);
             }
             out[r][c] = s;
         }
@@ -184,10 +284,14 @@ unsafe fn tile_avx2<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; 
 ///
 /// The CPU supports AVX-512F, and every slice holds at least `n` elements.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512f")]
+#[target_feature(enable = "avx2,fma,f16c,avx512f")]
 #[inline]
 #[allow(clippy::needless_range_loop)]
-unsafe fn tile_avx512<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
+unsafe fn tile_avx512<const R: usize, const C: usize, W: Elem>(
+    x: [&[f32]; R],
+    w: [&[W]; C],
+    n: usize,
+) -> [[f32; C]; R] {
     use std::arch::x86_64::*;
     let mut acc = [[_mm512_setzero_ps(); C]; R];
     let whole = n / STEP * STEP;
@@ -196,7 +300,7 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]
         let mut wv = [_mm512_setzero_ps(); C];
         for c in 0..C {
             // SAFETY: k + 16 <= n <= w[c].len(); unaligned load.
-            wv[c] = unsafe { _mm512_loadu_ps(w[c].as_ptr().add(k)) };
+            wv[c] = unsafe { load16(w[c].as_ptr().add(k)) };
         }
         for r in 0..R {
             // SAFETY: k + 16 <= n <= x[r].len(); unaligned load.
@@ -238,7 +342,7 @@ unsafe fn tile_avx512<const R: usize, const C: usize>(x: [&[f32]; R], w: [&[f32]
     for r in 0..R {
         for c in 0..C {
             for k in whole..n {
-                out[r][c] = x[r][k].mul_add(w[c][k], out[r][c]);
+                out[r][c] = x[r][k].mul_add(w[c][k].widen(), out[r][c]);
             }
         }
     }
@@ -283,7 +387,7 @@ pub(crate) unsafe fn reduce16(v: [std::arch::x86_64::__m512; 16]) -> [f32; 16] {
 }
 
 #[inline(always)]
-fn tile<const R: usize, const C: usize>(isa: Isa, x: [&[f32]; R], w: [&[f32]; C], n: usize) -> [[f32; C]; R] {
+fn tile<const R: usize, const C: usize, W: Elem>(isa: Isa, x: [&[f32]; R], w: [&[W]; C], n: usize) -> [[f32; C]; R] {
     assert!(x.iter().all(|x| x.len() >= n) && w.iter().all(|w| w.len() >= n), "dot product operands");
     match isa {
         Isa::Portable => tile_portable(x, w, n),
@@ -323,13 +427,13 @@ impl Dot {
     #[inline]
     pub fn of(self, a: &[f32], b: &[f32]) -> f32 {
         assert_eq!(a.len(), b.len(), "dot product of unequal lengths");
-        tile::<1, 1>(self.isa, [a], [b], a.len())[0][0]
+        tile::<1, 1, f32>(self.isa, [a], [b], a.len())[0][0]
     }
 
     /// [`Dot::add_scaled`] of every row in order: `out[i] += w[k] * rows[k][at + i]` for `k = 0, 1, ...`,
     /// the same bits, with each element kept in a register across a few rows at a time (attention's
     /// weighted sum of values: one pass over `out` per few keys, not per key).
-    pub fn add_scaled_rows(self, out: &mut [f32], w: &[f32], rows: &[&[f32]], at: usize) {
+    pub fn add_scaled_rows<E: Elem>(self, out: &mut [f32], w: &[f32], rows: &[&[E]], at: usize) {
         let n = out.len();
         assert!(w.len() == rows.len() && rows.iter().all(|r| r.len() >= at + n), "scaled add rows");
         match self.isa {
@@ -343,7 +447,7 @@ impl Dot {
         }
         for (&w, r) in w.iter().zip(rows) {
             for (o, &x) in out.iter_mut().zip(&r[at..at + n]) {
-                *o += w * x;
+                *o += w * x.widen();
             }
         }
     }
@@ -351,7 +455,7 @@ impl Dot {
     /// `out[i * rows.len() + j] = queries[i] . rows[j][at..]` for every query and row, each with the bits
     /// of [`Dot::of`]: several queries against the same keys (attention's heads that share a K/V head,
     /// at consecutive positions), by tiles, so each key is loaded once for up to four queries.
-    pub fn of_rows_multi(self, queries: &[&[f32]], rows: &[&[f32]], at: usize, out: &mut [f32]) {
+    pub fn of_rows_multi<E: Elem>(self, queries: &[&[f32]], rows: &[&[E]], at: usize, out: &mut [f32]) {
         let n = queries.first().map_or(0, |q| q.len());
         assert!(
             queries.iter().all(|q| q.len() == n)
@@ -365,7 +469,7 @@ impl Dot {
     /// [`Dot::add_scaled_rows`] for several outputs over the same rows, each with its own weights:
     /// `outs[q][i] += ws[q][k] * rows[k][at + i]` for `k = 0, 1, ...`, the same bits as one call per
     /// output, with each row loaded once for up to four outputs.
-    pub fn add_scaled_rows_multi(self, outs: &mut [&mut [f32]], ws: &[&[f32]], rows: &[&[f32]], at: usize) {
+    pub fn add_scaled_rows_multi<E: Elem>(self, outs: &mut [&mut [f32]], ws: &[&[f32]], rows: &[&[E]], at: usize) {
         let n = outs.first().map_or(0, |o| o.len());
         assert!(
             outs.iter().all(|o| o.len() == n)
@@ -387,10 +491,10 @@ impl Dot {
                 macro_rules! by_count {
                     ($kernel:ident) => {
                         match outs.len() {
-                            4 => $kernel::<4>(outs, &ws, ahead, count, at),
-                            3 => $kernel::<3>(outs, &ws, ahead, count, at),
-                            2 => $kernel::<2>(outs, &ws, ahead, count, at),
-                            _ => $kernel::<1>(outs, &ws, ahead, count, at),
+                            4 => $kernel::<E, 4>(outs, &ws, ahead, count, at),
+                            3 => $kernel::<E, 3>(outs, &ws, ahead, count, at),
+                            2 => $kernel::<E, 2>(outs, &ws, ahead, count, at),
+                            _ => $kernel::<E, 1>(outs, &ws, ahead, count, at),
                         }
                     };
                 }
@@ -435,7 +539,17 @@ impl Dot {
 const ADD_ROWS: usize = 8;
 
 macro_rules! add_scaled_rows_kernel {
-    ($name:ident, $features:literal, $lanes:literal, $set1:ident, $load:ident, $store:ident, $add:ident, $mul:ident) => {
+    (
+        $name:ident,
+        $features:literal,
+        $lanes:literal,
+        $set1:ident,
+        $load:ident,
+        $row:ident,
+        $store:ident,
+        $add:ident,
+        $mul:ident
+    ) => {
         /// [`Dot::add_scaled_rows`] with these vectors.
         ///
         /// # Safety
@@ -444,7 +558,7 @@ macro_rules! add_scaled_rows_kernel {
         /// `at + out.len()` values.
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
-        unsafe fn $name(out: &mut [f32], w: &[f32], rows: &[&[f32]], at: usize) {
+        unsafe fn $name<E: Elem>(out: &mut [f32], w: &[f32], rows: &[&[E]], at: usize) {
             use std::arch::x86_64::*;
             let n = out.len();
             let whole = n / $lanes * $lanes;
@@ -452,9 +566,9 @@ macro_rules! add_scaled_rows_kernel {
             let quads = n / (4 * $lanes) * (4 * $lanes);
             for (c, (ws, rs)) in w.chunks(ADD_ROWS).zip(rows.chunks(ADD_ROWS)).enumerate() {
                 for r in rows.iter().skip(c * ADD_ROWS + ROWS_AHEAD).take(ADD_ROWS) {
-                    crate::quant::prefetch_lines(r[at..].as_ptr().cast(), 4 * (r.len() - at));
+                    crate::quant::prefetch_lines(r[at..].as_ptr().cast(), size_of::<E>() * (r.len() - at));
                 }
-                let ptrs: [*const f32; ADD_ROWS] =
+                let ptrs: [*const E; ADD_ROWS] =
                     std::array::from_fn(|k| rs.get(k).map_or(std::ptr::null(), |r| r[at..].as_ptr()));
                 for i in (0..quads).step_by(4 * $lanes) {
                     // SAFETY: i + 4 lanes <= n = out.len(); unaligned loads.
@@ -463,7 +577,7 @@ macro_rules! add_scaled_rows_kernel {
                         let wk = $set1(wk);
                         for (v, acc) in acc.iter_mut().enumerate() {
                             // SAFETY: at + i + 4 lanes <= at + n <= the row's length (the caller's contract).
-                            let x = unsafe { $load(r.add(i + v * $lanes)) };
+                            let x = unsafe { $row(r.add(i + v * $lanes)) };
                             *acc = $add(*acc, $mul(wk, x));
                         }
                     }
@@ -477,7 +591,7 @@ macro_rules! add_scaled_rows_kernel {
                     let mut acc = unsafe { $load(out.as_ptr().add(i)) };
                     for (&wk, &r) in ws.iter().zip(&ptrs) {
                         // SAFETY: at + i + lanes <= at + n <= the row's length (the caller's contract).
-                        let x = unsafe { $load(r.add(i)) };
+                        let x = unsafe { $row(r.add(i)) };
                         acc = $add(acc, $mul($set1(wk), x));
                     }
                     // SAFETY: as the load above; unaligned store.
@@ -485,7 +599,7 @@ macro_rules! add_scaled_rows_kernel {
                 }
                 for (&wk, r) in ws.iter().zip(rs) {
                     for (o, &x) in out[whole..].iter_mut().zip(&r[at + whole..at + n]) {
-                        *o += wk * x;
+                        *o += wk * x.widen();
                     }
                 }
             }
@@ -494,7 +608,17 @@ macro_rules! add_scaled_rows_kernel {
 }
 
 macro_rules! add_scaled_rows_multi_kernel {
-    ($name:ident, $features:literal, $lanes:literal, $set1:ident, $load:ident, $store:ident, $add:ident, $mul:ident) => {
+    (
+        $name:ident,
+        $features:literal,
+        $lanes:literal,
+        $set1:ident,
+        $load:ident,
+        $row:ident,
+        $store:ident,
+        $add:ident,
+        $mul:ident
+    ) => {
         /// [`Dot::add_scaled_rows_multi`] with these vectors, for up to four outputs, over the first
         /// `count` of `rows` (the rest are only asked for ahead of time): each element's multiplies and
         /// adds in row order, as [`Dot::add_scaled_rows`] does them.
@@ -506,10 +630,10 @@ macro_rules! add_scaled_rows_multi_kernel {
         #[cfg(target_arch = "x86_64")]
         #[target_feature(enable = $features)]
         #[allow(clippy::needless_range_loop)]
-        unsafe fn $name<const Q: usize>(
+        unsafe fn $name<E: Elem, const Q: usize>(
             outs: &mut [&mut [f32]],
             ws: &[&[f32]],
-            rows: &[&[f32]],
+            rows: &[&[E]],
             count: usize,
             at: usize,
         ) {
@@ -524,7 +648,7 @@ macro_rules! add_scaled_rows_multi_kernel {
             for (b, rs) in rows[..count].chunks(ADD_ROWS).enumerate() {
                 let k0 = b * ADD_ROWS;
                 for r in rows.iter().skip(k0 + ROWS_AHEAD).take(ADD_ROWS) {
-                    crate::quant::prefetch_lines(r[at..].as_ptr().cast(), 4 * (r.len() - at));
+                    crate::quant::prefetch_lines(r[at..].as_ptr().cast(), size_of::<E>() * (r.len() - at));
                 }
                 for i in (0..pairs).step_by(2 * $lanes) {
                     // SAFETY: i + 2 lanes <= n = each output's length and at + i + 2 lanes <= at + n <=
@@ -534,7 +658,7 @@ macro_rules! add_scaled_rows_multi_kernel {
                         let mut acc: [[_; 2]; Q] =
                             std::array::from_fn(|q| std::array::from_fn(|v| $load(ptrs[q].add(i + v * $lanes))));
                         for (k, r) in rs.iter().enumerate() {
-                            let x: [_; 2] = std::array::from_fn(|v| $load(r.as_ptr().add(at + i + v * $lanes)));
+                            let x: [_; 2] = std::array::from_fn(|v| $row(r.as_ptr().add(at + i + v * $lanes)));
                             for q in 0..Q {
                                 let w = $set1(*wps[q].add(k0 + k));
                                 for v in 0..2 {
@@ -554,7 +678,7 @@ macro_rules! add_scaled_rows_multi_kernel {
                     unsafe {
                         let mut acc: [_; Q] = std::array::from_fn(|q| $load(ptrs[q].add(i)));
                         for (k, r) in rs.iter().enumerate() {
-                            let x = $load(r.as_ptr().add(at + i));
+                            let x = $row(r.as_ptr().add(at + i));
                             for q in 0..Q {
                                 acc[q] = $add(acc[q], $mul($set1(*wps[q].add(k0 + k)), x));
                             }
@@ -568,7 +692,7 @@ macro_rules! add_scaled_rows_multi_kernel {
                     for q in 0..Q {
                         for (e, &x) in (whole..n).zip(&r[at + whole..at + n]) {
                             // SAFETY: e < n = each output's length, k0 + k < its weight count.
-                            unsafe { *ptrs[q].add(e) += *wps[q].add(k0 + k) * x };
+                            unsafe { *ptrs[q].add(e) += *wps[q].add(k0 + k) * x.widen() };
                         }
                     }
                 }
@@ -579,20 +703,22 @@ macro_rules! add_scaled_rows_multi_kernel {
 
 add_scaled_rows_multi_kernel!(
     add_scaled_rows_multi_avx2,
-    "avx2,fma",
+    "avx2,fma,f16c",
     8,
     _mm256_set1_ps,
     _mm256_loadu_ps,
+    load8,
     _mm256_storeu_ps,
     _mm256_add_ps,
     _mm256_mul_ps
 );
 add_scaled_rows_multi_kernel!(
     add_scaled_rows_multi_avx512,
-    "avx2,fma,avx512f",
+    "avx2,fma,f16c,avx512f",
     16,
     _mm512_set1_ps,
     _mm512_loadu_ps,
+    load16,
     _mm512_storeu_ps,
     _mm512_add_ps,
     _mm512_mul_ps
@@ -600,20 +726,22 @@ add_scaled_rows_multi_kernel!(
 
 add_scaled_rows_kernel!(
     add_scaled_rows_avx2,
-    "avx2,fma",
+    "avx2,fma,f16c",
     8,
     _mm256_set1_ps,
     _mm256_loadu_ps,
+    load8,
     _mm256_storeu_ps,
     _mm256_add_ps,
     _mm256_mul_ps
 );
 add_scaled_rows_kernel!(
     add_scaled_rows_avx512,
-    "avx2,fma,avx512f",
+    "avx2,fma,f16c,avx512f",
     16,
     _mm512_set1_ps,
     _mm512_loadu_ps,
+    load16,
     _mm512_storeu_ps,
     _mm512_add_ps,
     _mm512_mul_ps
@@ -705,14 +833,14 @@ enum Stream {
 /// `out[i * cols + j] = row(i) . wrow(j)` over the first `n` elements, by tiles: [`dots_with`] over rows
 /// given one by one. Every slice holds at least `n` elements.
 #[allow(clippy::too_many_arguments)]
-fn tiles<'a, 'b>(
+fn tiles<'a, 'b, W: Elem>(
     isa: Isa,
     stream: Stream,
     t: usize,
     cols: usize,
     n: usize,
     row: impl Fn(usize) -> &'a [f32],
-    wrow: impl Fn(usize) -> &'b [f32],
+    wrow: impl Fn(usize) -> &'b [W],
     out: &mut [f32],
 ) {
     assert_eq!(out.len(), t * cols, "dots shapes");
@@ -741,14 +869,14 @@ fn tiles<'a, 'b>(
             // prefetcher does not follow well).
             if few {
                 for c in (c0 + ROWS_AHEAD..c0 + ROWS_AHEAD + nc).take_while(|&c| c < cols) {
-                    crate::quant::prefetch_lines(wrow(c).as_ptr().cast(), 4 * wrow(c).len());
+                    crate::quant::prefetch_lines(wrow(c).as_ptr().cast(), size_of_val(wrow(c)));
                 }
             }
             for r0 in (rb..rend).step_by(tile_rows) {
                 let nr = tile_rows.min(rend - r0);
                 macro_rules! run {
                     ($r:literal, $c:literal) => {{
-                        let res = tile::<$r, $c>(
+                        let res = tile::<$r, $c, W>(
                             isa,
                             std::array::from_fn(|i| row(r0 + i)),
                             std::array::from_fn(|j| wrow(c0 + j)),
@@ -831,6 +959,59 @@ mod tests {
         }
     }
 
+    /// The attention kernels over bf16 or f16 rows, widened as they load, against the same kernels over
+    /// the rows widened beforehand.
+    fn sixteen_bit_rows_are_read_as_their_f32_values<E: Elem>(narrow: impl Fn(f32) -> E) {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        // Subnormal in f16, signed zeros, values that round differently in each type.
+        let special = [1e-6, -0.0, 0.0, -3.0e4, 65504.0, 1.0 / 3.0, -7.5e-8];
+        for (n, at) in [(64, 0), (37, 5), (256, 256), (8, 3)] {
+            for (queries, rows) in [(1, 1), (3, 70), (4, 9), (9, 130)] {
+                let mut kv = data(rows * (at + n), 4);
+                for (x, &v) in kv.iter_mut().step_by(13).zip(special.iter().cycle()) {
+                    *x = v;
+                }
+                let narrow: Vec<E> = kv.iter().map(|&x| narrow(x)).collect();
+                let wide: Vec<f32> = narrow.iter().map(|x| x.widen()).collect();
+                let (rs, ws16): (Vec<&[f32]>, Vec<&[E]>) =
+                    (wide.chunks_exact(at + n).collect(), narrow.chunks_exact(at + n).collect());
+                let q = data(queries * n, 3);
+                let qs: Vec<&[f32]> = q.chunks_exact(n).collect();
+                let w = data(queries * rows, 5);
+                let ws: Vec<&[f32]> = w.chunks_exact(rows).collect();
+                for isa in Isa::all() {
+                    let dot = Dot { isa };
+                    let (mut want, mut got) = (vec![0f32; queries * rows], vec![0f32; queries * rows]);
+                    dot.of_rows_multi(&qs, &rs, at, &mut want);
+                    dot.of_rows_multi(&qs, &ws16, at, &mut got);
+                    assert_eq!(bits(&got), bits(&want), "scores: n {n}, {queries} x {rows}, {isa:?}");
+
+                    let (mut want, mut got) = (data(queries * n, 6), data(queries * n, 6));
+                    let mut outs: Vec<&mut [f32]> = want.chunks_exact_mut(n).collect();
+                    dot.add_scaled_rows_multi(&mut outs, &ws, &rs, at);
+                    let mut outs: Vec<&mut [f32]> = got.chunks_exact_mut(n).collect();
+                    dot.add_scaled_rows_multi(&mut outs, &ws, &ws16, at);
+                    assert_eq!(bits(&got), bits(&want), "sums: n {n}, {queries} x {rows}, {isa:?}");
+
+                    let (mut want, mut got) = (data(n, 7), data(n, 7));
+                    dot.add_scaled_rows(&mut want, ws[0], &rs, at);
+                    dot.add_scaled_rows(&mut got, ws[0], &ws16, at);
+                    assert_eq!(bits(&got), bits(&want), "one output: n {n}, {rows} rows, {isa:?}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bf16_rows_are_read_as_their_f32_values() {
+        sixteen_bit_rows_are_read_as_their_f32_values(half::bf16::from_f32);
+    }
+
+    #[test]
+    fn f16_rows_are_read_as_their_f32_values() {
+        sixteen_bit_rows_are_read_as_their_f32_values(half::f16::from_f32);
+    }
+
     #[test]
     fn every_tile_and_both_kernels_give_each_output_the_same_bits() {
         // 37 elements: four whole groups of lanes and a tail.
@@ -840,7 +1021,7 @@ mod tests {
             let mut alone = vec![0f32; t * cols];
             for i in 0..t {
                 for j in 0..cols {
-                    alone[i * cols + j] = tile_portable::<1, 1>([&x[i * n..]], [&w[j * n..]], n)[0][0];
+                    alone[i * cols + j] = tile_portable::<1, 1, f32>([&x[i * n..]], [&w[j * n..]], n)[0][0];
                 }
             }
             for isa in Isa::all() {

@@ -12,7 +12,7 @@ mod q8;
 mod weight;
 
 pub use act::{gated, Gate};
-pub use dot::{dot, Dot};
+pub use dot::{dot, Dot, Elem};
 pub use q8::Q8;
 pub use weight::{BlockBytes, Weight};
 

@@ -11,7 +11,6 @@ use model::tokenizer::Tokenizer;
 use pdhost::engine::{Engine, Request};
 use pdhost::request::{self, Field, Invalid, Limits, RawRequest};
 use serde_json::json;
-use shm_format::Dtype;
 
 use crate::cli::ModelBenchArgs;
 use crate::cmd::outln;
@@ -54,11 +53,17 @@ struct Resident {
 /// The peak resident memory of `pdhost generate` of `prompt` plus `decode` tokens of `model` in `precision`
 /// (local prefill, 2 threads) and the KV pool it preallocated, in MiB, as the process reports them in its
 /// `--json` (`memory.peak_rss_bytes`, `memory.kv_pool_bytes`).
-fn generate_memory_mib(model: &str, precision: &str, prompt: &[u32], decode: u64) -> anyhow::Result<(f64, f64)> {
+fn generate_memory_mib(
+    model: &str,
+    precision: &str,
+    kv_dtype: &str,
+    prompt: &[u32],
+    decode: u64,
+) -> anyhow::Result<(f64, f64)> {
     let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
     let out = Command::new(std::env::current_exe().context("locating the pdhost executable")?)
         .args(["generate", "--model", model, "--producer", "local", "--precision", precision, "--threads", "2"])
-        .args(["--max-tokens", &decode.to_string(), "--prompt-ids", &ids.join(","), "--json"])
+        .args(["--max-tokens", &decode.to_string(), "--prompt-ids", &ids.join(","), "--kv-dtype", kv_dtype, "--json"])
         .stdin(std::process::Stdio::null())
         .output()
         .context("running `pdhost generate`")?;
@@ -193,6 +198,7 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         .collect::<Result<_, _>>()?;
     let repeats = request::check_count(Field::Repeats, args.repeats, 1, MAX_REPEATS)?;
     let cases = cases(args)?;
+    let kv_name = args.kv_dtype.dtype().name();
     let llama_site = if args.no_llama_cpp { None } else { Some(llama_cpp_python(args.json)?) };
     let bar = super::progress(8 * repeats * (batches.len() * args.prompt_tokens.len()) as u64, args.json);
     let (mut rows, mut loads, mut residents) = (Vec::new(), Vec::new(), Vec::new());
@@ -211,7 +217,7 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             drop(model);
             bar.set_message(format!("{name} {}: the memory of a short generate", precision.name()));
             let (peak_mib, kv_mib) =
-                generate_memory_mib(name, precision.name(), &case.requests[0].prompt, args.decode_tokens)?;
+                generate_memory_mib(name, precision.name(), kv_name, &case.requests[0].prompt, args.decode_tokens)?;
             residents.push(Resident {
                 model: name,
                 precision: precision.name(),
@@ -250,7 +256,7 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
                         ));
                         model.configure(precision, threads);
                         let max_len = (prompt.len() + request.max_tokens) as u64;
-                        let mut engine = Engine::new(model, Dtype::F32, 64, max_len, batch as u32)?;
+                        let mut engine = Engine::new(model, args.kv_dtype.dtype(), 64, max_len, batch as u32)?;
                         let result = run_cell(&mut engine, request, batch);
                         model = engine.model;
                         let (prefill, decode) = result?;
@@ -307,11 +313,11 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         outln!(
             "{}",
             json!({"bench": "model", "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-                   "batch": batches, "repeats": repeats, "loads": loads, "resident": residents, "results": out})
+                   "batch": batches, "repeats": repeats, "kv_dtype": kv_name, "loads": loads, "resident": residents, "results": out})
         )?;
     } else {
         outln!(
-            "prefill of a prompt and greedy decode of {} tokens by `batch` sequences at once through the paged KV cache (f32 KV), the median of {repeats} run(s), each after a warm-up prefill; llama.cpp on the same GGUF, same threads, timed the same way, its runs interleaved with pdhost's",
+            "prefill of a prompt and greedy decode of {} tokens by `batch` sequences at once through the paged KV cache ({kv_name} KV; llama.cpp's is f16), the median of {repeats} run(s), each after a warm-up prefill; llama.cpp on the same GGUF, same threads, timed the same way, its runs interleaved with pdhost's",
             args.decode_tokens
         )?;
         for l in &loads {
