@@ -58,6 +58,8 @@ fn held_as(kv: &VecKv, dtype: Dtype) -> Box<dyn PastKv + '_> {
         let of = |layers: &[Vec<f32>]| layers.iter().map(|l| l.iter().map(|&x| to(x)).collect()).collect();
         NarrowKv { k: of(&kv.k), v: of(&kv.v), row: kv.row, values }
     }
+    // The closures make the variants' constructors generic over the lifetime, as `values` needs.
+    #[allow(clippy::redundant_closure)]
     match dtype {
         Dtype::F32 => Box::new(VecKv { k: kv.k.clone(), v: kv.v.clone(), row: kv.row }),
         Dtype::Bf16 => Box::new(narrow(kv, bf16::from_f32, |v| KvValues::Bf16(v))),
