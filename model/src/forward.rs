@@ -175,6 +175,47 @@ pub struct Output {
     pub logits: Vec<f32>,
 }
 
+/// Rows of a pass from which its row-wise steps (norms, rotations, residual additions, activations) run
+/// on the pool's threads: below it (a decode step's few rows) the hand-off costs more than the work. Run
+/// on one thread, they were a sixth of a two-thread prefill's time in which the other thread idled.
+const PAR_ROWS: usize = 16;
+
+/// `f(i, row)` for every row `i` of `x` (`width` values each): on the pool's threads from [`PAR_ROWS`]
+/// rows on, every row whole on one thread, so no bit depends on which.
+fn each_row(x: &mut [f32], width: usize, f: impl Fn(usize, &mut [f32]) + Sync + Send) {
+    if x.len() >= PAR_ROWS * width {
+        x.par_chunks_exact_mut(width).with_min_len(PAR_ROWS / 4).enumerate().for_each(|(i, row)| f(i, row));
+    } else {
+        x.chunks_exact_mut(width).enumerate().for_each(|(i, row)| f(i, row));
+    }
+}
+
+/// `x`, each row RMS-normalized with weights `w`.
+fn normed(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let mut h = vec![0f32; x.len()];
+    each_row(&mut h, w.len(), |i, row| {
+        row.copy_from_slice(&x[i * w.len()..(i + 1) * w.len()]);
+        rms_norm(row, w, eps);
+    });
+    h
+}
+
+/// The residual addition `x += norm(y)` (or `x += y` without a norm), rows of `width` values, on the
+/// pool's threads as [`each_row`].
+fn add_normed(x: &mut [f32], mut y: Vec<f32>, width: usize, norm: Option<&[f32]>, eps: f32) {
+    let add = |(row, y): (&mut [f32], &mut [f32])| {
+        if let Some(w) = norm {
+            rms_norm(y, w, eps);
+        }
+        row.iter_mut().zip(&*y).for_each(|(a, b)| *a += b);
+    };
+    if x.len() >= PAR_ROWS * width {
+        x.par_chunks_exact_mut(width).zip(y.par_chunks_exact_mut(width)).with_min_len(PAR_ROWS / 4).for_each(add);
+    } else {
+        x.chunks_exact_mut(width).zip(y.chunks_exact_mut(width)).for_each(add);
+    }
+}
+
 fn rms_norm(x: &mut [f32], w: &[f32], eps: f32) {
     for row in x.chunks_exact_mut(w.len()) {
         let mean = row.iter().map(|v| v * v).sum::<f32>() / w.len() as f32;
@@ -319,17 +360,16 @@ impl Model {
         // Per RoPE base (its bits): every row's rotation angles, `head_dim / 2` per row.
         let mut rotations: Vec<(u32, Vec<(f32, f32)>)> = Vec::new();
         for (l, w) in self.layers.iter().enumerate() {
-            let mut h = x.clone();
-            rms_norm(&mut h, &w.attn_norm, c.eps);
+            let h = normed(&x, &w.attn_norm, c.eps);
             let lq = self.q8.as_ref().map(|q| &q.layers[l]);
             let q8 = |i: usize| lq.and_then(|q| q[i].as_ref());
             let [mut q, mut k, mut v] =
                 self.exec.matmul_many(&h, [(&w.wq, q8(0), qd), (&w.wk, q8(1), kvd), (&w.wv, q8(2), kvd)], t, c.hidden);
             if let Some(qn) = &w.q_norm {
-                rms_norm(&mut q, qn, c.eps);
+                each_row(&mut q, qd, |_, row| rms_norm(row, qn, c.eps));
             }
             if let Some(kn) = &w.k_norm {
-                rms_norm(&mut k, kn, c.eps);
+                each_row(&mut k, kvd, |_, row| rms_norm(row, kn, c.eps));
             }
             let base = match c.layers[l] {
                 Attention::Full => c.rope_global,
@@ -350,44 +390,40 @@ impl Model {
                     rotations.len() - 1
                 }
             };
-            for (i, angles) in rotations[at].1.chunks_exact(hd / 2).enumerate() {
-                for head in q[i * qd..(i + 1) * qd].chunks_exact_mut(hd) {
-                    rope(head, angles, c.rope_adjacent);
-                }
-                for head in k[i * kvd..(i + 1) * kvd].chunks_exact_mut(hd) {
-                    rope(head, angles, c.rope_adjacent);
-                }
+            let angles = &rotations[at].1;
+            for (x, width) in [(&mut q, qd), (&mut k, kvd)] {
+                each_row(x, width, |i, row| {
+                    for head in row.chunks_exact_mut(hd) {
+                        rope(head, &angles[i * hd / 2..(i + 1) * hd / 2], c.rope_adjacent);
+                    }
+                });
             }
             // From here on the chunk's K/V are what the cache will hold.
             if self.kv_dtype != Dtype::F32 {
-                k.iter_mut().chain(v.iter_mut()).for_each(|x| *x = round_to(self.kv_dtype, *x));
+                for x in [&mut k, &mut v] {
+                    each_row(x, kvd, |_, row| row.iter_mut().for_each(|x| *x = round_to(self.kv_dtype, *x)));
+                }
             }
             let attn = self.attention(l, segments, &rows, &q, &k, &v);
-            let mut o = self.exec.matmul_t(&attn, &w.wo, q8(3), t, qd, c.hidden);
-            if let Some(n) = &w.post_attn_norm {
-                rms_norm(&mut o, n, c.eps);
-            }
-            x.iter_mut().zip(&o).for_each(|(a, b)| *a += b);
+            let o = self.exec.matmul_t(&attn, &w.wo, q8(3), t, qd, c.hidden);
+            add_normed(&mut x, o, c.hidden, w.post_attn_norm.as_deref(), c.eps);
 
-            let mut h = x.clone();
-            rms_norm(&mut h, &w.ffn_norm, c.eps);
+            let h = normed(&x, &w.ffn_norm, c.eps);
             let [gate, up] = self.exec.matmul_many(&h, [(&w.gate, q8(4), c.ffn), (&w.up, q8(5), c.ffn)], t, c.hidden);
-            let act = crate::kernels::gated(
-                match c.arch {
-                    Arch::Gemma3 => Gate::GeluTanh,
-                    Arch::Llama => Gate::Silu,
-                },
-                &gate,
-                &up,
-            );
-            let mut down = self.exec.matmul_t(&act, &w.down, q8(6), t, c.ffn, c.hidden);
-            if let Some(n) = &w.post_ffn_norm {
-                rms_norm(&mut down, n, c.eps);
-            }
-            x.iter_mut().zip(&down).for_each(|(a, b)| *a += b);
+            let kind = match c.arch {
+                Arch::Gemma3 => Gate::GeluTanh,
+                Arch::Llama => Gate::Silu,
+            };
+            let mut act = vec![0f32; gate.len()];
+            each_row(&mut act, c.ffn, |i, row| {
+                let of = i * c.ffn..(i + 1) * c.ffn;
+                crate::kernels::gated_into(kind, &gate[of.clone()], &up[of], row);
+            });
+            let down = self.exec.matmul_t(&act, &w.down, q8(6), t, c.ffn, c.hidden);
+            add_normed(&mut x, down, c.hidden, w.post_ffn_norm.as_deref(), c.eps);
             layers_kv.push((k, v));
         }
-        rms_norm(&mut x, &self.final_norm, c.eps);
+        each_row(&mut x, c.hidden, |_, row| rms_norm(row, &self.final_norm, c.eps));
 
         // The rows whose logits are wanted, through the head in one product.
         let mut wanted = Vec::new();

@@ -63,25 +63,31 @@ pub fn activate(gate: Gate, x: f32) -> f32 {
 
 /// `activate(gate, g[i]) * u[i]` for every `i`.
 pub fn gated(gate: Gate, g: &[f32], u: &[f32]) -> Vec<f32> {
-    gated_with(Isa::best(super::dot::simd()), gate, g, u)
+    let mut out = vec![0f32; g.len()];
+    gated_into(gate, g, u, &mut out);
+    out
 }
 
-fn gated_with(isa: Isa, gate: Gate, g: &[f32], u: &[f32]) -> Vec<f32> {
-    assert_eq!(g.len(), u.len(), "gate and up of unequal lengths");
-    let mut out = vec![0f32; g.len()];
+/// [`gated`] into `out`. Each value's bits depend on nothing but its own gate and up values, so any
+/// split of a long vector into parts gives the bits of the whole.
+pub fn gated_into(gate: Gate, g: &[f32], u: &[f32], out: &mut [f32]) {
+    gated_with(Isa::best(super::dot::simd()), gate, g, u, out)
+}
+
+fn gated_with(isa: Isa, gate: Gate, g: &[f32], u: &[f32], out: &mut [f32]) {
+    assert!(g.len() == u.len() && u.len() == out.len(), "gate, up and output of unequal lengths");
     let done = match isa {
         Isa::Portable => 0,
         // SAFETY: `Isa::best` gives it only where AVX2 and FMA are present; the lengths are equal.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => unsafe { simd::gated_avx2(gate, g, u, &mut out) },
+        Isa::Avx2 => unsafe { simd::gated_avx2(gate, g, u, out) },
         // SAFETY: `Isa::best` gives it only where AVX-512F is present; the lengths are equal.
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => unsafe { simd::gated_avx512(gate, g, u, &mut out) },
+        Isa::Avx512 => unsafe { simd::gated_avx512(gate, g, u, out) },
     };
     for ((o, &g), &u) in out.iter_mut().zip(g).zip(u).skip(done) {
         *o = activate(gate, g) * u;
     }
-    out
 }
 
 /// The kernels: [`exp`] and [`activate`] operation for operation, 8 or 16 values at a time. Each
@@ -214,10 +220,18 @@ mod tests {
             (0..1037).map(|i| (i as f32 - 518.0) * 0.023 + if i % 13 == 0 { 40.0 } else { 0.0 }).collect();
         let u: Vec<f32> = (0..1037).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.03).collect();
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let of = |isa, gate, g: &[f32], u: &[f32]| {
+            let mut out = vec![0f32; g.len()];
+            gated_with(isa, gate, g, u, &mut out);
+            out
+        };
         for gate in [Gate::GeluTanh, Gate::Silu] {
-            let want = gated_with(Isa::Portable, gate, &g, &u);
+            let want = of(Isa::Portable, gate, &g, &u);
             for isa in Isa::all() {
-                assert_eq!(bits(&gated_with(isa, gate, &g, &u)), bits(&want), "{gate:?} {isa:?}");
+                assert_eq!(bits(&of(isa, gate, &g, &u)), bits(&want), "{gate:?} {isa:?}");
+                // In parts, as the forward pass computes it row by row.
+                let parts: Vec<f32> = g.chunks(100).zip(u.chunks(100)).flat_map(|(g, u)| of(isa, gate, g, u)).collect();
+                assert_eq!(bits(&parts), bits(&want), "{gate:?} {isa:?} in parts");
             }
         }
     }
