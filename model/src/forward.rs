@@ -177,7 +177,7 @@ pub struct Output {
 
 /// Rows of a pass from which its row-wise steps (norms, rotations, residual additions, activations) run
 /// on the pool's threads: below it (a decode step's few rows) the hand-off costs more than the work. Run
-/// on one thread, they were a sixth of a two-thread prefill's time in which the other thread idled.
+/// on one thread, they were about 5% of a two-thread prefill's samples, while the other thread waited.
 const PAR_ROWS: usize = 16;
 
 /// `f(i, row)` for every row `i` of `x` (`width` values each): on the pool's threads from [`PAR_ROWS`]
