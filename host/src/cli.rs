@@ -218,7 +218,8 @@ pub struct GenerateArgs {
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MIB")]
     pub producer_memory: Option<u64>,
     /// Element type of the KV cache, and of the producer's spans (`bf16` gives the RNGD contract's wire
-    /// format; `f32` matches transformers' fp32 exactly).
+    /// format; `f32` matches transformers' fp32 exactly; `bf16` and `f16` halve the cache and what each
+    /// decode step reads from it).
     #[arg(long, value_enum, default_value_t = KvDtype::F32)]
     pub kv_dtype: KvDtype,
     /// Tokens per KV page (1 to 4096, and at most the context).
@@ -330,7 +331,8 @@ pub struct ServeArgs {
     /// memory). A producer that dies at its cap is reported as `memory_limit`.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MIB")]
     pub producer_memory: Option<u64>,
-    /// Element type of the KV cache and of the producer's spans.
+    /// Element type of the KV cache and of the producer's spans (as in `generate`: `bf16` and `f16` halve
+    /// the cache and what each decode step reads from it).
     #[arg(long, value_enum, default_value_t = KvDtype::F32)]
     pub kv_dtype: KvDtype,
     /// Arithmetic (see `generate`).
@@ -386,11 +388,11 @@ impl StreamArg {
 /// Element type of the KV cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum KvDtype {
-    /// 32-bit float.
+    /// 32-bit float: what transformers' fp32 references hold.
     F32,
-    /// bfloat16.
+    /// bfloat16: the RNGD contract's wire format, half the bytes.
     Bf16,
-    /// IEEE half.
+    /// IEEE half: llama.cpp's default, half the bytes.
     F16,
 }
 
