@@ -51,6 +51,47 @@ pub fn exp(z: f32) -> f32 {
     y * f32::from_bits(((n as i32 + 127) << 23) as u32)
 }
 
+/// Lanes of [`sum_exp`]'s sum.
+const SUM_LANES: usize = 16;
+
+/// `sum(e^(x - max))` over the values of `xs` that are not NaN, in f64, in one fixed order whatever the
+/// kernel: lane `l` (of 16) adds the terms of `x[i]`, `i ≡ l (mod 16)`, in increasing `i`; then lanes `l`
+/// and `l + 8`, the 8 sums as [`super::dot::tree8`] does, and the values past the last 16 one by one.
+/// Each term is [`exp`] of an f32 difference, widened to f64 (exact), so the kernels give the portable
+/// bits (tested). [`exp`] is clamped at `e^-87`: a value far below `max` adds about `1e-38`, not 0.
+pub fn sum_exp(xs: &[f32], max: f32) -> f64 {
+    sum_exp_with(Isa::best(super::dot::simd()), xs, max)
+}
+
+fn sum_exp_with(isa: Isa, xs: &[f32], max: f32) -> f64 {
+    let term = |x: f32| if x.is_nan() { 0.0 } else { f64::from(exp(x - max)) };
+    let (lanes, done) = match isa {
+        Isa::Portable => {
+            let mut lanes = [0f64; SUM_LANES];
+            let chunks = xs.chunks_exact(SUM_LANES);
+            for chunk in chunks {
+                for (l, &x) in lanes.iter_mut().zip(chunk) {
+                    *l += term(x);
+                }
+            }
+            (lanes, xs.len() / SUM_LANES * SUM_LANES)
+        }
+        // SAFETY: `Isa::best` gives it only where AVX2 and FMA are present.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { simd::sum_exp_avx2(xs, max) },
+        // SAFETY: `Isa::best` gives it only where AVX-512F is present.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { simd::sum_exp_avx512(xs, max) },
+    };
+    let s8: [f64; 8] = std::array::from_fn(|l| lanes[l] + lanes[l + 8]);
+    let s4 = [s8[0] + s8[4], s8[1] + s8[5], s8[2] + s8[6], s8[3] + s8[7]];
+    let mut sum = (s4[0] + s4[2]) + (s4[1] + s4[3]);
+    for &x in &xs[done..] {
+        sum += term(x);
+    }
+    sum
+}
+
 /// The activation of one gate value.
 #[inline(always)]
 pub fn activate(gate: Gate, x: f32) -> f32 {
@@ -96,7 +137,100 @@ fn gated_with(isa: Isa, gate: Gate, g: &[f32], u: &[f32], out: &mut [f32]) {
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::{Gate, GELU_A, GELU_C, HI, LN2_HI, LN2_LO, LO, LOG2E, P, ROUND};
+    use super::{Gate, GELU_A, GELU_C, HI, LN2_HI, LN2_LO, LO, LOG2E, P, ROUND, SUM_LANES};
+
+    /// [`super::exp`] of 8 values.
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(z: __m256) -> __m256 {
+        let s = _mm256_set1_ps;
+        let z = _mm256_min_ps(s(HI), _mm256_max_ps(s(LO), z));
+        let n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(z, s(LOG2E)), s(ROUND)), s(ROUND));
+        let r = _mm256_fmadd_ps(n, s(-LN2_HI), z);
+        let r = _mm256_fmadd_ps(n, s(-LN2_LO), r);
+        let mut p = s(P[0]);
+        for c in &P[1..] {
+            p = _mm256_fmadd_ps(p, r, s(*c));
+        }
+        let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), s(1.0));
+        let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
+        _mm256_mul_ps(y, _mm256_castsi256_ps(two_n))
+    }
+
+    /// [`super::exp`] of 16 values.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    fn exp16(z: __m512) -> __m512 {
+        let s = _mm512_set1_ps;
+        let z = _mm512_min_ps(s(HI), _mm512_max_ps(s(LO), z));
+        let n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(z, s(LOG2E)), s(ROUND)), s(ROUND));
+        let r = _mm512_fmadd_ps(n, s(-LN2_HI), z);
+        let r = _mm512_fmadd_ps(n, s(-LN2_LO), r);
+        let mut p = s(P[0]);
+        for c in &P[1..] {
+            p = _mm512_fmadd_ps(p, r, s(*c));
+        }
+        let y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), s(1.0));
+        let two_n = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
+        _mm512_mul_ps(y, _mm512_castsi512_ps(two_n))
+    }
+
+    /// [`super::sum_exp`]'s lanes with AVX2: each 16 values are two vectors of 8, each widened to two
+    /// vectors of 4 f64 lanes; a NaN's term is zero. Returns the lanes and how many values they cover.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn sum_exp_avx2(xs: &[f32], max: f32) -> ([f64; SUM_LANES], usize) {
+        let mut acc = [_mm256_setzero_pd(); 4];
+        let whole = xs.len() / SUM_LANES * SUM_LANES;
+        let m = _mm256_set1_ps(max);
+        for i in (0..whole).step_by(SUM_LANES) {
+            for h in 0..2 {
+                // SAFETY: i + 16 <= whole <= xs.len(); unaligned load.
+                let x = unsafe { _mm256_loadu_ps(xs.as_ptr().add(i + 8 * h)) };
+                let e = _mm256_and_ps(exp8(_mm256_sub_ps(x, m)), _mm256_cmp_ps::<_CMP_ORD_Q>(x, x));
+                acc[2 * h] = _mm256_add_pd(acc[2 * h], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+                acc[2 * h + 1] = _mm256_add_pd(acc[2 * h + 1], _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(e)));
+            }
+        }
+        let mut lanes = [0f64; SUM_LANES];
+        for (v, acc) in acc.iter().enumerate() {
+            // SAFETY: 4 f64s; unaligned store.
+            unsafe { _mm256_storeu_pd(lanes.as_mut_ptr().add(4 * v), *acc) };
+        }
+        (lanes, whole)
+    }
+
+    /// [`super::sum_exp`]'s lanes with AVX-512F: each 16 values are one vector, widened to two vectors
+    /// of 8 f64 lanes; a NaN's term is zero. Returns the lanes and how many values they cover.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F (and AVX2, FMA).
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    pub(super) unsafe fn sum_exp_avx512(xs: &[f32], max: f32) -> ([f64; SUM_LANES], usize) {
+        let mut acc = [_mm512_setzero_pd(); 2];
+        let whole = xs.len() / SUM_LANES * SUM_LANES;
+        let m = _mm512_set1_ps(max);
+        for i in (0..whole).step_by(SUM_LANES) {
+            // SAFETY: i + 16 <= whole <= xs.len(); unaligned load.
+            let x = unsafe { _mm512_loadu_ps(xs.as_ptr().add(i)) };
+            let e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask::<_CMP_ORD_Q>(x, x), exp16(_mm512_sub_ps(x, m)));
+            acc[0] = _mm512_add_pd(acc[0], _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+            acc[1] = _mm512_add_pd(
+                acc[1],
+                _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(e)))),
+            );
+        }
+        let mut lanes = [0f64; SUM_LANES];
+        for (v, acc) in acc.iter().enumerate() {
+            // SAFETY: 8 f64s; unaligned store.
+            unsafe { _mm512_storeu_pd(lanes.as_mut_ptr().add(8 * v), *acc) };
+        }
+        (lanes, whole)
+    }
 
     /// [`super::gated`] with AVX2.
     ///
@@ -106,19 +240,6 @@ mod simd {
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn gated_avx2(gate: Gate, g: &[f32], u: &[f32], out: &mut [f32]) -> usize {
         let s = _mm256_set1_ps;
-        let exp = |z: __m256| {
-            let z = _mm256_min_ps(s(HI), _mm256_max_ps(s(LO), z));
-            let n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(z, s(LOG2E)), s(ROUND)), s(ROUND));
-            let r = _mm256_fmadd_ps(n, s(-LN2_HI), z);
-            let r = _mm256_fmadd_ps(n, s(-LN2_LO), r);
-            let mut p = s(P[0]);
-            for c in &P[1..] {
-                p = _mm256_fmadd_ps(p, r, s(*c));
-            }
-            let y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), s(1.0));
-            let two_n = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)));
-            _mm256_mul_ps(y, _mm256_castsi256_ps(two_n))
-        };
         let whole = g.len() / 8 * 8;
         for i in (0..whole).step_by(8) {
             // SAFETY: i + 8 <= the length of all three (the caller's contract); unaligned loads.
@@ -130,7 +251,7 @@ mod simd {
                 }
                 Gate::Silu => _mm256_xor_ps(x, s(-0.0)),
             };
-            let act = _mm256_div_ps(x, _mm256_add_ps(s(1.0), exp(z)));
+            let act = _mm256_div_ps(x, _mm256_add_ps(s(1.0), exp8(z)));
             // SAFETY: as above; unaligned store.
             unsafe { _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_mul_ps(act, up)) };
         }
@@ -145,19 +266,6 @@ mod simd {
     #[target_feature(enable = "avx2,fma,avx512f")]
     pub(super) unsafe fn gated_avx512(gate: Gate, g: &[f32], u: &[f32], out: &mut [f32]) -> usize {
         let s = _mm512_set1_ps;
-        let exp = |z: __m512| {
-            let z = _mm512_min_ps(s(HI), _mm512_max_ps(s(LO), z));
-            let n = _mm512_sub_ps(_mm512_add_ps(_mm512_mul_ps(z, s(LOG2E)), s(ROUND)), s(ROUND));
-            let r = _mm512_fmadd_ps(n, s(-LN2_HI), z);
-            let r = _mm512_fmadd_ps(n, s(-LN2_LO), r);
-            let mut p = s(P[0]);
-            for c in &P[1..] {
-                p = _mm512_fmadd_ps(p, r, s(*c));
-            }
-            let y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), s(1.0));
-            let two_n = _mm512_slli_epi32::<23>(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)));
-            _mm512_mul_ps(y, _mm512_castsi512_ps(two_n))
-        };
         let whole = g.len() / 16 * 16;
         for i in (0..whole).step_by(16) {
             // SAFETY: i + 16 <= the length of all three (the caller's contract); unaligned loads.
@@ -171,7 +279,7 @@ mod simd {
                     _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(i32::MIN)))
                 }
             };
-            let act = _mm512_div_ps(x, _mm512_add_ps(s(1.0), exp(z)));
+            let act = _mm512_div_ps(x, _mm512_add_ps(s(1.0), exp16(z)));
             // SAFETY: as above; unaligned store.
             unsafe { _mm512_storeu_ps(out.as_mut_ptr().add(i), _mm512_mul_ps(act, up)) };
         }
@@ -211,6 +319,25 @@ mod tests {
         assert_eq!(activate(Gate::GeluTanh, 1e6), 1e6);
         assert!(activate(Gate::GeluTanh, -1e6).abs() < 1e-30, "the clamp leaves a vanishing value");
         assert!(activate(Gate::Silu, f32::NAN).is_nan());
+    }
+
+    /// The normaliser's sum: every kernel's bits are the portable ones (NaNs skipped, tails included),
+    /// and within a few units in the last place of an f64 sum of f64 exponentials.
+    #[test]
+    fn sum_exp_is_one_fixed_sum_and_accurate() {
+        for len in [0, 1, 15, 16, 17, 100, 1037, 262_144 + 5] {
+            let mut xs: Vec<f32> = (0..len).map(|i| ((i * 7919 % 20011) as f32 - 10_000.0) * 1e-3).collect();
+            for x in xs.iter_mut().step_by(97) {
+                *x = f32::NAN;
+            }
+            let max = xs.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let want = sum_exp_with(Isa::Portable, &xs, max);
+            for isa in Isa::all() {
+                assert_eq!(sum_exp_with(isa, &xs, max).to_bits(), want.to_bits(), "{len} values, {isa:?}");
+            }
+            let exact: f64 = xs.iter().filter(|x| !x.is_nan()).map(|&x| (f64::from(x) - f64::from(max)).exp()).sum();
+            assert!((want - exact).abs() <= exact * 1e-6, "{len} values: {want} against {exact}");
+        }
     }
 
     /// Every kernel gives the portable bits, tails included.
