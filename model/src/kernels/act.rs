@@ -102,15 +102,8 @@ pub fn activate(gate: Gate, x: f32) -> f32 {
     x / (1.0 + exp(z))
 }
 
-/// `activate(gate, g[i]) * u[i]` for every `i`.
-pub fn gated(gate: Gate, g: &[f32], u: &[f32]) -> Vec<f32> {
-    let mut out = vec![0f32; g.len()];
-    gated_into(gate, g, u, &mut out);
-    out
-}
-
-/// [`gated`] into `out`. Each value's bits depend on nothing but its own gate and up values, so any
-/// split of a long vector into parts gives the bits of the whole.
+/// `out[i] = activate(gate, g[i]) * u[i]` for every `i`. Each value's bits depend on nothing but its own
+/// gate and up values, so any split of a long vector into parts gives the bits of the whole.
 pub fn gated_into(gate: Gate, g: &[f32], u: &[f32], out: &mut [f32]) {
     gated_with(Isa::best(super::dot::simd()), gate, g, u, out)
 }
@@ -232,7 +225,7 @@ mod simd {
         (lanes, whole)
     }
 
-    /// [`super::gated`] with AVX2.
+    /// [`super::gated_into`] with AVX2.
     ///
     /// # Safety
     ///
@@ -258,7 +251,7 @@ mod simd {
         whole
     }
 
-    /// [`super::gated`] with AVX-512F.
+    /// [`super::gated_into`] with AVX-512F.
     ///
     /// # Safety
     ///

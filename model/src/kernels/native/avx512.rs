@@ -188,7 +188,7 @@ fn pair_sums(acc: __m512, off: &[f32]) -> [f32; 2] {
 }
 
 /// `x[r] . w` for weight rows four at a time (`out.len()` of them, a multiple of 4) of a type whose
-/// blocks are one chunk of 32 values ([`super::quad_bias`]), for `R` activation rows: two weight rows
+/// blocks are one chunk of 32 values ([`super::QUAD_OFFSETS`]), for `R` activation rows: two weight rows
 /// per vector, each row's 8 lanes where the portable kernel has them, accumulated chunk after chunk
 /// with the same multiply-adds. The four rows' values are unpacked once for all `R` activation rows,
 /// as unsigned bytes `v + o`, the operand `vpdpbusd` takes unsigned, against the signed activations;
@@ -331,7 +331,7 @@ unsafe fn f16x4(blocks: [*const u8; 4], at: usize) -> __m128 {
 }
 
 /// The 32 values of blocks `a` and `b` of the type with GGML id `T` as unsigned bytes `v + o`
-/// ([`super::quad_bias`]), `a`'s in bytes 0-31 and `b`'s in 32-63, in position order.
+/// ([`super::QUAD_OFFSETS`]), `a`'s in bytes 0-31 and `b`'s in 32-63, in position order.
 ///
 /// # Safety
 ///

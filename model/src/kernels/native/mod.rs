@@ -188,11 +188,11 @@ pub(crate) struct Acts<'a> {
     /// operands interleaved for it ([`Group`]).
     sums: Vec<f32>,
     scales: Vec<f32>,
-    /// Per offset of the quad kernel's types ([`quad_bias`]), every row's lane biases, made by the first
+    /// Per offset of the quad kernel's types ([`QUAD_OFFSETS`]), every row's lane biases, made by the first
     /// product that needs them and shared by the input's other products and tasks: made in each task,
     /// they were 2-4% of a four-row decode step of SmolLM2 (one thread, four tasks per product).
     #[cfg(target_arch = "x86_64")]
-    quad_biases: [std::sync::OnceLock<Vec<[i32; 8]>>; 4],
+    quad_biases: [std::sync::OnceLock<Vec<[i32; 8]>>; QUAD_OFFSETS.len()],
 }
 
 /// The per-chunk operands of a group of up to [`ROWS`] activation rows, interleaved for the 256-bit row
@@ -399,7 +399,7 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
     );
     let w = &w[rows.start * row_bytes..rows.end * row_bytes];
     #[cfg(target_arch = "x86_64")]
-    if quad_bias(ty).is_some() && x.wide && t <= QUAD_ACTS && width >= 4 {
+    if quad_slot(ty).is_some() && x.wide && t <= QUAD_ACTS && width >= 4 {
         quads(x, ty, w, width, out);
         return;
     }
@@ -546,21 +546,27 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
 #[cfg(target_arch = "x86_64")]
 const QUAD_ACTS: usize = 4;
 
-/// For the block types [`avx512::quads`] computes (those whose blocks are one chunk of 32 values), what
-/// their values `v` are offset by to be unsigned bytes `v + o`, which `vpdpbusd` takes: Q8_0's `-128..128`
-/// flipped, the other types' nibbles (and fifth bits) as they are stored.
+/// What the values `v` of the block types [`avx512::quads`] computes are offset by to be unsigned bytes
+/// `v + o`, which `vpdpbusd` takes: Q8_0's `-128..128` flipped, then Q4_0's, Q5_0's and Q4_1's and
+/// Q5_1's nibbles (and fifth bits) as they are stored. [`quad_slot`] indexes it, and so does
+/// [`Acts::quad_biases`].
 #[cfg(target_arch = "x86_64")]
-fn quad_bias(ty: GgmlType) -> Option<i32> {
+const QUAD_OFFSETS: [i32; 4] = [128, 8, 16, 0];
+
+/// For the block types [`avx512::quads`] computes (those whose blocks are one chunk of 32 values), their
+/// offset's index in [`QUAD_OFFSETS`].
+#[cfg(target_arch = "x86_64")]
+fn quad_slot(ty: GgmlType) -> Option<usize> {
     match ty {
-        GgmlType::Q8_0 => Some(128),
-        GgmlType::Q4_0 => Some(8),
-        GgmlType::Q5_0 => Some(16),
-        GgmlType::Q4_1 | GgmlType::Q5_1 => Some(0),
+        GgmlType::Q8_0 => Some(0),
+        GgmlType::Q4_0 => Some(1),
+        GgmlType::Q5_0 => Some(2),
+        GgmlType::Q4_1 | GgmlType::Q5_1 => Some(3),
         _ => None,
     }
 }
 
-/// [`dots`] for weights of a [`quad_bias`] type (`width` rows in `w`) and at most [`QUAD_ACTS`]
+/// [`dots`] for weights of a [`quad_slot`] type (`width` rows in `w`) and at most [`QUAD_ACTS`]
 /// activation rows, on a CPU with the AVX-512 kernels: four weight rows at a time by
 /// [`avx512::quads`], the last `width % 4` rows by the other kernels.
 #[cfg(target_arch = "x86_64")]
@@ -568,8 +574,8 @@ fn quads(x: &Acts<'_>, ty: GgmlType, w: &[u8], width: usize, out: &mut [f32]) {
     let xq = x.q8;
     let (n, t) = (xq.cols, xq.rows);
     let row_bytes = n / QK * ty.block_bytes();
-    let o = quad_bias(ty).expect("a type with a quad kernel");
-    let slot = [128, 8, 16, 0].iter().position(|&b| b == o).expect("one of the quad kernel's offsets");
+    let slot = quad_slot(ty).expect("a type with a quad kernel");
+    let o = QUAD_OFFSETS[slot];
     // Each lane's `-o * (the sum of its four activation values)`: the weights go in as unsigned bytes,
     // `v + o`, so the lanes start from this to come out as `sum(v * q)`.
     let bias = x.quad_biases[slot].get_or_init(|| {
