@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use shm_format::{Dtype, KvGeometry, LayerKv};
 
 use crate::gguf::{Gguf, GgufError};
-use crate::kernels::{Exec, Precision, Weight, Q8};
+use crate::kernels::{Exec, Interleaved, Precision, Weight, Q8};
 
 /// The two architectures.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -159,6 +159,24 @@ pub struct FastWeights {
     pub layers: Vec<[Option<Q8>; 7]>,
     /// The output head.
     pub head: Option<Q8>,
+    /// Per layer (q, k, v, o, gate, up, down), the matrices of the 32-value block types with their rows
+    /// interleaved ([`Interleaved`]): what `fast` multiplies instead of their blocks.
+    pub interleaved: Vec<[Option<Weight>; 7]>,
+    /// The output head interleaved likewise (its blocks stay for the embedding's lookups, if tied).
+    pub interleaved_head: Option<Weight>,
+}
+
+impl FastWeights {
+    /// The weight `fast` multiplies as the output head: the interleaved copy where there is one.
+    pub fn head<'a>(fast: Option<&'a FastWeights>, head: &'a Weight) -> &'a Weight {
+        fast.and_then(|f| f.interleaved_head.as_ref()).unwrap_or(head)
+    }
+
+    /// The weight `fast` multiplies as matrix `i` (q, k, v, o, gate, up, down) of layer `l`, whose
+    /// blocks are `w`.
+    pub fn layer<'a>(fast: Option<&'a FastWeights>, l: usize, i: usize, w: &'a Weight) -> &'a Weight {
+        fast.and_then(|f| f.interleaved[l][i].as_ref()).unwrap_or(w)
+    }
 }
 
 /// Why a model cannot be loaded.
@@ -436,8 +454,9 @@ impl Model {
         Ok(self)
     }
 
-    /// Bytes of weights this model holds: matrices as held (a GGUF's blocks are in its read-only mapping,
-    /// paged in as they are used), norms, and `fast`'s Q8_0 copies.
+    /// Bytes of weights this model holds: matrices as its precision multiplies them (a GGUF's blocks
+    /// are in its read-only mapping, paged in as they are used; `fast`'s interleaved copies replace
+    /// theirs, whose pages it releases), the embedding, norms, and `fast`'s Q8_0 copies.
     pub fn weight_bytes(&self) -> usize {
         let norms = |w: &LayerWeights| {
             [&w.q_norm, &w.k_norm, &w.post_attn_norm, &w.post_ffn_norm]
@@ -448,17 +467,27 @@ impl Model {
                 + w.attn_norm.len()
                 + w.ffn_norm.len()
         };
+        let fast = self.q8.as_ref();
         let layers: usize = self
             .layers
             .iter()
-            .map(|w| {
-                [&w.wq, &w.wk, &w.wv, &w.wo, &w.gate, &w.up, &w.down].iter().map(|m| m.bytes()).sum::<usize>()
+            .enumerate()
+            .map(|(l, w)| {
+                [&w.wq, &w.wk, &w.wv, &w.wo, &w.gate, &w.up, &w.down]
+                    .iter()
+                    .enumerate()
+                    .map(|(i, m)| FastWeights::layer(fast, l, i, m).bytes())
+                    .sum::<usize>()
                     + 4 * norms(w)
             })
             .sum();
-        let q8: usize =
-            self.q8.as_ref().map_or(0, |q| q.layers.iter().flatten().chain([&q.head]).flatten().map(Q8::bytes).sum());
-        self.embed.bytes() + self.lm_head.as_ref().map_or(0, Weight::bytes) + 4 * self.final_norm.len() + layers + q8
+        let q8: usize = fast.map_or(0, |q| q.layers.iter().flatten().chain([&q.head]).flatten().map(Q8::bytes).sum());
+        // The head: a separate one as multiplied, or a tied one's interleaved copy beside the embedding.
+        let head = match &self.lm_head {
+            Some(h) => FastWeights::head(fast, h).bytes(),
+            None => fast.and_then(|f| f.interleaved_head.as_ref()).map_or(0, Weight::bytes),
+        };
+        self.embed.bytes() + head + 4 * self.final_norm.len() + layers + q8
     }
 
     /// Sets precision and thread count. `fast` quantizes the linear weights that are not integer blocks
@@ -492,8 +521,18 @@ impl Model {
                         ]
                     })
                     .collect();
-                let head = q(self.lm_head.as_ref().unwrap_or(&self.embed), c.vocab, c.hidden);
-                Some(FastWeights { layers, head })
+                let head_w = self.lm_head.as_ref().unwrap_or(&self.embed);
+                let head = q(head_w, c.vocab, c.hidden);
+                let interleave = |w: &Weight| Interleaved::of(w).map(Weight::Interleaved);
+                let (interleaved, interleaved_head) = self.exec.install(|| {
+                    let layers = self
+                        .layers
+                        .iter()
+                        .map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.gate, &l.up, &l.down].map(interleave))
+                        .collect();
+                    (layers, interleave(head_w))
+                });
+                Some(FastWeights { layers, head, interleaved, interleaved_head })
             }
         };
     }

@@ -20,7 +20,7 @@ use half::{bf16, f16};
 use rayon::prelude::*;
 use shm_format::Dtype;
 
-use crate::arch::{Arch, Attention, Model};
+use crate::arch::{Arch, Attention, FastWeights, Model};
 use crate::kernels::{Dot, Elem, Gate};
 
 /// One run of past K/V: consecutive positions from `start`, each row `kv_heads * head_dim` values.
@@ -363,8 +363,14 @@ impl Model {
             let h = normed(&x, &w.attn_norm, c.eps);
             let lq = self.q8.as_ref().map(|q| &q.layers[l]);
             let q8 = |i: usize| lq.and_then(|q| q[i].as_ref());
-            let [mut q, mut k, mut v] =
-                self.exec.matmul_many(&h, [(&w.wq, q8(0), qd), (&w.wk, q8(1), kvd), (&w.wv, q8(2), kvd)], t, c.hidden);
+            // The matrix as `fast` multiplies it where it has another layout.
+            let m = |i: usize, w| FastWeights::layer(self.q8.as_ref(), l, i, w);
+            let [mut q, mut k, mut v] = self.exec.matmul_many(
+                &h,
+                [(m(0, &w.wq), q8(0), qd), (m(1, &w.wk), q8(1), kvd), (m(2, &w.wv), q8(2), kvd)],
+                t,
+                c.hidden,
+            );
             if let Some(qn) = &w.q_norm {
                 each_row(&mut q, qd, |_, row| rms_norm(row, qn, c.eps));
             }
@@ -405,11 +411,12 @@ impl Model {
                 }
             }
             let attn = self.attention(l, segments, &rows, &q, &k, &v);
-            let o = self.exec.matmul_t(&attn, &w.wo, q8(3), t, qd, c.hidden);
+            let o = self.exec.matmul_t(&attn, m(3, &w.wo), q8(3), t, qd, c.hidden);
             add_normed(&mut x, o, c.hidden, w.post_attn_norm.as_deref(), c.eps);
 
             let h = normed(&x, &w.ffn_norm, c.eps);
-            let [gate, up] = self.exec.matmul_many(&h, [(&w.gate, q8(4), c.ffn), (&w.up, q8(5), c.ffn)], t, c.hidden);
+            let [gate, up] =
+                self.exec.matmul_many(&h, [(m(4, &w.gate), q8(4), c.ffn), (m(5, &w.up), q8(5), c.ffn)], t, c.hidden);
             let kind = match c.arch {
                 Arch::Gemma3 => Gate::GeluTanh,
                 Arch::Llama => Gate::Silu,
@@ -419,7 +426,7 @@ impl Model {
                 let of = i * c.ffn..(i + 1) * c.ffn;
                 crate::kernels::gated_into(kind, &gate[of.clone()], &up[of], row);
             });
-            let down = self.exec.matmul_t(&act, &w.down, q8(6), t, c.ffn, c.hidden);
+            let down = self.exec.matmul_t(&act, m(6, &w.down), q8(6), t, c.ffn, c.hidden);
             add_normed(&mut x, down, c.hidden, w.post_ffn_norm.as_deref(), c.eps);
             layers_kv.push((k, v));
         }
@@ -432,7 +439,7 @@ impl Model {
             let from = if seg.all_logits { rows.first[s] } else { end - 1 };
             wanted.extend_from_slice(&x[from * c.hidden..end * c.hidden]);
         }
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed);
+        let head = FastWeights::head(self.q8.as_ref(), self.lm_head.as_ref().unwrap_or(&self.embed));
         let head_q8 = self.q8.as_ref().and_then(|q| q.head.as_ref());
         let n = wanted.len() / c.hidden;
         let mut logits = self.exec.matmul_t_rows(&wanted, head, head_q8, n, c.hidden, c.vocab).into_iter();

@@ -1,6 +1,8 @@
 //! A row's results depend on nothing but its own sequence: not on the chunks its prompt is cut into,
 //! the other sequences of its batch, nor the thread count. Checked bit for bit on the tiny checkpoints
-//! (Gemma 3 with an 8-token sliding window, and Llama) with f32, bf16 and f16 K/V.
+//! (Gemma 3 with an 8-token sliding window, and Llama) with f32, bf16 and f16 K/V: in `exact`, in `fast`
+//! on their f32 weights (a Q8_0 copy), and in `fast` on the weights as blocks of Q8_0, Q4_1 and Q5_0
+//! (rows interleaved, see `model::kernels::Interleaved`).
 
 use std::borrow::Cow;
 use std::ops::Range;
@@ -8,15 +10,83 @@ use std::ops::Range;
 use half::{bf16, f16};
 use model::arch::Model;
 use model::forward::{round_to, ChunkKv, KvValues, NoPast, Output, PastKv, Run, Segment, VecKv};
-use model::kernels::Precision;
+use model::kernels::{BlockBytes, Precision, Weight};
+use model::quant::GgmlType;
 use shm_format::Dtype;
 
-fn load(name: &str, precision: Precision, threads: usize, kv_dtype: Dtype) -> Model {
+/// How a checkpoint is run: its precision, and the block type its matrices are first quantized to.
+#[derive(Clone, Copy, Debug)]
+struct Mode(Precision, Option<GgmlType>);
+
+const MODES: [Mode; 5] = [
+    Mode(Precision::Exact, None),
+    Mode(Precision::Fast, None),
+    Mode(Precision::Fast, Some(GgmlType::Q8_0)),
+    Mode(Precision::Fast, Some(GgmlType::Q4_1)),
+    Mode(Precision::Fast, Some(GgmlType::Q5_0)),
+];
+
+fn load(name: &str, Mode(precision, blocks): Mode, threads: usize, kv_dtype: Dtype) -> Model {
     let dir = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/reference").join(name);
     let mut model = Model::from_hf_dir(&dir).unwrap();
+    if let Some(ty) = blocks {
+        let c = &model.config;
+        let (hidden, ffn, qd) = (c.hidden, c.ffn, c.heads * c.head_dim);
+        let as_blocks =
+            |w: &Weight, cols: usize| Weight::from_blocks(ty, BlockBytes::Owned(encode(&w.to_f32(), ty)), cols);
+        for l in &mut model.layers {
+            for (w, cols) in [(&mut l.wq, hidden), (&mut l.wk, hidden), (&mut l.wv, hidden), (&mut l.wo, qd)] {
+                *w = as_blocks(w, cols);
+            }
+            for (w, cols) in [(&mut l.gate, hidden), (&mut l.up, hidden), (&mut l.down, ffn)] {
+                *w = as_blocks(w, cols);
+            }
+        }
+        model.embed = as_blocks(&model.embed, hidden);
+        model.lm_head = model.lm_head.as_ref().map(|w| as_blocks(w, hidden));
+    }
     model.configure(precision, threads);
+    if blocks.is_some() && precision == Precision::Fast {
+        let fast = model.q8.as_ref().expect("fast's weights");
+        assert!(
+            fast.interleaved.iter().flatten().chain([&fast.interleaved_head]).all(Option::is_some),
+            "{name}: every matrix interleaved"
+        );
+    }
     model.kv_dtype = kv_dtype;
     model
+}
+
+/// `w` (whole blocks of 32 values) as GGUF blocks of `ty` (Q8_0, Q4_1 or Q5_0), rounded to nearest.
+fn encode(w: &[f32], ty: GgmlType) -> Vec<u8> {
+    let half = |v: f32| f16::from_f32(v).to_bits().to_le_bytes();
+    let mut out = Vec::new();
+    for b in w.chunks_exact(32) {
+        let (min, max) = b.iter().fold((f32::MAX, f32::MIN), |(lo, hi), &v| (lo.min(v), hi.max(v)));
+        let amax = min.abs().max(max.abs());
+        let (d, zero, top) = match ty {
+            GgmlType::Q8_0 => (amax / 127.0, 0.0, 127.0),
+            GgmlType::Q4_1 => ((max - min) / 15.0, min, 15.0),
+            _ => (amax / 15.0, -16.0 * amax / 15.0, 31.0),
+        };
+        let d = f16::from_f32(d).to_f32();
+        let q: Vec<i32> =
+            b.iter().map(|&v| if d > 0.0 { ((v - zero) / d).round().clamp(-top, top) as i32 } else { 0 }).collect();
+        out.extend(half(d));
+        match ty {
+            GgmlType::Q8_0 => out.extend(q.iter().map(|&q| q as i8 as u8)),
+            GgmlType::Q4_1 => {
+                out.extend(half(min));
+                out.extend((0..16).map(|j| (q[j] | q[j + 16] << 4) as u8));
+            }
+            _ => {
+                let qh = (0..32).filter(|&j| q[j] & 16 != 0).fold(0u32, |h, j| h | 1 << j);
+                out.extend(qh.to_le_bytes());
+                out.extend((0..16).map(|j| (q[j] & 15 | (q[j + 16] & 15) << 4) as u8));
+            }
+        }
+    }
+    out
 }
 
 fn prompt(len: usize, seed: u32) -> Vec<u32> {
@@ -89,9 +159,9 @@ const MODELS: [&str; 2] = ["tiny_gemma3_8l", "tiny_llama_4l"];
 #[test]
 fn prefill_gives_the_same_bits_at_every_chunking() {
     for name in MODELS {
-        for precision in [Precision::Exact, Precision::Fast] {
+        for mode in MODES {
             for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
-                let model = load(name, precision, 2, dtype);
+                let model = load(name, mode, 2, dtype);
                 let p = prompt(29, 1);
                 let (kv, logits) = chunked(&model, &p, p.len());
                 let whole = fingerprint(&kv, &logits);
@@ -99,7 +169,7 @@ fn prefill_gives_the_same_bits_at_every_chunking() {
                     let (kv, logits) = chunked(&model, &p, chunk);
                     assert!(
                         fingerprint(&kv, &logits) == whole,
-                        "{name} {precision:?} {dtype:?}: chunks of {chunk} differ from whole prefill"
+                        "{name} {mode:?} {dtype:?}: chunks of {chunk} differ from whole prefill"
                     );
                 }
             }
@@ -110,8 +180,8 @@ fn prefill_gives_the_same_bits_at_every_chunking() {
 #[test]
 fn a_batch_computes_each_sequence_as_it_would_alone() {
     for name in MODELS {
-        for precision in [Precision::Exact, Precision::Fast] {
-            let model = load(name, precision, 2, Dtype::Bf16);
+        for mode in MODES {
+            let model = load(name, mode, 2, Dtype::Bf16);
             // Three sequences with different histories, stepped at different positions.
             let prompts = [prompt(5, 2), prompt(19, 3), prompt(11, 4)];
             let kvs: Vec<VecKv> = prompts.iter().map(|p| chunked(&model, p, p.len()).0).collect();
@@ -135,11 +205,11 @@ fn a_batch_computes_each_sequence_as_it_would_alone() {
                     batch.push(Segment { tokens: &extra, start: 0, past: &NoPast, all_logits: true });
                     let outs = model.forward_batch(&batch);
                     for (&i, out) in order[..len].iter().zip(&outs) {
-                        assert_eq!(bits(&out.logits), bits(&alone[i].logits), "{name} {precision:?}: logits of {i}");
-                        assert_eq!(same_kv(&out.kv), same_kv(&alone[i].kv), "{name} {precision:?}: K/V of {i}");
+                        assert_eq!(bits(&out.logits), bits(&alone[i].logits), "{name} {mode:?}: logits of {i}");
+                        assert_eq!(same_kv(&out.kv), same_kv(&alone[i].kv), "{name} {mode:?}: K/V of {i}");
                     }
                     let solo = model.forward(&extra, 0, &NoPast, true);
-                    assert_eq!(bits(&outs[len].logits), bits(&solo.logits), "{name} {precision:?}: the prefill rider");
+                    assert_eq!(bits(&outs[len].logits), bits(&solo.logits), "{name} {mode:?}: the prefill rider");
                 }
             }
         }
@@ -153,16 +223,16 @@ fn same_kv(kv: &ChunkKv) -> Vec<Vec<u32>> {
 #[test]
 fn the_thread_count_changes_no_bit() {
     for name in MODELS {
-        for precision in [Precision::Exact, Precision::Fast] {
+        for mode in MODES {
             let p = prompt(23, 5);
             let runs: Vec<_> = [1, 2, 3]
                 .into_iter()
                 .map(|threads| {
-                    let (kv, logits) = chunked(&load(name, precision, threads, Dtype::F32), &p, 10);
+                    let (kv, logits) = chunked(&load(name, mode, threads, Dtype::F32), &p, 10);
                     fingerprint(&kv, &logits)
                 })
                 .collect();
-            assert!(runs[0] == runs[1] && runs[1] == runs[2], "{name} {precision:?}: threads change the bits");
+            assert!(runs[0] == runs[1] && runs[1] == runs[2], "{name} {mode:?}: threads change the bits");
         }
     }
 }

@@ -14,7 +14,8 @@ mod weight;
 pub use act::{gated_into, sum_exp, Gate};
 pub use dot::{dot, Dot, Elem};
 pub use q8::Q8;
-pub use weight::{BlockBytes, Weight};
+use weight::GROUP;
+pub use weight::{BlockBytes, Interleaved, Weight};
 
 /// How the forward pass computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -118,10 +119,12 @@ impl Exec {
         let ws = ws.map(|(w, q8, n_out)| {
             assert_eq!(w.len(), n_out * n_in, "weight shape");
             let q8 = q8.filter(|q| q.cols == n_in && q.rows == n_out);
+            let fast = self.precision == Precision::Fast;
             let native = match w {
-                Weight::Blocks { ty, bytes, .. } if self.precision == Precision::Fast && native::supports(*ty) => {
-                    Some((*ty, &bytes[..]))
+                Weight::Blocks { ty, bytes, .. } if fast && native::supports(*ty) => {
+                    Some(Native::Blocks(*ty, &bytes[..]))
                 }
+                Weight::Interleaved(m) if fast => Some(Native::Interleaved(m)),
                 _ => None,
             };
             (w, q8, native, n_out)
@@ -135,7 +138,14 @@ impl Exec {
         let simd = dot::simd();
         // Weight rows per task: enough work to be worth a hand-off, and several tasks per thread when
         // there are rows enough. Which rows go together never changes a result.
-        let per_task = ws.map(|(.., n_out)| (n_out / (4 * self.threads())).max(64).min(n_out.max(1)));
+        // Interleaved weights go in whole groups of rows.
+        let per_task = ws.map(|(_, _, native, n_out)| {
+            let per = (n_out / (4 * self.threads())).max(64).min(n_out.max(1));
+            match native {
+                Some(Native::Interleaved(_)) => per.next_multiple_of(GROUP),
+                _ => per,
+            }
+        });
         // Every product's tasks in one parallel region: a decode step of a small model is hundreds of
         // products of tens of microseconds each, and each region costs a hand-off to the other threads
         // and a wait for the last of them.
@@ -171,7 +181,12 @@ impl Exec {
                     }
                     let out = &mut scratch[..t * width];
                     match (native.zip(acts.as_ref()), q8, xq.as_ref(), w) {
-                        (Some(((ty, bytes), acts)), _, _, _) => native::dots(acts, ty, bytes, rows.clone(), out),
+                        (Some((Native::Blocks(ty, bytes), acts)), _, _, _) => {
+                            native::dots(acts, ty, bytes, rows.clone(), out)
+                        }
+                        (Some((Native::Interleaved(m), acts)), _, _, _) => {
+                            native::interleaved_dots(acts, m, rows.clone(), out)
+                        }
                         (_, Some(w), Some(xq), _) => q8::dots(simd, xq, w, rows.clone(), out),
                         (_, _, _, Weight::F32(w)) => {
                             dot::dots(simd, x, t, &w[rows.start * n_in..rows.end * n_in], n_in, out)
@@ -210,6 +225,15 @@ impl Exec {
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
     }
+}
+
+/// A weight `fast` computes on with [`native`]'s kernels.
+#[derive(Clone, Copy)]
+enum Native<'a> {
+    /// The blocks of a [`native::supports`]ed type.
+    Blocks(crate::quant::GgmlType, &'a [u8]),
+    /// Q8_0 rows interleaved.
+    Interleaved(&'a weight::Interleaved),
 }
 
 /// How [`Exec::products`] lays out each product's `t x n_out` outputs.

@@ -10,7 +10,9 @@ use std::borrow::Cow;
 use std::ops::{Deref, Range};
 use std::sync::Arc;
 
-use crate::quant::{dequantize, GgmlType};
+use crate::quant::{dequantize, f16_at, GgmlType};
+
+use super::q8::QK;
 
 /// The bytes of a tensor's blocks: owned, or a range of a model file's read-only mapping (no copy: the
 /// pages are the file's, shared and reclaimable).
@@ -25,6 +27,36 @@ pub enum BlockBytes {
         /// The tensor's bytes in it.
         range: Range<usize>,
     },
+}
+
+impl BlockBytes {
+    /// Lets the kernel drop the pages of bytes `part` of a mapping from this process (they stay in the page cache, and a
+    /// later read maps them again): for a tensor that `fast` has copied into another layout, whose pages
+    /// would otherwise stay resident beside the copy. Owned bytes are left as they are.
+    fn release(&self, part: Range<usize>) {
+        if let BlockBytes::Mapped { map, range } = self {
+            assert!(part.end <= range.len(), "a part of the bytes");
+            // SAFETY: the mapping is private and read-only, so no page of it was ever written: a page
+            // dropped here reads back as the same bytes of the file on its next access.
+            let dropped = unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start + part.start, part.len())
+            };
+            // Advice only: where it is refused, the pages stay resident and nothing else changes.
+            let _ = dropped;
+        }
+    }
+}
+
+impl BlockBytes {
+    /// Maps the pages of bytes `part` of a mapping in at once, where each would otherwise fault on its
+    /// first read (owned bytes are left as they are).
+    fn populate(&self, part: Range<usize>) {
+        if let BlockBytes::Mapped { map, range } = self {
+            assert!(part.end <= range.len(), "a part of the bytes");
+            // Advice only: where it is refused (a kernel before 5.14), the pages fault in as they are read.
+            let _ = map.advise_range(memmap2::Advice::PopulateRead, range.start + part.start, part.len());
+        }
+    }
 }
 
 impl Deref for BlockBytes {
@@ -51,6 +83,180 @@ pub enum Weight {
         /// Columns (elements per row).
         cols: usize,
     },
+    /// Q8_0 rows interleaved sixteen at a time, for `fast`.
+    Interleaved(Interleaved),
+}
+
+/// Weight rows interleaved per group of [`Interleaved`].
+pub(crate) const GROUP: usize = 16;
+
+/// A matrix of one of the 32-value block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) with its rows interleaved
+/// [`GROUP`] at a time, the layout in which `fast`'s kernels meet four columns of 16 weight rows in one
+/// 512-bit vector ([`super::native`]'s `interleaved`; llama.cpp repacks its weights likewise). Per group
+/// and chunk of 32 columns, the same bytes as the 16 rows' blocks, regrouped:
+/// - the 16 rows' f16 scales `d`, then (Q4_1, Q5_1) their f16 offsets `m`;
+/// - (Q5_0, Q5_1) per lane `l` of 8 (columns `4l..4l + 4`), a 64-bit mask whose bit `4i + k` is row
+///   `i`'s fifth bit of column `4l + k`;
+/// - the values: for Q8_0, per lane and row its four values as unsigned bytes `v + 128`; for the 4- and
+///   5-bit types, per lane `l` of 4 and row, its four bytes of nibbles `4l..4l + 4` as the block holds
+///   them (the low nibbles columns `4l..4l + 4`, the high ones `16 + 4l..`).
+///
+/// Weight `k` of a row is `d * (u[k] - o) + m`, `u` the unsigned value and `o` the type's offset
+/// ([`Interleaved::offset`]); the values are the blocks'.
+#[derive(Clone, Debug)]
+pub struct Interleaved {
+    pub(crate) ty: GgmlType,
+    pub(crate) bytes: Arc<memmap2::Mmap>,
+    pub(crate) rows: usize,
+    pub(crate) cols: usize,
+}
+
+impl Interleaved {
+    /// `w` interleaved, where it is blocks of a 32-value type in whole groups of rows (`None`
+    /// otherwise). The groups are copied on the threads of the pool this runs in, and the source's
+    /// mapped pages are then released (see [`BlockBytes`]), so the copy does not double the resident
+    /// weights.
+    pub fn of(w: &Weight) -> Option<Self> {
+        use rayon::prelude::*;
+        let Weight::Blocks { ty, bytes: src, cols } = w else { return None };
+        let (ty, cols, chunks) = (*ty, *cols, *cols / QK);
+        if !matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1) {
+            return None;
+        }
+        let bb = ty.block_bytes();
+        let row_bytes = chunks * bb;
+        let rows = src.len() / row_bytes;
+        if rows == 0 || !rows.is_multiple_of(GROUP) {
+            return None;
+        }
+        let shape =
+            Interleaved { ty, bytes: Arc::new(memmap2::MmapMut::map_anon(1).ok()?.make_read_only().ok()?), rows, cols };
+        let (offset, fifth, at, cb) = (shape.has_offset(), shape.fifth(), shape.values_at(), shape.chunk_bytes());
+        // Q8_0's values go in as unsigned bytes `v + 128`, the others' nibbles as they are.
+        let (values, flip) = if ty == GgmlType::Q8_0 { (2..bb, 0x8080_8080) } else { (bb - 16..bb, 0) };
+        // A group's 16 rows lie together in the blocks as in the copy, `group` bytes.
+        let group = chunks * GROUP * bb;
+        // Row after row of the group (each read in order), chunk after chunk of it.
+        let copy = |g: usize, out: &mut [u8]| {
+            let mut masks = vec![[0u64; QK / 4]; if fifth { chunks } else { 0 }];
+            for i in 0..GROUP {
+                let row = &src[(g * GROUP + i) * row_bytes..][..row_bytes];
+                for ((c, block), out) in row.chunks_exact(bb).enumerate().zip(out.chunks_exact_mut(cb)) {
+                    out[2 * i..2 * i + 2].copy_from_slice(&block[..2]);
+                    if offset {
+                        out[2 * GROUP + 2 * i..][..2].copy_from_slice(&block[2..4]);
+                    }
+                    let out = &mut out[at + 4 * i..];
+                    for (l, four) in block[values.clone()].chunks_exact(4).enumerate() {
+                        let four = u32::from_ne_bytes(four.try_into().expect("4 bytes")) ^ flip;
+                        out[4 * l * GROUP..][..4].copy_from_slice(&four.to_ne_bytes());
+                    }
+                    if fifth {
+                        let qh = u32::from_le_bytes(block[bb - 20..bb - 16].try_into().expect("4 bytes"));
+                        for (l, mask) in masks[c].iter_mut().enumerate() {
+                            *mask |= u64::from(qh >> (4 * l) & 0xF) << (4 * i);
+                        }
+                    }
+                }
+            }
+            for (masks, out) in masks.iter().zip(out.chunks_exact_mut(cb)) {
+                for (l, mask) in masks.iter().enumerate() {
+                    out[at - 64 + 8 * l..][..8].copy_from_slice(&mask.to_le_bytes());
+                }
+            }
+        };
+        // The copy in its own mapping, in huge pages where the kernel gives them (a few hundred faults
+        // for Gemma 3's head where 4 KiB pages took 45000, and as many fewer TLB entries for the
+        // kernels that stream it), read-only once written.
+        let mut bytes = memmap2::MmapMut::map_anon(src.len()).ok()?;
+        // Advice only: without huge pages the copy is the same, in 4 KiB pages.
+        let _ = bytes.advise(memmap2::Advice::HugePage);
+        // In slabs of a few MiB, each slab's blocks mapped in at once before they are read and released
+        // once copied: the copy and its source are never both resident whole (a 177 MiB head would
+        // otherwise add as much to the peak).
+        const SLAB: usize = 8 << 20;
+        let per_slab = (SLAB / group).max(1);
+        for (s, slab) in bytes.chunks_mut(per_slab * group).enumerate() {
+            let part = s * per_slab * group..s * per_slab * group + slab.len();
+            src.populate(part.clone());
+            slab.par_chunks_mut(group).enumerate().for_each(|(j, out)| copy(s * per_slab + j, out));
+            src.release(part);
+        }
+        Some(Interleaved { bytes: Arc::new(bytes.make_read_only().ok()?), ..shape })
+    }
+
+    /// Whether the weights carry an offset `m` (Q4_1, Q5_1).
+    #[inline]
+    pub(crate) fn has_offset(&self) -> bool {
+        matches!(self.ty, GgmlType::Q4_1 | GgmlType::Q5_1)
+    }
+
+    /// Whether the values have a fifth bit (Q5_0, Q5_1).
+    #[inline]
+    pub(crate) fn fifth(&self) -> bool {
+        matches!(self.ty, GgmlType::Q5_0 | GgmlType::Q5_1)
+    }
+
+    /// What the unsigned values are offset by: weight `k` is `d * (u[k] - o) + m`.
+    #[inline]
+    pub(crate) fn offset(&self) -> i32 {
+        match self.ty {
+            GgmlType::Q8_0 => 128,
+            GgmlType::Q4_0 => 8,
+            GgmlType::Q5_0 => 16,
+            _ => 0,
+        }
+    }
+
+    /// Where a group's chunk's fifth-bit masks end and its values start.
+    #[inline]
+    pub(crate) fn values_at(&self) -> usize {
+        2 * GROUP * (1 + usize::from(self.has_offset())) + if self.fifth() { 64 } else { 0 }
+    }
+
+    /// Bytes of a group's chunk.
+    #[inline]
+    pub(crate) fn chunk_bytes(&self) -> usize {
+        GROUP * self.ty.block_bytes()
+    }
+
+    /// Where group `g`'s chunk `c` starts.
+    #[inline]
+    pub(crate) fn at(&self, g: usize, c: usize) -> usize {
+        (g * (self.cols / QK) + c) * self.chunk_bytes()
+    }
+
+    /// The unsigned value of row `i` (of its group), column `k` (of 32) in the group chunk `b`.
+    #[inline]
+    pub(crate) fn value(&self, b: &[u8], i: usize, k: usize) -> i32 {
+        let at = self.values_at();
+        if self.ty == GgmlType::Q8_0 {
+            return i32::from(b[at + 4 * ((k / 4) * GROUP + i) + k % 4]);
+        }
+        let j = k % 16;
+        let byte = b[at + 4 * ((j / 4) * GROUP + i) + j % 4];
+        let nibble = if k < 16 { byte & 0xF } else { byte >> 4 };
+        let bit = 4 * i + k % 4;
+        let high = self.fifth() && b[at - 64 + 8 * (k / 4) + bit / 8] >> (bit % 8) & 1 == 1;
+        i32::from(nibble) + if high { 16 } else { 0 }
+    }
+
+    /// Rows `rows`, dequantized into `out` (`rows.len() x cols`): the blocks' values.
+    fn dequantize(&self, rows: Range<usize>, out: &mut [f32]) {
+        let o = self.offset();
+        for (j, out) in rows.zip(out.chunks_exact_mut(self.cols)) {
+            let (g, i) = (j / GROUP, j % GROUP);
+            for (c, out) in out.chunks_exact_mut(QK).enumerate() {
+                let b = &self.bytes[self.at(g, c)..][..self.chunk_bytes()];
+                let d = f16_at(b, 2 * i);
+                let m = if self.has_offset() { f16_at(b, 2 * GROUP + 2 * i) } else { 0.0 };
+                for (k, y) in out.iter_mut().enumerate() {
+                    let v = (self.value(b, i, k) - o) as f32;
+                    *y = if self.has_offset() { d * v + m } else { d * v };
+                }
+            }
+        }
+    }
 }
 
 impl From<Vec<f32>> for Weight {
@@ -75,6 +281,7 @@ impl Weight {
     /// Whether it is held as blocks of integer values, on which `fast` computes directly.
     pub fn integer_blocks(&self) -> bool {
         matches!(self, Weight::Blocks { ty, .. } if super::native::supports(*ty))
+            || matches!(self, Weight::Interleaved(_))
     }
 
     /// Elements.
@@ -82,6 +289,7 @@ impl Weight {
         match self {
             Weight::F32(v) => v.len(),
             Weight::Blocks { ty, bytes, .. } => bytes.len() / ty.block_bytes() * ty.block_elems(),
+            Weight::Interleaved(m) => m.rows * m.cols,
         }
     }
 
@@ -100,6 +308,7 @@ impl Weight {
         match self {
             Weight::F32(v) => zerocopy::IntoBytes::as_bytes(&v[..]),
             Weight::Blocks { bytes, .. } => bytes,
+            Weight::Interleaved(m) => &m.bytes[..],
         }
     }
 
@@ -108,6 +317,7 @@ impl Weight {
         match self {
             Weight::F32(_) => "f32",
             Weight::Blocks { ty, .. } => ty.name(),
+            Weight::Interleaved(m) => m.ty.name(),
         }
     }
 
@@ -123,6 +333,12 @@ impl Weight {
                 dequantize(*ty, &bytes[rows.start * row_bytes..rows.end * row_bytes], buf);
                 buf
             }
+            Weight::Interleaved(m) => {
+                assert_eq!(m.cols, cols, "weight columns");
+                buf.resize(rows.len() * cols, 0.0);
+                m.dequantize(rows, buf);
+                buf
+            }
         }
     }
 
@@ -133,6 +349,11 @@ impl Weight {
             Weight::Blocks { ty, bytes, .. } => {
                 let mut out = vec![0f32; self.len()];
                 dequantize(*ty, bytes, &mut out);
+                Cow::Owned(out)
+            }
+            Weight::Interleaved(m) => {
+                let mut out = vec![0f32; self.len()];
+                m.dequantize(0..m.rows, &mut out);
                 Cow::Owned(out)
             }
         }

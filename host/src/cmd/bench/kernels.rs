@@ -8,7 +8,7 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use model::arch::{Config, Model};
+use model::arch::{Config, FastWeights, Model};
 use model::gguf::Gguf;
 use model::kernels::{Precision, Weight, Q8};
 use pdhost::request::{self, Field};
@@ -50,10 +50,11 @@ fn products<'a>(model: &'a Model, config: &Config) -> Vec<Product<'a>> {
             ("down", &layer.down, config.ffn, hidden),
         ];
         for (i, (kind, weight, n_in, n_out)) in shapes.into_iter().enumerate() {
+            let weight = FastWeights::layer(model.q8.as_ref(), l, i, weight);
             all.push(Product { kind, weight, q8: q8(i), n_in, n_out });
         }
     }
-    let head = model.lm_head.as_ref().unwrap_or(&model.embed);
+    let head = FastWeights::head(model.q8.as_ref(), model.lm_head.as_ref().unwrap_or(&model.embed));
     let q8 = model.q8.as_ref().and_then(|f| f.head.as_ref());
     all.push(Product { kind: "head", weight: head, q8, n_in: hidden, n_out: config.vocab });
     all

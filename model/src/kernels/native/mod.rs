@@ -692,6 +692,9 @@ fn rows_portable<const R: usize>(ty: GgmlType, x: [Act<'_>; R], w: &[u8], n: usi
     }
 }
 
+mod interleaved;
+pub(crate) use interleaved::dots as interleaved_dots;
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 

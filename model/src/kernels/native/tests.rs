@@ -108,3 +108,51 @@ fn simd_equals_portable_on_every_block_type_in_any_batch() {
         }
     }
 }
+
+/// Rows interleaved, for every 32-value block type: every kernel gives the portable kernel's bits for
+/// any number of activation rows (whole passes of four and a rest) and any range of whole groups, each
+/// row's bits the same whatever the batch; the products are the dequantized weights' within the
+/// activations' quantization, and the interleaved rows dequantize to the blocks' values.
+#[test]
+fn interleaved_simd_equals_portable_in_any_batch() {
+    use super::super::weight::{BlockBytes, Interleaved, Weight, GROUP};
+    let (n, rows, t) = (320, 3 * GROUP, 9);
+    let x: Vec<f32> = (0..t * n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+    let xq = Q8::new(&x, t, n).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for (s, ty) in TYPES.into_iter().filter(|ty| ty.block_elems() == QK).enumerate() {
+        let blocks = super::super::tests::random_blocks(ty, rows * n, 5 + s as u32);
+        let w = Weight::from_blocks(ty, BlockBytes::Owned(blocks.clone()), n);
+        let m = Interleaved::of(&w).expect("whole groups of rows");
+        let f = w.to_f32().into_owned();
+        assert_eq!(bits(&Weight::Interleaved(m.clone()).to_f32()), bits(&f), "{} values", ty.name());
+        let mut portable = vec![0f32; t * rows];
+        interleaved_dots(&Acts::new(&xq, false), &m, 0..rows, &mut portable);
+        for r in 0..t {
+            for j in 0..rows {
+                let exact: f32 = (0..n).map(|k| x[r * n + k] * f[j * n + k]).sum();
+                let scale: f32 = (0..n).map(|k| (x[r * n + k] * f[j * n + k]).abs()).sum();
+                let got = portable[r * rows + j];
+                assert!((got - exact).abs() <= 0.02 * scale + 1e-4, "{} row {r}, {j}: {got} vs {exact}", ty.name());
+            }
+        }
+        for kernel in kernels() {
+            for (from, len) in [(0, 9), (0, 1), (3, 1), (1, 2), (2, 3), (0, 4), (4, 5)] {
+                let xs = Q8::new(&x[from * n..(from + len) * n], len, n).unwrap();
+                for js in [0..rows, GROUP..rows, GROUP..2 * GROUP] {
+                    let mut got = vec![0f32; len * js.len()];
+                    interleaved_dots(&Acts::with(kernel, &xs), &m, js.clone(), &mut got);
+                    let want: Vec<f32> = (from..from + len)
+                        .flat_map(|r| portable[r * rows + js.start..r * rows + js.end].to_vec())
+                        .collect();
+                    assert_eq!(bits(&got), bits(&want), "{} {kernel:?} rows {from}+{len}, {js:?}", ty.name());
+                }
+            }
+        }
+        // Not whole groups of rows: no interleaved form.
+        let short = Weight::from_blocks(ty, BlockBytes::Owned(blocks[..blocks.len() / rows].to_vec()), n);
+        assert!(Interleaved::of(&short).is_none());
+    }
+    let k = super::super::tests::random_blocks(GgmlType::Q4K, 16 * 256, 6);
+    assert!(Interleaved::of(&Weight::from_blocks(GgmlType::Q4K, BlockBytes::Owned(k), 256)).is_none());
+}
