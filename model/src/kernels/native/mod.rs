@@ -179,7 +179,7 @@ fn row_portable<const R: usize>(ty: GgmlType, x: [Act<'_>; R], w: &[u8], n: usiz
 pub(crate) struct Acts<'a> {
     q8: &'a Q8,
     kernel: Kernel,
-    /// Whether this CPU runs the AVX-512 kernels (so [`avx512::quads`] too), for any row count.
+    /// Whether this CPU runs the AVX-512 kernels (so the interleaved ones too), for any row count.
     wide: bool,
     pairs: Option<Pairs>,
     /// The rows in groups for the 256-bit tiled kernel, where it runs (from [`TILED_FROM_256`] rows).
@@ -188,11 +188,6 @@ pub(crate) struct Acts<'a> {
     /// operands interleaved for it ([`Group`]).
     sums: Vec<f32>,
     scales: Vec<f32>,
-    /// Per offset of the quad kernel's types ([`QUAD_OFFSETS`]), every row's lane biases, made by the first
-    /// product that needs them and shared by the input's other products and tasks: made in each task,
-    /// they were 2-4% of a four-row decode step of SmolLM2 (one thread, four tasks per product).
-    #[cfg(target_arch = "x86_64")]
-    quad_biases: [std::sync::OnceLock<Vec<[i32; 8]>>; QUAD_OFFSETS.len()],
 }
 
 /// The per-chunk operands of a group of up to [`ROWS`] activation rows, interleaved for the 256-bit row
@@ -223,7 +218,7 @@ impl<'a> Acts<'a> {
         #[cfg(not(target_arch = "x86_64"))]
         let wide = false;
         // A single row would fill half of every vector of the pair kernel: the 256-bit kernels serve it
-        // as well (but the 32-value types go to the quad kernel, two weight rows per vector, see `quads`).
+        // as well.
         let kernel = if q8.rows < 2 { kernel.narrow() } else { kernel };
         #[cfg(target_arch = "x86_64")]
         let pairs = (kernel == Kernel::Avx512).then(|| Pairs::of(q8));
@@ -250,17 +245,7 @@ impl<'a> Acts<'a> {
                 }
             }
         }
-        Acts {
-            q8,
-            kernel,
-            wide,
-            pairs,
-            octets,
-            sums,
-            scales,
-            #[cfg(target_arch = "x86_64")]
-            quad_biases: Default::default(),
-        }
+        Acts { q8, kernel, wide, pairs, octets, sums, scales }
     }
 
     /// The interleaved operands of the group of [`ROWS`] rows from row `r0` (empty where there are none).
@@ -399,11 +384,6 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
     );
     let w = &w[rows.start * row_bytes..rows.end * row_bytes];
     #[cfg(target_arch = "x86_64")]
-    if quad_slot(ty).is_some() && x.wide && t <= QUAD_ACTS && width >= 4 {
-        quads(x, ty, w, width, out);
-        return;
-    }
-    #[cfg(target_arch = "x86_64")]
     if let Some(pairs) = x.pairs.as_ref().filter(|_| t >= TILED_FROM) {
         let mut panel = avx512::Panel::default();
         for j0 in (0..width).step_by(PANEL_ROWS) {
@@ -540,91 +520,6 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
             }
         }
     }
-}
-
-/// Activation rows up to which the 32-value block types go through [`avx512::quads`] (a decode step).
-#[cfg(target_arch = "x86_64")]
-const QUAD_ACTS: usize = 4;
-
-/// What the values `v` of the block types [`avx512::quads`] computes are offset by to be unsigned bytes
-/// `v + o`, which `vpdpbusd` takes: Q8_0's `-128..128` flipped, then Q4_0's, Q5_0's and Q4_1's and
-/// Q5_1's nibbles (and fifth bits) as they are stored. [`quad_slot`] indexes it, and so does
-/// [`Acts::quad_biases`].
-#[cfg(target_arch = "x86_64")]
-const QUAD_OFFSETS: [i32; 4] = [128, 8, 16, 0];
-
-/// For the block types [`avx512::quads`] computes (those whose blocks are one chunk of 32 values), their
-/// offset's index in [`QUAD_OFFSETS`].
-#[cfg(target_arch = "x86_64")]
-fn quad_slot(ty: GgmlType) -> Option<usize> {
-    match ty {
-        GgmlType::Q8_0 => Some(0),
-        GgmlType::Q4_0 => Some(1),
-        GgmlType::Q5_0 => Some(2),
-        GgmlType::Q4_1 | GgmlType::Q5_1 => Some(3),
-        _ => None,
-    }
-}
-
-/// [`dots`] for weights of a [`quad_slot`] type (`width` rows in `w`) and at most [`QUAD_ACTS`]
-/// activation rows, on a CPU with the AVX-512 kernels: four weight rows at a time by
-/// [`avx512::quads`], the last `width % 4` rows by the other kernels.
-#[cfg(target_arch = "x86_64")]
-fn quads(x: &Acts<'_>, ty: GgmlType, w: &[u8], width: usize, out: &mut [f32]) {
-    let xq = x.q8;
-    let (n, t) = (xq.cols, xq.rows);
-    let row_bytes = n / QK * ty.block_bytes();
-    let slot = quad_slot(ty).expect("a type with a quad kernel");
-    let o = QUAD_OFFSETS[slot];
-    // Each lane's `-o * (the sum of its four activation values)`: the weights go in as unsigned bytes,
-    // `v + o`, so the lanes start from this to come out as `sum(v * q)`.
-    let bias = x.quad_biases[slot].get_or_init(|| {
-        (0..t)
-            .flat_map(|r| xq.act(r).q.chunks_exact(QK).map(|c| std::array::from_fn(|l| -o * four_sum(&c[4 * l..]))))
-            .collect()
-    });
-    let whole = width / 4 * 4;
-    for j0 in (0..whole).step_by(ROWS_PER_CALL) {
-        let nj = ROWS_PER_CALL.min(whole - j0);
-        let w = &w[j0 * row_bytes..(j0 + nj) * row_bytes];
-        macro_rules! run {
-            ($r:literal) => {{
-                let acts: [Act<'_>; $r] = std::array::from_fn(|i| xq.act(i));
-                let bias: [&[[i32; 8]]; $r] = std::array::from_fn(|i| &bias[i * (n / QK)..(i + 1) * (n / QK)]);
-                let mut res = [[0f32; $r]; ROWS_PER_CALL];
-                let res = &mut res[..nj];
-                // SAFETY: `x.wide` is set only where `Kernel::best` chose AVX-512 (AVX-512F, BW and VNNI
-                // present, with AVX2, FMA and F16C); `ty` has a quad kernel, `w` is `nj` (a multiple of 4)
-                // rows of `n` values as whole blocks, and every activation row and its biases cover `n`
-                // values.
-                unsafe { avx512::quads::<$r>(ty, acts, bias, w, n, res) };
-                for (j, res) in res.iter().enumerate() {
-                    for (i, v) in res.iter().enumerate() {
-                        out[i * width + j0 + j] = *v;
-                    }
-                }
-            }};
-        }
-        match t {
-            1 => run!(1),
-            2 => run!(2),
-            3 => run!(3),
-            _ => run!(4),
-        }
-    }
-    if whole < width {
-        let mut rest = vec![0f32; t * (width - whole)];
-        dots(x, ty, w, whole..width, &mut rest);
-        for (i, row) in rest.chunks_exact(width - whole).enumerate() {
-            out[i * width + whole..(i + 1) * width].copy_from_slice(row);
-        }
-    }
-}
-
-/// The sum of the first four values.
-#[cfg(target_arch = "x86_64")]
-fn four_sum(q: &[i8]) -> i32 {
-    q[..4].iter().map(|&v| i32::from(v)).sum()
 }
 
 /// Which instructions compute the integer lanes: the bits are the same whichever runs.
