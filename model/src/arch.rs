@@ -455,7 +455,7 @@ impl Model {
     }
 
     /// Bytes of weights this model holds: matrices as its precision multiplies them (a GGUF's blocks
-    /// are in its read-only mapping, paged in as they are used; `fast`'s interleaved copies replace
+    /// are in its read-only mapping, paged in as they are used; `fast`'s interleaved copies stand for
     /// theirs, whose pages it releases), the embedding, norms, and `fast`'s Q8_0 copies.
     pub fn weight_bytes(&self) -> usize {
         let norms = |w: &LayerWeights| {
@@ -482,12 +482,13 @@ impl Model {
             })
             .sum();
         let q8: usize = fast.map_or(0, |q| q.layers.iter().flatten().chain([&q.head]).flatten().map(Q8::bytes).sum());
-        // The head: a separate one as multiplied, or a tied one's interleaved copy beside the embedding.
-        let head = match &self.lm_head {
-            Some(h) => FastWeights::head(fast, h).bytes(),
-            None => fast.and_then(|f| f.interleaved_head.as_ref()).map_or(0, Weight::bytes),
+        // The head and the embedding: a tied pair's interleaved copy stands for both (the embedding's
+        // lookups read a few rows of the mapping, whose pages the copy released).
+        let head_and_embed = match &self.lm_head {
+            Some(h) => FastWeights::head(fast, h).bytes() + self.embed.bytes(),
+            None => FastWeights::head(fast, &self.embed).bytes(),
         };
-        self.embed.bytes() + head + 4 * self.final_norm.len() + layers + q8
+        head_and_embed + 4 * self.final_norm.len() + layers + q8
     }
 
     /// Sets precision and thread count. `fast` quantizes the linear weights that are not integer blocks

@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use std::ops::{Deref, Range};
 use std::sync::Arc;
 
-use crate::quant::{dequantize, f16_at, GgmlType};
+use crate::quant::{dequantize, f16_at, scale_min_k4_int, GgmlType};
 
 use super::q8::QK;
 
@@ -90,19 +90,30 @@ pub enum Weight {
 /// Weight rows interleaved per group of [`Interleaved`].
 pub(crate) const GROUP: usize = 16;
 
-/// A matrix of one of the 32-value block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) with its rows interleaved
-/// [`GROUP`] at a time, the layout in which `fast`'s kernels meet four columns of 16 weight rows in one
-/// 512-bit vector ([`super::native`]'s `interleaved`; llama.cpp repacks its weights likewise). Per group
-/// and chunk of 32 columns, the same bytes as the 16 rows' blocks, regrouped:
-/// - the 16 rows' f16 scales `d`, then (Q4_1, Q5_1) their f16 offsets `m`;
-/// - (Q5_0, Q5_1) per lane `l` of 8 (columns `4l..4l + 4`), a 64-bit mask whose bit `4i + k` is row
-///   `i`'s fifth bit of column `4l + k`;
-/// - the values: for Q8_0, per lane and row its four values as unsigned bytes `v + 128`; for the 4- and
-///   5-bit types, per lane `l` of 4 and row, its four bytes of nibbles `4l..4l + 4` as the block holds
-///   them (the low nibbles columns `4l..4l + 4`, the high ones `16 + 4l..`).
+/// A matrix of blocks with its rows interleaved [`GROUP`] at a time, the layout in which `fast`'s kernels
+/// meet four columns of 16 weight rows in one 512-bit vector ([`super::native`]'s `interleaved`;
+/// llama.cpp repacks its weights likewise). For the 32-value types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) and
+/// Q4_K and Q6_K. Per group and *unit* (a block's columns: 32, or 256 for the K-quants), the 16 rows'
+/// blocks regrouped:
+/// - the 32-value types, per chunk of 32 columns (the same bytes as the blocks):
+///   - the 16 rows' f16 scales `d`, then (Q4_1, Q5_1) their f16 offsets `m`;
+///   - (Q5_0, Q5_1) per lane `l` of 8 (columns `4l..4l + 4`), a 64-bit mask whose bit `4i + k` is row
+///     `i`'s fifth bit of column `4l + k`;
+///   - the values: for Q8_0, per lane and row its four values as unsigned bytes `v + 128`; for the 4-
+///     and 5-bit types, per lane `l` of 4 and row, its four bytes of nibbles `4l..4l + 4` as the block
+///     holds them (the low nibbles columns `4l..4l + 4`, the high ones `16 + 4l..`);
+/// - Q4_K, per block of 256 (64 bytes more than the blocks, 3%): the rows' f16 `d`, their f16 `dmin`;
+///   per chunk the rows' 6-bit scales, then per chunk their 6-bit mins, a byte each; then per pair of
+///   chunks `p` and lane `l`, each row's four bytes `32p + 4l..` of nibbles (the low ones chunk `2p`,
+///   the high ones chunk `2p + 1`);
+/// - Q6_K, per block of 256 (the same bytes): the rows' f16 `d`; per chunk, each row's scale of its
+///   first 16 values, then of its last 16; the low four bits as the block holds them, per quarter `q` of
+///   its 128 bytes and lane, each row's four bytes (the low nibbles chunks `4n + k`, `k < 2`, of half
+///   `n = q / 2`, the high ones `4n + k + 2`); the high two bits likewise per half of its 64 bytes.
 ///
-/// Weight `k` of a row is `d * (u[k] - o) + m`, `u` the unsigned value and `o` the type's offset
-/// ([`Interleaved::offset`]); the values are the blocks'.
+/// Weight `k` of a chunk of a row is `d * isc * (u[k] - o) + m` ([`Chunk`]), `u` the unsigned value,
+/// `o` the type's offset ([`Interleaved::offset`]), `isc` the integer scale of the value's half (1 but
+/// for the K-quants); the values are the blocks'.
 #[derive(Clone, Debug)]
 pub struct Interleaved {
     pub(crate) ty: GgmlType,
@@ -111,148 +122,259 @@ pub struct Interleaved {
     pub(crate) cols: usize,
 }
 
+/// One chunk of 32 weights of a row of an [`Interleaved`] matrix: weight `k` is
+/// `d * isc[k / 16] * (u[k] - o) + m`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Chunk {
+    pub(crate) u: [u8; QK],
+    pub(crate) isc: [i32; 2],
+    pub(crate) d: f32,
+    pub(crate) m: f32,
+}
+
+/// Where a Q4_K unit's scales, mins and values start.
+pub(crate) const Q4K_SCALES: usize = 4 * GROUP;
+pub(crate) const Q4K_MINS: usize = Q4K_SCALES + 8 * GROUP;
+pub(crate) const Q4K_VALUES: usize = Q4K_MINS + 8 * GROUP;
+/// Where a Q6_K unit's scales, low bits and high bits start.
+pub(crate) const Q6K_SCALES: usize = 2 * GROUP;
+pub(crate) const Q6K_LOW: usize = Q6K_SCALES + 16 * GROUP;
+pub(crate) const Q6K_HIGH: usize = Q6K_LOW + 128 * GROUP;
+
 impl Interleaved {
-    /// `w` interleaved, where it is blocks of a 32-value type in whole groups of rows (`None`
+    /// `w` interleaved, where it is blocks of an interleaved type in whole groups of rows (`None`
     /// otherwise). The groups are copied on the threads of the pool this runs in, and the source's
     /// mapped pages are then released (see [`BlockBytes`]), so the copy does not double the resident
     /// weights.
     pub fn of(w: &Weight) -> Option<Self> {
         use rayon::prelude::*;
         let Weight::Blocks { ty, bytes: src, cols } = w else { return None };
-        let (ty, cols, chunks) = (*ty, *cols, *cols / QK);
-        if !matches!(ty, GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1) {
+        let (ty, cols) = (*ty, *cols);
+        if !matches!(
+            ty,
+            GgmlType::Q8_0
+                | GgmlType::Q4_0
+                | GgmlType::Q4_1
+                | GgmlType::Q5_0
+                | GgmlType::Q5_1
+                | GgmlType::Q4K
+                | GgmlType::Q6K
+        ) {
             return None;
         }
-        let bb = ty.block_bytes();
-        let row_bytes = chunks * bb;
+        let (bb, units) = (ty.block_bytes(), cols / ty.block_elems());
+        let row_bytes = units * bb;
         let rows = src.len() / row_bytes;
         if rows == 0 || !rows.is_multiple_of(GROUP) {
             return None;
         }
         let shape =
             Interleaved { ty, bytes: Arc::new(memmap2::MmapMut::map_anon(1).ok()?.make_read_only().ok()?), rows, cols };
-        let (offset, fifth, at, cb) = (shape.has_offset(), shape.fifth(), shape.values_at(), shape.chunk_bytes());
-        // Q8_0's values go in as unsigned bytes `v + 128`, the others' nibbles as they are.
-        let (values, flip) = if ty == GgmlType::Q8_0 { (2..bb, 0x8080_8080) } else { (bb - 16..bb, 0) };
-        // A group's 16 rows lie together in the blocks as in the copy, `group` bytes.
-        let group = chunks * GROUP * bb;
-        // Row after row of the group (each read in order), chunk after chunk of it.
+        let ub = shape.unit_bytes();
+        // A group's 16 rows lie together in the blocks, `from` bytes, and in the copy, `to`.
+        let (from, to) = (units * GROUP * bb, units * ub);
+        // Row after row of the group (each read in order), unit after unit of it.
         let copy = |g: usize, out: &mut [u8]| {
-            let mut masks = vec![[0u64; QK / 4]; if fifth { chunks } else { 0 }];
             for i in 0..GROUP {
                 let row = &src[(g * GROUP + i) * row_bytes..][..row_bytes];
-                for ((c, block), out) in row.chunks_exact(bb).enumerate().zip(out.chunks_exact_mut(cb)) {
-                    out[2 * i..2 * i + 2].copy_from_slice(&block[..2]);
-                    if offset {
-                        out[2 * GROUP + 2 * i..][..2].copy_from_slice(&block[2..4]);
-                    }
-                    let out = &mut out[at + 4 * i..];
-                    for (l, four) in block[values.clone()].chunks_exact(4).enumerate() {
-                        let four = u32::from_ne_bytes(four.try_into().expect("4 bytes")) ^ flip;
-                        out[4 * l * GROUP..][..4].copy_from_slice(&four.to_ne_bytes());
-                    }
-                    if fifth {
-                        let qh = u32::from_le_bytes(block[bb - 20..bb - 16].try_into().expect("4 bytes"));
-                        for (l, mask) in masks[c].iter_mut().enumerate() {
-                            *mask |= u64::from(qh >> (4 * l) & 0xF) << (4 * i);
-                        }
-                    }
-                }
-            }
-            for (masks, out) in masks.iter().zip(out.chunks_exact_mut(cb)) {
-                for (l, mask) in masks.iter().enumerate() {
-                    out[at - 64 + 8 * l..][..8].copy_from_slice(&mask.to_le_bytes());
+                for (block, out) in row.chunks_exact(bb).zip(out.chunks_exact_mut(ub)) {
+                    shape.put(block, i, out);
                 }
             }
         };
         // The copy in its own mapping, in huge pages where the kernel gives them (a few hundred faults
         // for Gemma 3's head where 4 KiB pages took 45000, and as many fewer TLB entries for the
         // kernels that stream it), read-only once written.
-        let mut bytes = memmap2::MmapMut::map_anon(src.len()).ok()?;
+        let mut bytes = memmap2::MmapMut::map_anon(rows / GROUP * to).ok()?;
         // Advice only: without huge pages the copy is the same, in 4 KiB pages.
         let _ = bytes.advise(memmap2::Advice::HugePage);
         // In slabs of a few MiB, each slab's blocks mapped in at once before they are read and released
         // once copied: the copy and its source are never both resident whole (a 177 MiB head would
         // otherwise add as much to the peak).
-        const SLAB: usize = 8 << 20;
-        let per_slab = (SLAB / group).max(1);
-        for (s, slab) in bytes.chunks_mut(per_slab * group).enumerate() {
-            let part = s * per_slab * group..s * per_slab * group + slab.len();
+        const SLAB: usize = 2 << 20;
+        let per_slab = (SLAB / to).max(1);
+        for (s, slab) in bytes.chunks_mut(per_slab * to).enumerate() {
+            let part = s * per_slab * from..s * per_slab * from + slab.len() / to * from;
             src.populate(part.clone());
-            slab.par_chunks_mut(group).enumerate().for_each(|(j, out)| copy(s * per_slab + j, out));
+            slab.par_chunks_mut(to).enumerate().for_each(|(j, out)| copy(s * per_slab + j, out));
             src.release(part);
         }
         Some(Interleaved { bytes: Arc::new(bytes.make_read_only().ok()?), ..shape })
     }
 
-    /// Whether the weights carry an offset `m` (Q4_1, Q5_1).
-    #[inline]
-    pub(crate) fn has_offset(&self) -> bool {
-        matches!(self.ty, GgmlType::Q4_1 | GgmlType::Q5_1)
+    /// Puts `block` as row `i` of its group's unit `out`.
+    fn put(&self, block: &[u8], i: usize, out: &mut [u8]) {
+        let bb = block.len();
+        // Four bytes of the block from `from` to where row `i`'s lane `l` of a section at `at` is.
+        let four = |out: &mut [u8], at: usize, l: usize, from: usize, flip: u32| {
+            let v = u32::from_ne_bytes(block[from..from + 4].try_into().expect("4 bytes")) ^ flip;
+            out[at + 4 * (l * GROUP + i)..][..4].copy_from_slice(&v.to_ne_bytes());
+        };
+        match self.ty {
+            GgmlType::Q4K => {
+                out[2 * i..2 * i + 2].copy_from_slice(&block[..2]);
+                out[2 * GROUP + 2 * i..][..2].copy_from_slice(&block[2..4]);
+                for c in 0..8 {
+                    let (sc, mn) = scale_min_k4_int(c, &block[4..16]);
+                    out[Q4K_SCALES + c * GROUP + i] = sc;
+                    out[Q4K_MINS + c * GROUP + i] = mn;
+                }
+                for p in 0..4 {
+                    for l in 0..8 {
+                        four(out, Q4K_VALUES + 512 * p, l, 16 + 32 * p + 4 * l, 0);
+                    }
+                }
+            }
+            GgmlType::Q6K => {
+                out[2 * i..2 * i + 2].copy_from_slice(&block[208..210]);
+                for (j, &sc) in block[192..208].iter().enumerate() {
+                    out[Q6K_SCALES + j * GROUP + i] = sc;
+                }
+                for q in 0..4 {
+                    for l in 0..8 {
+                        four(out, Q6K_LOW + 512 * q, l, 32 * q + 4 * l, 0);
+                    }
+                }
+                for n in 0..2 {
+                    for l in 0..8 {
+                        four(out, Q6K_HIGH + 512 * n, l, 128 + 32 * n + 4 * l, 0);
+                    }
+                }
+            }
+            ty => {
+                let at = self.values_at();
+                out[2 * i..2 * i + 2].copy_from_slice(&block[..2]);
+                if self.has_offset() {
+                    out[2 * GROUP + 2 * i..][..2].copy_from_slice(&block[2..4]);
+                }
+                // Q8_0's values go in as unsigned bytes `v + 128`, the others' nibbles as they are.
+                let (values, flip) = if ty == GgmlType::Q8_0 { (2, 0x8080_8080) } else { (bb - 16, 0) };
+                for l in 0..(bb - values) / 4 {
+                    four(out, at, l, values + 4 * l, flip);
+                }
+                if self.fifth() {
+                    let qh = u32::from_le_bytes(block[bb - 20..bb - 16].try_into().expect("4 bytes"));
+                    for l in 0..QK / 4 {
+                        let mask = &mut out[at - 64 + 8 * l..][..8];
+                        let bits = u64::from_le_bytes(mask.try_into().expect("8 bytes"))
+                            | u64::from(qh >> (4 * l) & 0xF) << (4 * i);
+                        mask.copy_from_slice(&bits.to_le_bytes());
+                    }
+                }
+            }
+        }
     }
 
-    /// Whether the values have a fifth bit (Q5_0, Q5_1).
+    /// Whether the weights carry an offset `m` (Q4_1, Q5_1, Q4_K).
+    #[inline]
+    pub(crate) fn has_offset(&self) -> bool {
+        matches!(self.ty, GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4K)
+    }
+
+    /// Whether the values have a fifth bit in masks (Q5_0, Q5_1).
     #[inline]
     pub(crate) fn fifth(&self) -> bool {
         matches!(self.ty, GgmlType::Q5_0 | GgmlType::Q5_1)
     }
 
-    /// What the unsigned values are offset by: weight `k` is `d * (u[k] - o) + m`.
+    /// What the unsigned values are offset by.
     #[inline]
     pub(crate) fn offset(&self) -> i32 {
         match self.ty {
             GgmlType::Q8_0 => 128,
             GgmlType::Q4_0 => 8,
             GgmlType::Q5_0 => 16,
+            GgmlType::Q6K => 32,
             _ => 0,
         }
     }
 
-    /// Where a group's chunk's fifth-bit masks end and its values start.
+    /// Where a 32-value type's unit's fifth-bit masks end and its values start.
     #[inline]
     pub(crate) fn values_at(&self) -> usize {
         2 * GROUP * (1 + usize::from(self.has_offset())) + if self.fifth() { 64 } else { 0 }
     }
 
-    /// Bytes of a group's chunk.
+    /// Chunks of 32 columns per unit.
     #[inline]
-    pub(crate) fn chunk_bytes(&self) -> usize {
-        GROUP * self.ty.block_bytes()
+    pub(crate) fn chunks_per_unit(&self) -> usize {
+        self.ty.block_elems() / QK
     }
 
-    /// Where group `g`'s chunk `c` starts.
+    /// Bytes of a group's unit.
     #[inline]
-    pub(crate) fn at(&self, g: usize, c: usize) -> usize {
-        (g * (self.cols / QK) + c) * self.chunk_bytes()
-    }
-
-    /// The unsigned value of row `i` (of its group), column `k` (of 32) in the group chunk `b`.
-    #[inline]
-    pub(crate) fn value(&self, b: &[u8], i: usize, k: usize) -> i32 {
-        let at = self.values_at();
-        if self.ty == GgmlType::Q8_0 {
-            return i32::from(b[at + 4 * ((k / 4) * GROUP + i) + k % 4]);
+    pub(crate) fn unit_bytes(&self) -> usize {
+        match self.ty {
+            GgmlType::Q4K => Q4K_VALUES + 2048,
+            ty => GROUP * ty.block_bytes(),
         }
-        let j = k % 16;
-        let byte = b[at + 4 * ((j / 4) * GROUP + i) + j % 4];
-        let nibble = if k < 16 { byte & 0xF } else { byte >> 4 };
-        let bit = 4 * i + k % 4;
-        let high = self.fifth() && b[at - 64 + 8 * (k / 4) + bit / 8] >> (bit % 8) & 1 == 1;
-        i32::from(nibble) + if high { 16 } else { 0 }
     }
 
-    /// Rows `rows`, dequantized into `out` (`rows.len() x cols`): the blocks' values.
+    /// Where group `g`'s unit `u` starts.
+    #[inline]
+    pub(crate) fn at(&self, g: usize, u: usize) -> usize {
+        (g * (self.cols / self.ty.block_elems()) + u) * self.unit_bytes()
+    }
+
+    /// Row `i`'s chunk `c` (of its unit) in the group unit `b`: the definition every kernel follows.
+    pub(crate) fn chunk(&self, b: &[u8], i: usize, c: usize) -> Chunk {
+        let four = |at: usize, k: usize| b[at + 4 * ((k / 4) * GROUP + i) + k % 4];
+        let mut ch = Chunk { u: [0; QK], isc: [1; 2], d: f16_at(b, 2 * i), m: 0.0 };
+        match self.ty {
+            GgmlType::Q4K => {
+                let sc = i32::from(b[Q4K_SCALES + c * GROUP + i]);
+                ch.isc = [sc; 2];
+                // Exact: an f16 times an integer below 64.
+                ch.m = -(f16_at(b, 2 * GROUP + 2 * i) * f32::from(b[Q4K_MINS + c * GROUP + i]));
+                for (k, u) in ch.u.iter_mut().enumerate() {
+                    let byte = four(Q4K_VALUES + 512 * (c / 2), k);
+                    *u = if c.is_multiple_of(2) { byte & 0xF } else { byte >> 4 };
+                }
+            }
+            GgmlType::Q6K => {
+                let (n, k4) = (c / 4, c % 4);
+                ch.isc = std::array::from_fn(|h| i32::from(b[Q6K_SCALES + (2 * c + h) * GROUP + i] as i8));
+                for (k, u) in ch.u.iter_mut().enumerate() {
+                    let low = four(Q6K_LOW + 512 * (2 * n + k4 % 2), k);
+                    let low = if k4 < 2 { low & 0xF } else { low >> 4 };
+                    let high = four(Q6K_HIGH + 512 * n, k) >> (2 * k4) & 3;
+                    *u = low | high << 4;
+                }
+            }
+            ty => {
+                if self.has_offset() {
+                    ch.m = f16_at(b, 2 * GROUP + 2 * i);
+                }
+                let at = self.values_at();
+                for (k, u) in ch.u.iter_mut().enumerate() {
+                    if ty == GgmlType::Q8_0 {
+                        *u = four(at, k);
+                        continue;
+                    }
+                    let byte = four(at, k % 16);
+                    let nibble = if k < 16 { byte & 0xF } else { byte >> 4 };
+                    let bit = 4 * i + k % 4;
+                    let high = self.fifth() && b[at - 64 + 8 * (k / 4) + bit / 8] >> (bit % 8) & 1 == 1;
+                    *u = nibble + if high { 16 } else { 0 };
+                }
+            }
+        }
+        ch
+    }
+
+    /// Rows `rows`, dequantized into `out` (`rows.len() x cols`): the blocks' values (bit for bit for
+    /// the 32-value types; the K-quants' products are formed as the chunks define them).
     fn dequantize(&self, rows: Range<usize>, out: &mut [f32]) {
-        let o = self.offset();
+        let (o, cpu) = (self.offset(), self.chunks_per_unit());
         for (j, out) in rows.zip(out.chunks_exact_mut(self.cols)) {
             let (g, i) = (j / GROUP, j % GROUP);
             for (c, out) in out.chunks_exact_mut(QK).enumerate() {
-                let b = &self.bytes[self.at(g, c)..][..self.chunk_bytes()];
-                let d = f16_at(b, 2 * i);
-                let m = if self.has_offset() { f16_at(b, 2 * GROUP + 2 * i) } else { 0.0 };
+                let b = &self.bytes[self.at(g, c / cpu)..][..self.unit_bytes()];
+                let ch = self.chunk(b, i, c % cpu);
                 for (k, y) in out.iter_mut().enumerate() {
-                    let v = (self.value(b, i, k) - o) as f32;
-                    *y = if self.has_offset() { d * v + m } else { d * v };
+                    let v = (i32::from(ch.u[k]) - o) as f32;
+                    let scaled = if cpu == 1 { ch.d * v } else { ch.d * ch.isc[k / 16] as f32 * v };
+                    *y = if self.has_offset() { scaled + ch.m } else { scaled };
                 }
             }
         }

@@ -1,6 +1,6 @@
-//! `fast` on matrices of the 32-value block types whose rows are interleaved sixteen at a time
-//! ([`Interleaved`]): the LM head (Q8_0, the largest matrix of every model here) and the layers of those
-//! types (Gemma 3's Q5_0, SmolLM2's Q4_1).
+//! `fast` on matrices whose rows are interleaved sixteen at a time ([`Interleaved`]): the LM head (Q8_0,
+//! the largest matrix of every model here) and the layers (Gemma 3's Q5_0, Q4_K and Q6_K, SmolLM2's
+//! Q4_1).
 //!
 //! On the row-major blocks, each output's 8 lanes are a vector's worth of work for one weight row, so
 //! every further activation row costs a conversion, a scale and a multiply-add per chunk and weight row
@@ -13,8 +13,9 @@
 //! activation row of a pass.
 //!
 //! So the order is not the other layouts' ([`super`]): each output is
-//! 1. per chunk, `sum((u[k] - o) * q[k])` over its 32 values, in 32-bit integers (exact, at most
-//!    `32 * 128 * 127`, and exactly an f32 below `2^24`);
+//! 1. per chunk ([`Chunk`]), `sum = isc[0] * sum((u[k] - o) * q[k]) + isc[1] * (the same over the last 16
+//!    values)`, in 32-bit integers (exact, and exactly an f32: below `2^24`, at most `32 * 128 * 127`
+//!    for Q8_0 and `2 * 16 * 32 * 127 * 128` for Q6_K);
 //! 2. chunk after chunk, `acc = fma(d * xd, sum as f32, acc)` and `off = fma(m, xs, off)`, from zeros
 //!    (`m = 0` for the types without an offset);
 //! 3. the output is `acc + off`.
@@ -22,11 +23,11 @@
 //! Every kernel (portable, AVX2, AVX-512) computes exactly that for every row, whatever the batch, the
 //! other rows or the thread, so the bits are the same everywhere.
 
-use super::super::weight::{Interleaved, GROUP};
+use super::super::weight::{Interleaved, GROUP, Q4K_MINS, Q4K_SCALES, Q4K_VALUES, Q6K_HIGH, Q6K_LOW, Q6K_SCALES};
 #[cfg(target_arch = "x86_64")]
 use super::Kernel;
 use super::{Acts, QK};
-use crate::quant::{f16_at, GgmlType};
+use crate::quant::GgmlType;
 
 /// Activation rows per pass over a group's weights: each weight vector is loaded once for them all.
 const PASS: usize = 4;
@@ -45,11 +46,16 @@ pub(crate) fn dots(x: &Acts<'_>, m: &Interleaved, rows: std::ops::Range<usize>, 
         "interleaved dots shapes"
     );
     let chunks = n / QK;
-    // Each activation row's `-o * sum(q)` per chunk: where the unsigned weights `u = v + o` meet the
-    // activations, the integer sums start from it, so they come out as `sum(v * q)`.
-    let o = m.offset();
-    let bias: Vec<i32> = (0..t)
-        .flat_map(|r| xq.act(r).q.chunks_exact(QK).map(|c| -o * c.iter().map(|&q| i32::from(q)).sum::<i32>()))
+    // Each activation row's sums per chunk of its first and last 16 values: where the unsigned weights
+    // `u = v + o` meet the activations, the integer sums start from `-o` times them, so they come out as
+    // `sum(v * q)`.
+    let halves: Vec<[i32; 2]> = (0..t)
+        .flat_map(|r| {
+            xq.act(r)
+                .q
+                .chunks_exact(QK)
+                .map(|c| std::array::from_fn(|h| c[16 * h..16 * h + 16].iter().map(|&q| i32::from(q)).sum()))
+        })
         .collect();
     let (g0, g1) = (rows.start / GROUP, rows.end / GROUP);
     for r0 in (0..t).step_by(PASS) {
@@ -57,7 +63,7 @@ pub(crate) fn dots(x: &Acts<'_>, m: &Interleaved, rows: std::ops::Range<usize>, 
             ($r:literal) => {{
                 let acts: [Operands<'_>; $r] = std::array::from_fn(|i| {
                     let a = xq.act(r0 + i);
-                    Operands { q: a.q, d: a.d, s: a.s, bias: &bias[(r0 + i) * chunks..(r0 + i + 1) * chunks] }
+                    Operands { q: a.q, d: a.d, s: a.s, halves: &halves[(r0 + i) * chunks..(r0 + i + 1) * chunks] }
                 });
                 for g in g0..g1 {
                     let res = group(x, m, g, acts);
@@ -77,13 +83,14 @@ pub(crate) fn dots(x: &Acts<'_>, m: &Interleaved, rows: std::ops::Range<usize>, 
     }
 }
 
-/// One activation row's operands: its values, per chunk its scale, its sum and its bias.
+/// One activation row's operands: its values, and per chunk its scale, its sum before quantization and
+/// the sums of its quantized halves.
 #[derive(Clone, Copy)]
 struct Operands<'a> {
     q: &'a [i8],
     d: &'a [f32],
     s: &'a [f32],
-    bias: &'a [i32],
+    halves: &'a [[i32; 2]],
 }
 
 /// Group `g`'s 16 outputs for each of the `R` activation rows, by the fastest kernel `x` runs.
@@ -99,6 +106,8 @@ fn group<const R: usize>(x: &Acts<'_>, m: &Interleaved, g: usize, acts: [Operand
                     GgmlType::Q4_1 => $kernel::<R, 3>(m, g, acts),
                     GgmlType::Q5_0 => $kernel::<R, 6>(m, g, acts),
                     GgmlType::Q5_1 => $kernel::<R, 7>(m, g, acts),
+                    GgmlType::Q4K => $kernel::<R, 12>(m, g, acts),
+                    GgmlType::Q6K => $kernel::<R, 14>(m, g, acts),
                     _ => unreachable!("an interleaved type"),
                 }
             };
@@ -123,16 +132,20 @@ fn group<const R: usize>(x: &Acts<'_>, m: &Interleaved, g: usize, acts: [Operand
 /// The definition (see the module's).
 fn portable<const R: usize>(m: &Interleaved, g: usize, acts: [Operands<'_>; R]) -> [[f32; GROUP]; R] {
     let (mut acc, mut off) = ([[0f32; GROUP]; R], [[0f32; GROUP]; R]);
-    let o = m.offset();
+    let (o, cpu) = (m.offset(), m.chunks_per_unit());
     for c in 0..m.cols / QK {
-        let b = &m.bytes[m.at(g, c)..][..m.chunk_bytes()];
-        for (r, a) in acts.iter().enumerate() {
-            let q = &a.q[c * QK..(c + 1) * QK];
-            for i in 0..GROUP {
-                let sum: i32 = (0..QK).map(|k| (m.value(b, i, k) - o) * i32::from(q[k])).sum();
-                acc[r][i] = (f16_at(b, 2 * i) * a.d[c]).mul_add(sum as f32, acc[r][i]);
+        let b = &m.bytes[m.at(g, c / cpu)..][..m.unit_bytes()];
+        for i in 0..GROUP {
+            let ch = m.chunk(b, i, c % cpu);
+            for (r, a) in acts.iter().enumerate() {
+                let q = &a.q[c * QK..(c + 1) * QK];
+                let half = |h: usize| -> i32 {
+                    (16 * h..16 * h + 16).map(|k| (i32::from(ch.u[k]) - o) * i32::from(q[k])).sum()
+                };
+                let sum = ch.isc[0] * half(0) + ch.isc[1] * half(1);
+                acc[r][i] = (ch.d * a.d[c]).mul_add(sum as f32, acc[r][i]);
                 if m.has_offset() {
-                    off[r][i] = f16_at(b, 2 * GROUP + 2 * i).mul_add(a.s[c], off[r][i]);
+                    off[r][i] = ch.m.mul_add(a.s[c], off[r][i]);
                 }
             }
         }
@@ -145,13 +158,38 @@ fn portable<const R: usize>(m: &Interleaved, g: usize, acts: [Operands<'_>; R]) 
 fn check<const R: usize>(m: &Interleaved, g: usize, acts: &[Operands<'_>; R]) -> usize {
     let chunks = m.cols / QK;
     assert!(
-        m.at(g, chunks) <= m.bytes.len()
+        m.cols.is_multiple_of(m.ty.block_elems())
+            && m.at(g + 1, 0) <= m.bytes.len()
             && acts.iter().all(|a| {
-                a.q.len() >= m.cols && a.d.len() >= chunks && a.s.len() >= chunks && a.bias.len() >= chunks
+                a.q.len() >= m.cols && a.d.len() >= chunks && a.s.len() >= chunks && a.halves.len() >= chunks
             }),
         "interleaved operands"
     );
     chunks
+}
+
+/// Which of the kernels' cases the type with GGML id `T` takes.
+#[cfg(target_arch = "x86_64")]
+struct Form {
+    /// Its unsigned values' offset.
+    o: i32,
+    /// Whether it has an offset `m` (negated for Q4_K, whose `m` is `-(dmin * min)`).
+    offset: bool,
+    /// Whether its chunks have integer scales (the K-quants), and one per half (Q6_K).
+    scaled: bool,
+    halves: bool,
+}
+
+#[cfg(target_arch = "x86_64")]
+const fn form(t: u32) -> Form {
+    match t {
+        8 => Form { o: 128, offset: false, scaled: false, halves: false },
+        2 => Form { o: 8, offset: false, scaled: false, halves: false },
+        6 => Form { o: 16, offset: false, scaled: false, halves: false },
+        3 | 7 => Form { o: 0, offset: true, scaled: false, halves: false },
+        12 => Form { o: 0, offset: true, scaled: true, halves: false },
+        _ => Form { o: 32, offset: false, scaled: true, halves: true },
+    }
 }
 
 /// [`portable`] with AVX-512 for the type with GGML id `T`: per chunk, the group's 8 vectors of
@@ -170,42 +208,93 @@ unsafe fn avx512<const R: usize, const T: u32>(
 ) -> [[f32; GROUP]; R] {
     use std::arch::x86_64::*;
     let chunks = check(m, g, &acts);
-    let (offset, at) = (matches!(T, 3 | 7), m.values_at());
+    let f = const { form(T) };
+    let (at, cpu) = (m.values_at(), m.chunks_per_unit());
     let (mut acc, mut off) = ([_mm512_setzero_ps(); R], [_mm512_setzero_ps(); R]);
-    let (low, fifth) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10));
+    let (low, fifth, two) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10), _mm512_set1_epi8(0x30));
     for c in 0..chunks {
-        // SAFETY: the chunk's bytes lie in `m.bytes` (checked), and so does every row's chunk `c` of
-        // its operands; unaligned loads.
+        let cu = c % cpu;
+        // SAFETY: the group's unit of chunk `c` lies in `m.bytes` (checked), and so does every row's
+        // chunk `c` of its operands; unaligned loads.
         unsafe {
-            let block = m.bytes.as_ptr().add(m.at(g, c));
-            let d = _mm512_cvtph_ps(_mm256_loadu_si256(block.cast()));
-            let ms = if offset { _mm512_cvtph_ps(_mm256_loadu_si256(block.add(2 * GROUP).cast())) } else { d };
-            let vals = block.add(at);
-            let u: [__m512i; QK / 4] = if T == 8 {
-                std::array::from_fn(|l| _mm512_loadu_si512(vals.add(64 * l).cast()))
+            let b = m.bytes.as_ptr().add(m.at(g, c / cpu));
+            let load = |at: usize| _mm512_loadu_si512(b.add(at).cast());
+            // Sixteen bytes from `at` widened to 32 bits.
+            let bytes16 = |at: usize| _mm_loadu_si128(b.add(at).cast());
+            let d = _mm512_cvtph_ps(_mm256_loadu_si256(b.cast()));
+            let ms = if f.offset { _mm512_cvtph_ps(_mm256_loadu_si256(b.add(2 * GROUP).cast())) } else { d };
+            // Q4_K's `dmin * min` (exact), subtracted below.
+            let ms = if T == 12 {
+                _mm512_mul_ps(ms, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(Q4K_MINS + cu * GROUP))))
             } else {
-                let bytes: [__m512i; 4] = std::array::from_fn(|l| _mm512_loadu_si512(vals.add(64 * l).cast()));
-                std::array::from_fn(|l| {
-                    let b = bytes[l % 4];
-                    let u = _mm512_and_si512(if l < 4 { b } else { _mm512_srli_epi16::<4>(b) }, low);
-                    if matches!(T, 6 | 7) {
-                        let mask = vals.sub(64).add(8 * l).cast::<u64>().read_unaligned();
-                        _mm512_mask_add_epi8(u, u64::from_le(mask), u, fifth)
-                    } else {
-                        u
-                    }
-                })
+                ms
+            };
+            let u: [__m512i; QK / 4] = match T {
+                8 => std::array::from_fn(|l| load(at + 64 * l)),
+                12 => std::array::from_fn(|l| {
+                    let v = load(Q4K_VALUES + 512 * (cu / 2) + 64 * l);
+                    _mm512_and_si512(if cu % 2 == 0 { v } else { _mm512_srli_epi16::<4>(v) }, low)
+                }),
+                14 => std::array::from_fn(|l| {
+                    let (n, k) = (cu / 4, cu % 4);
+                    let v = load(Q6K_LOW + 512 * (2 * n + k % 2) + 64 * l);
+                    let v = _mm512_and_si512(if k < 2 { v } else { _mm512_srli_epi16::<4>(v) }, low);
+                    // Bits `2k, 2k + 1` of each byte to bits 4 and 5 (16-bit shifts: what crosses
+                    // into a neighbouring byte is masked off).
+                    let h = load(Q6K_HIGH + 512 * n + 64 * l);
+                    let h = match k {
+                        0 => _mm512_slli_epi16::<4>(h),
+                        1 => _mm512_slli_epi16::<2>(h),
+                        2 => h,
+                        _ => _mm512_srli_epi16::<2>(h),
+                    };
+                    _mm512_or_si512(v, _mm512_and_si512(h, two))
+                }),
+                _ => {
+                    let bytes: [__m512i; 4] = std::array::from_fn(|l| load(at + 64 * l));
+                    std::array::from_fn(|l| {
+                        let v = bytes[l % 4];
+                        let v = _mm512_and_si512(if l < 4 { v } else { _mm512_srli_epi16::<4>(v) }, low);
+                        if matches!(T, 6 | 7) {
+                            let mask = b.add(at - 64 + 8 * l).cast::<u64>().read_unaligned();
+                            _mm512_mask_add_epi8(v, u64::from_le(mask), v, fifth)
+                        } else {
+                            v
+                        }
+                    })
+                }
+            };
+            // The integer scales: one per chunk (Q4_K), or per half (Q6_K, signed).
+            let isc = match T {
+                12 => [_mm512_cvtepu8_epi32(bytes16(Q4K_SCALES + cu * GROUP)); 2],
+                14 => std::array::from_fn(|h| _mm512_cvtepi8_epi32(bytes16(Q6K_SCALES + (2 * cu + h) * GROUP))),
+                _ => [_mm512_setzero_si512(); 2],
             };
             for (r, a) in acts.iter().enumerate() {
                 let q = a.q.as_ptr().add(c * QK).cast::<i32>();
-                let mut sum = _mm512_set1_epi32(*a.bias.get_unchecked(c));
-                for (l, u) in u.iter().enumerate() {
-                    sum = _mm512_dpbusd_epi32(sum, *u, _mm512_set1_epi32(q.add(l).read_unaligned()));
-                }
+                let [h0, h1] = *a.halves.get_unchecked(c);
+                let dp = |sum: __m512i, l: usize| {
+                    _mm512_dpbusd_epi32(sum, u[l], _mm512_set1_epi32(q.add(l).read_unaligned()))
+                };
+                let sum = if f.halves {
+                    let s0 = (0..4).fold(_mm512_set1_epi32(-f.o * h0), dp);
+                    let s1 = (4..8).fold(_mm512_set1_epi32(-f.o * h1), dp);
+                    _mm512_add_epi32(_mm512_mullo_epi32(s0, isc[0]), _mm512_mullo_epi32(s1, isc[1]))
+                } else {
+                    let s = (0..8).fold(_mm512_set1_epi32(-f.o * (h0 + h1)), dp);
+                    if f.scaled {
+                        _mm512_mullo_epi32(s, isc[0])
+                    } else {
+                        s
+                    }
+                };
                 let dd = _mm512_mul_ps(d, _mm512_set1_ps(*a.d.get_unchecked(c)));
                 acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(sum), acc[r]);
-                if offset {
-                    off[r] = _mm512_fmadd_ps(ms, _mm512_set1_ps(*a.s.get_unchecked(c)), off[r]);
+                let xs = _mm512_set1_ps(*a.s.get_unchecked(c));
+                if T == 12 {
+                    off[r] = _mm512_fnmadd_ps(ms, xs, off[r]);
+                } else if f.offset {
+                    off[r] = _mm512_fmadd_ps(ms, xs, off[r]);
                 }
             }
         }
@@ -219,9 +308,9 @@ unsafe fn avx512<const R: usize, const T: u32>(
 }
 
 /// [`portable`] with AVX2 for the type with GGML id `T`, eight rows of the group per vector: `maddubs`
-/// of the unsigned values with the activations (at most 31 for the 4- and 5-bit types, so no 16-bit pair
-/// can saturate), then `madd` into 32 bits. Q8_0's values go in as magnitudes, the activations given
-/// their signs (at most `2 * 128 * 127` a pair), from a bias of 0.
+/// of the unsigned values with the activations (at most 63, so no 16-bit pair can saturate), then
+/// `madd` into 32 bits. Q8_0's values go in as magnitudes, the activations given their signs (at most
+/// `2 * 128 * 127` a pair), from a bias of 0.
 ///
 /// # Safety
 ///
@@ -231,57 +320,111 @@ unsafe fn avx512<const R: usize, const T: u32>(
 unsafe fn avx2<const R: usize, const T: u32>(m: &Interleaved, g: usize, acts: [Operands<'_>; R]) -> [[f32; GROUP]; R] {
     use std::arch::x86_64::*;
     let chunks = check(m, g, &acts);
-    let (offset, at) = (matches!(T, 3 | 7), m.values_at());
+    let f = const { form(T) };
+    let (at, cpu) = (m.values_at(), m.chunks_per_unit());
     let (mut acc, mut off) = ([[_mm256_setzero_ps(); 2]; R], [[_mm256_setzero_ps(); 2]; R]);
-    let (flip, ones, low, fifth) =
-        (_mm256_set1_epi8(-128), _mm256_set1_epi16(1), _mm256_set1_epi8(0x0F), _mm256_set1_epi8(0x10));
+    let (flip, ones, low, fifth, two) = (
+        _mm256_set1_epi8(-128),
+        _mm256_set1_epi16(1),
+        _mm256_set1_epi8(0x0F),
+        _mm256_set1_epi8(0x10),
+        _mm256_set1_epi8(0x30),
+    );
     // Byte `j` of a vector takes bit `j % 8` of byte `j / 8` of a 32-bit mask.
     let spread = _mm256_setr_epi8(
         0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
     );
     let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
     for c in 0..chunks {
-        for h in 0..2 {
-            // SAFETY: as in `avx512`: the chunk's bytes and the rows' operands are in bounds (checked);
+        let cu = c % cpu;
+        for side in 0..2 {
+            // SAFETY: as in `avx512`: the unit's bytes and the rows' operands are in bounds (checked);
             // unaligned loads.
             unsafe {
-                let block = m.bytes.as_ptr().add(m.at(g, c));
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(block.add(16 * h).cast()));
+                let b = m.bytes.as_ptr().add(m.at(g, c / cpu));
+                // This side's eight rows of a 64-byte lane at `at`.
+                let load = |at: usize| _mm256_loadu_si256(b.add(at + 32 * side).cast());
+                // This side's eight bytes of a 16-row byte array at `at`, widened to 32 bits.
+                let bytes8 = |at: usize| _mm_loadl_epi64(b.add(at + 8 * side).cast());
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(b.add(16 * side).cast()));
                 let ms =
-                    if offset { _mm256_cvtph_ps(_mm_loadu_si128(block.add(2 * GROUP + 16 * h).cast())) } else { d };
-                let vals = block.add(at + 32 * h);
-                let u: [__m256i; QK / 4] = if T == 8 {
-                    std::array::from_fn(|l| _mm256_xor_si256(_mm256_loadu_si256(vals.add(64 * l).cast()), flip))
+                    if f.offset { _mm256_cvtph_ps(_mm_loadu_si128(b.add(2 * GROUP + 16 * side).cast())) } else { d };
+                let ms = if T == 12 {
+                    _mm256_mul_ps(ms, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes8(Q4K_MINS + cu * GROUP))))
                 } else {
-                    let bytes: [__m256i; 4] = std::array::from_fn(|l| _mm256_loadu_si256(vals.add(64 * l).cast()));
-                    std::array::from_fn(|l| {
-                        let b = bytes[l % 4];
-                        let u = _mm256_and_si256(if l < 4 { b } else { _mm256_srli_epi16::<4>(b) }, low);
-                        if matches!(T, 6 | 7) {
-                            // This half's 32 bits of lane `l`'s mask, one per byte.
-                            let mask = block.add(at - 64 + 8 * l + 4 * h).cast::<i32>().read_unaligned();
-                            let each = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(mask), spread), bits);
-                            let set = _mm256_cmpeq_epi8(each, bits);
-                            _mm256_or_si256(u, _mm256_and_si256(set, fifth))
-                        } else {
-                            u
-                        }
-                    })
+                    ms
+                };
+                let u: [__m256i; QK / 4] = match T {
+                    8 => std::array::from_fn(|l| _mm256_xor_si256(load(at + 64 * l), flip)),
+                    12 => std::array::from_fn(|l| {
+                        let v = load(Q4K_VALUES + 512 * (cu / 2) + 64 * l);
+                        _mm256_and_si256(if cu % 2 == 0 { v } else { _mm256_srli_epi16::<4>(v) }, low)
+                    }),
+                    14 => std::array::from_fn(|l| {
+                        let (n, k) = (cu / 4, cu % 4);
+                        let v = load(Q6K_LOW + 512 * (2 * n + k % 2) + 64 * l);
+                        let v = _mm256_and_si256(if k < 2 { v } else { _mm256_srli_epi16::<4>(v) }, low);
+                        let h = load(Q6K_HIGH + 512 * n + 64 * l);
+                        let h = match k {
+                            0 => _mm256_slli_epi16::<4>(h),
+                            1 => _mm256_slli_epi16::<2>(h),
+                            2 => h,
+                            _ => _mm256_srli_epi16::<2>(h),
+                        };
+                        _mm256_or_si256(v, _mm256_and_si256(h, two))
+                    }),
+                    _ => {
+                        let bytes: [__m256i; 4] = std::array::from_fn(|l| load(at + 64 * l));
+                        std::array::from_fn(|l| {
+                            let v = bytes[l % 4];
+                            let v = _mm256_and_si256(if l < 4 { v } else { _mm256_srli_epi16::<4>(v) }, low);
+                            if matches!(T, 6 | 7) {
+                                // This side's 32 bits of lane `l`'s mask, one per byte.
+                                let mask = b.add(at - 64 + 8 * l + 4 * side).cast::<i32>().read_unaligned();
+                                let each = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(mask), spread), bits);
+                                _mm256_or_si256(v, _mm256_and_si256(_mm256_cmpeq_epi8(each, bits), fifth))
+                            } else {
+                                v
+                            }
+                        })
+                    }
                 };
                 let mag = if T == 8 { u.map(|v| _mm256_abs_epi8(v)) } else { u };
+                let isc = match T {
+                    12 => [_mm256_cvtepu8_epi32(bytes8(Q4K_SCALES + cu * GROUP)); 2],
+                    14 => std::array::from_fn(|h| _mm256_cvtepi8_epi32(bytes8(Q6K_SCALES + (2 * cu + h) * GROUP))),
+                    _ => [_mm256_setzero_si256(); 2],
+                };
                 for (r, a) in acts.iter().enumerate() {
                     let q = a.q.as_ptr().add(c * QK).cast::<i32>();
-                    let mut sum =
-                        if T == 8 { _mm256_setzero_si256() } else { _mm256_set1_epi32(*a.bias.get_unchecked(c)) };
-                    for l in 0..QK / 4 {
+                    let [h0, h1] = *a.halves.get_unchecked(c);
+                    let dp = |sum: __m256i, l: usize| {
                         let x = _mm256_set1_epi32(q.add(l).read_unaligned());
                         let x = if T == 8 { _mm256_sign_epi8(x, u[l]) } else { x };
-                        sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[l], x), ones));
-                    }
+                        _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(mag[l], x), ones))
+                    };
+                    // Q8_0 multiplies signed values (its bias is 0); the others' unsigned ones start
+                    // from theirs.
+                    let o = if T == 8 { 0 } else { f.o };
+                    let sum = if f.halves {
+                        let s0 = (0..4).fold(_mm256_set1_epi32(-o * h0), dp);
+                        let s1 = (4..8).fold(_mm256_set1_epi32(-o * h1), dp);
+                        _mm256_add_epi32(_mm256_mullo_epi32(s0, isc[0]), _mm256_mullo_epi32(s1, isc[1]))
+                    } else {
+                        let s = (0..8).fold(_mm256_set1_epi32(-o * (h0 + h1)), dp);
+                        if f.scaled {
+                            _mm256_mullo_epi32(s, isc[0])
+                        } else {
+                            s
+                        }
+                    };
                     let dd = _mm256_mul_ps(d, _mm256_set1_ps(*a.d.get_unchecked(c)));
-                    acc[r][h] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sum), acc[r][h]);
-                    if offset {
-                        off[r][h] = _mm256_fmadd_ps(ms, _mm256_set1_ps(*a.s.get_unchecked(c)), off[r][h]);
+                    acc[r][side] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(sum), acc[r][side]);
+                    let xs = _mm256_set1_ps(*a.s.get_unchecked(c));
+                    if T == 12 {
+                        off[r][side] = _mm256_fnmadd_ps(ms, xs, off[r][side]);
+                    } else if f.offset {
+                        off[r][side] = _mm256_fmadd_ps(ms, xs, off[r][side]);
                     }
                 }
             }
