@@ -347,10 +347,13 @@ impl Model {
         let t = rows.pos.len();
         let mut x = vec![0f32; t * c.hidden];
         let mut buf = Vec::new();
+        // A tied embedding is read from `fast`'s interleaved copy of the head where there is one (the same
+        // values), so the file's pages, released when it was made, stay out.
+        let embed = if self.lm_head.is_none() { FastWeights::head(self.q8.as_ref(), &self.embed) } else { &self.embed };
         for (row, &tok) in x.chunks_exact_mut(c.hidden).zip(segments.iter().flat_map(|s| s.tokens)) {
             let tok = tok as usize;
             assert!(tok < c.vocab, "token id {tok} outside the vocabulary of {}", c.vocab);
-            row.copy_from_slice(self.embed.rows(tok..tok + 1, c.hidden, &mut buf));
+            row.copy_from_slice(embed.rows(tok..tok + 1, c.hidden, &mut buf));
         }
         if c.arch == Arch::Gemma3 {
             let scale = (c.hidden as f32).sqrt();

@@ -1,6 +1,11 @@
 //! `fast` precision on the GGUF's own blocks: integer dot products of each weight block with the
 //! activations quantized to 8 bits, with no re-quantized or f32 copy of any weight.
 //!
+//! Most matrices are multiplied with their rows interleaved sixteen at a time ([`interleaved`], in the
+//! order it defines): every matrix of the types it covers whose rows are whole groups, which is every
+//! matrix of both real models. What follows is the row-major blocks' order and kernels, for the rest
+//! (Q5_K, and row counts that are not whole groups).
+//!
 //! Every 32 weights of every supported block type form one *chunk*: 32 small integers `v`, an integer
 //! scale for each half of 16 (`isc`; 1 for the 32-value types), a float scale `d` and, for the types
 //! with an offset (Q4_1, Q5_1, Q4_K, Q5_K), a float offset `m`, so that weight `k` is
