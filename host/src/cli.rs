@@ -410,9 +410,10 @@ impl KvDtype {
 /// `--precision`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum PrecisionArg {
-    /// f32 on dequantized weights.
+    /// f32 on dequantized weights: the transformers references' arithmetic.
     Exact,
-    /// 8-bit activations and integer dot products on the GGUF's own blocks (a Q8_0 copy of f32 weights).
+    /// 8-bit activations and integer dot products on the GGUF's blocks, their rows interleaved at load (a
+    /// Q8_0 copy of f32 weights): faster prefill and decode, and more from batching.
     Fast,
 }
 
