@@ -131,10 +131,15 @@ impl Exec {
         });
         let quantize = ws.iter().any(|(_, q8, native, _)| q8.is_some() || native.is_some());
         let xq = if quantize { Q8::new(x, t, n_in) } else { None };
-        let acts = xq
-            .as_ref()
-            .filter(|_| ws.iter().any(|(_, _, native, _)| native.is_some()))
-            .map(|xq| native::Acts::new(xq, dot::simd()));
+        // The row-major kernels' layouts of the activations are made only where one of them runs.
+        let row_major = ws.iter().any(|(_, _, native, _)| matches!(native, Some(Native::Blocks(..))));
+        let acts = xq.as_ref().filter(|_| ws.iter().any(|(_, _, native, _)| native.is_some())).map(|xq| {
+            if row_major {
+                native::Acts::new(xq, dot::simd())
+            } else {
+                native::Acts::rows_only(xq, dot::simd())
+            }
+        });
         let simd = dot::simd();
         // Weight rows per task: enough work to be worth a hand-off, and several tasks per thread when
         // there are rows enough. Which rows go together never changes a result.

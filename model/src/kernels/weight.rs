@@ -150,16 +150,8 @@ impl Interleaved {
         use rayon::prelude::*;
         let Weight::Blocks { ty, bytes: src, cols } = w else { return None };
         let (ty, cols) = (*ty, *cols);
-        if !matches!(
-            ty,
-            GgmlType::Q8_0
-                | GgmlType::Q4_0
-                | GgmlType::Q4_1
-                | GgmlType::Q5_0
-                | GgmlType::Q5_1
-                | GgmlType::Q4K
-                | GgmlType::Q6K
-        ) {
+        // Every type `fast` computes on but Q5_K (in neither real model; its blocks stay row-major).
+        if !super::native::supports(ty) || ty == GgmlType::Q5K {
             return None;
         }
         let (bb, units) = (ty.block_bytes(), cols / ty.block_elems());

@@ -217,6 +217,17 @@ impl<'a> Acts<'a> {
         Acts::with(Kernel::best(simd), q8)
     }
 
+    /// The rows of `q8` as they are, for the interleaved kernels alone ([`interleaved`]): none of the
+    /// row-major kernels' layouts is made (a prefill's activations were laid out in pairs for nothing).
+    pub(crate) fn rows_only(q8: &'a Q8, simd: bool) -> Self {
+        let kernel = Kernel::best(simd);
+        #[cfg(target_arch = "x86_64")]
+        let wide = kernel == Kernel::Avx512;
+        #[cfg(not(target_arch = "x86_64"))]
+        let wide = false;
+        Acts { q8, kernel, wide, pairs: None, octets: None, sums: Vec::new(), scales: Vec::new() }
+    }
+
     fn with(kernel: Kernel, q8: &'a Q8) -> Self {
         #[cfg(target_arch = "x86_64")]
         let wide = kernel == Kernel::Avx512;
