@@ -159,10 +159,10 @@ pub struct FastWeights {
     pub layers: Vec<[Option<Q8>; 7]>,
     /// The output head.
     pub head: Option<Q8>,
-    /// Per layer (q, k, v, o, gate, up, down), the matrices of the 32-value block types with their rows
-    /// interleaved ([`Interleaved`]): what `fast` multiplies instead of their blocks.
+    /// Per layer (q, k, v, o, gate, up, down), the matrices of the types [`Interleaved`] covers with
+    /// their rows interleaved: what `fast` multiplies instead of their blocks.
     pub interleaved: Vec<[Option<Weight>; 7]>,
-    /// The output head interleaved likewise (its blocks stay for the embedding's lookups, if tied).
+    /// The output head interleaved likewise (a tied embedding's lookups read it too).
     pub interleaved_head: Option<Weight>,
 }
 

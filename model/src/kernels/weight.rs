@@ -30,14 +30,16 @@ pub enum BlockBytes {
 }
 
 impl BlockBytes {
-    /// Lets the kernel drop the pages of bytes `part` of a mapping from this process (they stay in the page cache, and a
-    /// later read maps them again): for a tensor that `fast` has copied into another layout, whose pages
-    /// would otherwise stay resident beside the copy. Owned bytes are left as they are.
+    /// Lets the kernel drop the pages of bytes `part` of a mapping from this process (they stay in the
+    /// page cache, and a later read maps them again): for a tensor that `fast` has copied into another
+    /// layout, whose pages would otherwise stay resident beside the copy. Owned bytes are left as they are.
     fn release(&self, part: Range<usize>) {
         if let BlockBytes::Mapped { map, range } = self {
             assert!(part.end <= range.len(), "a part of the bytes");
-            // SAFETY: the mapping is private and read-only, so no page of it was ever written: a page
-            // dropped here reads back as the same bytes of the file on its next access.
+            // SAFETY: the mapping is read-only and never written through, so a page dropped here maps
+            // again from the page cache with the same bytes on its next access, and every slice over it
+            // reads what it read before (a file changed underneath would break every read of the mapping
+            // alike; dropping pages adds no such case).
             let dropped = unsafe {
                 map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, range.start + part.start, part.len())
             };
@@ -45,9 +47,7 @@ impl BlockBytes {
             let _ = dropped;
         }
     }
-}
 
-impl BlockBytes {
     /// Maps the pages of bytes `part` of a mapping in at once, where each would otherwise fault on its
     /// first read (owned bytes are left as they are).
     fn populate(&self, part: Range<usize>) {
@@ -83,7 +83,7 @@ pub enum Weight {
         /// Columns (elements per row).
         cols: usize,
     },
-    /// Q8_0 rows interleaved sixteen at a time, for `fast`.
+    /// Blocks with their rows interleaved sixteen at a time, as `fast` multiplies them.
     Interleaved(Interleaved),
 }
 
