@@ -321,8 +321,13 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             args.decode_tokens
         )?;
         for l in &loads {
+            let held = if l.precision == Precision::Fast.name() {
+                "the blocks' rows interleaved into the process's memory, at one thread"
+            } else {
+                "a GGUF's blocks stay in its mapping"
+            };
             outln!(
-                "{:<13} {:<6} loaded in {:.0} ms, {:.0} MiB of weights (a GGUF's blocks stay in its mapping)",
+                "{:<13} {:<6} loaded in {:.0} ms, {:.0} MiB of weights ({held})",
                 l.model,
                 l.precision,
                 l.load_ms,
