@@ -144,6 +144,9 @@ pub struct Model {
     pub exec: Exec,
     /// Q8_0 copies of the linear weights not held as integer blocks, in `fast` precision.
     pub q8: Option<FastWeights>,
+    /// `fast`'s copies while the model runs `exact`, kept so that configuring `fast` again does not make
+    /// them again (`bench model` switches precision cell by cell).
+    spare_fast: Option<FastWeights>,
     /// The element type of the K/V cache this model's K/V goes to (f32 unless set): every chunk's K/V is
     /// rounded to it as soon as it is computed, so a position attends to the same values whether it is
     /// in the chunk being run or read back from the cache, and prefill is chunk-invariant.
@@ -492,11 +495,16 @@ impl Model {
     }
 
     /// Sets precision and thread count. `fast` quantizes the linear weights that are not integer blocks
-    /// to Q8_0 once, here.
+    /// to Q8_0 and interleaves the others' rows, once per model: switched back to `exact`, the copies are
+    /// kept aside for a later `fast`.
     pub fn configure(&mut self, precision: Precision, threads: usize) {
         self.exec = Exec::new(precision, threads);
+        if let Some(fast) = self.q8.take() {
+            self.spare_fast = Some(fast);
+        }
         self.q8 = match precision {
             Precision::Exact => None,
+            Precision::Fast if self.spare_fast.is_some() => self.spare_fast.take(),
             Precision::Fast => {
                 let c = &self.config;
                 let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
@@ -579,6 +587,7 @@ impl Model {
             source: g.path().into(),
             exec: Exec::new(Precision::Exact, 1),
             q8: None,
+            spare_fast: None,
             kv_dtype: Dtype::F32,
         }
         .checked()
@@ -643,6 +652,7 @@ impl Model {
             source: dir.into(),
             exec: Exec::new(Precision::Exact, 1),
             q8: None,
+            spare_fast: None,
             kv_dtype: Dtype::F32,
         }
         .checked()

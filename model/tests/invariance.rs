@@ -236,3 +236,24 @@ fn the_thread_count_changes_no_bit() {
         }
     }
 }
+
+#[test]
+fn switching_precision_and_back_changes_no_bit() {
+    for name in MODELS {
+        let p = prompt(13, 6);
+        let run = |model: &Model| {
+            let (kv, logits) = chunked(model, &p, p.len());
+            fingerprint(&kv, &logits)
+        };
+        let (fast, exact) = (Mode(Precision::Fast, Some(GgmlType::Q4_1)), Mode(Precision::Exact, Some(GgmlType::Q4_1)));
+        let (fresh_fast, fresh_exact) = (run(&load(name, fast, 2, Dtype::F32)), run(&load(name, exact, 2, Dtype::F32)));
+        assert!(fresh_fast != fresh_exact, "{name}: the precisions differ");
+        // `fast`'s copies are kept aside while the model runs `exact`, and used again.
+        let mut model = load(name, fast, 2, Dtype::F32);
+        model.configure(Precision::Exact, 1);
+        assert!(run(&model) == fresh_exact, "{name}: exact after fast");
+        model.configure(Precision::Fast, 3);
+        assert!(model.q8.as_ref().is_some_and(|f| f.interleaved_head.is_some()), "{name}: fast's copies back");
+        assert!(run(&model) == fresh_fast, "{name}: fast after exact");
+    }
+}
