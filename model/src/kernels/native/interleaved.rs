@@ -5,12 +5,11 @@
 //! On the row-major blocks, each output's 8 lanes are a vector's worth of work for one weight row, so
 //! every further activation row costs a conversion, a scale and a multiply-add per chunk and weight row
 //! (the kernel that did this for a decode step, removed since, took about 4.6 vector operations per 32
-//! weights and activation row). Here one 512-bit
-//! vector holds four columns of 16 weight rows, so an activation row's four values, broadcast, meet 16
-//! rows in one `vpdpbusd`: per chunk of 32 columns, 8 of them give the 16 rows' whole integer sums,
-//! and a conversion, a scale and one multiply-add (a second for an offset) finish the chunk for all 16
-//! (under one operation per 32 weights and activation row). Unpacking a chunk is shared by every
-//! activation row of a pass.
+//! weights and activation row). Here one 512-bit vector holds four columns of 16 weight rows, so an
+//! activation row's four values, broadcast, meet 16 rows in one `vpdpbusd`: per chunk of 32 columns, 8
+//! of them give the 16 rows' whole integer sums, and a conversion, a scale and one multiply-add (a second
+//! for an offset) finish the chunk for all 16 (under one operation per 32 weights and activation row).
+//! Unpacking a chunk is shared by every activation row of a pass.
 //!
 //! So the order is not the other layouts' ([`super`]): each output is
 //! 1. per chunk ([`Chunk`]), `sum = isc[0] * sum((u[k] - o) * q[k]) + isc[1] * (the same over the last 16
