@@ -112,11 +112,11 @@ pub(crate) const GROUP: usize = 16;
 ///   `n = q / 2`, the high ones `4n + k + 2`); the high two bits likewise per half of its 64 bytes.
 ///
 /// Weight `k` of a chunk of a row is `d * isc * (u[k] - o) + m` ([`Chunk`]), `u` the unsigned value,
-/// `o` the type's offset ([`Interleaved::offset`]), `isc` the integer scale of the value's half (1 but
+/// `o` the type's offset ([`Layout::offset`]), `isc` the integer scale of the value's half (1 but
 /// for the K-quants); the values are the blocks'.
 #[derive(Clone, Debug)]
 pub struct Interleaved {
-    pub(crate) ty: GgmlType,
+    pub(crate) layout: Layout,
     pub(crate) bytes: Arc<memmap2::Mmap>,
     pub(crate) rows: usize,
     pub(crate) cols: usize,
@@ -160,9 +160,8 @@ impl Interleaved {
         if rows == 0 || !rows.is_multiple_of(GROUP) {
             return None;
         }
-        let shape =
-            Interleaved { ty, bytes: Arc::new(memmap2::MmapMut::map_anon(1).ok()?.make_read_only().ok()?), rows, cols };
-        let ub = shape.unit_bytes();
+        let layout = Layout { ty };
+        let ub = layout.unit_bytes();
         // A group's 16 rows lie together in the blocks, `from` bytes, and in the copy, `to`.
         let (from, to) = (units * GROUP * bb, units * ub);
         // Row after row of the group (each read in order), unit after unit of it.
@@ -170,7 +169,7 @@ impl Interleaved {
             for i in 0..GROUP {
                 let row = &src[(g * GROUP + i) * row_bytes..][..row_bytes];
                 for (block, out) in row.chunks_exact(bb).zip(out.chunks_exact_mut(ub)) {
-                    shape.put(block, i, out);
+                    layout.put(block, i, out);
                 }
             }
         };
@@ -194,9 +193,41 @@ impl Interleaved {
         // And once more whole: pages mapped again after their slab's release (by the neighbouring
         // slabs' reads at their edges) were 8 MiB of SmolLM2's 94 after `configure`.
         src.release(0..src.len());
-        Some(Interleaved { bytes: Arc::new(bytes.make_read_only().ok()?), ..shape })
+        Some(Interleaved { layout, bytes: Arc::new(bytes.make_read_only().ok()?), rows, cols })
     }
 
+    /// Where group `g`'s unit `u` starts.
+    #[inline]
+    pub(crate) fn at(&self, g: usize, u: usize) -> usize {
+        (g * (self.cols / self.layout.ty.block_elems()) + u) * self.layout.unit_bytes()
+    }
+
+    /// Rows `rows`, dequantized into `out` (`rows.len() x cols`): the blocks' values (bit for bit for
+    /// the 32-value types; the K-quants' products are formed as the chunks define them).
+    fn dequantize(&self, rows: Range<usize>, out: &mut [f32]) {
+        let (o, cpu) = (self.layout.offset(), self.layout.chunks_per_unit());
+        for (j, out) in rows.zip(out.chunks_exact_mut(self.cols)) {
+            let (g, i) = (j / GROUP, j % GROUP);
+            for (c, out) in out.chunks_exact_mut(QK).enumerate() {
+                let b = &self.bytes[self.at(g, c / cpu)..][..self.layout.unit_bytes()];
+                let ch = self.layout.chunk(b, i, c % cpu);
+                for (k, y) in out.iter_mut().enumerate() {
+                    let v = (i32::from(ch.u[k]) - o) as f32;
+                    let scaled = if cpu == 1 { ch.d * v } else { ch.d * ch.isc[k / 16] as f32 * v };
+                    *y = if self.layout.has_offset() { scaled + ch.m } else { scaled };
+                }
+            }
+        }
+    }
+}
+
+/// What an [`Interleaved`] matrix's layout depends on alone: its block type.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Layout {
+    pub(crate) ty: GgmlType,
+}
+
+impl Layout {
     /// Puts `block` as row `i` of its group's unit `out`.
     fn put(&self, block: &[u8], i: usize, out: &mut [u8]) {
         let bb = block.len();
@@ -305,12 +336,6 @@ impl Interleaved {
         }
     }
 
-    /// Where group `g`'s unit `u` starts.
-    #[inline]
-    pub(crate) fn at(&self, g: usize, u: usize) -> usize {
-        (g * (self.cols / self.ty.block_elems()) + u) * self.unit_bytes()
-    }
-
     /// Row `i`'s chunk `c` (of its unit) in the group unit `b`: the definition every kernel follows.
     pub(crate) fn chunk(&self, b: &[u8], i: usize, c: usize) -> Chunk {
         let four = |at: usize, k: usize| b[at + 4 * ((k / 4) * GROUP + i) + k % 4];
@@ -355,24 +380,6 @@ impl Interleaved {
             }
         }
         ch
-    }
-
-    /// Rows `rows`, dequantized into `out` (`rows.len() x cols`): the blocks' values (bit for bit for
-    /// the 32-value types; the K-quants' products are formed as the chunks define them).
-    fn dequantize(&self, rows: Range<usize>, out: &mut [f32]) {
-        let (o, cpu) = (self.offset(), self.chunks_per_unit());
-        for (j, out) in rows.zip(out.chunks_exact_mut(self.cols)) {
-            let (g, i) = (j / GROUP, j % GROUP);
-            for (c, out) in out.chunks_exact_mut(QK).enumerate() {
-                let b = &self.bytes[self.at(g, c / cpu)..][..self.unit_bytes()];
-                let ch = self.chunk(b, i, c % cpu);
-                for (k, y) in out.iter_mut().enumerate() {
-                    let v = (i32::from(ch.u[k]) - o) as f32;
-                    let scaled = if cpu == 1 { ch.d * v } else { ch.d * ch.isc[k / 16] as f32 * v };
-                    *y = if self.has_offset() { scaled + ch.m } else { scaled };
-                }
-            }
-        }
     }
 }
 
@@ -434,7 +441,7 @@ impl Weight {
         match self {
             Weight::F32(_) => "f32",
             Weight::Blocks { ty, .. } => ty.name(),
-            Weight::Interleaved(m) => m.ty.name(),
+            Weight::Interleaved(m) => m.layout.ty.name(),
         }
     }
 

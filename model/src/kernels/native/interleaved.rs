@@ -45,17 +45,19 @@ pub(crate) fn dots(x: &Acts<'_>, m: &Interleaved, rows: std::ops::Range<usize>, 
         "interleaved dots shapes"
     );
     let chunks = n / QK;
-    // Each activation row's sums per chunk of its first and last 16 values: where the unsigned weights
-    // `u = v + o` meet the activations, the integer sums start from `-o` times them, so they come out as
-    // `sum(v * q)`.
-    let halves: Vec<[i32; 2]> = (0..t)
-        .flat_map(|r| {
-            xq.act(r)
-                .q
-                .chunks_exact(QK)
-                .map(|c| std::array::from_fn(|h| c[16 * h..16 * h + 16].iter().map(|&q| i32::from(q)).sum()))
-        })
-        .collect();
+    // Each activation row's sums per chunk of its first and last 16 values (once per input): where the
+    // unsigned weights `u = v + o` meet the activations, the integer sums start from `-o` times them, so
+    // they come out as `sum(v * q)`.
+    let halves = x.halves.get_or_init(|| {
+        (0..t)
+            .flat_map(|r| {
+                xq.act(r)
+                    .q
+                    .chunks_exact(QK)
+                    .map(|c| std::array::from_fn(|h| c[16 * h..16 * h + 16].iter().map(|&q| i32::from(q)).sum()))
+            })
+            .collect()
+    });
     let (g0, g1) = (rows.start / GROUP, rows.end / GROUP);
     for r0 in (0..t).step_by(PASS) {
         macro_rules! run {
@@ -99,7 +101,7 @@ fn group<const R: usize>(x: &Acts<'_>, m: &Interleaved, g: usize, acts: [Operand
     {
         macro_rules! by_type {
             ($kernel:ident) => {
-                match m.ty {
+                match m.layout.ty {
                     GgmlType::Q8_0 => $kernel::<R, 8>(m, g, acts),
                     GgmlType::Q4_0 => $kernel::<R, 2>(m, g, acts),
                     GgmlType::Q4_1 => $kernel::<R, 3>(m, g, acts),
@@ -131,11 +133,11 @@ fn group<const R: usize>(x: &Acts<'_>, m: &Interleaved, g: usize, acts: [Operand
 /// The definition (see the module's).
 fn portable<const R: usize>(m: &Interleaved, g: usize, acts: [Operands<'_>; R]) -> [[f32; GROUP]; R] {
     let (mut acc, mut off) = ([[0f32; GROUP]; R], [[0f32; GROUP]; R]);
-    let (o, cpu) = (m.offset(), m.chunks_per_unit());
+    let (o, cpu) = (m.layout.offset(), m.layout.chunks_per_unit());
     for c in 0..m.cols / QK {
-        let b = &m.bytes[m.at(g, c / cpu)..][..m.unit_bytes()];
+        let b = &m.bytes[m.at(g, c / cpu)..][..m.layout.unit_bytes()];
         for i in 0..GROUP {
-            let ch = m.chunk(b, i, c % cpu);
+            let ch = m.layout.chunk(b, i, c % cpu);
             for (r, a) in acts.iter().enumerate() {
                 let q = &a.q[c * QK..(c + 1) * QK];
                 let half = |h: usize| -> i32 {
@@ -143,7 +145,7 @@ fn portable<const R: usize>(m: &Interleaved, g: usize, acts: [Operands<'_>; R]) 
                 };
                 let sum = ch.isc[0] * half(0) + ch.isc[1] * half(1);
                 acc[r][i] = (ch.d * a.d[c]).mul_add(sum as f32, acc[r][i]);
-                if m.has_offset() {
+                if m.layout.has_offset() {
                     off[r][i] = ch.m.mul_add(a.s[c], off[r][i]);
                 }
             }
@@ -157,7 +159,7 @@ fn portable<const R: usize>(m: &Interleaved, g: usize, acts: [Operands<'_>; R]) 
 fn check<const R: usize>(m: &Interleaved, g: usize, acts: &[Operands<'_>; R]) -> usize {
     let chunks = m.cols / QK;
     assert!(
-        m.cols.is_multiple_of(m.ty.block_elems())
+        m.cols.is_multiple_of(m.layout.ty.block_elems())
             && m.at(g + 1, 0) <= m.bytes.len()
             && acts.iter().all(|a| {
                 a.q.len() >= m.cols && a.d.len() >= chunks && a.s.len() >= chunks && a.halves.len() >= chunks
@@ -208,7 +210,7 @@ unsafe fn avx512<const R: usize, const T: u32>(
     use std::arch::x86_64::*;
     let chunks = check(m, g, &acts);
     let f = const { form(T) };
-    let (at, cpu) = (m.values_at(), m.chunks_per_unit());
+    let (at, cpu) = (m.layout.values_at(), m.layout.chunks_per_unit());
     let (mut acc, mut off) = ([_mm512_setzero_ps(); R], [_mm512_setzero_ps(); R]);
     let (low, fifth, two) = (_mm512_set1_epi8(0x0F), _mm512_set1_epi8(0x10), _mm512_set1_epi8(0x30));
     for c in 0..chunks {
@@ -320,7 +322,7 @@ unsafe fn avx2<const R: usize, const T: u32>(m: &Interleaved, g: usize, acts: [O
     use std::arch::x86_64::*;
     let chunks = check(m, g, &acts);
     let f = const { form(T) };
-    let (at, cpu) = (m.values_at(), m.chunks_per_unit());
+    let (at, cpu) = (m.layout.values_at(), m.layout.chunks_per_unit());
     let (mut acc, mut off) = ([[_mm256_setzero_ps(); 2]; R], [[_mm256_setzero_ps(); 2]; R]);
     let (flip, ones, low, fifth, two) = (
         _mm256_set1_epi8(-128),

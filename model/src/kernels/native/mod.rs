@@ -193,6 +193,9 @@ pub(crate) struct Acts<'a> {
     /// operands interleaved for it ([`Group`]).
     sums: Vec<f32>,
     scales: Vec<f32>,
+    /// Every row's sums of the first and last 16 values of each chunk, for the interleaved kernels:
+    /// made by the first task that needs them and shared by the input's other tasks and products.
+    halves: std::sync::OnceLock<Vec<[i32; 2]>>,
 }
 
 /// The per-chunk operands of a group of up to [`ROWS`] activation rows, interleaved for the 256-bit row
@@ -225,7 +228,16 @@ impl<'a> Acts<'a> {
         let wide = kernel == Kernel::Avx512;
         #[cfg(not(target_arch = "x86_64"))]
         let wide = false;
-        Acts { q8, kernel, wide, pairs: None, octets: None, sums: Vec::new(), scales: Vec::new() }
+        Acts {
+            q8,
+            kernel,
+            wide,
+            pairs: None,
+            octets: None,
+            sums: Vec::new(),
+            scales: Vec::new(),
+            halves: Default::default(),
+        }
     }
 
     fn with(kernel: Kernel, q8: &'a Q8) -> Self {
@@ -261,7 +273,7 @@ impl<'a> Acts<'a> {
                 }
             }
         }
-        Acts { q8, kernel, wide, pairs, octets, sums, scales }
+        Acts { q8, kernel, wide, pairs, octets, sums, scales, halves: Default::default() }
     }
 
     /// The interleaved operands of the group of [`ROWS`] rows from row `r0` (empty where there are none).
