@@ -76,16 +76,38 @@ fn group<const R: usize, const T: u32, const H: usize>(
         let base = i * be;
         // The rows are read side by side: in the stream of rows, a step is every row's block.
         super::prefetch(ws.as_ptr(), j * row_bytes + i * H * bb, H * bb);
-        for (h, acc) in acc.iter_mut().enumerate() {
-            // SAFETY: block `i` of row `j + h` lies in `ws` (asserted), and `bb` is its length.
-            let b = unsafe { std::slice::from_raw_parts(rows.add(h * row_bytes + i * bb), bb) };
-            block::<T>(b, &mut |at, wv| {
-                for r in 0..R {
-                    // SAFETY: base + at + 16 <= n <= x[r].len() (asserted); unaligned load.
-                    let xv = unsafe { _mm512_loadu_ps(xs[r].add(base + at)) };
-                    acc[r] = _mm512_fmadd_ps(xv, wv, acc[r]);
+        // SAFETY: block `i` of row `j + h` lies in `ws` (asserted), and `bb` is its length.
+        let block_of = |h: usize| unsafe { std::slice::from_raw_parts(rows.add(h * row_bytes + i * bb), bb) };
+        // SAFETY (both loads): base + at + 16 <= n <= x[r].len() (asserted); unaligned loads.
+        let x_at =
+            |at: usize| -> [__m512; R] { std::array::from_fn(|r| unsafe { _mm512_loadu_ps(xs[r].add(base + at)) }) };
+        if be == 32 {
+            // Every row's block in registers first (two vectors each), then each 16 activations loaded
+            // once for all `H` rows: Gemma's head (Q8_0) for four activation rows took 18.1 ms against
+            // 20.7 ms with the activations loaded again for every row (Zen 4).
+            let mut w = [[_mm512_setzero_ps(); 2]; H];
+            for (h, w) in w.iter_mut().enumerate() {
+                block::<T>(block_of(h), &mut |at, wv| w[at / 16] = wv);
+            }
+            for p in 0..2 {
+                let xv = x_at(16 * p);
+                for (acc, w) in acc.iter_mut().zip(&w) {
+                    for r in 0..R {
+                        acc[r] = _mm512_fmadd_ps(xv[r], w[p], acc[r]);
+                    }
                 }
-            });
+            }
+        } else {
+            // A 256-value block's sixteen vectors per row would not stay in registers (so held for
+            // all rows at once, they made Gemma's layers slower): each is used as it comes.
+            for (h, acc) in acc.iter_mut().enumerate() {
+                block::<T>(block_of(h), &mut |at, wv| {
+                    let xv = x_at(at);
+                    for r in 0..R {
+                        acc[r] = _mm512_fmadd_ps(xv[r], wv, acc[r]);
+                    }
+                });
+            }
         }
     }
     // Lane `l` of an accumulator is lane `l % 8` of the AVX2 kernel's accumulator `l / 8`, so
