@@ -78,9 +78,14 @@ fn group<const R: usize, const T: u32, const H: usize>(
         super::prefetch(ws.as_ptr(), j * row_bytes + i * H * bb, H * bb);
         // SAFETY: block `i` of row `j + h` lies in `ws` (asserted), and `bb` is its length.
         let block_of = |h: usize| unsafe { std::slice::from_raw_parts(rows.add(h * row_bytes + i * bb), bb) };
-        // SAFETY (both loads): base + at + 16 <= n <= x[r].len() (asserted); unaligned loads.
-        let x_at =
-            |at: usize| -> [__m512; R] { std::array::from_fn(|r| unsafe { _mm512_loadu_ps(xs[r].add(base + at)) }) };
+        // Activations `base + at .. base + at + 16` of every row.
+        let x_at = |at: usize| -> [__m512; R] {
+            std::array::from_fn(|r| {
+                // SAFETY: base + at + 16 <= n <= x[r].len() (asserted; `at` is a block's offset of 16
+                // values); unaligned load.
+                unsafe { _mm512_loadu_ps(xs[r].add(base + at)) }
+            })
+        };
         if be == 32 {
             // Every row's block in registers first (two vectors each), then each 16 activations loaded
             // once for all `H` rows: Gemma's head (Q8_0) for four activation rows took 18.1 ms against
