@@ -607,15 +607,7 @@ impl Model {
         let mut scores = vec![0f32; queries.len() * m];
         dot.of_rows_multi(queries, &visible.k[union.clone()], at, &mut scores);
         for (s, span) in scores.chunks_exact_mut(m).zip(spans) {
-            let s = &mut s[span.start - union.start..span.end - union.start];
-            s.iter_mut().for_each(|s| *s *= self.config.query_scale);
-            let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            let mut sum = 0.0;
-            for s in s.iter_mut() {
-                *s = (*s - max).exp();
-                sum += *s;
-            }
-            s.iter_mut().for_each(|x| *x /= sum);
+            crate::kernels::softmax(&mut s[span.start - union.start..span.end - union.start], self.config.query_scale);
         }
         // The weighted sums, each query's rows in order: the rows before those that all of them see,
         // one query at a time; the shared rows, all at once; then the rows after them.

@@ -8,6 +8,10 @@
 //! multiply-add or division, so the AVX2 and AVX-512 kernels give the portable bits (tested), and a
 //! value's bits never depend on which kernel or which batch computed it. A library `tanhf`/`expf` call
 //! per value cost 10% of a Gemma prefill.
+//!
+//! Attention's softmax ([`softmax`]) goes through the same exponential, with its sum in one fixed order
+//! of lanes: its bits are the same on every CPU and with every C library, where a libm `expf` per score
+//! made them depend on the libm (and cost 7% of a SmolLM2 decode step at 800 positions).
 
 use super::dot::Isa;
 
@@ -92,6 +96,78 @@ fn sum_exp_with(isa: Isa, xs: &[f32], max: f32) -> f64 {
     sum
 }
 
+/// Lanes of [`softmax`]'s sum.
+const SOFTMAX_LANES: usize = 16;
+
+/// Attention's softmax of one query's scores, in place: each score is first multiplied by `scale`, then
+/// `x[i] = e^(x[i] - max) / sum`, with `max` the largest scaled score (NaNs passed over) and [`exp`] the
+/// exponential. The sum is in one fixed order whatever the kernel: lane `l` (of 16) adds the terms of
+/// `x[i]`, `i ≡ l (mod 16)`, in increasing `i`, then lanes `l` and `l + 8` are added and the 8 sums
+/// as [`super::dot::tree8`] does, then the terms past the last 16 one by one. So a query's weights
+/// depend on its scores alone, not on the batch, the chunk or the CPU (tested: every kernel gives
+/// the portable bits).
+pub fn softmax(xs: &mut [f32], scale: f32) {
+    softmax_with(Isa::best(super::dot::simd()), xs, scale)
+}
+
+fn softmax_with(isa: Isa, xs: &mut [f32], scale: f32) {
+    let whole = xs.len() / SOFTMAX_LANES * SOFTMAX_LANES;
+    let (head, tail) = xs.split_at_mut(whole);
+    let mut max = match isa {
+        Isa::Portable => {
+            let mut max = f32::NEG_INFINITY;
+            for x in head.iter_mut() {
+                *x *= scale;
+                max = max.max(*x);
+            }
+            max
+        }
+        // SAFETY: `Isa::best` gives it only where AVX2 and FMA are present; `head` is whole 16s.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { simd::scale_max_avx2(head, scale) },
+        // SAFETY: `Isa::best` gives it only where AVX-512F is present; `head` is whole 16s.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { simd::scale_max_avx512(head, scale) },
+    };
+    for x in tail.iter_mut() {
+        *x *= scale;
+        max = max.max(*x);
+    }
+    let lanes = match isa {
+        Isa::Portable => {
+            let mut lanes = [0f32; SOFTMAX_LANES];
+            for chunk in head.chunks_exact_mut(SOFTMAX_LANES) {
+                for (l, x) in lanes.iter_mut().zip(chunk) {
+                    *x = exp(*x - max);
+                    *l += *x;
+                }
+            }
+            lanes
+        }
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { simd::exp_sum_avx2(head, max) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { simd::exp_sum_avx512(head, max) },
+    };
+    let mut sum = super::dot::tree8(std::array::from_fn(|l| lanes[l] + lanes[l + 8]));
+    for x in tail.iter_mut() {
+        *x = exp(*x - max);
+        sum += *x;
+    }
+    match isa {
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => unsafe { simd::divide_avx2(head, sum) },
+        // SAFETY: as above.
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => unsafe { simd::divide_avx512(head, sum) },
+        Isa::Portable => head.iter_mut().for_each(|x| *x /= sum),
+    }
+    tail.iter_mut().for_each(|x| *x /= sum);
+}
+
 /// The activation of one gate value.
 #[inline(always)]
 pub fn activate(gate: Gate, x: f32) -> f32 {
@@ -130,7 +206,7 @@ fn gated_with(isa: Isa, gate: Gate, g: &[f32], u: &[f32], out: &mut [f32]) {
 mod simd {
     use std::arch::x86_64::*;
 
-    use super::{Gate, GELU_A, GELU_C, HI, LN2_HI, LN2_LO, LO, LOG2E, P, ROUND, SUM_LANES};
+    use super::{Gate, GELU_A, GELU_C, HI, LN2_HI, LN2_LO, LO, LOG2E, P, ROUND, SOFTMAX_LANES, SUM_LANES};
 
     /// [`super::exp`] of 8 values.
     #[inline]
@@ -223,6 +299,125 @@ mod simd {
             unsafe { _mm512_storeu_pd(lanes.as_mut_ptr().add(8 * v), *acc) };
         }
         (lanes, whole)
+    }
+
+    /// [`super::softmax`]'s first pass with AVX2: every value scaled in place; returns the largest (NaNs
+    /// passed over: `max` keeps its second operand when the first is a NaN).
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA; `xs` is whole 16s.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scale_max_avx2(xs: &mut [f32], scale: f32) -> f32 {
+        let (sc, mut m) = (_mm256_set1_ps(scale), _mm256_set1_ps(f32::NEG_INFINITY));
+        for i in (0..xs.len()).step_by(8) {
+            // SAFETY: i + 8 <= xs.len() (whole 16s); unaligned load and store.
+            unsafe {
+                let x = _mm256_mul_ps(_mm256_loadu_ps(xs.as_ptr().add(i)), sc);
+                _mm256_storeu_ps(xs.as_mut_ptr().add(i), x);
+                m = _mm256_max_ps(x, m);
+            }
+        }
+        let mut lanes = [0f32; 8];
+        // SAFETY: 8 f32s; unaligned store.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), m) };
+        lanes.into_iter().fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    /// [`scale_max_avx2`] with AVX-512F.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F (and AVX2, FMA); `xs` is whole 16s.
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    pub(super) unsafe fn scale_max_avx512(xs: &mut [f32], scale: f32) -> f32 {
+        let (sc, mut m) = (_mm512_set1_ps(scale), _mm512_set1_ps(f32::NEG_INFINITY));
+        for i in (0..xs.len()).step_by(16) {
+            // SAFETY: i + 16 <= xs.len() (whole 16s); unaligned load and store.
+            unsafe {
+                let x = _mm512_mul_ps(_mm512_loadu_ps(xs.as_ptr().add(i)), sc);
+                _mm512_storeu_ps(xs.as_mut_ptr().add(i), x);
+                m = _mm512_max_ps(x, m);
+            }
+        }
+        _mm512_reduce_max_ps(m)
+    }
+
+    /// [`super::softmax`]'s exponentials with AVX2, in place; returns the 16 lanes of their sum (lanes
+    /// `0..8` of each 16 in the first vector, `8..16` in the second).
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2 and FMA; `xs` is whole 16s.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn exp_sum_avx2(xs: &mut [f32], max: f32) -> [f32; SOFTMAX_LANES] {
+        let (m, mut acc) = (_mm256_set1_ps(max), [_mm256_setzero_ps(); 2]);
+        for i in (0..xs.len()).step_by(SOFTMAX_LANES) {
+            for (h, acc) in acc.iter_mut().enumerate() {
+                // SAFETY: i + 16 <= xs.len() (whole 16s); unaligned load and store.
+                unsafe {
+                    let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(xs.as_ptr().add(i + 8 * h)), m));
+                    _mm256_storeu_ps(xs.as_mut_ptr().add(i + 8 * h), e);
+                    *acc = _mm256_add_ps(*acc, e);
+                }
+            }
+        }
+        let mut lanes = [0f32; SOFTMAX_LANES];
+        for (h, acc) in acc.iter().enumerate() {
+            // SAFETY: 8 f32s; unaligned store.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * h), *acc) };
+        }
+        lanes
+    }
+
+    /// [`exp_sum_avx2`] with AVX-512F: one vector of the 16 lanes.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F (and AVX2, FMA); `xs` is whole 16s.
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    pub(super) unsafe fn exp_sum_avx512(xs: &mut [f32], max: f32) -> [f32; SOFTMAX_LANES] {
+        let (m, mut acc) = (_mm512_set1_ps(max), _mm512_setzero_ps());
+        for i in (0..xs.len()).step_by(SOFTMAX_LANES) {
+            // SAFETY: i + 16 <= xs.len() (whole 16s); unaligned load and store.
+            unsafe {
+                let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(xs.as_ptr().add(i)), m));
+                _mm512_storeu_ps(xs.as_mut_ptr().add(i), e);
+                acc = _mm512_add_ps(acc, e);
+            }
+        }
+        let mut lanes = [0f32; SOFTMAX_LANES];
+        // SAFETY: 16 f32s; unaligned store.
+        unsafe { _mm512_storeu_ps(lanes.as_mut_ptr(), acc) };
+        lanes
+    }
+
+    /// Every value divided by `sum` in place, with AVX2.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX2; `xs` is whole 8s.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn divide_avx2(xs: &mut [f32], sum: f32) {
+        let s = _mm256_set1_ps(sum);
+        for i in (0..xs.len()).step_by(8) {
+            // SAFETY: i + 8 <= xs.len() (whole 8s); unaligned load and store.
+            unsafe { _mm256_storeu_ps(xs.as_mut_ptr().add(i), _mm256_div_ps(_mm256_loadu_ps(xs.as_ptr().add(i)), s)) };
+        }
+    }
+
+    /// [`divide_avx2`] with AVX-512F.
+    ///
+    /// # Safety
+    ///
+    /// The CPU has AVX-512F (and AVX2, FMA); `xs` is whole 16s.
+    #[target_feature(enable = "avx2,fma,avx512f")]
+    pub(super) unsafe fn divide_avx512(xs: &mut [f32], sum: f32) {
+        let s = _mm512_set1_ps(sum);
+        for i in (0..xs.len()).step_by(16) {
+            // SAFETY: i + 16 <= xs.len() (whole 16s); unaligned load and store.
+            unsafe { _mm512_storeu_ps(xs.as_mut_ptr().add(i), _mm512_div_ps(_mm512_loadu_ps(xs.as_ptr().add(i)), s)) };
+        }
     }
 
     /// [`super::gated_into`] with AVX2.
@@ -331,6 +526,37 @@ mod tests {
             let exact: f64 = xs.iter().filter(|x| !x.is_nan()).map(|&x| (f64::from(x) - f64::from(max)).exp()).sum();
             assert!((want - exact).abs() <= exact * 1e-6, "{len} values: {want} against {exact}");
         }
+    }
+
+    /// The softmax: every kernel's bits are the portable ones (tails and a NaN included), and each
+    /// weight within a few units in the last place of an f64 softmax of the same scaled scores.
+    #[test]
+    fn softmax_is_one_fixed_order_and_accurate() {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for len in [0, 1, 7, 15, 16, 17, 64, 530, 1037, 9216] {
+            let scores: Vec<f32> = (0..len).map(|i| ((i * 7919 % 20011) as f32 - 10_000.0) * 2e-3).collect();
+            let scale = 0.125;
+            let mut want = scores.clone();
+            softmax_with(Isa::Portable, &mut want, scale);
+            for isa in Isa::all() {
+                let mut got = scores.clone();
+                softmax_with(isa, &mut got, scale);
+                assert_eq!(bits(&got), bits(&want), "{len} scores, {isa:?}");
+            }
+            let scaled: Vec<f64> = scores.iter().map(|&x| f64::from(x * scale)).collect();
+            let max = scaled.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = scaled.iter().map(|x| (x - max).exp()).sum();
+            for (got, x) in want.iter().zip(&scaled) {
+                let exact = (x - max).exp() / sum;
+                assert!((f64::from(*got) - exact).abs() <= 4.0 * f64::from(f32::EPSILON) * exact, "{got} vs {exact}");
+            }
+            if len > 0 {
+                assert!((want.iter().map(|&w| f64::from(w)).sum::<f64>() - 1.0).abs() < 1e-5, "{len} weights sum to 1");
+            }
+        }
+        let mut nan = vec![1.0, f32::NAN, 2.0];
+        softmax(&mut nan, 1.0);
+        assert!(nan.iter().all(|w| w.is_nan()), "a NaN score spoils the row, as it did with libm: {nan:?}");
     }
 
     /// Every kernel gives the portable bits, tails included.

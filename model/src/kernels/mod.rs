@@ -11,7 +11,7 @@ mod native;
 mod q8;
 mod weight;
 
-pub use act::{gated_into, sum_exp, Gate};
+pub use act::{gated_into, softmax, sum_exp, Gate};
 pub use dot::{dot, Dot, Elem};
 pub use q8::Q8;
 use weight::GROUP;
