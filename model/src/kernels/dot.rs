@@ -430,9 +430,9 @@ impl Dot {
         tile::<1, 1, f32>(self.isa, [a], [b], a.len())[0][0]
     }
 
-    /// [`Dot::add_scaled`] of every row in order: `out[i] += w[k] * rows[k][at + i]` for `k = 0, 1, ...`,
-    /// the same bits, with each element kept in a register across a few rows at a time (attention's
-    /// weighted sum of values: one pass over `out` per few keys, not per key).
+    /// `out[i] = fma(w[k], rows[k][at + i], out[i])` for `k = 0, 1, ...` in order (one fused multiply-add
+    /// per element and row, in every kernel), with each element kept in a register across a few rows at
+    /// a time (attention's weighted sum of values: one pass over `out` per few keys, not per key).
     pub fn add_scaled_rows<E: Elem>(self, out: &mut [f32], w: &[f32], rows: &[&[E]], at: usize) {
         let n = out.len();
         assert!(w.len() == rows.len() && rows.iter().all(|r| r.len() >= at + n), "scaled add rows");
@@ -447,7 +447,7 @@ impl Dot {
         }
         for (&w, r) in w.iter().zip(rows) {
             for (o, &x) in out.iter_mut().zip(&r[at..at + n]) {
-                *o += w * x.widen();
+                *o = w.mul_add(x.widen(), *o);
             }
         }
     }
@@ -515,24 +515,6 @@ impl Dot {
             }
         }
     }
-
-    /// `out[i] += w * v[i]` for every `i`: a rounded product, then a rounded sum (never fused), so the
-    /// AVX2 loop gives the portable bits.
-    pub fn add_scaled(self, out: &mut [f32], w: f32, v: &[f32]) {
-        assert_eq!(out.len(), v.len(), "scaled add of unequal lengths");
-        match self.isa {
-            // SAFETY: `Isa::best` gives it only where AVX2 and FMA are present; lengths asserted above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => return unsafe { add_scaled_avx2(out, w, v) },
-            // SAFETY: `Isa::best` gives it only where AVX-512F is present; lengths asserted above.
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => return unsafe { add_scaled_avx512(out, w, v) },
-            Isa::Portable => {}
-        }
-        for (o, &x) in out.iter_mut().zip(v) {
-            *o += w * x;
-        }
-    }
 }
 
 /// Rows per pass of the scaled-add kernels: their vectors stay in L1 while `out` passes once.
@@ -547,8 +529,7 @@ macro_rules! add_scaled_rows_kernel {
         $load:ident,
         $row:ident,
         $store:ident,
-        $add:ident,
-        $mul:ident
+        $fmadd:ident
     ) => {
         /// [`Dot::add_scaled_rows`] with these vectors.
         ///
@@ -578,7 +559,7 @@ macro_rules! add_scaled_rows_kernel {
                         for (v, acc) in acc.iter_mut().enumerate() {
                             // SAFETY: at + i + 4 lanes <= at + n <= the row's length (the caller's contract).
                             let x = unsafe { $row(r.add(i + v * $lanes)) };
-                            *acc = $add(*acc, $mul(wk, x));
+                            *acc = $fmadd(wk, x, *acc);
                         }
                     }
                     for (v, acc) in acc.into_iter().enumerate() {
@@ -592,14 +573,14 @@ macro_rules! add_scaled_rows_kernel {
                     for (&wk, &r) in ws.iter().zip(&ptrs) {
                         // SAFETY: at + i + lanes <= at + n <= the row's length (the caller's contract).
                         let x = unsafe { $row(r.add(i)) };
-                        acc = $add(acc, $mul($set1(wk), x));
+                        acc = $fmadd($set1(wk), x, acc);
                     }
                     // SAFETY: as the load above; unaligned store.
                     unsafe { $store(out.as_mut_ptr().add(i), acc) };
                 }
                 for (&wk, r) in ws.iter().zip(rs) {
                     for (o, &x) in out[whole..].iter_mut().zip(&r[at + whole..at + n]) {
-                        *o += wk * x.widen();
+                        *o = wk.mul_add(x.widen(), *o);
                     }
                 }
             }
@@ -616,8 +597,7 @@ macro_rules! add_scaled_rows_multi_kernel {
         $load:ident,
         $row:ident,
         $store:ident,
-        $add:ident,
-        $mul:ident
+        $fmadd:ident
     ) => {
         /// [`Dot::add_scaled_rows_multi`] with these vectors, for up to four outputs, over the first
         /// `count` of `rows` (the rest are only asked for ahead of time): each element's multiplies and
@@ -662,7 +642,7 @@ macro_rules! add_scaled_rows_multi_kernel {
                             for q in 0..Q {
                                 let w = $set1(*wps[q].add(k0 + k));
                                 for v in 0..2 {
-                                    acc[q][v] = $add(acc[q][v], $mul(w, x[v]));
+                                    acc[q][v] = $fmadd(w, x[v], acc[q][v]);
                                 }
                             }
                         }
@@ -680,7 +660,7 @@ macro_rules! add_scaled_rows_multi_kernel {
                         for (k, r) in rs.iter().enumerate() {
                             let x = $row(r.as_ptr().add(at + i));
                             for q in 0..Q {
-                                acc[q] = $add(acc[q], $mul($set1(*wps[q].add(k0 + k)), x));
+                                acc[q] = $fmadd($set1(*wps[q].add(k0 + k)), x, acc[q]);
                             }
                         }
                         for q in 0..Q {
@@ -692,7 +672,7 @@ macro_rules! add_scaled_rows_multi_kernel {
                     for q in 0..Q {
                         for (e, &x) in (whole..n).zip(&r[at + whole..at + n]) {
                             // SAFETY: e < n = each output's length, k0 + k < its weight count.
-                            unsafe { *ptrs[q].add(e) += *wps[q].add(k0 + k) * x.widen() };
+                            unsafe { *ptrs[q].add(e) = (*wps[q].add(k0 + k)).mul_add(x.widen(), *ptrs[q].add(e)) };
                         }
                     }
                 }
@@ -709,8 +689,7 @@ add_scaled_rows_multi_kernel!(
     _mm256_loadu_ps,
     load8,
     _mm256_storeu_ps,
-    _mm256_add_ps,
-    _mm256_mul_ps
+    _mm256_fmadd_ps
 );
 add_scaled_rows_multi_kernel!(
     add_scaled_rows_multi_avx512,
@@ -720,8 +699,7 @@ add_scaled_rows_multi_kernel!(
     _mm512_loadu_ps,
     load16,
     _mm512_storeu_ps,
-    _mm512_add_ps,
-    _mm512_mul_ps
+    _mm512_fmadd_ps
 );
 
 add_scaled_rows_kernel!(
@@ -732,8 +710,7 @@ add_scaled_rows_kernel!(
     _mm256_loadu_ps,
     load8,
     _mm256_storeu_ps,
-    _mm256_add_ps,
-    _mm256_mul_ps
+    _mm256_fmadd_ps
 );
 add_scaled_rows_kernel!(
     add_scaled_rows_avx512,
@@ -743,57 +720,8 @@ add_scaled_rows_kernel!(
     _mm512_loadu_ps,
     load16,
     _mm512_storeu_ps,
-    _mm512_add_ps,
-    _mm512_mul_ps
+    _mm512_fmadd_ps
 );
-
-/// [`Dot::add_scaled`] with AVX-512F.
-///
-/// # Safety
-///
-/// The CPU supports AVX-512F; `out` and `v` have the same length.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,avx512f")]
-unsafe fn add_scaled_avx512(out: &mut [f32], w: f32, v: &[f32]) {
-    use std::arch::x86_64::*;
-    let wv = _mm512_set1_ps(w);
-    let mut o16 = out.chunks_exact_mut(16);
-    let mut v16 = v.chunks_exact(16);
-    for (o, x) in (&mut o16).zip(&mut v16) {
-        // SAFETY: 16 f32s each; unaligned loads and store.
-        unsafe {
-            let sum = _mm512_add_ps(_mm512_loadu_ps(o.as_ptr()), _mm512_mul_ps(wv, _mm512_loadu_ps(x.as_ptr())));
-            _mm512_storeu_ps(o.as_mut_ptr(), sum);
-        }
-    }
-    for (o, &x) in o16.into_remainder().iter_mut().zip(v16.remainder()) {
-        *o += w * x;
-    }
-}
-
-/// [`Dot::add_scaled`] with AVX2.
-///
-/// # Safety
-///
-/// The CPU supports AVX2; `out` and `v` have the same length.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn add_scaled_avx2(out: &mut [f32], w: f32, v: &[f32]) {
-    use std::arch::x86_64::*;
-    let wv = _mm256_set1_ps(w);
-    let mut o8 = out.chunks_exact_mut(LANES);
-    let mut v8 = v.chunks_exact(LANES);
-    for (o, x) in (&mut o8).zip(&mut v8) {
-        // SAFETY: 8 f32s each; unaligned loads and store.
-        unsafe {
-            let sum = _mm256_add_ps(_mm256_loadu_ps(o.as_ptr()), _mm256_mul_ps(wv, _mm256_loadu_ps(x.as_ptr())));
-            _mm256_storeu_ps(o.as_mut_ptr(), sum);
-        }
-    }
-    for (o, &x) in o8.into_remainder().iter_mut().zip(v8.remainder()) {
-        *o += w * x;
-    }
-}
 
 /// `out[i][j] = x[i] . w[j]` for `t` rows of `x` (`t x n`, row-major) and every row of `w` (`cols x n`),
 /// into `out` (`t x cols`). `simd` selects the widest kernel this CPU runs; the bits are the same either
@@ -1069,18 +997,12 @@ mod tests {
                 let mut one_by_one = many.clone();
                 dot.add_scaled_rows(&mut many, &ws, &wide, 11);
                 for (&w, r) in ws.iter().zip(&wide) {
-                    Dot { isa: Isa::Portable }.add_scaled(&mut one_by_one, w, &r[11..11 + n]);
+                    for (o, &x) in one_by_one.iter_mut().zip(&r[11..11 + n]) {
+                        *o = w.mul_add(x, *o);
+                    }
                 }
                 assert_eq!(bits(&many), bits(&one_by_one), "{isa:?} rows of {n}");
             }
-            let mut out = data(37, 9);
-            let mut want = out.clone();
-            dot.add_scaled(&mut out, 0.37, &q);
-            want.iter_mut().zip(&q).for_each(|(o, &x)| *o += 0.37 * x);
-            assert_eq!(
-                out.iter().map(|f| f.to_bits()).collect::<Vec<_>>(),
-                want.iter().map(|f| f.to_bits()).collect::<Vec<_>>()
-            );
         }
     }
 }
