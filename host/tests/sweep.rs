@@ -11,7 +11,7 @@ use std::io::Write;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 const PDHOST: &str = env!("CARGO_BIN_EXE_pdhost");
@@ -272,6 +272,13 @@ fn tiny_gen(name: &str, extra: &[&str]) -> Case {
     c
 }
 
+/// This file's tests one at a time: each ends by asserting that no producer of this build is running
+/// ([`assert_clean`]), which another test's live producers would fail (a race seen in CI).
+fn exclusive() -> MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Processes running a `pdhost __producer` of this build.
 fn producers() -> Vec<u32> {
     let mut pids = Vec::new();
@@ -305,6 +312,7 @@ fn odd_files(dir: &Path) -> (String, String) {
 /// Every case issue 10 lists under "What was found", in its order.
 #[test]
 fn every_reported_case_is_refused_or_handled() {
+    let _one = exclusive();
     let gemma = fetched("gemma3-270m");
     let smol = fetched("smollm2-135m");
     let dir = tempfile::tempdir().unwrap();
@@ -495,6 +503,7 @@ const HOSTILE_NUMBERS: &[&str] = &["", " 1", "-1", "0x10", "1e400", "NaN", "1844
 /// kind where a file is expected, malformed JSON and ids, and odd environments.
 #[test]
 fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
+    let _one = exclusive();
     let dir = tempfile::tempdir().unwrap();
     let (fifo, looped) = odd_files(dir.path());
     let file = |name: &str, bytes: &[u8]| {
@@ -815,6 +824,7 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
 /// fetch; `models fetch` replaces a corrupt file.
 #[test]
 fn a_corrupt_cache_is_caught_and_an_interrupted_fetch_leaves_nothing() {
+    let _one = exclusive();
     let real = fetched("smollm2-135m");
     let home = tempfile::tempdir().unwrap();
     let models = home.path().join("models");
@@ -863,6 +873,7 @@ fn a_corrupt_cache_is_caught_and_an_interrupted_fetch_leaves_nothing() {
 /// partial model is ever taken for a cached one.
 #[test]
 fn an_interrupted_fetch_leaves_nothing_behind() {
+    let _one = exclusive();
     let home = tempfile::tempdir().unwrap();
     let models = home.path().join("models");
     let mut fetch = Command::new(PDHOST)
