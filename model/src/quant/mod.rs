@@ -327,11 +327,19 @@ pub(crate) fn prefetch(base: *const u8, at: usize, len: usize) {
 /// each token's row in pages of the cache.
 #[inline(always)]
 pub(crate) fn prefetch_lines(p: *const u8, len: usize) {
+    // A plain loop: `(0..len).step_by(64)` was 6% of a decode step of four SmolLM2 sequences, in the
+    // attention kernels that ask for every K/V row.
     #[cfg(target_arch = "x86_64")]
-    for off in (0..len).step_by(64) {
-        // SAFETY: a prefetch is a hint: it reads nothing into the program and never faults, whatever the
-        // address (formed with wrapping arithmetic, which claims nothing about bounds).
-        unsafe { std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(off).cast()) };
+    {
+        let mut off = 0;
+        while off < len {
+            // SAFETY: a prefetch is a hint: it reads nothing into the program and never faults, whatever
+            // the address (formed with wrapping arithmetic, which claims nothing about bounds).
+            unsafe {
+                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(off).cast())
+            };
+            off += 64;
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     let _ = (p, len);
