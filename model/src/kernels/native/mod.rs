@@ -223,7 +223,11 @@ impl<'a> Acts<'a> {
     /// The rows of `q8` as they are, for the interleaved kernels alone ([`interleaved`]): none of the
     /// row-major kernels' layouts is made (a prefill's activations were laid out in pairs for nothing).
     pub(crate) fn rows_only(q8: &'a Q8, simd: bool) -> Self {
-        let kernel = Kernel::best(simd);
+        Acts::bare(Kernel::best(simd), q8)
+    }
+
+    /// The rows of `q8` for `kernel`, with none of the row-major kernels' layouts.
+    fn bare(kernel: Kernel, q8: &'a Q8) -> Self {
         #[cfg(target_arch = "x86_64")]
         let wide = kernel == Kernel::Avx512;
         #[cfg(not(target_arch = "x86_64"))]
@@ -241,10 +245,7 @@ impl<'a> Acts<'a> {
     }
 
     fn with(kernel: Kernel, q8: &'a Q8) -> Self {
-        #[cfg(target_arch = "x86_64")]
-        let wide = kernel == Kernel::Avx512;
-        #[cfg(not(target_arch = "x86_64"))]
-        let wide = false;
+        let bare = Acts::bare(kernel, q8);
         // A single row would fill half of every vector of the pair kernel: the 256-bit kernels serve it
         // as well.
         let kernel = if q8.rows < 2 { kernel.narrow() } else { kernel };
@@ -273,7 +274,7 @@ impl<'a> Acts<'a> {
                 }
             }
         }
-        Acts { q8, kernel, wide, pairs, octets, sums, scales, halves: Default::default() }
+        Acts { kernel, pairs, octets, sums, scales, ..bare }
     }
 
     /// The interleaved operands of the group of [`ROWS`] rows from row `r0` (empty where there are none).
