@@ -74,7 +74,9 @@ fn kind(v: &Value) -> String {
         Value::Null => "null".into(),
         Value::Bool(b) => format!("the boolean {b}"),
         Value::Number(n) => format!("the number {n}"),
+        Value::String(s) if s.len() == 1 => "a string of 1 byte".into(),
         Value::String(s) => format!("a string of {} bytes", s.len()),
+        Value::Array(a) if a.len() == 1 => "an array of 1 item".into(),
         Value::Array(a) => format!("an array of {} items", a.len()),
         Value::Object(_) => "an object".into(),
     }
@@ -261,7 +263,16 @@ fn message(i: usize, v: &Value) -> Result<model::chat::Message, ApiError> {
         }
     };
     let content = match m.get("content") {
-        None | Some(Value::Null) => String::new(),
+        // Only an assistant's turn may come without content (OpenAI's, beside tool calls); a user's or
+        // a system's without it is a client's mistake, not an empty turn.
+        None | Some(Value::Null) if role == "assistant" => String::new(),
+        None | Some(Value::Null) => {
+            return Err(ApiError::invalid(
+                "messages",
+                "content in every message but an assistant's",
+                format_args!("none in message {i} ({role})"),
+            ))
+        }
         Some(Value::String(c)) => c.clone(),
         // OpenAI's content parts: only text ones here.
         Some(Value::Array(parts)) => {
@@ -392,7 +403,13 @@ impl Completion {
     }
 
     fn prompt(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
-        Ok(match m.get("prompt") {
+        let prompt = match m.get("prompt") {
+            // OpenAI's batch form with one prompt (`["text"]`, `[[1, 2]]`), as evaluation harnesses send
+            // it: that prompt. More than one is refused below.
+            Some(Value::Array(a)) if a.len() == 1 && (a[0].is_string() || a[0].is_array()) => Some(&a[0]),
+            p => p,
+        };
+        Ok(match prompt {
             Some(Value::String(s)) if s.is_empty() => {
                 return Err(ApiError::invalid("prompt", "a non-empty prompt", "an empty string"))
             }
@@ -445,17 +462,22 @@ mod tests {
         assert_eq!(c.raw.max_tokens, DEFAULT_MAX_TOKENS);
 
         assert_eq!(err("{"), "body: expected a JSON object, found invalid JSON at line 1 column 1");
-        assert_eq!(err("[1]"), "body: expected a JSON object, found an array of 1 items");
+        assert_eq!(err("[1]"), "body: expected a JSON object, found an array of 1 item");
         assert_eq!(err(r#"{"prompt":""}"#), "prompt: expected a non-empty prompt, found an empty string");
         assert_eq!(err(r#"{}"#), "prompt: expected a string or an array of token ids, found none");
         assert!(err(r#"{"prompt":["a","b"]}"#).contains("one prompt per request"));
+        // A batch of one prompt is that prompt; a nested batch is not a prompt.
+        assert_eq!(Completion::parse(br#"{"prompt":["hi"]}"#).unwrap().prompt, Prompt::Text("hi".into()));
+        assert_eq!(Completion::parse(br#"{"prompt":[[1,2]]}"#).unwrap().prompt, Prompt::Ids(vec![1, 2]));
+        assert!(err(r#"{"prompt":[[[1]]]}"#).contains("one prompt per request"));
+        assert_eq!(err(r#"{"prompt":[""]}"#), "prompt: expected a non-empty prompt, found an empty string");
         assert_eq!(
             err(r#"{"prompt":[1,-2]}"#),
             "prompt: expected token ids from 0 to 4294967295, found -2 at position 1"
         );
         assert_eq!(
             err(r#"{"prompt":"x","max_tokens":"3"}"#),
-            "max_tokens: expected an integer, found a string of 1 bytes"
+            "max_tokens: expected an integer, found a string of 1 byte"
         );
         assert_eq!(err(r#"{"prompt":"x","max_tokens":-1}"#), "max_tokens: expected a positive integer, found -1");
         assert_eq!(err(r#"{"prompt":"x","n":2}"#), "n: expected 1 (one completion per request), found 2");
@@ -483,6 +505,13 @@ mod tests {
             "messages: expected a role string in every message, found none at 0"
         );
         assert!(chat_err(r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#).contains("text parts"));
+        assert_eq!(
+            chat_err(r#"{"messages":[{"role":"user"}]}"#),
+            "messages: expected content in every message but an assistant's, found none in message 0 (user)"
+        );
+        let c = Completion::parse_chat(br#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":null}]}"#);
+        let Prompt::Messages(m) = c.unwrap().prompt else { panic!("messages") };
+        assert_eq!(m[1].content, "");
         assert_eq!(
             chat_err(r#"{"messages":["hi"]}"#),
             "messages: expected objects with a role and a content, found a string of 2 bytes at 0"
