@@ -401,7 +401,12 @@ fn chat_completions_use_the_models_template_and_equal_generate() {
     assert_eq!(text, reference["text"].as_str().unwrap());
 
     // A conversation the template refuses, and malformed messages: 400s naming `messages`.
-    for body in [r#"{"messages":[]}"#, r#"{"messages":[{"role":"user"}],"n":3}"#, r#"{"messages":"hi"}"#] {
+    for body in [
+        r#"{"messages":[]}"#,
+        r#"{"messages":[{"role":"user","content":"x"}],"n":3}"#,
+        r#"{"messages":[{"role":"user"}]}"#,
+        r#"{"messages":"hi"}"#,
+    ] {
         let (status, v) = post(&s, "/v1/chat/completions", body);
         assert_eq!(status, 400, "{v}");
         assert!(
