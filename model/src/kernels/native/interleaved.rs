@@ -84,8 +84,8 @@ pub(crate) fn dots(x: &Acts<'_>, m: &Interleaved, rows: std::ops::Range<usize>, 
     }
 }
 
-/// One activation row's operands: its values, and per chunk its scale, its sum before quantization and
-/// the sums of its quantized halves.
+/// One activation row's operands: its values, and per chunk its scale, its sum (`d * sum(q)`) and the
+/// integer sums of its halves.
 #[derive(Clone, Copy)]
 struct Operands<'a> {
     q: &'a [i8],

@@ -10,9 +10,9 @@
 //! scale for each half of 16 (`isc`; 1 for the 32-value types), a float scale `d` and, for the types
 //! with an offset (Q4_1, Q5_1, Q4_K, Q5_K), a float offset `m`, so that weight `k` is
 //! `d * isc[k / 16] * v[k] + m`. Activations are [`Q8`] rows: per 32 values a scale `xd`, 32 integers
-//! `q` (quantized once per input, shared by every product that reads it) and the sum `xs` of the 32
-//! values before quantization, so the offset's term `m * xs` carries no quantization error (llama.cpp's
-//! Q8_1 holds `xd * sum(q)`, the sum of the quantized values).
+//! `q` (quantized once per input, shared by every product that reads it) and the sum `xs = xd * sum(q)`
+//! of the quantized values (llama.cpp's Q8_1 holds the same), so that every product is the weights'
+//! with the quantized activations (see [`super::q8`]'s `block_sum` for why not the exact sum).
 //!
 //! Each output is computed in one fixed order, whatever the batch, tile or thread:
 //! 1. per chunk, lane `l` (of 8) sums `isc * v[k] * q[k]` over `k` in `4l..4l + 4`, in 32-bit integers

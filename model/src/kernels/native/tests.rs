@@ -159,3 +159,53 @@ fn interleaved_simd_equals_portable_in_any_batch() {
     let k = super::super::tests::random_blocks(GgmlType::Q5K, 16 * 256, 6);
     assert!(Interleaved::of(&Weight::from_blocks(GgmlType::Q5K, BlockBytes::Owned(k), 256)).is_none());
 }
+
+/// Every product, row-major or interleaved, is the dequantized weights' with the quantized activations
+/// (`d * q`), up to the float additions' roundings: the offsets' terms (Q4_1, Q5_1, the K-quants'
+/// minimums) take the sum of the quantized values, not of the values before quantization, which added
+/// `m` times every activation's rounding error. The activations here sit away from zero, where that error
+/// was largest.
+#[test]
+fn products_are_the_weights_with_the_quantized_activations() {
+    use super::super::weight::{BlockBytes, Interleaved, Weight, GROUP};
+    let (n, rows, t) = (512, 2 * GROUP, 3);
+    let x: Vec<f32> = (0..t * n).map(|i| 0.6 + ((i * 37 % 101) as f32 - 50.0) / 97.0).collect();
+    let xq = Q8::new(&x, t, n).unwrap();
+    // The activations as the products see them.
+    let seen: Vec<f64> = (0..t)
+        .flat_map(|r| {
+            let a = xq.act(r);
+            (0..n).map(move |k| f64::from(a.d[k / QK]) * f64::from(a.q[k]))
+        })
+        .collect();
+    for (i, ty) in TYPES.into_iter().enumerate() {
+        let blocks = super::super::tests::random_blocks(ty, rows * n, 11 + i as u32);
+        let w = Weight::from_blocks(ty, BlockBytes::Owned(blocks.clone()), n);
+        let f = w.to_f32().into_owned();
+        let mut row_major = vec![0f32; t * rows];
+        dots(&Acts::new(&xq, false), ty, &blocks, 0..rows, &mut row_major);
+        let mut interleaved = None;
+        if let Some(m) = Interleaved::of(&w) {
+            let mut out = vec![0f32; t * rows];
+            interleaved_dots(&Acts::new(&xq, false), &m, 0..rows, &mut out);
+            interleaved = Some(out);
+        }
+        for r in 0..t {
+            for j in 0..rows {
+                let terms = (0..n).map(|k| seen[r * n + k] * f64::from(f[j * n + k]));
+                let (want, scale) = terms.fold((0f64, 0f64), |(s, a), v| (s + v, a + v.abs()));
+                let tol = 1e-5 * scale;
+                let got = row_major[r * rows + j];
+                assert!((f64::from(got) - want).abs() <= tol, "{} row-major {r}, {j}: {got} vs {want}", ty.name());
+                if let Some(out) = &interleaved {
+                    let got = out[r * rows + j];
+                    assert!(
+                        (f64::from(got) - want).abs() <= tol,
+                        "{} interleaved {r}, {j}: {got} vs {want}",
+                        ty.name()
+                    );
+                }
+            }
+        }
+    }
+}
