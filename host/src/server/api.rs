@@ -509,7 +509,9 @@ mod tests {
             chat_err(r#"{"messages":[{"role":"user"}]}"#),
             "messages: expected content in every message but an assistant's, found none in message 0 (user)"
         );
-        let c = Completion::parse_chat(br#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":null}]}"#);
+        let c = Completion::parse_chat(
+            br#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":null}]}"#,
+        );
         let Prompt::Messages(m) = c.unwrap().prompt else { panic!("messages") };
         assert_eq!(m[1].content, "");
         assert_eq!(
