@@ -547,7 +547,11 @@ macro_rules! add_scaled_rows_kernel {
             let quads = n / (4 * $lanes) * (4 * $lanes);
             for (c, (ws, rs)) in w.chunks(ADD_ROWS).zip(rows.chunks(ADD_ROWS)).enumerate() {
                 for r in rows.iter().skip(c * ADD_ROWS + ROWS_AHEAD).take(ADD_ROWS) {
-                    crate::quant::prefetch_lines(r[at..].as_ptr().cast(), size_of::<E>() * (r.len() - at));
+                    crate::quant::prefetch_lines(
+                        r[at..].as_ptr().cast(),
+                        size_of::<E>() * (r.len() - at),
+                        crate::quant::Toward::L2,
+                    );
                 }
                 let ptrs: [*const E; ADD_ROWS] =
                     std::array::from_fn(|k| rs.get(k).map_or(std::ptr::null(), |r| r[at..].as_ptr()));
@@ -628,7 +632,11 @@ macro_rules! add_scaled_rows_multi_kernel {
             for (b, rs) in rows[..count].chunks(ADD_ROWS).enumerate() {
                 let k0 = b * ADD_ROWS;
                 for r in rows.iter().skip(k0 + ROWS_AHEAD).take(ADD_ROWS) {
-                    crate::quant::prefetch_lines(r[at..].as_ptr().cast(), size_of::<E>() * (r.len() - at));
+                    crate::quant::prefetch_lines(
+                        r[at..].as_ptr().cast(),
+                        size_of::<E>() * (r.len() - at),
+                        crate::quant::Toward::L2,
+                    );
                 }
                 for i in (0..pairs).step_by(2 * $lanes) {
                     // SAFETY: i + 2 lanes <= n = each output's length and at + i + 2 lanes <= at + n <=
@@ -744,7 +752,8 @@ pub(crate) fn dots_with(isa: Isa, x: &[f32], t: usize, w: &[f32], n: usize, out:
 /// more. They ask from the head's slice to the end of the row: the first K/V head's pass brings whole
 /// rows in order, and the later heads' slices are then in L2 (a layer's K and V for a few thousand
 /// positions fit), where each head asking for its own slice alone read every row in three strided
-/// passes (another 79-86 -> 91-94 tokens/s).
+/// passes (another 79-86 -> 91-94 tokens/s). They ask for L2 ([`crate::quant::Toward::L2`]): 32 rows
+/// of Gemma 3's 1 KiB are L1 whole.
 const ROWS_AHEAD: usize = 32;
 
 /// What [`tiles`]' second operand is, where there are few first rows.
@@ -796,8 +805,10 @@ fn tiles<'a, 'b, W: Elem>(
             // (attention's keys are one head's slice of each token's row, an order the hardware
             // prefetcher does not follow well).
             if few {
+                // Keys to L2 (`Toward::L2`); weights as the row kernels stream theirs, to L1.
+                let to = if stream == Stream::Keys { crate::quant::Toward::L2 } else { crate::quant::Toward::L1 };
                 for c in (c0 + ROWS_AHEAD..c0 + ROWS_AHEAD + nc).take_while(|&c| c < cols) {
-                    crate::quant::prefetch_lines(wrow(c).as_ptr().cast(), size_of_val(wrow(c)));
+                    crate::quant::prefetch_lines(wrow(c).as_ptr().cast(), size_of_val(wrow(c)), to);
                 }
             }
             for r0 in (rb..rend).step_by(tile_rows) {

@@ -319,30 +319,50 @@ pub(crate) const PREFETCH_AHEAD: usize = 8192;
 #[inline(always)]
 #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // only the x86-64 row kernels stream blocks
 pub(crate) fn prefetch(base: *const u8, at: usize, len: usize) {
-    prefetch_lines(base.wrapping_add(at + PREFETCH_AHEAD), len);
+    prefetch_lines(base.wrapping_add(at + PREFETCH_AHEAD), len, Toward::L1);
 }
 
-/// Asks the CPU to bring the cache lines of the `len` bytes at `p` toward L1 (see [`prefetch`]): for
-/// rows read in an order the hardware cannot guess, such as attention's K/V rows, one head's slice of
-/// each token's row in pages of the cache.
+/// Which cache a prefetch brings its lines to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Toward {
+    /// L1 (`prefetcht0`): the weight streams of the row kernels ([`prefetch`]), which read each line
+    /// once, soon. To L2 only, Gemma 3's `exact` pass of one row took 22.9 ms against 18.0-18.3 (`bench
+    /// kernels --threads 1`, Zen 4, alternating builds).
+    L1,
+    /// L2 (`prefetcht1`): attention's K/V rows, asked for many rows ahead (`dot::ROWS_AHEAD`: 32 of
+    /// Gemma 3's 1 KiB rows are L1 whole), which into L1 pushed out the lines the kernels were reading.
+    /// Four sequences' scores and weighted sums at 330 positions (Gemma 3's shape, f32 rows from
+    /// memory, one thread) took 5.9-6.0 ms asking for L1 and 3.5-3.7 ms asking for L2; a read of every
+    /// line alone, 3.0-3.6 ms.
+    L2,
+}
+
+/// Asks the CPU to bring the cache lines of the `len` bytes at `p` toward `to`: weights a fixed distance
+/// ahead ([`prefetch`]), or rows read in an order the hardware cannot guess, such as attention's K/V
+/// rows, one head's slice of each token's row in pages of the cache.
 #[inline(always)]
-pub(crate) fn prefetch_lines(p: *const u8, len: usize) {
+pub(crate) fn prefetch_lines(p: *const u8, len: usize, to: Toward) {
     // A plain loop: `(0..len).step_by(64)` was 9% of a decode step of four SmolLM2 sequences, in the
     // attention kernels that ask for every K/V row (6% in the weighted sums, 3% in the scores).
     #[cfg(target_arch = "x86_64")]
     {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0, _MM_HINT_T1};
         let mut off = 0;
         while off < len {
+            let line = p.wrapping_add(off).cast();
             // SAFETY: a prefetch is a hint: it reads nothing into the program and never faults, whatever
             // the address (formed with wrapping arithmetic, which claims nothing about bounds).
             unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.wrapping_add(off).cast())
+                match to {
+                    Toward::L1 => _mm_prefetch::<_MM_HINT_T0>(line),
+                    Toward::L2 => _mm_prefetch::<_MM_HINT_T1>(line),
+                }
             };
             off += 64;
         }
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, len);
+    let _ = (p, len, to);
 }
 
 /// Weights and bytes per block of the type with GGML id `T`, as constants of each instance.
