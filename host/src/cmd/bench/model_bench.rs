@@ -30,6 +30,19 @@ struct Row {
     llama: Option<(f64, f64)>,
 }
 
+impl Row {
+    /// This row's aggregate decode over the batch-1 row of its model, precision, threads and prompt, where
+    /// `--batch` has one: what batching gains (the bar is 3x at 4).
+    fn over_batch1(&self, rows: &[Row]) -> Option<f64> {
+        rows.iter()
+            .find(|o| {
+                (o.model, o.precision, o.threads, o.prompt, o.batch)
+                    == (self.model, self.precision, self.threads, self.prompt, 1)
+            })
+            .map(|o| self.decode / o.decode)
+    }
+}
+
 /// How long a model took to load (and, in `fast`, to quantize), and the weights it holds.
 struct Loaded {
     model: &'static str,
@@ -295,6 +308,7 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
                 json!({"model": r.model, "precision": r.precision, "threads": r.threads,
                        "prompt_tokens": r.prompt, "batch": r.batch,
                        "prefill_tok_s": r.prefill, "decode_tok_s": r.decode,
+                       "decode_over_batch1": r.over_batch1(&rows),
                        "llama_cpp_prefill_tok_s": r.llama.map(|l| l.0),
                        "llama_cpp_decode_tok_s": r.llama.map(|l| l.1)})
             })
@@ -346,7 +360,7 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             )?;
         }
         outln!(
-            "{:<13} {:<6} {:>3} {:>6} {:>5} {:>12} {:>12} {:>14} {:>14} {:>8} {:>8}",
+            "{:<13} {:<6} {:>3} {:>6} {:>5} {:>12} {:>12} {:>14} {:>14} {:>8} {:>8} {:>8}",
             "model",
             "prec",
             "thr",
@@ -357,13 +371,14 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             "llama.cpp pre",
             "llama.cpp dec",
             "pre x",
-            "dec x"
+            "dec x",
+            "x batch1"
         )?;
         for r in &rows {
             // A skipped peer (--no-llama-cpp) shows `-`, never NaN.
             let cell = |f: &dyn Fn((f64, f64)) -> String| r.llama.map_or_else(|| "-".to_string(), f);
             outln!(
-                "{:<13} {:<6} {:>3} {:>6} {:>5} {:>12.1} {:>12.1} {:>14} {:>14} {:>8} {:>8}",
+                "{:<13} {:<6} {:>3} {:>6} {:>5} {:>12.1} {:>12.1} {:>14} {:>14} {:>8} {:>8} {:>8}",
                 r.model,
                 r.precision,
                 r.threads,
@@ -375,6 +390,7 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
                 cell(&|(_, ld)| format!("{ld:.1}")),
                 cell(&|(lp, _)| format!("{:.2}x", r.prefill / lp)),
                 cell(&|(_, ld)| format!("{:.2}x", r.decode / ld)),
+                r.over_batch1(&rows).map_or_else(|| "-".to_string(), |x| format!("{x:.2}x")),
             )?;
         }
     }
@@ -436,4 +452,29 @@ fn llama_cpp(
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).context("llama.cpp output")?;
     let decode = batches.iter().map(|b| (*b, v["decode_tok_s"][b.to_string()].as_f64().unwrap_or(f64::NAN))).collect();
     Ok((v["prefill_tok_s"].as_f64().unwrap_or(f64::NAN), decode))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Row;
+
+    #[test]
+    fn batch_rows_are_set_beside_their_own_batch_1() {
+        let row = |precision, threads, batch, decode| Row {
+            model: "m",
+            precision,
+            threads,
+            prompt: 128,
+            batch,
+            prefill: 1.0,
+            decode,
+            llama: None,
+        };
+        let rows =
+            [row("fast", 1, 1, 50.0), row("fast", 2, 1, 80.0), row("fast", 1, 4, 150.0), row("exact", 1, 4, 90.0)];
+        assert_eq!(rows[0].over_batch1(&rows), Some(1.0));
+        assert_eq!(rows[2].over_batch1(&rows), Some(3.0));
+        // No batch-1 row of its precision: nothing to set it beside.
+        assert_eq!(rows[3].over_batch1(&rows), None);
+    }
 }
