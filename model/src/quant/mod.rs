@@ -330,7 +330,7 @@ pub(crate) enum Toward {
     /// kernels --threads 1`, Zen 4, alternating builds).
     L1,
     /// L2 (`prefetcht1`): attention's K/V rows, asked for many rows ahead (`dot::ROWS_AHEAD`: 32 of
-    /// Gemma 3's 1 KiB rows are L1 whole), which into L1 pushed out the lines the kernels were reading.
+    /// Gemma 3's 1 KiB rows are L1 whole, so into L1 they likely evicted lines not yet read).
     /// Four sequences' scores and weighted sums at 330 positions (Gemma 3's shape, f32 rows from
     /// memory, one thread) took 5.9-6.0 ms asking for L1 and 3.5-3.7 ms asking for L2; a read of every
     /// line alone, 3.0-3.6 ms.
