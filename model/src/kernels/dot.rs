@@ -547,11 +547,7 @@ macro_rules! add_scaled_rows_kernel {
             let quads = n / (4 * $lanes) * (4 * $lanes);
             for (c, (ws, rs)) in w.chunks(ADD_ROWS).zip(rows.chunks(ADD_ROWS)).enumerate() {
                 for r in rows.iter().skip(c * ADD_ROWS + ROWS_AHEAD).take(ADD_ROWS) {
-                    crate::quant::prefetch_lines(
-                        r[at..].as_ptr().cast(),
-                        size_of::<E>() * (r.len() - at),
-                        crate::quant::Toward::L2,
-                    );
+                    prefetch_kv_row(&r[at..]);
                 }
                 let ptrs: [*const E; ADD_ROWS] =
                     std::array::from_fn(|k| rs.get(k).map_or(std::ptr::null(), |r| r[at..].as_ptr()));
@@ -632,11 +628,7 @@ macro_rules! add_scaled_rows_multi_kernel {
             for (b, rs) in rows[..count].chunks(ADD_ROWS).enumerate() {
                 let k0 = b * ADD_ROWS;
                 for r in rows.iter().skip(k0 + ROWS_AHEAD).take(ADD_ROWS) {
-                    crate::quant::prefetch_lines(
-                        r[at..].as_ptr().cast(),
-                        size_of::<E>() * (r.len() - at),
-                        crate::quant::Toward::L2,
-                    );
+                    prefetch_kv_row(&r[at..]);
                 }
                 for i in (0..pairs).step_by(2 * $lanes) {
                     // SAFETY: i + 2 lanes <= n = each output's length and at + i + 2 lanes <= at + n <=
@@ -756,6 +748,13 @@ pub(crate) fn dots_with(isa: Isa, x: &[f32], t: usize, w: &[f32], n: usize, out:
 /// of Gemma 3's 1 KiB are L1 whole.
 const ROWS_AHEAD: usize = 32;
 
+/// Asks for a K/V row (from the head's slice to the row's end) as attention's kernels do, [`ROWS_AHEAD`]
+/// rows before they read it: into L2.
+#[inline(always)]
+fn prefetch_kv_row<E: Elem>(row: &[E]) {
+    crate::quant::prefetch_lines(row.as_ptr().cast(), size_of_val(row), crate::quant::Toward::L2);
+}
+
 /// What [`tiles`]' second operand is, where there are few first rows.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Stream {
@@ -805,10 +804,16 @@ fn tiles<'a, 'b, W: Elem>(
             // (attention's keys are one head's slice of each token's row, an order the hardware
             // prefetcher does not follow well).
             if few {
-                // Keys to L2 (`Toward::L2`); weights as the row kernels stream theirs, to L1.
-                let to = if stream == Stream::Keys { crate::quant::Toward::L2 } else { crate::quant::Toward::L1 };
                 for c in (c0 + ROWS_AHEAD..c0 + ROWS_AHEAD + nc).take_while(|&c| c < cols) {
-                    crate::quant::prefetch_lines(wrow(c).as_ptr().cast(), size_of_val(wrow(c)), to);
+                    match stream {
+                        Stream::Keys => prefetch_kv_row(wrow(c)),
+                        // As the row kernels stream theirs, to L1.
+                        Stream::Weights => crate::quant::prefetch_lines(
+                            wrow(c).as_ptr().cast(),
+                            size_of_val(wrow(c)),
+                            crate::quant::Toward::L1,
+                        ),
+                    }
                 }
             }
             for r0 in (rb..rend).step_by(tile_rows) {
