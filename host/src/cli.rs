@@ -46,13 +46,15 @@ pub enum Command {
     /// passes, 1 when one fails, 2 on a usage error.
     #[command(name = "check-backend")]
     CheckBackend(CheckBackendArgs),
-    /// Serve the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/models`, `/health`).
+    /// Serve the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
+    /// `/health`, `/metrics`).
     ///
     /// Prefill runs in a producer subprocess (`--producer rngd` by default), decode in the host. Requests
     /// are checked exactly as `generate` checks its flags; a refusal is a 4xx with an OpenAI error object.
-    /// Up to --slots sequences are live at once, each decode round stepping every one of them by a token;
-    /// further requests wait in a FIFO queue (`--queue`), and past it the answer is 503 with Retry-After. SIGTERM or SIGINT drains: new requests get 503,
-    /// in-flight ones finish within --drain-timeout, then the producer is stopped and the server exits 0.
+    /// Up to --slots sequences are live at once, and each decode step is one batched forward pass over
+    /// all of them; further requests wait in a FIFO queue (`--queue`), and past it the answer is 503
+    /// with Retry-After. SIGTERM or SIGINT drains: new requests get 503, in-flight ones finish within
+    /// --drain-timeout, then the producer is stopped and the server exits 0.
     Serve(ServeArgs),
     /// List the models pdhost knows by name, or fetch one into the model cache.
     ///

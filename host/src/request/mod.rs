@@ -230,10 +230,15 @@ impl Invalid {
     }
 }
 
-/// At most 80 characters of `text`, cut on a character boundary, with its full length when cut.
+/// At most 80 characters of `text`, cut on a character boundary, with its full length when cut: what
+/// a message quotes of a client's input.
 pub fn shorten(text: &str) -> String {
-    const MAX: usize = 80;
-    match text.char_indices().nth(MAX) {
+    shorten_to(text, 80)
+}
+
+/// At most `max` characters of `text`, cut on a character boundary, with its full length when cut.
+pub fn shorten_to(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
         Some((cut, _)) => format!("{}... ({} bytes)", &text[..cut], text.len()),
         None => text.to_string(),
     }

@@ -37,6 +37,15 @@ impl ApiError {
         }
     }
 
+    /// A 400 about `messages` that the chat template refused. The template's own words (Gemma's
+    /// "Conversation roles must alternate ...") are the answer, so more of them are kept than of a
+    /// quoted input.
+    pub fn refused_messages(e: &model::chat::ChatError) -> Self {
+        let mut err = ApiError::invalid("messages", "messages the model's chat template accepts", "");
+        err.message.push_str(&request::shorten_to(&e.to_string(), 240));
+        err
+    }
+
     /// Any other status.
     pub fn new(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
         ApiError { status, message: message.into(), kind, param: None, code: Some(code), retry_after: None }
@@ -449,6 +458,21 @@ mod tests {
 
     fn err(body: &str) -> String {
         Completion::parse(body.as_bytes()).unwrap_err().message
+    }
+
+    #[test]
+    fn a_template_refusal_is_quoted_whole() {
+        let gemma =
+            model::chat::ChatTemplate::from_source(model::chat::GEMMA3_TEMPLATE, Some("<bos>"), Some("<eos>")).unwrap();
+        let user = |text: &str| model::chat::Message::new("user", text);
+        let e = gemma.render(&[user("one"), user("two")], true).unwrap_err();
+        let err = ApiError::refused_messages(&e);
+        assert_eq!((err.status, err.param), (StatusCode::BAD_REQUEST, Some("messages")));
+        assert_eq!(
+            err.message,
+            "messages: expected messages the model's chat template accepts, found chat template refused the \
+             messages: Conversation roles must alternate user/assistant/user/assistant/..."
+        );
     }
 
     #[test]

@@ -411,7 +411,7 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
                 .map_err(|e| {
                     ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "chat_template", e.to_string())
                 })?
-                .map_err(|e| ApiError::invalid("messages", "messages the model's chat template accepts", e))?
+                .map_err(|e| ApiError::refused_messages(&e))?
         }
     };
     c.raw.prefill_chunk = app.config.prefill_chunk as u64;
