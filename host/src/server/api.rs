@@ -261,6 +261,9 @@ fn message(i: usize, v: &Value) -> Result<model::chat::Message, ApiError> {
         ));
     };
     let role = match m.get("role") {
+        // OpenAI's newer name for the system prompt, which chat templates do not know (Gemma's refuses
+        // the conversation): the system's turn, as llama.cpp's server reads it.
+        Some(Value::String(r)) if r == "developer" => "system".to_string(),
         Some(Value::String(r)) if !r.is_empty() => r.clone(),
         other => {
             let found = other.map_or("none".to_string(), kind);
@@ -538,6 +541,9 @@ mod tests {
         );
         let Prompt::Messages(m) = c.unwrap().prompt else { panic!("messages") };
         assert_eq!(m[1].content, "");
+        let c = Completion::parse_chat(br#"{"messages":[{"role":"developer","content":"Be brief."}]}"#);
+        let Prompt::Messages(m) = c.unwrap().prompt else { panic!("messages") };
+        assert_eq!((m[0].role.as_str(), m[0].content.as_str()), ("system", "Be brief."));
         assert_eq!(
             chat_err(r#"{"messages":["hi"]}"#),
             "messages: expected objects with a role and a content, found a string of 2 bytes at 0"
