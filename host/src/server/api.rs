@@ -27,23 +27,31 @@ pub struct ApiError {
 impl ApiError {
     /// A 400 about `param`.
     pub fn invalid(param: &'static str, expected: impl std::fmt::Display, found: impl std::fmt::Display) -> Self {
-        ApiError {
-            status: StatusCode::BAD_REQUEST,
-            message: format!("{param}: expected {expected}, found {}", request::shorten(&found.to_string())),
-            kind: "invalid_request_error",
-            param: Some(param),
-            code: None,
-            retry_after: None,
-        }
+        let found = request::shorten(&found.to_string());
+        ApiError::bad_request(param, format!("{param}: expected {expected}, found {found}"))
     }
 
     /// A 400 about `messages` that the chat template refused. The template's own words (Gemma's
     /// "Conversation roles must alternate ...") are the answer, so more of them are kept than of a
     /// quoted input.
     pub fn refused_messages(e: &model::chat::ChatError) -> Self {
-        let mut err = ApiError::invalid("messages", "messages the model's chat template accepts", "");
-        err.message.push_str(&request::shorten_to(&e.to_string(), 240));
-        err
+        let found = request::shorten_to(&e.to_string(), 240);
+        ApiError::bad_request(
+            "messages",
+            format!("messages: expected messages the model's chat template accepts, found {found}"),
+        )
+    }
+
+    /// A 400 about `param` with this message.
+    fn bad_request(param: &'static str, message: String) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message,
+            kind: "invalid_request_error",
+            param: Some(param),
+            code: None,
+            retry_after: None,
+        }
     }
 
     /// Any other status.
