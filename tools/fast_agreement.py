@@ -14,8 +14,7 @@ compared with `exact` up to `exact`'s first step whose margin is under 0.01, whe
 Prints, for both, the cases that agree throughout and the comparable tokens that agree."""
 import glob, json, os, random, subprocess, sys
 
-import llama_cpp as L
-import numpy as np
+from llama_greedy import Llama
 
 pdhost, gguf = sys.argv[1:3]
 prompts = int(sys.argv[3]) if len(sys.argv) > 3 else 48
@@ -28,41 +27,7 @@ files += sorted(glob.glob(f"{root}/fixtures/prompts/*.txt"))
 texts = [open(f, errors="ignore").read().split() for f in files if os.path.isfile(f)]
 texts = [t for t in texts if len(t) >= 200]
 rng = random.Random(seed)
-
-L.llama_backend_init()
-model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
-vocab = L.llama_model_get_vocab(model)
-n_vocab = L.llama_vocab_n_tokens(vocab)
-
-
-def tokenize(text):
-    b = text.encode()
-    buf = (L.llama_token * (len(b) + 16))()
-    n = L.llama_tokenize(vocab, b, len(b), buf, len(buf), True, False)
-    return list(buf[:n])
-
-
-def llama_greedy(ids, n):
-    params = L.llama_context_default_params()
-    params.n_ctx = len(ids) + n + 8
-    params.n_batch = max(512, len(ids))
-    ctx = L.llama_init_from_model(model, params)
-    batch = L.llama_batch_init(len(ids), 0, 1)
-    out, pos, toks = [], 0, list(ids)
-    for _ in range(n):
-        batch.n_tokens = len(toks)
-        for i, t in enumerate(toks):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, pos + i, 1, i == len(toks) - 1
-            batch.seq_id[i][0] = 0
-        if L.llama_decode(ctx, batch) != 0:
-            raise SystemExit("llama_decode failed")
-        pos += len(toks)
-        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, len(toks) - 1), shape=(n_vocab,))
-        out.append(int(logits.argmax()))
-        toks = [out[-1]]
-    L.llama_batch_free(batch)
-    L.llama_free(ctx)
-    return out
+llama = Llama(gguf)
 
 
 def generate(ids, precision, logprobs):
@@ -80,12 +45,12 @@ for _ in range(prompts):
     words = rng.choice(texts)
     n = rng.randint(40, 200)
     at = rng.randint(0, len(words) - n)
-    ids = tokenize(" ".join(words[at:at + n]))
+    ids = llama.tokenize(" ".join(words[at:at + n]))
     exact = generate(ids, "exact", True)
     want = exact["output_ids"]
     margins = [s["top"][0][1] - s["top"][1][1] if len(s["top"]) > 1 else float("inf") for s in exact["logprobs"]]
     k = next((j for j, m in enumerate(margins) if m < 0.01), len(want))
-    for name, got in [("fast", generate(ids, "fast", False)["output_ids"]), ("llama.cpp", llama_greedy(ids, len(want)))]:
+    for name, got in [("fast", generate(ids, "fast", False)["output_ids"]), ("llama.cpp", llama.greedy(ids, len(want))[0])]:
         kk = min(k, len(got))
         same = next((j for j in range(kk) if got[j] != want[j]), kk)
         s = stats[name]

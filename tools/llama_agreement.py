@@ -10,48 +10,18 @@ with the extra arguments (e.g. `--precision fast`). The ids are compared up to l
 a margin under 0.01, where either answer is right. Prints one line per differing case, then a summary."""
 import json, subprocess, sys
 
-import llama_cpp as L
-import numpy as np
+from llama_greedy import Llama
 
 pdhost, gguf, ref = sys.argv[1:4]
 extra = sys.argv[4:]
 cases = json.load(open(ref))["cases"]
-
-L.llama_backend_init()
-model = L.llama_model_load_from_file(gguf.encode(), L.llama_model_default_params())
-n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-
-
-def llama_greedy(ids, n):
-    params = L.llama_context_default_params()
-    params.n_ctx = len(ids) + n + 8
-    params.n_batch = max(512, len(ids))
-    ctx = L.llama_init_from_model(model, params)
-    batch = L.llama_batch_init(len(ids), 0, 1)
-    out, margins, pos, toks = [], [], 0, list(ids)
-    for _ in range(n):
-        batch.n_tokens = len(toks)
-        for i, t in enumerate(toks):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, pos + i, 1, i == len(toks) - 1
-            batch.seq_id[i][0] = 0
-        if L.llama_decode(ctx, batch) != 0:
-            raise SystemExit("llama_decode failed")
-        pos += len(toks)
-        logits = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, len(toks) - 1), shape=(n_vocab,)).copy()
-        top2 = np.partition(logits, -2)[-2:]
-        best = int(logits.argmax())
-        out.append(best)
-        margins.append(float(top2.max() - top2.min()))
-        toks = [best]
-    L.llama_batch_free(batch)
-    L.llama_free(ctx)
-    return out, margins
+llama = Llama(gguf)
 
 
 agree, compared, matched = 0, 0, 0
 for c in cases:
     n = len(c["output_ids"])
-    want, margins = llama_greedy(c["prompt_ids"], n)
+    want, margins = llama.greedy(c["prompt_ids"], n)
     cmd = [pdhost, "generate", "--model", gguf, "--prompt-ids", ",".join(map(str, c["prompt_ids"])),
            "--max-tokens", str(n), "--producer", "local", "--json", *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, check=True)
