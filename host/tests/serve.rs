@@ -400,7 +400,8 @@ fn chat_completions_use_the_models_template_and_equal_generate() {
     let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
     assert_eq!(text, reference["text"].as_str().unwrap());
 
-    // A conversation the template refuses, and malformed messages: 400s naming `messages`.
+    // Malformed messages: 400s naming `messages` (SmolLM2's template refuses no conversation; a refusal's
+    // 400, through Gemma 3's, is `server::api`'s `a_template_refusal_is_quoted_whole`).
     for body in [
         r#"{"messages":[]}"#,
         r#"{"messages":[{"role":"user","content":"x"}],"n":3}"#,
