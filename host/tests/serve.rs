@@ -189,6 +189,20 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     let text = v["choices"][0]["text"].as_str().unwrap();
     assert!(full.starts_with(text) && !text.contains(stop), "{text:?} / {stop:?}");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // A stop string that the last token allowed completes: still a stop, not a length.
+    let tail = full
+        .char_indices()
+        .rev()
+        .map(|(i, _)| &full[i..])
+        .find(|t| !t.trim().is_empty() && full.find(*t) == Some(full.len() - t.len()))
+        .unwrap();
+    let (_, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 12, "temperature": 0, "stop": [tail]}).to_string(),
+    );
+    assert_eq!(v["choices"][0]["text"].as_str(), full.strip_suffix(tail), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{tail:?}: {v}");
 
     // Every bad input: 4xx, an error object naming what was expected and found, and still serving.
 
@@ -212,6 +226,7 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         (r#"{"prompt":"hi","max_tokens":0}"#, 400, "max_tokens: expected at least 1, found 0"),
         (r#"{"prompt":"hi","max_tokens":-3}"#, 400, "max_tokens: expected a positive integer, found -3"),
         (r#"{"prompt":"hi","n":2}"#, 400, "n: expected 1"),
+        (r#"{"prompt":"hi","n":-1}"#, 400, "n: expected a positive integer, found -1"),
         (r#"{"prompt":"hi","temperature":-1}"#, 400, "temperature: expected a number from 0"),
         (r#"{"prompt":"hi","top_p":2}"#, 400, "top_p: expected a number above 0 and at most 1, found 2"),
         // Penalties out of range, and fields the server does not implement turned on: refused, never
@@ -226,9 +241,18 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         assert_eq!(got, status, "{v}");
         let message = v["error"]["message"].as_str().unwrap_or_else(|| panic!("no error object: {v}"));
         assert!(message.contains(says), "{message}");
+        assert_eq!(v["error"]["param"].as_str(), says.split(':').next(), "{v}");
         assert!(v["error"]["type"].is_string(), "{v}");
         assert_eq!(get(&s, "/health").0, 200);
     }
+
+    // A path or a method no route serves: an error object too.
+    let (status, v) = get(&s, "/v1/embeddings");
+    assert_eq!(status, 404, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().ends_with("found /v1/embeddings"), "{v}");
+    let (status, v) = get(&s, "/v1/completions");
+    assert_eq!(status, 405, "{v}");
+    assert_eq!(v["error"]["message"], "method: expected POST for /v1/completions, found GET");
 
     // A body over the limit: refused from its Content-Length alone, before it is read (sent by hand, so
     // the client does not race the server's early answer while still writing).
@@ -248,12 +272,12 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(get(&s, "/health").0, 200);
 
     // Metrics count what happened.
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(4.0));
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(17.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(5.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(18.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
-    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(4.0));
-    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(4.0));
-    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(4.0));
+    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(5.0));
+    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(5.0));
+    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(5.0));
     assert_eq!(metric(&s, r#"pdhost_producer_starts_total{kind="start"}"#), Some(1.0));
     assert_eq!(metric(&s, "pdhost_requests_running"), Some(0.0));
 }
@@ -297,6 +321,32 @@ fn the_queue_refuses_past_its_size_and_a_client_that_leaves_cancels_its_request(
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="queue_full"}"#), Some(1.0));
     assert_eq!(metric(&s, r#"pdhost_kv_pages{group="0 (full attention)",state="used"}"#), Some(0.0));
     assert!(metric(&s, r#"pdhost_kv_pages{group="0 (full attention)",state="free"}"#).is_some_and(|f| f > 0.0));
+}
+
+/// A stream whose client leaves while it waits for a slot is cancelled before it runs (it used to be
+/// prefilled and decoded a token first: its leaving was seen only when that token could not be sent).
+#[test]
+fn a_stream_whose_client_leaves_while_queued_never_runs() {
+    let s = serve(&["--producer", "local", "--slots", "1"]);
+    let url = format!("{}/v1/completions", s.url);
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "stream": true});
+    let r = agent().post(&url).send_json(&long).unwrap();
+    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
+    assert!(lines.next().unwrap().unwrap().starts_with("data: "));
+    let queued = agent().post(&url).send_json(json!({"prompt": "Hi", "max_tokens": 5, "stream": true})).unwrap();
+    assert_eq!(queued.status().as_u16(), 200);
+    drop(queued);
+    // Then the long stream's client leaves too, and the slot comes free.
+    std::thread::sleep(Duration::from_millis(200));
+    drop(lines);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(&s, r#"pdhost_requests_total{outcome="cancelled"}"#) != Some(2.0) {
+        assert!(Instant::now() < deadline, "not both cancelled: {}", s.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let log = s.log.lock().unwrap();
+    assert!(log.contains("cancelled while queued id=2") || log.contains("cancelled during prefill id=2"), "{log}");
+    assert!(!log.contains("cancelled by its client id=2"), "{log}");
 }
 
 fn producers_of(pid: u32) -> Vec<u32> {
@@ -383,22 +433,32 @@ fn chat_completions_use_the_models_template_and_equal_generate() {
     assert_eq!(v["choices"][0]["message"]["role"], "assistant");
     assert_eq!(v["choices"][0]["message"]["content"], reference["text"]);
 
+    let chunks_of = |streamed: &Value| {
+        let r = agent().post(&format!("{}/v1/chat/completions", s.url)).send_json(streamed).unwrap();
+        let mut chunks = Vec::new();
+        for line in BufReader::new(r.into_body().into_reader()).lines() {
+            let line = line.unwrap();
+            match line.strip_prefix("data: ") {
+                Some("[DONE]") => break,
+                Some(data) => chunks.push(serde_json::from_str::<Value>(data).unwrap()),
+                None => {}
+            }
+        }
+        assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant", "{chunks:?}");
+        let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+        (chunks, text)
+    };
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
-    let r = agent().post(&format!("{}/v1/chat/completions", s.url)).send_json(&streamed).unwrap();
-    let mut chunks = Vec::new();
-    for line in BufReader::new(r.into_body().into_reader()).lines() {
-        let line = line.unwrap();
-        match line.strip_prefix("data: ") {
-            Some("[DONE]") => break,
-            Some(data) => chunks.push(serde_json::from_str::<Value>(data).unwrap()),
-            None => {}
-        }
-    }
-    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
-    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
-    let text: String = chunks.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    let (_, text) = chunks_of(&streamed);
     assert_eq!(text, reference["text"].as_str().unwrap());
+    // A stream that ends before any text (a stop string in its first token) still says its role.
+    let first = reference["text"].as_str().unwrap().chars().next().unwrap();
+    streamed["stop"] = json!(first.to_string());
+    let (chunks, text) = chunks_of(&streamed);
+    assert_eq!(text, "");
+    assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
 
     // Malformed messages: 400s naming `messages` (SmolLM2's template refuses no conversation; a refusal's
     // 400, through Gemma 3's, is `server::api`'s `a_template_refusal_is_quoted_whole`).
@@ -642,11 +702,11 @@ fn slots_interleave_streams_and_each_equals_generate_alone_sampled_or_greedy() {
     assert!(ended(2) < ended(1), "{log}");
 }
 
-/// A stream still open when the drain timeout passes does not keep the server up: it exits 0, its producer
-/// gone with it.
+/// While a drain waits for a stream, new requests hear 503 (not a refused connection); a stream still
+/// open when the drain timeout passes does not keep the server up: it exits 0, its producer gone with it.
 #[test]
 fn the_drain_timeout_ends_a_stream_that_outlives_it() {
-    let mut s = serve(&["--producer", "rngd", "--drain-timeout", "1"]);
+    let mut s = serve(&["--producer", "rngd", "--drain-timeout", "3"]);
     let long = json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true});
     let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&long).unwrap();
     let mut lines = BufReader::new(r.into_body().into_reader()).lines();
@@ -655,6 +715,14 @@ fn the_drain_timeout_ends_a_stream_that_outlives_it() {
     let kids = producers_of(pid);
     // SAFETY: signals the child this test started.
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while get(&s, "/health").0 != 503 {
+        assert!(Instant::now() < deadline, "still healthy 2 s after SIGTERM");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(json!({"prompt": "Hi"})).unwrap();
+    assert_eq!(r.status().as_u16(), 503);
+    assert_eq!(r.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         if let Some(status) = s.child.try_wait().unwrap() {

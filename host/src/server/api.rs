@@ -157,7 +157,7 @@ fn logit_bias(m: &Map<String, Value>) -> Result<Vec<(u64, f64)>, ApiError> {
 fn completion_logprobs(m: &Map<String, Value>) -> Result<Option<(Field, u64)>, ApiError> {
     match m.get("logprobs") {
         None | Some(Value::Null | Value::Bool(false)) => Ok(None),
-        Some(_) => Ok(opt_u64(m, "logprobs", Field::Logprobs)?.map(|n| (Field::Logprobs, n))),
+        Some(_) => Ok(opt_u64(m, "logprobs")?.map(|n| (Field::Logprobs, n))),
     }
 }
 
@@ -165,7 +165,7 @@ fn completion_logprobs(m: &Map<String, Value>) -> Result<Option<(Field, u64)>, A
 /// for `logprobs`).
 fn chat_logprobs(m: &Map<String, Value>) -> Result<Option<(Field, u64)>, ApiError> {
     let on = opt_bool(m, "logprobs")?;
-    let top = opt_u64(m, "top_logprobs", Field::TopLogprobs)?;
+    let top = opt_u64(m, "top_logprobs")?;
     match (on, top) {
         (false, Some(n)) if n > 0 => Err(ApiError::invalid("top_logprobs", "0 or null unless \"logprobs\" is true", n)),
         (false, _) => Ok(None),
@@ -234,11 +234,11 @@ fn obj(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn opt_u64(m: &Map<String, Value>, key: &'static str, field: Field) -> Result<Option<u64>, ApiError> {
+fn opt_u64(m: &Map<String, Value>, key: &'static str) -> Result<Option<u64>, ApiError> {
     match m.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) if n.as_u64().is_some() => Ok(n.as_u64()),
-        Some(Value::Number(n)) if n.as_i64().is_some() => Err(Invalid::new(field, "a positive integer", n).into()),
+        Some(Value::Number(n)) if n.as_i64().is_some() => Err(ApiError::invalid(key, "a positive integer", n)),
         Some(v) => Err(ApiError::invalid(key, "an integer", kind(v))),
     }
 }
@@ -369,7 +369,7 @@ impl Completion {
             None => Self::prompt(&m)?,
         };
         refuse_unsupported(&m)?;
-        if let Some(n) = opt_u64(&m, "n", Field::MaxTokens)? {
+        if let Some(n) = opt_u64(&m, "n")? {
             if n != 1 {
                 return Err(ApiError::invalid("n", "1 (one completion per request)", n));
             }
@@ -401,7 +401,7 @@ impl Completion {
         let raw = RawRequest {
             prompt: Vec::new(),
             prompt_field: Some(Field::Prompt),
-            max_tokens: opt_u64(&m, "max_tokens", Field::MaxTokens)?.unwrap_or(DEFAULT_MAX_TOKENS),
+            max_tokens: opt_u64(&m, "max_tokens")?.unwrap_or(DEFAULT_MAX_TOKENS),
             min_max_tokens: 1,
             // OpenAI's defaults: temperature 1, top_p 1.
             temperature: Some(opt_f64(&m, "temperature")?.unwrap_or(1.0)),

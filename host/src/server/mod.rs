@@ -14,7 +14,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -70,10 +70,29 @@ struct App {
     config: ServeConfig,
     tokenizer: Arc<Tokenizer>,
     jobs: crossbeam_channel::Sender<Job>,
-    ready: Arc<AtomicBool>,
+    engine: Arc<worker::EngineState>,
     draining: AtomicBool,
+    /// Completion requests being answered ([`InFlight`]).
+    in_flight: AtomicUsize,
     next_id: AtomicU64,
     metrics: metrics::Metrics,
+}
+
+/// A completion request being answered, from its acceptance to its last byte (a stream's task holds it).
+/// A drain closes the listener only once none is left, so that meanwhile new requests hear 503.
+struct InFlight(Arc<App>);
+
+impl InFlight {
+    fn new(app: &Arc<App>) -> InFlight {
+        app.in_flight.fetch_add(1, Ordering::AcqRel);
+        InFlight(Arc::clone(app))
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl App {
@@ -95,14 +114,16 @@ impl App {
     }
 
     fn unavailable(&self) -> Option<ApiError> {
-        let why = if self.draining.load(Ordering::Acquire) {
-            "the server is shutting down"
-        } else if !self.ready.load(Ordering::Acquire) {
-            "the model is still loading"
+        let (code, why) = if self.draining.load(Ordering::Acquire) {
+            ("unavailable", "the server is shutting down")
+        } else if self.engine.gone() {
+            ("engine_stopped", "the engine has stopped; restart the server")
+        } else if !self.engine.serving() {
+            ("unavailable", "the model is still loading")
         } else {
             return None;
         };
-        let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "unavailable", why);
+        let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", code, why);
         e.retry_after = Some(1);
         Some(e)
     }
@@ -128,14 +149,14 @@ impl Server {
     ) -> std::io::Result<Server> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
         let (jobs, queue) = crossbeam_channel::bounded(config.queue);
-        let ready = Arc::new(AtomicBool::new(false));
+        let engine = Arc::new(worker::EngineState::default());
         let metrics = metrics::Metrics::new();
         let stop = Arc::new(AtomicBool::new(false));
         let worker = worker::spawn(
             start,
             queue,
             Arc::clone(&tokenizer),
-            Arc::clone(&ready),
+            Arc::clone(&engine),
             metrics.clone(),
             Arc::clone(&stop),
         )?;
@@ -143,8 +164,9 @@ impl Server {
             config,
             tokenizer,
             jobs,
-            ready,
+            engine,
             draining: AtomicBool::new(false),
+            in_flight: AtomicUsize::new(0),
             next_id: AtomicU64::new(1),
             metrics,
         });
@@ -158,8 +180,8 @@ impl Server {
 
     /// Waits until the engine thread has loaded everything (or died trying).
     pub async fn ready(&self) -> bool {
-        while !self.app.ready.load(Ordering::Acquire) {
-            if self.worker.is_finished() {
+        while !self.app.engine.serving() {
+            if self.app.engine.gone() || self.worker.is_finished() {
                 return false;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -177,6 +199,8 @@ impl Server {
             .route("/v1/models", get(models))
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
+            .fallback(no_route)
+            .method_not_allowed_fallback(wrong_method)
             .layer(DefaultBodyLimit::max(MAX_BODY))
             .with_state(Arc::clone(&app));
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -190,8 +214,16 @@ impl Server {
             }
         };
         let mut stop_wait = stop_rx.clone();
-        let graceful = async move {
-            let _ = stop_wait.wait_for(|s| *s).await;
+        let graceful = {
+            let app = Arc::clone(&app);
+            async move {
+                let _ = stop_wait.wait_for(|s| *s).await;
+                // The listener stays open while requests are in flight, so that new ones hear 503
+                // rather than a refused connection; then it closes, and idle connections with it.
+                while app.in_flight.load(Ordering::Acquire) > 0 {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
         };
         let serve = axum::serve(listener, router).with_graceful_shutdown(graceful);
         let drain = app.config.drain_timeout;
@@ -213,6 +245,30 @@ impl Server {
         let _ = tokio::task::spawn_blocking(move || worker.join()).await;
         Ok(())
     }
+}
+
+/// A path no route serves: 404, in an error object as every other refusal.
+async fn no_route(uri: axum::http::Uri) -> Response {
+    let found = request::shorten(uri.path());
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "not_found",
+        format!("path: expected /health, /metrics, /v1/models, /v1/completions or /v1/chat/completions, found {found}"),
+    )
+    .into_response()
+}
+
+/// A route asked with a method it does not take: 405, in an error object.
+async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let expected = if uri.path().starts_with("/v1/") && uri.path().contains("completions") { "POST" } else { "GET" };
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "invalid_request_error",
+        "method_not_allowed",
+        format!("method: expected {expected} for {}, found {method}", uri.path()),
+    )
+    .into_response()
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
@@ -362,6 +418,7 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     if let Some(e) = app.unavailable() {
         return Err(e);
     }
+    let in_flight = InFlight::new(&app);
     let too_large = |found: String| ApiError {
         status: StatusCode::PAYLOAD_TOO_LARGE,
         ..ApiError::invalid("body", format_args!("at most {} MiB of JSON", MAX_BODY >> 20), found)
@@ -475,34 +532,46 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         ));
     }
     // Streaming: a task turns engine events into SSE chunks. When the client goes away, the SSE stream
-    // and its channel are dropped, the task's send fails, it drops `rx`, and the engine stops.
+    // and its channel are dropped; the task sees that at once (queued or prefilling, with nothing sent
+    // yet, as well as mid-stream), drops `rx`, and the engine cancels the request.
     let (sse_tx, sse_rx) = tokio::sync::mpsc::channel::<Result<SseEvent, Infallible>>(64);
     let include_usage = c.include_usage;
     tokio::spawn(async move {
+        let _in_flight = in_flight;
+        // Whether no text was sent yet (a chat stream's first chunk says the role).
         let (mut first, mut offset) = (true, 0);
-        let mut chunk = |text: &str, lps: &[TokenLogprob], usage: Option<Value>| {
+        let mut chunk = |text: &str, first: bool, lps: &[TokenLogprob], usage: Option<Value>| {
             let logprobs = if wants_logprobs { endpoint.logprobs(&tokenizer, lps, &mut offset) } else { Value::Null };
             let mut v = json!({"id": cmpl, "object": endpoint.object(true), "created": created, "model": model,
                                "choices": [endpoint.delta(text, first, None, logprobs)]});
-            first = false;
             if let Some(u) = usage {
                 v["choices"] = json!([]);
                 v["usage"] = u;
             }
             SseEvent::default().data(v.to_string())
         };
-        while let Some(event) = rx.recv().await {
+        loop {
+            let event = tokio::select! {
+                event = rx.recv() => event,
+                () = sse_tx.closed() => None,
+            };
+            let Some(event) = event else { break };
             let sent = match event {
-                Event::Text(t, lps) => sse_tx.send(Ok(chunk(&t, &lps, None))).await,
+                Event::Text(t, lps) => sse_tx.send(Ok(chunk(&t, std::mem::take(&mut first), &lps, None))).await,
                 Event::Done(done) => {
+                    if first && endpoint == Endpoint::Chat {
+                        // No text came (EOS or a stop string first): the role is still said once.
+                        let _ = sse_tx.send(Ok(chunk("", true, &[], None))).await;
+                    }
                     let mut last = json!({"id": cmpl, "object": endpoint.object(true), "created": created,
                         "model": model, "choices": [endpoint.delta("", false, Some(done.finish), Value::Null)]});
                     last["pdhost"] = done.pdhost;
                     let last = SseEvent::default().data(last.to_string());
                     let _ = sse_tx.send(Ok(last)).await;
                     if include_usage {
-                        let _ =
-                            sse_tx.send(Ok(chunk("", &[], Some(usage(prompt_tokens, done.completion_tokens))))).await;
+                        let _ = sse_tx
+                            .send(Ok(chunk("", false, &[], Some(usage(prompt_tokens, done.completion_tokens)))))
+                            .await;
                     }
                     let _ = sse_tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
                     break;

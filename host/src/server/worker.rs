@@ -4,7 +4,7 @@
 //! text back as it is generated.
 
 use std::ops::ControlFlow;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -79,17 +79,53 @@ pub struct Done {
     pub pdhost: Value,
 }
 
-/// Starts the engine thread. It runs `start`, sets `ready`, then serves `queue` until every sender is
-/// gone or `stop` is set.
+/// Where the engine thread is: loading, serving, or gone (returned, or panicked).
+#[derive(Debug)]
+pub struct EngineState(AtomicU8);
+
+impl Default for EngineState {
+    fn default() -> Self {
+        EngineState(AtomicU8::new(Self::LOADING))
+    }
+}
+
+impl EngineState {
+    const LOADING: u8 = 0;
+    const SERVING: u8 = 1;
+    const GONE: u8 = 2;
+
+    /// It serves requests.
+    pub fn serving(&self) -> bool {
+        self.0.load(Ordering::Acquire) == Self::SERVING
+    }
+
+    /// It has ended: nothing will answer a request any more.
+    pub fn gone(&self) -> bool {
+        self.0.load(Ordering::Acquire) == Self::GONE
+    }
+}
+
+/// Marks the engine gone when the thread ends, however it ends (a panic unwinds through it).
+struct Gone(Arc<EngineState>);
+
+impl Drop for Gone {
+    fn drop(&mut self) {
+        self.0 .0.store(EngineState::GONE, Ordering::Release);
+    }
+}
+
+/// Starts the engine thread. It runs `start`, says it is serving in `state`, then serves `queue` until
+/// every sender is gone or `stop` is set.
 pub fn spawn(
     start: Start,
     queue: crossbeam_channel::Receiver<Job>,
     tokenizer: Arc<Tokenizer>,
-    ready: Arc<AtomicBool>,
+    state: Arc<EngineState>,
     metrics: Metrics,
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("pdhost-engine".into()).spawn(move || {
+        let _gone = Gone(Arc::clone(&state));
         let mut loaded = match start() {
             Ok(loaded) => loaded,
             Err(e) => {
@@ -118,7 +154,7 @@ pub fn spawn(
             }
         };
         metrics.kv_usage(&loaded.engine.kv.usage());
-        ready.store(true, Ordering::Release);
+        state.0.store(EngineState::SERVING, Ordering::Release);
         (std::mem::replace(&mut loaded.on_ready, Box::new(|| {})))();
         let mut scheduler =
             Scheduler { loaded: &mut loaded, pool: &mut pool, remote, tokenizer: &tokenizer, metrics: &metrics };
@@ -201,7 +237,9 @@ impl<'t> Scheduler<'_, 't> {
             if !live.is_empty() {
                 continue;
             }
-            if admitting.iter().any(|a| !a.in_flight) {
+            // A local chunk to run goes on at once; a remote prefill waiting for a busy producer waits
+            // below, for the reply that frees one (going round instead spun a core the producers need).
+            if admitting.iter().any(|a| !a.in_flight && !a.prefill.is_remote()) {
                 continue;
             }
             if !queue_open && admitting.is_empty() && arrived.is_empty() {
@@ -486,7 +524,10 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
     if !rest.is_empty() || !logprobs.is_empty() {
         let _ = events.send(Event::Text(rest, logprobs));
     }
+    // A stop string completed by the last token allowed is still a stop (the engine, which does not see
+    // stop strings, says length).
     let finish = match gen.finish {
+        _ if stopped_by_string => "stop",
         Finish::Length => "length",
         Finish::Eos | Finish::Stopped => "stop",
     };
