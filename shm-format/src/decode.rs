@@ -141,6 +141,15 @@ pub fn validate_manifest(m: &Manifest, payload_len: u64) -> Result<(), SpanError
                 payload_len,
             });
         }
+        if e.offset % esize != 0 {
+            return Err(SpanError::MisalignedEntry {
+                layer: e.layer,
+                kind: e.kind,
+                dtype: m.dtype.name(),
+                size: esize,
+                offset: e.offset,
+            });
+        }
     }
 
     // 3. Every layer of the layout carries all it must.

@@ -296,6 +296,20 @@ pub enum SpanError {
         /// Payload length.
         payload_len: u64,
     },
+    /// An entry that does not start on a whole element: its values would straddle the dtype's boundaries.
+    #[error("layer {layer} {kind}: expected an offset that is a multiple of {dtype}'s {size} bytes, found {offset}")]
+    MisalignedEntry {
+        /// Layer.
+        layer: u32,
+        /// Kind.
+        kind: EntryKind,
+        /// Dtype name.
+        dtype: &'static str,
+        /// The dtype's size in bytes.
+        size: u64,
+        /// The entry's offset.
+        offset: u64,
+    },
     /// Two entries share bytes.
     #[error("entries overlap: expected disjoint byte ranges, found layer {first_layer} {first_kind} ends at {first_end}, layer {second_layer} {second_kind} starts at {second_start}")]
     EntryOverlap {
@@ -408,6 +422,7 @@ pub const ALL_KINDS: &[&str] = &[
     "zero_dimension",
     "shape_len_mismatch",
     "entry_out_of_bounds",
+    "misaligned_entry",
     "entry_overlap",
     "dense_entry_misplaced",
     "dense_payload_len",
@@ -453,6 +468,7 @@ impl SpanError {
             SpanError::ZeroDimension { .. } => "zero_dimension",
             SpanError::ShapeLenMismatch { .. } => "shape_len_mismatch",
             SpanError::EntryOutOfBounds { .. } => "entry_out_of_bounds",
+            SpanError::MisalignedEntry { .. } => "misaligned_entry",
             SpanError::EntryOverlap { .. } => "entry_overlap",
             SpanError::DenseEntryMisplaced { .. } => "dense_entry_misplaced",
             SpanError::DensePayloadLen { .. } => "dense_payload_len",

@@ -240,6 +240,14 @@ pub fn fixtures() -> Vec<Fixture> {
             Some("entry_out_of_bounds"),
         ),
         (
+            "entry-misaligned",
+            frame_with_payload(
+                &with(&grouped, |m| m.entries.last_mut().expect("entries").offset += 1),
+                &pattern(grouped.payload_len() + 1, 1),
+            ),
+            Some("misaligned_entry"),
+        ),
+        (
             "entries-overlap",
             frame_with_payload(&with(&grouped, |m| m.entries[1].offset = 8), &pattern(grouped.payload_len(), 1)),
             Some("entry_overlap"),

@@ -53,6 +53,14 @@ pub enum IngestError {
         /// The span's start.
         found: u64,
     },
+    /// The span does not end where the request asked its producer to prefill to.
+    #[error("token range end: expected {expected} (the prefilled chunk's end), found {found}")]
+    TokenEndMismatch {
+        /// The chunk's end.
+        expected: u64,
+        /// The span's end.
+        found: u64,
+    },
     /// A dense span over a different number of layers.
     #[error("dense span layer count: expected the receiver's {expected} layers, found {found}")]
     LayerCountMismatch {
@@ -161,6 +169,7 @@ impl IngestError {
             IngestError::FingerprintMismatch { .. } => "fingerprint_mismatch",
             IngestError::RequestMismatch { .. } => "request_mismatch",
             IngestError::TokenOffsetMismatch { .. } => "token_offset_mismatch",
+            IngestError::TokenEndMismatch { .. } => "token_end_mismatch",
             IngestError::LayerCountMismatch { .. } => "layer_count_mismatch",
             IngestError::UnexpectedLayer { .. } => "unexpected_layer",
             IngestError::GroupKindMismatch { .. } => "group_kind_mismatch",
@@ -212,7 +221,17 @@ impl PagedKv {
     /// Validates `manifest` (already structurally valid: decoded by `shm_format`) against this cache and
     /// the sequence, then reserves its pages. On error nothing has changed.
     pub fn prepare(&mut self, seq: SeqId, manifest: &Manifest) -> Result<Staged, IngestError> {
-        let (needed, keep_from) = self.validate(seq, manifest)?;
+        self.stage(seq, manifest, None)
+    }
+
+    /// [`PagedKv::prepare`] of a span that must also end at position `end`: what the host asked a
+    /// producer for (a span that stops short would leave the prompt's tail unfilled).
+    pub fn prepare_ending(&mut self, seq: SeqId, manifest: &Manifest, end: u64) -> Result<Staged, IngestError> {
+        self.stage(seq, manifest, Some(end))
+    }
+
+    fn stage(&mut self, seq: SeqId, manifest: &Manifest, end: Option<u64>) -> Result<Staged, IngestError> {
+        let (needed, keep_from) = self.validate(seq, manifest, end)?;
         // Every check passed: from here on nothing can fail.
         let mut groups = Vec::with_capacity(self.groups.len());
         for (gi, &(first_new, count)) in needed.iter().enumerate() {
@@ -257,7 +276,7 @@ impl PagedKv {
     /// Every check, in order; returns per group `(first new logical page, pages needed)` and the first
     /// position each group keeps.
     #[allow(clippy::type_complexity)]
-    fn validate(&self, seq: SeqId, m: &Manifest) -> Result<(Vec<(u64, u32)>, Vec<u64>), IngestError> {
+    fn validate(&self, seq: SeqId, m: &Manifest, end: Option<u64>) -> Result<(Vec<(u64, u32)>, Vec<u64>), IngestError> {
         let s = self.seqs.get(&seq).ok_or(IngestError::UnknownSequence { seq })?;
         if m.fingerprint != self.fingerprint {
             return Err(IngestError::FingerprintMismatch { expected: self.fingerprint, found: m.fingerprint });
@@ -267,6 +286,9 @@ impl PagedKv {
         }
         if m.token_start != s.len {
             return Err(IngestError::TokenOffsetMismatch { expected: s.len, found: m.token_start });
+        }
+        if let Some(expected) = end.filter(|&e| e != m.token_end) {
+            return Err(IngestError::TokenEndMismatch { expected, found: m.token_end });
         }
 
         // The layer set, by model layer id.
@@ -453,6 +475,8 @@ pub struct IntoSequence<'a> {
     pub kv: &'a mut PagedKv,
     /// The sequence.
     pub seq: SeqId,
+    /// Where the span must end: the end of the chunk its producer was asked for.
+    pub end: u64,
 }
 
 impl SpanSink for IntoSequence<'_> {
@@ -460,7 +484,7 @@ impl SpanSink for IntoSequence<'_> {
     type Error = IngestError;
 
     fn prepare(&mut self, _: &shm_format::HeaderInfo, manifest: &Manifest) -> Result<Staged, IngestError> {
-        self.kv.prepare(self.seq, manifest)
+        self.kv.prepare_ending(self.seq, manifest, self.end)
     }
     fn write(&mut self, staged: &mut Staged, offset: u64, bytes: &[u8]) {
         self.kv.write_staged(staged, offset, bytes)

@@ -139,6 +139,8 @@ impl SpanTimes {
 pub struct Pending {
     /// The request it answers.
     pub request_id: u64,
+    /// Where its span must end: the asked chunk's start and its tokens.
+    end: u64,
     sequence: u64,
     backend_ns: u64,
     frame_ns: u64,
@@ -646,6 +648,7 @@ impl Producer {
 
     fn request(&mut self, call: &PrefillCall, started: Instant) -> Result<Pending, ProducerError> {
         let request_id = call.request_id;
+        let end = call.start_pos + call.tokens.len() as u64;
         let name = self.spec.name.clone();
         let deadline = started + self.spec.request_timeout;
         let mut running = self.running.take().expect("ensured");
@@ -658,7 +661,7 @@ impl Producer {
             let reply = self.receive(&mut running, deadline, "awaiting a prefill")?;
             match reply {
                 FromProducer::Done { request_id: r, sequence, backend_ns, frame_ns } if r == request_id => {
-                    Ok(Pending { request_id, sequence, backend_ns, frame_ns, started })
+                    Ok(Pending { request_id, end, sequence, backend_ns, frame_ns, started })
                 }
                 FromProducer::Unwritten { request_id: r, message } if r == request_id => {
                     Err(ProducerError::Unwritten { name: name.clone(), message })
@@ -705,7 +708,7 @@ impl Producer {
         }
         let t = Instant::now();
         let before = kv.seq_len(seq).unwrap_or(0);
-        let taken = running.ring.take_into(&mut IntoSequence { kv, seq });
+        let taken = running.ring.take_into(&mut IntoSequence { kv, seq, end: pending.end });
         let take = t.elapsed();
         match taken {
             Ok(Some(())) => {}

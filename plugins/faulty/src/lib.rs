@@ -62,6 +62,7 @@ pub const MODES: &[&str] = &[
     "wrong_shape",
     "wrong_dtype",
     "wrong_token_range",
+    "short_span",
     "wrong_fingerprint",
     "truncated_payload",
     "bad_checksum",
@@ -329,6 +330,15 @@ impl Faulty {
 
     /// Writes a whole frame that is wrong in the way `mode` names.
     fn malformed(&mut self, mode: &str, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
+        // `short_span`: a well-formed span of all but the chunk's last token, as if it were never prefilled.
+        let short;
+        let request = match request.tokens {
+            [head @ .., _] if mode == "short_span" && !head.is_empty() => {
+                short = Prefill { tokens: head, ..*request };
+                &short
+            }
+            _ => request,
+        };
         self.inner.compute(request)?;
         let mut manifest = self.inner.manifest(request);
         let mut payload = self.inner.payload(&manifest);
@@ -397,7 +407,7 @@ impl Faulty {
                 e.offset = u64::MAX - 7;
             }
             "write_outside_slot" => declared_payload = Some(frame.buf.len() as u64),
-            "bad_checksum" | "double_fetch" => {}
+            "bad_checksum" | "double_fetch" | "short_span" => {}
             other => unreachable!("mode {other} is handled before"),
         }
         let declared = declared_payload.unwrap_or(payload.len() as u64);

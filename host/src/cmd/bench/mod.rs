@@ -345,7 +345,7 @@ fn ingest(args: &IngestBenchArgs) -> anyhow::Result<ExitCode> {
 
                         let t = Instant::now();
                         b.reader
-                            .take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1) })
+                            .take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1), end: manifest.token_end })
                             .map_err(|e| anyhow::anyhow!("{e}"))?
                             .context("span committed")?;
                         ingest_t.push(t.elapsed());
