@@ -15,7 +15,7 @@
 //!
 //! Protocol per slot, generations counting from 1: the host stores `grant = g` (Release). The producer,
 //! seeing `grant == g > commit` (Acquire), writes the frame with `slot_generation = g`, then stores
-//! `commit = g` (Release) and signals the host's eventfd. The host, seeing `commit == g` (Acquire), copies
+//! `commit = g` (Release) and rings the host's doorbell. The host, seeing `commit == g` (Acquire), copies
 //! the frame out, validates it, re-checks `commit == g`, and only then stores `grant = g + 1`, which hands
 //! the slot back. Frame `n` of an epoch uses slot `n % slot_count`.
 

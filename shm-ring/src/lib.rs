@@ -1,4 +1,4 @@
-//! The shared-memory ring of pdhost: sealed memfd segments, eventfd doorbells, and both ends of the slot
+//! The shared-memory ring of pdhost: sealed memfd segments, pipe doorbells, and both ends of the slot
 //! protocol laid out by [`shm_format::ring`].
 //!
 //! The host end is [`RingReader`]: it creates every segment, reads each shared header word once into a

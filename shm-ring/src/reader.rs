@@ -148,6 +148,9 @@ pub struct RingReader<C: Segment, D: Segment> {
     from_peer: Doorbell,
     /// Rung by the host after a release.
     to_peer: Doorbell,
+    /// The producer's ends of the two doorbells (the one it rings, the one it waits on), held to hand
+    /// over ([`RingReader::peer_fds`]); `None` for a ring whose peer is in this process.
+    peer_bells: Option<[Doorbell; 2]>,
     poisoned: bool,
 }
 
@@ -160,9 +163,11 @@ pub fn create_ring(name: &str, geometry: RingGeometry, epoch: u64) -> Result<Hos
     let control = MemfdSegment::create(&format!("{name}.control"), geometry.control_len() as usize, Writer::Host)?;
     let data = MemfdSegment::create(&format!("{name}.data"), geometry.data_len() as usize, Writer::Peer)?;
     let bell =
-        |name: &str| Doorbell::new().map_err(|source| SegmentError::Os { op: "eventfd", name: name.into(), source });
-    let (from_peer, to_peer) = (bell("from_peer")?, bell("to_peer")?);
-    Ok(RingReader::new(control, data, geometry, epoch, from_peer, to_peer))
+        |name: &str| Doorbell::pair().map_err(|source| SegmentError::Os { op: "pipe", name: name.into(), source });
+    let ((peer_rings, from_peer), (to_peer, peer_waits)) = (bell("from_peer")?, bell("to_peer")?);
+    let mut reader = RingReader::new(control, data, geometry, epoch, from_peer, to_peer);
+    reader.peer_bells = Some([peer_rings, peer_waits]);
+    Ok(reader)
 }
 
 impl<C: Segment, D: Segment> RingReader<C, D> {
@@ -191,6 +196,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
             next_sequence: 0,
             from_peer,
             to_peer,
+            peer_bells: None,
             poisoned: false,
         };
         for slot in 0..geometry.slot_count() {
@@ -214,16 +220,6 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         self.next_sequence
     }
 
-    /// The doorbell the producer rings.
-    pub fn from_peer(&self) -> &Doorbell {
-        &self.from_peer
-    }
-
-    /// The doorbell the host rings.
-    pub fn to_peer(&self) -> &Doorbell {
-        &self.to_peer
-    }
-
     fn grant_word(&self, slot: u32) -> SharedWord<'_, C> {
         SharedWord::new(&self.control, self.geometry.grant_offset(slot) as usize)
     }
@@ -244,7 +240,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
             }
             match wait(&self.from_peer, watch, deadline)? {
                 Woken::Rang => {}
-                Woken::Other => {
+                Woken::Other | Woken::Closed => {
                     // The producer may have committed just before it exited: take what is there.
                     if self.poll_next()? {
                         return self.try_take().map(|span| span.expect("committed frame"));
@@ -482,13 +478,18 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
     }
 
     /// The descriptors a producer needs, in the order [`crate::RingWriter::open`] takes them:
-    /// control, data, the doorbell it rings, the doorbell it waits on.
+    /// control, data, the doorbell end it rings, the doorbell end it waits on.
+    ///
+    /// # Panics
+    ///
+    /// For a ring not made by [`create_ring`] (whose peer ends are in this process already).
     pub fn peer_fds(&self) -> [BorrowedFd<'_>; 4]
     where
         C: AsFdSegment,
         D: AsFdSegment,
     {
-        [self.control.segment_fd(), self.data.segment_fd(), self.from_peer.fd(), self.to_peer.fd()]
+        let [rings, waits] = self.peer_bells.as_ref().expect("a ring made by create_ring");
+        [self.control.segment_fd(), self.data.segment_fd(), rings.fd(), waits.fd()]
     }
 }
 

@@ -35,10 +35,11 @@ impl HeapRing {
     }
 
     fn ends(&self, epoch: u64) -> (RingReader<HeapView<'_>, HeapView<'_>>, RingWriter<HeapView<'_>, HeapView<'_>>) {
-        let (up, down) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
-        let (up2, down2) = (up.try_clone().unwrap(), down.try_clone().unwrap());
-        let reader = RingReader::new(self.control.view(true), self.data.view(false), self.geometry, epoch, up, down);
-        let writer = RingWriter::new(self.control.view(false), self.data.view(true), self.geometry, epoch, up2, down2);
+        let ((up_ring, up_wait), (down_ring, down_wait)) = (Doorbell::pair().unwrap(), Doorbell::pair().unwrap());
+        let reader =
+            RingReader::new(self.control.view(true), self.data.view(false), self.geometry, epoch, up_wait, down_ring);
+        let writer =
+            RingWriter::new(self.control.view(false), self.data.view(true), self.geometry, epoch, up_ring, down_wait);
         (reader, writer)
     }
 }
@@ -184,16 +185,15 @@ unsafe impl Segment for Tamper<'_> {
 fn tampered(act: impl Fn(&HeapView<'_>, &RingGeometry) + 'static) -> String {
     let ring = HeapRing::new(1, 64 << 10);
     let geometry = ring.geometry;
-    let (up, down) = (Doorbell::new().unwrap(), Doorbell::new().unwrap());
-    let (up2, down2) = (up.try_clone().unwrap(), down.try_clone().unwrap());
+    let ((up_ring, up_wait), (down_ring, down_wait)) = (Doorbell::pair().unwrap(), Doorbell::pair().unwrap());
     let data = Tamper {
         inner: ring.data.view(false),
         writable: ring.data.view(true),
         copies: Cell::new(0),
         act: Box::new(move |v: &HeapView<'_>| act(v, &geometry)),
     };
-    let mut reader = RingReader::new(ring.control.view(true), data, geometry, 1, up, down);
-    let mut writer = RingWriter::new(ring.control.view(false), ring.data.view(true), geometry, 1, up2, down2);
+    let mut reader = RingReader::new(ring.control.view(true), data, geometry, 1, up_wait, down_ring);
+    let mut writer = RingWriter::new(ring.control.view(false), ring.data.view(true), geometry, 1, up_ring, down_wait);
     let m = manifest(1, 0, 2);
     writer.write_span(&m, soon(), |p| p.fill(3)).unwrap();
     let verdict = reader.try_take().map(|_| ()).unwrap_err().kind().to_string();

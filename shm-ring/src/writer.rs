@@ -66,7 +66,7 @@ impl RingWriter<MemfdSegment, MemfdSegment> {
         let header = ControlHeader::read_from_bytes(&header).expect("64 bytes");
         let (geometry, epoch) = RingGeometry::from_control(&header)?;
         let data = MemfdSegment::open("data", data_fd, geometry.data_len(), true)?;
-        Ok(Self::new(control, data, geometry, epoch, Doorbell::from_fd(to_host), Doorbell::from_fd(from_host)))
+        Ok(Self::new(control, data, geometry, epoch, Doorbell::from_fd(to_host)?, Doorbell::from_fd(from_host)?))
     }
 }
 
@@ -124,8 +124,10 @@ impl<C: Segment, D: Segment> RingWriter<C, D> {
             if let Some(g) = protocol::producer_grant(&grant, last_commit) {
                 break g;
             }
-            if wait(&self.from_host, None, deadline)? == Woken::TimedOut {
-                return Err(WriteError::Timeout { slot, last_commit });
+            match wait(&self.from_host, None, deadline)? {
+                Woken::Rang | Woken::Other => {}
+                // The host is gone: no grant will come, so do not spin until the deadline.
+                Woken::TimedOut | Woken::Closed => return Err(WriteError::Timeout { slot, last_commit }),
             }
         };
         Ok(SlotWriter { ring: self, slot, generation })
