@@ -155,6 +155,28 @@ fn producers_run_with_no_new_privs() {
     assert!(maps.contains("libpdhost_backend_rngd.so"), "the producer loaded its backend");
 }
 
+/// A descriptor the host holds inheritable when a producer starts (another producer's ring, duplicated
+/// for a spawn on another thread) does not reach the producer: it closes all it was not given.
+#[test]
+fn a_producer_holds_no_descriptor_it_was_not_given() {
+    let _serial = serial();
+    let e = engine(&gemma(), Dtype::Bf16);
+    // SAFETY: dup of this process's stdin; the copy has no FD_CLOEXEC, so a spawn inherits it.
+    let stray = unsafe { libc::dup(0) };
+    assert!(stray > 2);
+    let mut p =
+        producer(&e, builtin("rngd"), config(&gemma(), Dtype::Bf16, serde_json::json!({})), Duration::from_secs(30));
+    p.start().unwrap();
+    let held: Vec<i32> = std::fs::read_dir(format!("/proc/{}/fd", p.pid().unwrap()))
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect();
+    // SAFETY: closes the duplicate made above.
+    unsafe { libc::close(stray) };
+    assert!(!held.contains(&stray), "the producer holds the host's stray descriptor {stray}: {held:?}");
+}
+
 #[test]
 fn restarts_back_off_and_stop_at_the_cap() {
     let _serial = serial();

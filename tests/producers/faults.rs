@@ -20,7 +20,7 @@ fn expected(mode: &str, dense: bool) -> Option<&'static [&'static str]> {
         m if m.starts_with("kill_") || m.starts_with("abort_") || m.starts_with("segv_") || m == "exit_mid" => {
             &["producer_exited"]
         }
-        "hang" | "slow" => &["timeout"],
+        "hang" | "slow" | "dribble_reply" => &["timeout"],
         "panic" => &["backend_panic"],
         "fork_daemon" | "signal_host" | "exec" | "connect" => &["sandbox_violation"],
         // The sandbox refuses the open with EACCES; the backend reports it.
@@ -201,6 +201,7 @@ fault_tests!(
     attack_segments,
     garbage_reply,
     oversize_reply,
+    dribble_reply,
 );
 
 /// A daemon the backend double-forks inside `open`, before any filter exists (a vendor SDK's helper):

@@ -272,11 +272,22 @@ impl Producer {
     /// The request is over (finished, failed or cancelled): tells the backend, if this process prefilled
     /// any of it, so that it can free what it keeps. Costs one message and no wait.
     pub fn release(&mut self, request_id: u64) {
-        if let Some(running) = self.running.as_mut() {
-            if running.open_requests.remove(&request_id) {
-                // A producer that went away is found out by the next request.
-                let _ = protocol::send(&running.socket, &ToProducer::Release { request_id });
+        let Some(running) = self.running.as_mut() else { return };
+        if !running.open_requests.remove(&request_id) {
+            return;
+        }
+        let message = ToProducer::Release { request_id };
+        match protocol::send(Until::new(&running.socket, Instant::now() + SEND_WAIT), &message) {
+            // One that stopped reading its socket goes, as one that stopped answering does.
+            Err(e) if Until::ran_out(&e) => {
+                let _ = self.fail(ProducerError::Timeout {
+                    name: self.spec.name.clone(),
+                    waited: SEND_WAIT,
+                    during: "sending a release",
+                });
             }
+            // A producer that went away is found out by the next request.
+            Ok(()) | Err(_) => {}
         }
     }
 
@@ -328,7 +339,7 @@ impl Producer {
         let [control, data, to_host, from_host] = ring.peer_fds();
         let passed = inheritable([control, data, to_host, from_host, child_socket.as_fd()])
             .map_err(self.io("duplicating the producer's descriptors"))?;
-        let numbers: Vec<String> = passed.iter().map(|fd| fd.as_raw_fd().to_string()).collect();
+        let numbers: Vec<String> = passed.fds.iter().map(|fd| fd.as_raw_fd().to_string()).collect();
         let mut cmd = Command::new(&self.spec.program);
         cmd.args(&self.spec.program_args)
             .arg("--backend")
@@ -508,14 +519,11 @@ impl Producer {
             Ready::Exited => return Err(self.exited(running, during)),
             Ready::Socket => {}
         }
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-        running.socket.set_read_timeout(Some(left)).map_err(self.io("socket timeout"))?;
-        match protocol::recv::<FromProducer>(&mut running.socket, protocol::MAX_FROM_PRODUCER) {
+        // The deadline holds for the whole message, however it is dribbled.
+        match protocol::recv::<FromProducer>(Until::new(&running.socket, deadline), protocol::MAX_FROM_PRODUCER) {
             Ok(Some(m)) => Ok(m),
             Ok(None) => Err(self.exited(running, during)),
-            Err(RecvError::Io(e))
-                if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) =>
-            {
+            Err(RecvError::Io(e)) if Until::ran_out(&e) => {
                 Err(ProducerError::Timeout { name, waited: started.elapsed(), during })
             }
             Err(RecvError::Message(e)) => {
@@ -655,8 +663,13 @@ impl Producer {
         running.open_requests.insert(request_id);
         let result = (|| {
             let request = ToProducer::Prefill(call.clone());
-            if protocol::send(&running.socket, &request).is_err() {
-                return Err(self.exited(&mut running, "sending a request"));
+            match protocol::send(Until::new(&running.socket, deadline), &request) {
+                Ok(()) => {}
+                Err(e) if Until::ran_out(&e) => {
+                    let waited = started.elapsed();
+                    return Err(ProducerError::Timeout { name: name.clone(), waited, during: "sending a request" });
+                }
+                Err(_) => return Err(self.exited(&mut running, "sending a request")),
             }
             let reply = self.receive(&mut running, deadline, "awaiting a prefill")?;
             match reply {
@@ -800,7 +813,7 @@ impl Producer {
     /// Asks the producer to exit, waits briefly, then kills and reaps it.
     pub fn shutdown(&mut self) {
         if let Some(running) = self.running.take() {
-            if protocol::send(&running.socket, &ToProducer::Shutdown).is_ok() {
+            if protocol::send(Until::new(&running.socket, Instant::now() + SEND_WAIT), &ToProducer::Shutdown).is_ok() {
                 let mut fds = [PollFd::from_borrowed_fd(running.pidfd.as_fd(), PollFlags::IN)];
                 let ts = rustix::event::Timespec { tv_sec: 2, tv_nsec: 0 };
                 let _ = rustix::event::poll(&mut fds, Some(&ts));
@@ -857,3 +870,53 @@ pub fn builtin_backend(name: &str) -> Result<PathBuf, MissingBackend> {
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 struct Sent(String);
+
+/// How long a message the host sends without waiting for an answer (a release, a shutdown) may take to
+/// go out: a producer that stopped reading its socket has that long before it counts as hung.
+const SEND_WAIT: Duration = Duration::from_secs(1);
+
+/// The control socket with one deadline over a whole message: each read or write waits at most what is
+/// left of it, so a producer that dribbles a reply a byte at a time, or stops reading what it is sent,
+/// runs out of time as a silent one does (a socket timeout alone bounds each call, not the message).
+struct Until<'a> {
+    socket: &'a UnixStream,
+    deadline: Instant,
+}
+
+impl<'a> Until<'a> {
+    fn new(socket: &'a UnixStream, deadline: Instant) -> Self {
+        Until { socket, deadline }
+    }
+
+    /// Whether `e` says the deadline passed.
+    fn ran_out(e: &std::io::Error) -> bool {
+        matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
+    }
+
+    /// What is left of the deadline, or the error that says it passed.
+    fn left(&self) -> std::io::Result<Duration> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        Ok(left)
+    }
+}
+
+impl std::io::Read for Until<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.socket.set_read_timeout(Some(self.left()?))?;
+        (&mut &*self.socket).read(buf)
+    }
+}
+
+impl std::io::Write for Until<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.socket.set_write_timeout(Some(self.left()?))?;
+        (&mut &*self.socket).write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}

@@ -244,17 +244,28 @@ pub(super) fn log_output(
     (logging, last_lines)
 }
 
-/// Inheritable duplicates of the descriptors a producer needs, to be closed in the host right after the
+/// Inheritable duplicates of the descriptors a producer needs, to be dropped in the host right after the
 /// spawn. The originals stay close-on-exec.
 ///
 /// Descriptors travel by number (`--fds`) instead of being moved into place by a `pre_exec` closure: with
 /// no closure, `Command::spawn` uses `posix_spawn` (`clone(CLONE_VM | CLONE_VFORK)`) instead of `fork`. A
 /// fork of the host would copy the page tables of its gigabyte of weights and write-protect its KV pools,
 /// so that the first span after every (re)start took a minor fault per page it landed in (5,089 faults,
-/// 6.7 ms instead of 1.3 ms, for a 744-token Gemma 3 270M span). The one cost: a child another thread of
-/// the host spawns at the same moment would inherit these duplicates too; the host spawns producers from
-/// one thread.
-pub(super) fn inheritable(fds: [BorrowedFd<'_>; 5]) -> std::io::Result<Vec<OwnedFd>> {
+/// 6.7 ms instead of 1.3 ms, for a 744-token Gemma 3 270M span). The cost: a child that another thread
+/// spawns while the duplicates exist inherits them too. Producers are (re)started by one thread each
+/// (`--producers N`), so the duplicates hold a lock that serialises producer spawns; and a producer closes
+/// every descriptor it was not given before any backend code runs ([`pdhost_producer::adopt_fds`]).
+pub(super) fn inheritable(fds: [BorrowedFd<'_>; 5]) -> std::io::Result<Inheritable> {
+    static SPAWNING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let serial = SPAWNING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     // `dup` gives a new descriptor without FD_CLOEXEC.
-    fds.iter().map(|fd| rustix::io::dup(fd).map_err(std::io::Error::from)).collect()
+    let fds = fds.iter().map(|fd| rustix::io::dup(fd).map_err(std::io::Error::from)).collect::<Result<_, _>>()?;
+    Ok(Inheritable { fds, _serial: serial })
+}
+
+/// [`inheritable`]'s duplicates, and the lock that keeps other producer spawns out until they are gone.
+pub(super) struct Inheritable {
+    /// The duplicates, in `--fds` order (dropped before the lock: fields drop in order).
+    pub(super) fds: Vec<OwnedFd>,
+    _serial: std::sync::MutexGuard<'static, ()>,
 }

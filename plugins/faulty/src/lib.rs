@@ -74,6 +74,7 @@ pub const MODES: &[&str] = &[
     "attack_segments",
     "garbage_reply",
     "oversize_reply",
+    "dribble_reply",
 ];
 
 /// When a crash happens relative to writing the regions.
@@ -307,6 +308,20 @@ impl Backend for Faulty {
                     // SAFETY: writing a local buffer to a descriptor this process holds.
                     unsafe { libc::write(fd, message.as_ptr().cast(), message.len()) };
                 });
+                self.behave(request, writer)
+            }
+            "dribble_reply" => {
+                // A reply that starts and never finishes in time: a length prefix, then a byte every
+                // 100 ms (a per-read timeout alone would wait for all of it).
+                let mut message = 64u32.to_le_bytes().to_vec();
+                message.extend([0u8; 64]);
+                for byte in message {
+                    control_sockets().iter().for_each(|&fd| {
+                        // SAFETY: writing a local byte to a descriptor this process holds.
+                        unsafe { libc::write(fd, std::ptr::from_ref(&byte).cast(), 1) };
+                    });
+                    std::thread::sleep(Duration::from_millis(100));
+                }
                 self.behave(request, writer)
             }
             "attack_segments" => {

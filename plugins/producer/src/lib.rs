@@ -15,7 +15,7 @@ pub mod protocol;
 pub mod sandbox;
 
 use std::ffi::{c_char, c_void, CStr, OsString};
-use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -176,7 +176,22 @@ pub fn adopt_fds(fds: [i32; 5]) -> Result<[OwnedFd; 5], String> {
     for fd in &fds {
         let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
     }
+    close_others(&fds.each_ref().map(|fd| fd.as_raw_fd()));
     Ok(fds)
+}
+
+/// Closes every descriptor above stderr but `keep`: whatever else this process inherited was not meant
+/// for it (say, another producer's ring, made inheritable by the host for a spawn at the same moment).
+/// Runs before any backend code, while this is the process's only thread.
+fn close_others(keep: &[i32]) {
+    // The listing's own descriptor is among the numbers, and closed already when they are used.
+    let Ok(listing) = std::fs::read_dir("/proc/self/fd") else { return };
+    let open: Vec<i32> = listing.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect();
+    for fd in open.into_iter().filter(|fd| *fd > 2 && !keep.contains(fd)) {
+        // SAFETY: closes a descriptor no Rust object in this process owns: the only ones adopted are
+        // `keep`, and nothing else has been opened yet (the caller's promise).
+        unsafe { libc::close(fd) };
+    }
 }
 
 /// Before any backend code runs: `PR_SET_NO_NEW_PRIVS` (no exec of this process or its children can gain
