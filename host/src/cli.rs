@@ -99,7 +99,7 @@ pub struct ProducerNodeArgs {
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MIB")]
     pub producer_memory: Option<u64>,
     /// Seconds a producer may take to start and to answer each prefill.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 120.0, value_name = "SECONDS")]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 120.0, value_name = "SECONDS")]
     pub producer_timeout: f64,
     /// Inject a fault into the first span of each session (for tests of the host's side of the link).
     #[arg(long, value_enum, hide = true)]
@@ -121,11 +121,11 @@ pub struct CheckBackendArgs {
     pub backend_config: Option<String>,
     /// The largest relative L2 error of any layer's K or V against local prefill. The default fits a
     /// backend that computes what the host computes; a backend on another numerical stack sets its own.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-2)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 1e-2)]
     pub kv_tolerance: f64,
     /// The largest gap between the local logits of two tokens for greedy decode to part there as a
     /// near-tie.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1e-2)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 1e-2)]
     pub tie_margin: f64,
     /// Tokens decoded per prompt in the greedy check (1 to 256).
     #[arg(long, value_parser = whole, default_value_t = 16, allow_negative_numbers = true)]
@@ -140,7 +140,7 @@ pub struct CheckBackendArgs {
     #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,
     /// Seconds the backend may take to start and to answer each prefill.
-    #[arg(long, default_value_t = 120.0)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 120.0)]
     pub producer_timeout: f64,
     /// Checks not to run, comma-separated: a backend whose plumbing comes before its numbers (a
     /// stand-in, like the C example) skips `kv,greedy`. `start` and `spans` always run.
@@ -208,7 +208,7 @@ pub struct GenerateArgs {
     pub on_producer_failure: OnFailureArg,
     /// Seconds a producer may take to answer one prefill (and to start) before it is killed (at most
     /// 3600).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 120.0, value_name = "SECONDS")]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 120.0, value_name = "SECONDS")]
     pub producer_timeout: f64,
     /// The producers' sandbox (docs/plugin-abi.md, "The sandbox around you"). `on`: once its backend is open, a producer
     /// that starts a process, signals another one or opens a socket is stopped (`sandbox_violation`), and
@@ -224,9 +224,10 @@ pub struct GenerateArgs {
     /// decode step reads from it).
     #[arg(long, value_enum, default_value_t = KvDtype::F32)]
     pub kv_dtype: KvDtype,
-    /// Tokens per KV page (1 to 4096, and at most the context).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 64)]
-    pub page_size: u64,
+    /// Tokens per KV page (1 to 4096, and at most the model's context) [default: 64, or the model's
+    /// context when smaller].
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
+    pub page_size: Option<u64>,
     /// Prompt tokens per prefill span (0: the whole prompt as one span).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 0)]
     pub prefill_chunk: u64,
@@ -238,24 +239,24 @@ pub struct GenerateArgs {
     #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,
     /// Sample with this temperature (0 to 100; 0 is greedy) instead of greedy decoding.
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, allow_hyphen_values = true)]
     pub temperature: Option<f64>,
     /// Nucleus mass when sampling: above 0, at most 1.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 1.0, requires = "temperature")]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 1.0, requires = "temperature")]
     pub top_p: f64,
     /// Sampling seed.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 0, requires = "temperature")]
     pub seed: u64,
     /// Subtracted from the logit of every token the output already holds (-2 to 2; OpenAI's
     /// `presence_penalty`). Penalties apply greedy or sampled.
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, allow_hyphen_values = true)]
     pub presence_penalty: Option<f64>,
     /// Subtracted once for each time the output holds a token (-2 to 2; `frequency_penalty`).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, allow_hyphen_values = true)]
     pub frequency_penalty: Option<f64>,
     /// Divides the positive logits, and multiplies the others, of tokens in the prompt or the output
     /// (above 0, at most 10; 1 is off; vLLM's `repetition_penalty`).
-    #[arg(long, allow_negative_numbers = true)]
+    #[arg(long, allow_hyphen_values = true)]
     pub repetition_penalty: Option<f64>,
     /// Biases added to tokens' logits, as ID:BIAS pairs separated by commas, e.g. `50256:-100,13:2.5`
     /// (-100 to 100; `logit_bias`).
@@ -289,9 +290,10 @@ pub struct ServeArgs {
     /// Prompt plus output tokens per request, at most (default 9216, or the model's context when smaller).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
     pub context: Option<u64>,
-    /// Tokens per KV page (1 to 4096, and at most the model's context).
-    #[arg(long, value_parser = whole, default_value_t = 64, allow_negative_numbers = true)]
-    pub page_size: u64,
+    /// Tokens per KV page (1 to 4096, and at most the model's context) [default: 64, or the model's
+    /// context when smaller].
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
+    pub page_size: Option<u64>,
     /// Sequences generated at once (1 to 64): each decode round advances every live sequence by one token.
     #[arg(long, value_parser = whole, default_value_t = 4, allow_negative_numbers = true)]
     pub slots: u64,
@@ -322,7 +324,7 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = OnFailureArg::Fallback)]
     pub on_producer_failure: OnFailureArg,
     /// Seconds a producer may take to answer one prefill (and to start) before it is killed (at most 3600).
-    #[arg(long, default_value_t = 120.0, value_name = "SECONDS", allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 120.0, value_name = "SECONDS", allow_hyphen_values = true)]
     pub producer_timeout: f64,
     /// The producers' sandbox (docs/plugin-abi.md, "The sandbox around you"): `on` stops a producer whose backend
     /// starts a process, signals another one or opens a socket, and refuses its file opens; `off` for a
@@ -352,7 +354,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "KEY")]
     pub api_key: Option<String>,
     /// Seconds in-flight requests may take to finish after SIGTERM or SIGINT.
-    #[arg(long, default_value_t = 30.0, value_name = "SECONDS", allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 30.0, value_name = "SECONDS", allow_hyphen_values = true)]
     pub drain_timeout: f64,
 }
 
@@ -586,18 +588,18 @@ pub struct SoakBenchArgs {
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 8)]
     pub concurrency: u64,
     /// Share of prefills the `faulty` producer fails, each in one of its modes chosen at random (0 to 1).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0.25)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 0.25)]
     pub fault_rate: f64,
     /// Share of requests whose client disconnects at a random moment: before the first token
     /// (mid-prefill) or mid-stream (0 to 1).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0.1)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 0.1)]
     pub disconnect_rate: f64,
     /// Share of requests that are malformed, oversized or invalid (0 to 1).
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0.05)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 0.05)]
     pub bad_rate: f64,
     /// Seconds between SIGKILLs of a producer from outside (0: none); the first interval also stops one
     /// with SIGSTOP.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 10.0, value_name = "SECONDS")]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 10.0, value_name = "SECONDS")]
     pub kill_every: f64,
     /// Output tokens per request (`max_tokens`, greedy; 1 to 256).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 16)]
@@ -669,7 +671,7 @@ pub struct ServeBenchArgs {
     pub stream: StreamArg,
     /// Sampling temperature of every request (0 to 100; 0 is greedy). Above 0 every request carries the
     /// same seed, so a sampled response must still equal its reference token for token.
-    #[arg(long, allow_negative_numbers = true, default_value_t = 0.0)]
+    #[arg(long, allow_hyphen_values = true, default_value_t = 0.0)]
     pub temperature: f64,
     /// After the matrix, run the same cells against llama.cpp's `llama-server` on the same GGUF with the
     /// same threads (`-np` the widest concurrency, at least 4; `-c` the context per slot), and print
@@ -683,13 +685,13 @@ pub struct ServeBenchArgs {
     #[arg(long, conflicts_with = "url")]
     pub mixed: bool,
     /// `--mixed`: streams decoding (1 to 16).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 2)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "mixed", default_value_t = 2)]
     pub streams: u64,
     /// `--mixed`: long prompts sent at once while the streams decode (1 to 8).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 2)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "mixed", default_value_t = 2)]
     pub long_prompts: u64,
     /// `--mixed`: tokens per long prompt.
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 2048)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "mixed", default_value_t = 2048)]
     pub long_prompt: u64,
     /// Print one JSON object instead of a table.
     #[arg(long)]

@@ -551,6 +551,14 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         "huge-vocab",
         r#"{"model_type":"llama","hidden_size":8,"num_attention_heads":2,"num_hidden_layers":1,"vocab_size":18446744073709551615,"intermediate_size":8}"#,
     );
+    // Gemma 3's tiny checkpoint's config with a window of no positions (no weights needed to refuse it).
+    let zero_window = {
+        let tiny_config = Path::new(&tiny()).join("config.json");
+        let mut config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(tiny_config).unwrap()).unwrap();
+        config["sliding_window"] = 0.into();
+        ckpt("zero-window", &config.to_string())
+    };
     let not_a_lib = file("libnot.so", b"not an ELF file");
     let max = u64::MAX.to_string();
 
@@ -694,6 +702,8 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         tiny_gen("model: no safetensors", &["--model", &no_weights, "--prompt-ids", "1"])
             .refused(1, &["*.safetensors"]),
         tiny_gen("model: a 2^64 vocabulary", &["--model", &huge_vocab]).refused(1, &[]),
+        tiny_gen("model: a sliding window of 0", &["--model", &zero_window])
+            .refused(1, &["sliding window: expected at least one position, found 0"]),
         tiny_gen("model: the FIFO", &["--model", &fifo]).refused(2, &["a FIFO"]),
         // Producers and their config.
         tiny_gen("producer: empty", &["--producer", ""])
@@ -716,6 +726,19 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         tiny_gen("producer: not a library, fail", &["--producer", &not_a_lib, "--on-producer-failure", "fail"])
             .refused(1, &["remote prefill failed"]),
         tiny_gen("producer: not a library, fallback", &["--producer", &not_a_lib]).never(&["panicked"]),
+        // Nothing to prefill (one token), yet the producer that cannot start fails the request under `fail`.
+        tiny_gen(
+            "producer: not a library, fail, a one-token prompt",
+            &["--producer", &not_a_lib, "--on-producer-failure", "fail", "--prompt-ids", "2"],
+        )
+        .refused(1, &["remote prefill failed"]),
+        // A config key of the wrong type is refused, not read as absent.
+        tiny_gen(
+            "producer: a number for the config's dtype, fail",
+            &["--producer", "rngd", "--on-producer-failure", "fail", "--backend-config", r#"{"dtype":5}"#],
+        )
+        .refused(1, &["config dtype: expected bf16, f16 or f32, found 5"]),
+        case("check-backend: unknown backend", &["check-backend", "tpu"]).refused(2, &["BACKEND: expected", "\"tpu\""]),
         tiny_gen(
             "producer: bad dtype in config, fail",
             &["--producer", "rngd", "--on-producer-failure", "fail", "--backend-config", r#"{"dtype":"f64"}"#],

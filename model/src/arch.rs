@@ -243,7 +243,8 @@ impl Config {
             Arch::Gemma3 => {
                 // llama.cpp's Gemma 3 conventions: every sixth layer is global, local layers use base 10000,
                 // and queries are scaled by head_dim^-1/2 (query_pre_attn_scalar = head_dim in Gemma 3).
-                let window = g.get_u64(&key("attention.sliding_window"))? as u32;
+                // A window past u32 is no window at all; 0 is refused by `checked`.
+                let window = u32::try_from(g.get_u64(&key("attention.sliding_window"))?).unwrap_or(u32::MAX);
                 let layers = (0..n_layers)
                     .map(|l| if l % 6 == 5 { Attention::Full } else { Attention::Sliding(window) })
                     .collect();
@@ -304,7 +305,7 @@ impl Config {
         };
         let (layers, rope_global, rope_local, query_scale) = match arch {
             Arch::Gemma3 => {
-                let window = u("sliding_window")? as u32;
+                let window = u32::try_from(u("sliding_window")?).unwrap_or(u32::MAX);
                 let types = c["layer_types"]
                     .as_array()
                     .ok_or_else(|| bad("layer_types", "a list", c["layer_types"].to_string()))?;
@@ -379,6 +380,9 @@ impl Config {
                 "query heads a nonzero multiple of KV heads, an even nonzero head size",
                 format!("{} heads, {} KV heads, head size {}", self.heads, self.kv_heads, self.head_dim),
             ));
+        }
+        if self.layers.contains(&Attention::Sliding(0)) {
+            return Err(bad("sliding window", "at least one position", "0".into()));
         }
         if self.layers.is_empty() || self.vocab == 0 || self.hidden == 0 || self.context == 0 {
             return Err(bad(

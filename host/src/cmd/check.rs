@@ -60,7 +60,7 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
     let backend_config = request::input::check_backend_config(args.backend_config.as_deref(), &args.backend)?;
     if args.backend == "local" {
         return Err(Invalid::new(
-            Field::Producer,
+            Field::CheckedBackend,
             "a backend (rngd, gpu, faulty, torch, py:MODULE:CLASS or a PATH.so)",
             "local",
         )
@@ -85,6 +85,7 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
     let prompts = prompts(vocab);
     let longest = PROMPT_LENS.iter().max().copied().unwrap_or(1);
     let choice = super::producer::Choice {
+        field: Field::CheckedBackend,
         producer: &args.backend,
         backend_config,
         precision: args.precision,
@@ -103,6 +104,13 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
         ..RestartPolicy::default()
     });
     let max_len = (longest + decode + 1) as u64;
+    if model.config.context < max_len as usize {
+        anyhow::bail!(
+            "--model: expected a model whose context holds {max_len} positions (the {longest}-token prompt and \
+             --decode-tokens {decode}), found one of {}",
+            model.config.context
+        );
+    }
     let mut engine = Engine::new(model, dtype, 16, max_len, 4)?;
     let bar = super::bench::progress(6, args.json);
     let mut checks = Vec::new();

@@ -155,6 +155,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let model_name = opened.name;
     let chunk_tokens = if request.prefill_chunk == 0 { prompt.len() } else { request.prefill_chunk.min(prompt.len()) };
     let choice = super::producer::Choice {
+        field: Field::Producer,
         producer: &args.producer,
         backend_config,
         precision: args.precision,
@@ -168,11 +169,16 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let mut engine = Engine::new(model, dtype, page_size, max_len, 1)?;
     if let Some(p) = producer.as_mut() {
         // Start the producer (load its model) before the clock of the request starts; a start-up failure
-        // is handled like any other on the request itself.
+        // is handled like any other on the request itself, falling back or failing. Under `fail` it ends
+        // the request here, even one with nothing to prefill (a one-token prompt), which would otherwise
+        // never ask the producer and succeed as if it were fine.
         let spinner = super::models::Bar::new(args.json);
         spinner.spin(&format!("starting producer {}", p.name()));
-        let _ = p.start();
+        let started = p.start();
         spinner.finish();
+        if let (Err(e), pdhost::engine::OnFailure::Fail) = (started, args.on_producer_failure.policy()) {
+            return Err(pdhost::engine::EngineError::from(e).into());
+        }
     }
     let load_ms = t0.elapsed();
 

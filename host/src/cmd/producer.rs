@@ -19,6 +19,8 @@ const TORCH_START_TIMEOUT: Duration = Duration::from_secs(600);
 pub struct Choice<'a> {
     /// `local`, `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS` or a library path.
     pub producer: &'a str,
+    /// What named it, for errors: `--producer`, or check-backend's `BACKEND`.
+    pub field: Field,
     /// Merged into the backend's configuration (checked by `request::input::check_backend_config`).
     pub backend_config: serde_json::Map<String, serde_json::Value>,
     /// Arithmetic.
@@ -99,7 +101,7 @@ impl Choice<'_> {
             "local" => return Ok(None),
             url if url.starts_with("nixl://") => {
                 let node = pdhost::remote::NodeUrl::parse(url).ok_or_else(|| {
-                    Invalid::new(Field::Producer, pdhost::remote::NodeUrl::EXPECTED, format_args!("{url:?}"))
+                    Invalid::new(self.field, pdhost::remote::NodeUrl::EXPECTED, format_args!("{url:?}"))
                 })?;
                 relay(&node)?;
                 program_args = vec![crate::RELAY_ARG.into(), "--node".into(), node.addr.clone().into()];
@@ -122,10 +124,10 @@ impl Choice<'_> {
                 python_keys.insert("python_class".into(), class.into());
                 (python.to_string(), supervisor::builtin_backend("python")?)
             }
-            path if path.ends_with(".so") || path.contains('/') => library(path, Field::Producer)?,
+            path if path.ends_with(".so") || path.contains('/') => library(path, self.field)?,
             other => {
                 return Err(Invalid::new(
-                    Field::Producer,
+                    self.field,
                     "local, rngd, gpu, faulty, torch, py:MODULE:CLASS, a PATH.so or nixl://HOST:PORT/NAME",
                     format_args!("{other:?}"),
                 )

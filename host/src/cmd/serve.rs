@@ -70,6 +70,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         None => DEFAULT_PREFILL_CHUNK.min(max_len) as usize,
     };
     let choice = super::producer::Choice {
+        field: Field::Producer,
         producer: backends[0],
         backend_config,
         precision: args.precision,

@@ -12,8 +12,15 @@
 //!   with the same ring, socket, pidfd, deadlines and restarts. It registers its writable mapping of the
 //!   ring's data segment with NIXL, forwards control messages to the node over TCP, and commits a slot
 //!   when the notification for the frame it awaits arrives. The host maps the data segment read-only
-//!   and takes every frame through the same checks as a local producer's: the remote writer can write
-//!   any byte of that segment at any time, and nothing else. The host process never loads NIXL.
+//!   and takes every frame through the same checks as a local producer's, so what the remote writer
+//!   puts in that segment is judged as a local producer's frame is. The host process never loads NIXL.
+//! - Trust: the host process is protected from the node as from a local producer. The relay is not:
+//!   over RDMA the NIC confines a WRITE to the registered segment, but UCX's TCP transport applies a
+//!   WRITE by copying to whatever address the request names, so a node that runs a modified NIXL can
+//!   write anywhere in the relay (which holds the ring and no cache; it is unsandboxed, as NIXL needs
+//!   its sockets and threads). The node, in turn, serves whoever connects: no authentication, and keys
+//!   of the backend config it does not pin come from the relay. Run nodes on a network whose peers you
+//!   trust, and pin `model` (and a Python backend's keys) with the node's `--backend-config`.
 //! - The [`node`] (`pdhost producer-node`) runs on the prefill machine. Per connection it starts a
 //!   producer exactly as the host's supervisor does, on a ring of its own at the epoch the relay's ring
 //!   carries, so that frames carry the coordinates the host expects. That ring's data segment is

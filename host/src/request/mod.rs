@@ -127,6 +127,8 @@ pub enum Field {
     Listen,
     /// Producer node: the backend it runs.
     Backend,
+    /// Check-backend: the backend checked (its positional argument).
+    CheckedBackend,
     /// Log-probabilities: a completion's count of alternatives.
     Logprobs,
     /// Log-probabilities: a chat completion's count of alternatives.
@@ -185,6 +187,7 @@ impl Field {
             Field::TieMargin => "--tie-margin",
             Field::Listen => "--listen",
             Field::Backend => "--backend",
+            Field::CheckedBackend => "BACKEND",
             Field::Logprobs => "--logprobs",
             Field::TopLogprobs => "--top-logprobs",
         }
@@ -256,6 +259,8 @@ fn number(x: f64) -> String {
 /// The longest page, in tokens: beyond it a page is larger than any useful sharing unit, and its pool a
 /// waste of memory.
 pub const MAX_PAGE_SIZE: u32 = 4096;
+/// Tokens per KV page unless told otherwise (the incident's server ran 64), capped at the model's context.
+pub const DEFAULT_PAGE_SIZE: u32 = 64;
 
 /// The longest a producer may take to start or to answer one prefill.
 pub const MAX_PRODUCER_TIMEOUT: Duration = Duration::from_secs(3600);
@@ -494,9 +499,11 @@ pub fn check_threads(threads: Option<u64>) -> Result<usize, Invalid> {
     }
 }
 
-/// Tokens per KV page: 1 to the smaller of [`MAX_PAGE_SIZE`] and the model's context.
-pub fn check_page_size(page_size: u64, limits: &Limits) -> Result<u32, Invalid> {
+/// Tokens per KV page: 1 to the smaller of [`MAX_PAGE_SIZE`] and the model's context; `None` gives
+/// [`DEFAULT_PAGE_SIZE`], or the context when that is smaller.
+pub fn check_page_size(page_size: Option<u64>, limits: &Limits) -> Result<u32, Invalid> {
     let max = MAX_PAGE_SIZE.min(limits.model_context.min(u32::MAX as usize) as u32);
+    let page_size = page_size.unwrap_or(u64::from(DEFAULT_PAGE_SIZE.min(max)));
     if (1..=u64::from(max)).contains(&page_size) {
         Ok(page_size as u32)
     } else {

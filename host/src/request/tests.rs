@@ -96,10 +96,16 @@ fn scalar_flags_have_bounds() {
     assert_eq!(check_threads(Some(max)).unwrap(), max as usize);
     assert_eq!(check_threads(None).unwrap(), model::kernels::available_cores());
     let l = limits(10, 100);
-    assert_eq!(check_page_size(100, &l).unwrap(), 100);
-    assert_eq!(check_page_size(101, &l).unwrap_err().to_string(), "--page-size: expected 1 to 100 tokens, found 101");
-    assert!(check_page_size(0, &l).is_err());
-    assert!(check_page_size(5000, &limits(10, 1 << 20)).is_err());
+    assert_eq!(check_page_size(Some(100), &l).unwrap(), 100);
+    assert_eq!(
+        check_page_size(Some(101), &l).unwrap_err().to_string(),
+        "--page-size: expected 1 to 100 tokens, found 101"
+    );
+    assert!(check_page_size(Some(0), &l).is_err());
+    assert!(check_page_size(Some(5000), &limits(10, 1 << 20)).is_err());
+    // The default: 64, or a smaller model's whole context.
+    assert_eq!(check_page_size(None, &l).unwrap(), 64);
+    assert_eq!(check_page_size(None, &limits(10, 16)).unwrap(), 16);
     for s in [f64::NAN, 0.0, -1.0, 1e300, f64::INFINITY, 3601.0] {
         assert!(check_timeout(Field::ProducerTimeout, s).is_err(), "{s}");
     }

@@ -417,6 +417,8 @@ pub struct Prefill<'a> {
 pub struct Writer<'a> {
     raw: &'a PdhostWriter,
     taken: Vec<bool>,
+    /// The whole frame was handed out (once only, even with no entries to mark taken).
+    whole: bool,
 }
 
 /// A whole slot from [`Writer::frame`].
@@ -439,7 +441,7 @@ impl<'a> Writer<'a> {
     ///
     /// `raw` must be a writer the producer passed to `prefill`, used only during that call.
     pub unsafe fn from_raw(raw: &'a PdhostWriter) -> Self {
-        Writer { raw, taken: vec![false; raw.num_entries as usize] }
+        Writer { raw, taken: vec![false; raw.num_entries as usize], whole: false }
     }
 
     /// Number of entries.
@@ -468,8 +470,8 @@ impl<'a> Writer<'a> {
 
     /// The whole slot, for a backend that writes complete frames itself.
     pub fn frame(&mut self) -> Result<Frame<'a>, BackendError> {
-        if self.taken.iter().any(|&t| t) {
-            return Err(BackendError::new(PdhostStatus::WriterRefused, "regions already taken"));
+        if self.whole || self.taken.iter().any(|&t| t) {
+            return Err(BackendError::new(PdhostStatus::WriterRefused, "regions or the frame already taken"));
         }
         let mut f = PdhostFrame { ptr: std::ptr::null_mut(), capacity: 0, epoch: 0, generation: 0, sequence: 0 };
         // SAFETY: the producer's function, called with its own context and a valid out-pointer.
@@ -477,6 +479,7 @@ impl<'a> Writer<'a> {
         if code != PdhostStatus::Ok as u32 || f.ptr.is_null() {
             return Err(BackendError::new(PdhostStatus::WriterRefused, "the producer refused the frame"));
         }
+        self.whole = true;
         self.taken.iter_mut().for_each(|t| *t = true);
         // SAFETY: the producer guarantees `capacity` writable bytes for the whole call; regions can no
         // longer be taken, so nothing else aliases them.

@@ -84,16 +84,23 @@ impl ModelBackend {
     pub fn open(config: &str, layout: PdhostLayout, default_dtype: Dtype) -> Result<Self, BackendError> {
         let json: serde_json::Value =
             serde_json::from_str(config).map_err(|e| bad_config(format!("config: expected JSON, found {e}")))?;
-        let path = json
-            .get("model")
-            .and_then(|m| m.as_str())
+        // A key given with the wrong type is refused, never read as absent (a number for `dtype` would
+        // otherwise silently mean the default).
+        let string = |key: &str, expected: &str| -> Result<Option<&str>, BackendError> {
+            match json.get(key) {
+                None => Ok(None),
+                Some(serde_json::Value::String(s)) => Ok(Some(s)),
+                Some(v) => Err(bad_config(format!("config {key}: expected {expected}, found {}", short_json(v)))),
+            }
+        };
+        let path = string("model", "a path as a string")?
             .ok_or_else(|| bad_config("config: expected a \"model\" path, found none".into()))?;
-        let dtype = match json.get("dtype").and_then(|d| d.as_str()) {
+        let dtype = match string("dtype", "bf16, f16 or f32")? {
             None => default_dtype,
             Some(name) => dtype_named(name)
                 .ok_or_else(|| bad_config(format!("config dtype: expected bf16, f16 or f32, found {name:?}")))?,
         };
-        let precision = match json.get("precision").and_then(|p| p.as_str()) {
+        let precision = match string("precision", "exact or fast")? {
             None | Some("exact") => Precision::Exact,
             Some("fast") => Precision::Fast,
             Some(other) => {

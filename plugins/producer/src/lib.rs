@@ -515,25 +515,44 @@ struct SlotCtx {
     entries: Vec<(u64, u64)>,
     /// The frame's length as the prefix declares it (what a whole-frame backend is expected to write).
     frame_len: u64,
+    /// What was handed out: behind a lock, since a backend may call the writer from several of its
+    /// threads during `prefill` (a region must still go out once, and never beside the whole frame).
+    handed: std::sync::Mutex<Handed>,
+    coords: shm_format::FrameCoords,
+}
+
+/// The regions, or the whole frame, given to the backend so far.
+#[derive(Debug)]
+struct Handed {
     taken: Vec<bool>,
     whole_frame: bool,
-    coords: shm_format::FrameCoords,
+}
+
+impl SlotCtx {
+    fn handed(&self) -> std::sync::MutexGuard<'_, Handed> {
+        // A panic while it was held left nothing half-done: each update is one assignment.
+        self.handed.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 }
 
 unsafe extern "C" fn region(ctx: *mut c_void, entry: u32, ptr: *mut *mut u8, len: *mut u64) -> u32 {
     if ctx.is_null() || ptr.is_null() || len.is_null() {
         return PdhostStatus::InvalidArgument as u32;
     }
-    // SAFETY: `ctx` is the `SlotCtx` the producer passed for this call, alive for its duration; the
-    // backend calls back on the thread the producer called it on (docs/plugin-abi.md, threading).
-    let ctx = unsafe { &mut *ctx.cast::<SlotCtx>() };
+    // SAFETY: `ctx` is the `SlotCtx` the producer passed for this call, alive for its duration (the
+    // backend may call from any of its threads until `prefill` returns: docs/plugin-abi.md, threading);
+    // shared, its mutable part behind a lock.
+    let ctx = unsafe { &*ctx.cast::<SlotCtx>() };
     let Some(&(offset, n)) = ctx.entries.get(entry as usize) else {
         return PdhostStatus::InvalidArgument as u32;
     };
-    if ctx.whole_frame || ctx.taken[entry as usize] {
-        return PdhostStatus::WriterRefused as u32;
+    {
+        let mut handed = ctx.handed();
+        if handed.whole_frame || handed.taken[entry as usize] {
+            return PdhostStatus::WriterRefused as u32;
+        }
+        handed.taken[entry as usize] = true;
     }
-    ctx.taken[entry as usize] = true;
     // SAFETY: `payload_offset + offset + n <= frame_len <= capacity`, checked when the prefix was written,
     // so the region lies inside the slot's frame area; out-pointers were checked non-null. The region is
     // filled with FILL first, so that bytes an earlier frame left there can never pass as this span's.
@@ -551,11 +570,15 @@ unsafe extern "C" fn whole_frame(ctx: *mut c_void, out: *mut PdhostFrame) -> u32
         return PdhostStatus::InvalidArgument as u32;
     }
     // SAFETY: as in `region`.
-    let ctx = unsafe { &mut *ctx.cast::<SlotCtx>() };
-    if ctx.taken.iter().any(|&t| t) {
-        return PdhostStatus::WriterRefused as u32;
+    let ctx = unsafe { &*ctx.cast::<SlotCtx>() };
+    {
+        // Once: a second whole frame would be a second mutable view of the same bytes.
+        let mut handed = ctx.handed();
+        if handed.whole_frame || handed.taken.iter().any(|&t| t) {
+            return PdhostStatus::WriterRefused as u32;
+        }
+        handed.whole_frame = true;
     }
-    ctx.whole_frame = true;
     // SAFETY: `out` was checked non-null; the frame area is `capacity` bytes of the writable slot, of which
     // the first `frame_len <= capacity` (checked when the prefix was written) are filled with FILL, so an
     // earlier frame's bytes cannot pass as this one's.
@@ -664,8 +687,7 @@ fn frame_span(
         payload_offset: info.payload_offset,
         entries: manifest.entries.iter().map(|e| (e.offset, e.len)).collect(),
         frame_len: info.frame_len,
-        taken: vec![false; manifest.entries.len()],
-        whole_frame: false,
+        handed: std::sync::Mutex::new(Handed { taken: vec![false; manifest.entries.len()], whole_frame: false }),
         coords,
     };
     let writer = PdhostWriter {
@@ -697,7 +719,8 @@ fn frame_span(
         let status = PdhostStatus::from_raw(code).unwrap_or(PdhostStatus::BackendError);
         return Err(SpanFailure::Status(status, format!("backend prefill: {}: {}", status_text(code), err_text(&err))));
     }
-    if ctx.whole_frame {
+    let handed = ctx.handed.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if handed.whole_frame {
         // The backend wrote the whole frame; whatever its header says is for the host to judge.
         let mut header = [0u8; shm_format::HEADER_LEN];
         header.copy_from_slice(&frame[..shm_format::HEADER_LEN]);
@@ -717,7 +740,7 @@ fn frame_span(
         };
         format!("layer {} {kind} (entry {i} of {entries})", e.layer)
     };
-    if let Some(missing) = ctx.taken.iter().position(|&t| !t) {
+    if let Some(missing) = handed.taken.iter().position(|&t| !t) {
         return Err(SpanFailure::Unwritten(format!("backend returned OK without writing {}", name(missing))));
     }
     let size = framing.dtype.size() as usize;

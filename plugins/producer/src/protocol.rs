@@ -93,6 +93,11 @@ pub struct CapabilitiesDesc {
     pub max_tokens: u64,
 }
 
+/// The most K (or V) values one layer may hold per token: 2^20, 4 MiB of f32.
+const MAX_HEAD_VALUES: u64 = 1 << 20;
+/// The most values one recurrent layer's state may hold: 2^30, 4 GiB of f32.
+const MAX_STATE_ELEMS: u64 = 1 << 30;
+
 /// A field of a [`Described`] that names no known value: which field, what it may be, and what it holds.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BadDescription {
@@ -101,7 +106,7 @@ pub struct BadDescription {
     /// The values it may hold.
     pub expected: &'static str,
     /// The value it holds.
-    pub found: u32,
+    pub found: u64,
 }
 
 impl fmt::Display for BadDescription {
@@ -115,7 +120,25 @@ impl std::error::Error for BadDescription {}
 impl Described {
     /// The KV geometry the backend described: one layer per entry, every kind checked.
     pub fn geometry(&self) -> Result<KvGeometry, BadDescription> {
-        let layer = |(i, l): (usize, &LayerDesc)| match l.kind {
+        let layer = |(i, l): (usize, &LayerDesc)| {
+            // Sizes any span's arithmetic can carry: past them a manifest's lengths would wrap.
+            let per_token = u64::from(l.kv_heads) * u64::from(l.head_dim);
+            let limits = [
+                ("kv_heads x head_dim", per_token, MAX_HEAD_VALUES, "at most 2^20 values per token"),
+                ("state_elems", l.state_elems, MAX_STATE_ELEMS, "at most 2^30 values"),
+            ];
+            for (what, found, max, expected) in limits {
+                if found > max {
+                    return Err(BadDescription { what: format!("layer {i} {what}"), expected, found });
+                }
+            }
+            Self::layer(i, l)
+        };
+        Ok(KvGeometry { layers: self.layers.iter().enumerate().map(layer).collect::<Result<_, _>>()? })
+    }
+
+    fn layer(i: usize, l: &LayerDesc) -> Result<LayerKv, BadDescription> {
+        match l.kind {
             k if k == PdhostLayerKind::Full as u32 => Ok(LayerKv::Full { kv_heads: l.kv_heads, head_dim: l.head_dim }),
             k if k == PdhostLayerKind::Sliding as u32 => {
                 Ok(LayerKv::Sliding { window: l.window, kv_heads: l.kv_heads, head_dim: l.head_dim })
@@ -124,10 +147,9 @@ impl Described {
             found => Err(BadDescription {
                 what: format!("layer {i} kind"),
                 expected: "0 (full attention), 1 (sliding window) or 2 (recurrent)",
-                found,
+                found: found.into(),
             }),
-        };
-        Ok(KvGeometry { layers: self.layers.iter().enumerate().map(layer).collect::<Result<_, _>>()? })
+        }
     }
 
     /// The element type of the backend's spans.
@@ -136,7 +158,11 @@ impl Described {
             d if d == PdhostDtype::F32 as u32 => Ok(Dtype::F32),
             d if d == PdhostDtype::F16 as u32 => Ok(Dtype::F16),
             d if d == PdhostDtype::Bf16 as u32 => Ok(Dtype::Bf16),
-            found => Err(BadDescription { what: "dtype".into(), expected: "0 (f32), 1 (f16) or 2 (bf16)", found }),
+            found => Err(BadDescription {
+                what: "dtype".into(),
+                expected: "0 (f32), 1 (f16) or 2 (bf16)",
+                found: found.into(),
+            }),
         }
     }
 
@@ -145,7 +171,9 @@ impl Described {
         match self.layout {
             l if l == PdhostLayout::Dense as u32 => Ok("dense"),
             l if l == PdhostLayout::Grouped as u32 => Ok("grouped"),
-            found => Err(BadDescription { what: "layout".into(), expected: "0 (dense) or 1 (grouped)", found }),
+            found => {
+                Err(BadDescription { what: "layout".into(), expected: "0 (dense) or 1 (grouped)", found: found.into() })
+            }
         }
     }
 }

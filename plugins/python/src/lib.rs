@@ -166,10 +166,16 @@ fn description(d: &Bound<'_, PyAny>) -> Result<(Description, u64), String> {
         "bf16" => PdhostDtype::Bf16,
         other => return Err(format!("describe()[\"dtype\"]: expected f32, f16 or bf16, found {other:?}")),
     };
+    /// More layers than any model has.
+    const MAX_LAYERS: usize = 1 << 16;
     let mut layers = Vec::new();
     let list = get("layers")?;
     let items = list.try_iter().map_err(|_| "describe()[\"layers\"]: expected a list of dicts".to_string())?;
     for (i, item) in items.enumerate() {
+        // An endless iterable stops here, not at the memory limit.
+        if i == MAX_LAYERS {
+            return Err(format!("describe()[\"layers\"]: expected at most {MAX_LAYERS} layers, found more"));
+        }
         let item = item.map_err(|e| e.to_string())?;
         let field = |key: &str| -> Result<u64, String> {
             match item.get_item(key) {
@@ -414,8 +420,11 @@ impl pdhost_plugin_abi::Backend for PyBackend {
                 }
             };
             let finished = py_writer.borrow_mut().finish(py);
+            // A view of the slot still held outlives the call, whatever Python raised: `finish`'s error
+            // (which has the producer replaced) comes first.
+            finished?;
             called.map_err(|e| backend_error(py, "prefill", &e))?;
-            finished
+            Ok(())
         })
     }
 

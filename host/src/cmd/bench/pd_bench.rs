@@ -107,6 +107,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     model.configure(Precision::Exact, threads);
     let dtype = args.kv_dtype.dtype();
     let choice = Choice {
+        field: Field::Producer,
         producer: &args.producer,
         backend_config: serde_json::Map::new(),
         precision: PrecisionArg::Exact,
