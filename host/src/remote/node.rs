@@ -51,9 +51,16 @@ pub struct NodeConfig {
     pub protocols: Option<std::sync::Arc<ProtoLog>>,
 }
 
-/// Serves relays on `listener` until the process ends: one thread per connection.
+/// Sessions served at once: each holds a producer and its model, so a node refuses more.
+const MAX_SESSIONS: usize = 16;
+/// How long a new connection has to say hello: one that says nothing does not hold a thread for ever.
+const HELLO_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Serves relays on `listener` until the process ends: one thread per connection, up to
+/// [`MAX_SESSIONS`] at once.
 pub fn serve(listener: TcpListener, config: NodeConfig) -> std::io::Result<()> {
     let mut session = 0u64;
+    let live = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     for stream in listener.incoming() {
         let stream = match stream {
             Ok(s) => s,
@@ -65,7 +72,23 @@ pub fn serve(listener: TcpListener, config: NodeConfig) -> std::io::Result<()> {
         session += 1;
         let config = config.clone();
         let peer = stream.peer_addr().map_or_else(|_| "?".to_string(), |a| a.to_string());
+        if live.fetch_add(1, std::sync::atomic::Ordering::AcqRel) >= MAX_SESSIONS {
+            live.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            tracing::warn!(session, %peer, "refused: {MAX_SESSIONS} sessions are live");
+            let message = format!("sessions: expected at most {MAX_SESSIONS} at once, found them all live");
+            let _ = refuse(&stream, "link", 0, message);
+            continue;
+        }
+        let live = std::sync::Arc::clone(&live);
         std::thread::Builder::new().name(format!("session-{session}")).spawn(move || {
+            // Counts the session out however it ends.
+            struct Out(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+            impl Drop for Out {
+                fn drop(&mut self) {
+                    self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                }
+            }
+            let _out = Out(live);
             tracing::info!(session, %peer, "relay connected");
             match run_session(&stream, &config, session) {
                 Ok(()) => tracing::info!(session, %peer, "session over"),
@@ -122,7 +145,11 @@ fn refuse(stream: &TcpStream, stage: &str, status: u32, message: String) -> Sess
 
 fn run_session(stream: &TcpStream, config: &NodeConfig, session: u64) -> Result<(), SessionError> {
     let _ = stream.set_nodelay(true);
-    let hello = match protocol::recv::<ToNode>(stream, protocol::MAX_TO_NODE) {
+    // The hello within HELLO_WAIT; after it, a relay may rightly be idle between requests for long.
+    stream.set_read_timeout(Some(HELLO_WAIT))?;
+    let hello = protocol::recv::<ToNode>(stream, protocol::MAX_TO_NODE);
+    stream.set_read_timeout(None)?;
+    let hello = match hello {
         Ok(Some(ToNode::Hello(h))) => h,
         Ok(Some(_)) => return Err(refuse(stream, "link", 0, "expected a hello first, found another message".into())),
         Ok(None) => return Ok(()),
