@@ -368,7 +368,7 @@ impl PagedKv {
                     // A sliding group writes only the pages its window will still see (whole pages, so
                     // that a prefix-cache hit can use every one of them).
                     let keep_from = match g.kind {
-                        GroupKind::Sliding { window } => len.max(end.saturating_sub(u64::from(window)) / p * p),
+                        GroupKind::Sliding { window } => len.max(sliding_keep_from(end, window, p)),
                         _ => len,
                     };
                     let first_new = len.div_ceil(p).max(keep_from / p);
@@ -427,7 +427,7 @@ impl PagedKv {
                 continue;
             }
             let keep_from = match g.kind {
-                GroupKind::Sliding { window } => end.saturating_sub(u64::from(window)),
+                GroupKind::Sliding { window } => sliding_keep_from(end, window, p),
                 _ => 0,
             };
             if !plan.new_pages.is_empty() {
@@ -466,6 +466,15 @@ impl PagedKv {
         self.commit(staged);
         Ok(())
     }
+}
+
+/// The first position (a page's first) a sliding group of `window` keeps once its sequence holds `end`
+/// positions in pages of `p`: the window of the last whole page's end, which a prefix hit on the
+/// sequence's whole pages needs, not only the window of `end`. They differ when `p` does not divide the
+/// window (a 6-token window in 4-token pages: 23 positions keep from 12, not 16, so that a hit of 20 finds
+/// positions 14..20). At most `ceil(window / p) + 1` pages either way.
+fn sliding_keep_from(end: u64, window: u32, p: u64) -> u64 {
+    (end / p * p).saturating_sub(u64::from(window)) / p * p
 }
 
 /// Ingests spans from a ring straight into one sequence.

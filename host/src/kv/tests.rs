@@ -460,6 +460,46 @@ fn a_sliding_window_that_no_longer_holds_a_prefix_limits_the_hit() {
     assert_eq!(k[..2 * 8], rows(&m, &payload_for(&m, 1), 0, EntryKind::K, 12..14), "the page's head was written");
 }
 
+/// A window the page size does not divide: the sliding group keeps the window of the last whole page's
+/// end, so that the prompt's whole pages are a hit (they kept only the window of the end, and no hit
+/// was possible at all).
+#[test]
+fn a_window_that_pages_do_not_divide_still_holds_the_whole_pages_prefix() {
+    let g = KvGeometry {
+        layers: vec![
+            LayerKv::Sliding { window: 6, kv_heads: 2, head_dim: 1 },
+            LayerKv::Full { kv_heads: 2, head_dim: 1 },
+        ],
+    };
+    let mut kv = cache(g.clone(), Dtype::F32, 4, 1 << 16);
+    kv.enable_prefix_cache();
+    let a: Vec<u32> = (0..23).collect();
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    ingest_chunks(&mut kv, SeqId(1), 1, 0..23, 5, 1);
+    kv.register_prefix(SeqId(1), &a, Dtype::F32);
+    assert_eq!(layer_bytes(&kv, SeqId(1), 0).0, 17..23, "the window as the sequence sees it");
+    kv.add_sequence(SeqId(2), 2).unwrap();
+    // A hit of 20 needs positions 14..20 of the sliding layer: held.
+    assert_eq!(kv.attach_prefix(SeqId(2), &a, Dtype::F32).tokens, 20);
+    let (positions, k, _) = layer_bytes(&kv, SeqId(2), 0);
+    assert_eq!(positions, 14..20);
+    let written: Vec<u8> = (0..23u64)
+        .step_by(5)
+        .flat_map(|at| {
+            let chunk = Manifest::grouped(&g, 1, at..(at + 5).min(23), Dtype::F32);
+            let payload = payload_for(&chunk, 1u8.wrapping_add(at as u8));
+            let lo = at.max(14);
+            let hi = (at + 5).min(20);
+            if lo < hi {
+                rows(&chunk, &payload, 0, EntryKind::K, lo..hi)
+            } else {
+                Vec::new()
+            }
+        })
+        .collect();
+    assert_eq!(k, written, "sequence 1's K of positions 14..20");
+}
+
 #[test]
 fn models_with_recurrent_state_never_hit() {
     let g = shm_format::testing::tiny_hybrid_geometry();
