@@ -523,6 +523,15 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         "counts.gguf",
         &[b"GGUF".as_slice(), &3u32.to_le_bytes(), &(1u64 << 63).to_le_bytes(), &(1u64 << 63).to_le_bytes()].concat(),
     );
+    // A Llama GGUF of 2^61 layers: refused before anything is sized by the count.
+    let huge_layers = {
+        let string = |s: &str| [&(s.len() as u64).to_le_bytes()[..], s.as_bytes()].concat();
+        let entry =
+            |key: &str, ty: u32, value: &[u8]| [string(key), ty.to_le_bytes().to_vec(), value.to_vec()].concat();
+        let header = [b"GGUF".as_slice(), &3u32.to_le_bytes(), &0u64.to_le_bytes(), &2u64.to_le_bytes()].concat();
+        let arch = entry("general.architecture", 8, &string("llama"));
+        file("layers.gguf", &[header, arch, entry("llama.block_count", 10, &(1u64 << 61).to_le_bytes())].concat())
+    };
     let sparse = dir.path().join("sparse.gguf");
     std::fs::File::create(&sparse).unwrap().set_len(1 << 40).unwrap();
     let sparse = sparse.display().to_string();
@@ -546,6 +555,10 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
     let no_weights = ckpt(
         "no-weights",
         r#"{"model_type":"llama","hidden_size":8,"num_attention_heads":2,"num_hidden_layers":1,"vocab_size":4,"intermediate_size":8}"#,
+    );
+    let huge_width = ckpt(
+        "huge-width",
+        r#"{"model_type":"llama","hidden_size":4611686018427387904,"num_attention_heads":2,"num_hidden_layers":1,"vocab_size":4,"intermediate_size":8}"#,
     );
     let huge_vocab = ckpt(
         "huge-vocab",
@@ -702,6 +715,9 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         tiny_gen("model: no safetensors", &["--model", &no_weights, "--prompt-ids", "1"])
             .refused(1, &["*.safetensors"]),
         tiny_gen("model: a 2^64 vocabulary", &["--model", &huge_vocab]).refused(1, &[]),
+        tiny_gen("model: 2^61 layers", &["--model", &huge_layers])
+            .refused(1, &["llama.block_count: expected at most 4096 layers, found 2305843009213693952"]),
+        tiny_gen("model: a 2^62 width", &["--model", &huge_width]).refused(1, &["width: expected at most 131072"]),
         tiny_gen("model: a sliding window of 0", &["--model", &zero_window])
             .refused(1, &["sliding window: expected at least one position, found 0"]),
         tiny_gen("model: the FIFO", &["--model", &fifo]).refused(2, &["a FIFO"]),

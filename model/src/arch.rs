@@ -25,6 +25,10 @@ pub enum Arch {
     Llama,
 }
 
+/// The most layers a model may have (a count from a file past it is refused before anything is sized by
+/// it).
+pub const MAX_LAYERS: usize = 1 << 12;
+
 /// Attention kind of a layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Attention {
@@ -231,13 +235,29 @@ impl Config {
             }
         };
         let key = |k: &str| format!("{arch_name}.{k}");
-        let n_layers = g.get_u64(&key("block_count"))? as usize;
+        let invalid = |what: &str, expected: &str, found: String| GgufError::Invalid {
+            path: g.path().into(),
+            what: what.into(),
+            expected: expected.into(),
+            found,
+        };
+        let n_layers = g.get_u64(&key("block_count"))?;
+        if n_layers > MAX_LAYERS as u64 {
+            return Err(
+                invalid(&key("block_count"), &format!("at most {MAX_LAYERS} layers"), n_layers.to_string()).into()
+            );
+        }
+        let n_layers = n_layers as usize;
         let hidden = g.get_u64(&key("embedding_length"))? as usize;
         let heads = g.get_u64(&key("attention.head_count"))? as usize;
         let kv_heads = g.get_u64(&key("attention.head_count_kv"))? as usize;
         let head_dim = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden / heads.max(1));
         let embed_info = g.tensor("token_embd.weight")?;
-        let vocab = embed_info.dims[1] as usize;
+        let [_, vocab] = embed_info.dims[..] else {
+            let found = format!("{} dimensions", embed_info.dims.len());
+            return Err(invalid("token_embd.weight", "2 dimensions (width, vocabulary)", found).into());
+        };
+        let vocab = usize::try_from(vocab).unwrap_or(usize::MAX);
         let rope_global = g.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0) as f32;
         let (layers, rope_local, query_scale) = match arch {
             Arch::Gemma3 => {
@@ -295,6 +315,9 @@ impl Config {
             _ => return Err(bad("model_type", "gemma3_text or llama", c["model_type"].to_string())),
         };
         let (hidden, heads, n_layers) = (u("hidden_size")?, u("num_attention_heads")?, u("num_hidden_layers")?);
+        if n_layers > MAX_LAYERS {
+            return Err(bad("num_hidden_layers", &format!("at most {MAX_LAYERS}"), n_layers.to_string()));
+        }
         let head_dim = c["head_dim"].as_u64().map(|v| v as usize).unwrap_or(hidden / heads.max(1));
         let rope = |kind: &str| -> Option<f32> {
             c["rope_parameters"][kind]["rope_theta"]
@@ -381,6 +404,21 @@ impl Config {
                 format!("{} heads, {} KV heads, head size {}", self.heads, self.kv_heads, self.head_dim),
             ));
         }
+        // Sizes whose products (a projection's, the embedding's) cannot wrap, far past any model this
+        // runs: a config that asks for more is refused, not multiplied.
+        let sizes = [
+            ("width", self.hidden, 1 << 17),
+            ("heads", self.heads, 1 << 12),
+            ("KV heads", self.kv_heads, 1 << 12),
+            ("head size", self.head_dim, 1 << 14),
+            ("feed-forward width", self.ffn, 1 << 20),
+            ("vocabulary", self.vocab, 1 << 24),
+        ];
+        for (what, size, max) in sizes {
+            if size > max {
+                return Err(bad(what, &format!("at most {max}"), size.to_string()));
+            }
+        }
         if self.layers.contains(&Attention::Sliding(0)) {
             return Err(bad("sliding window", "at least one position", "0".into()));
         }
@@ -428,10 +466,24 @@ impl Model {
                 found: format!("{} heads, {} KV heads, head dim {}", c.heads, c.kv_heads, c.head_dim),
             });
         }
-        check("token embedding", self.embed.len(), c.vocab * c.hidden)?;
+        // A matrix: its element count, and its row length where its blocks know it (a transposed
+        // matrix has the right count and would fail mid-forward).
+        let matrix = |what: &str, w: &Weight, rows: usize, cols: usize| {
+            check(what, w.len(), rows * cols)?;
+            match w.cols() {
+                Some(found) if found != cols => Err(LoadError::Checkpoint {
+                    path: self.source.clone(),
+                    what: what.to_string(),
+                    expected: format!("rows of {cols} values for this config"),
+                    found: format!("rows of {found}"),
+                }),
+                _ => Ok(()),
+            }
+        };
+        matrix("token embedding", &self.embed, c.vocab, c.hidden)?;
         check("final norm", self.final_norm.len(), c.hidden)?;
         if let Some(h) = &self.lm_head {
-            check("output head", h.len(), c.vocab * c.hidden)?;
+            matrix("output head", h, c.vocab, c.hidden)?;
         }
         if self.layers.len() != c.layers.len() {
             return Err(bad("layers".into(), c.layers.len(), self.layers.len()));
@@ -439,14 +491,14 @@ impl Model {
         for (l, w) in self.layers.iter().enumerate() {
             let at = |name: &str| format!("layer {l} {name}");
             check(&at("attention norm"), w.attn_norm.len(), c.hidden)?;
-            check(&at("q projection"), w.wq.len(), qd * c.hidden)?;
-            check(&at("k projection"), w.wk.len(), kvd * c.hidden)?;
-            check(&at("v projection"), w.wv.len(), kvd * c.hidden)?;
-            check(&at("output projection"), w.wo.len(), c.hidden * qd)?;
+            matrix(&at("q projection"), &w.wq, qd, c.hidden)?;
+            matrix(&at("k projection"), &w.wk, kvd, c.hidden)?;
+            matrix(&at("v projection"), &w.wv, kvd, c.hidden)?;
+            matrix(&at("output projection"), &w.wo, c.hidden, qd)?;
             check(&at("feed-forward norm"), w.ffn_norm.len(), c.hidden)?;
-            check(&at("gate projection"), w.gate.len(), c.ffn * c.hidden)?;
-            check(&at("up projection"), w.up.len(), c.ffn * c.hidden)?;
-            check(&at("down projection"), w.down.len(), c.hidden * c.ffn)?;
+            matrix(&at("gate projection"), &w.gate, c.ffn, c.hidden)?;
+            matrix(&at("up projection"), &w.up, c.ffn, c.hidden)?;
+            matrix(&at("down projection"), &w.down, c.hidden, c.ffn)?;
             for (name, norm, n) in [
                 ("q norm", &w.q_norm, c.head_dim),
                 ("k norm", &w.k_norm, c.head_dim),

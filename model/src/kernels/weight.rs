@@ -408,6 +408,15 @@ impl Weight {
             || matches!(self, Weight::Interleaved(_))
     }
 
+    /// Elements per row, where it is held as rows of blocks (an f32 matrix does not know its shape).
+    pub fn cols(&self) -> Option<usize> {
+        match self {
+            Weight::F32(_) => None,
+            Weight::Blocks { cols, .. } => Some(*cols),
+            Weight::Interleaved(m) => Some(m.cols),
+        }
+    }
+
     /// Elements.
     pub fn len(&self) -> usize {
         match self {
