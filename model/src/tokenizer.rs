@@ -436,16 +436,45 @@ impl GgufTokenizer {
                 None => parts.extend(self.unknown),
             }
         }
-        loop {
-            let best =
-                parts.windows(2).enumerate().filter_map(|(i, w)| ranks.get(&(w[0], w[1])).map(|&r| (r, i))).min();
-            let Some((_, i)) = best else { break };
-            let text = |id: u32| self.vocab.text(id).expect("ids come from the vocabulary");
-            let merged = [text(parts[i]), text(parts[i + 1])].concat();
-            parts[i] = self.vocab.id(&merged).expect("a ranked merge's join is a token");
-            parts.remove(i + 1);
+        // Merge the lowest-ranked adjacent pair, the leftmost of equals, until none is ranked. The
+        // pairs wait in a heap by (rank, left slot) over a linked list of slots, so a long word costs
+        // O(n log n), not a rescan per merge (a 40,000-character word took 11 s). An entry is current
+        // when both its slots still hold the ids it was made for: a slot's id only ever grows into a
+        // longer token, so it never holds an old id again.
+        let n = parts.len();
+        let mut next: Vec<usize> = (1..=n).collect();
+        let mut prev: Vec<usize> = (0..n).map(|i| i.wrapping_sub(1)).collect();
+        let mut alive = vec![true; n];
+        let mut heap = std::collections::BinaryHeap::new();
+        let push = |heap: &mut std::collections::BinaryHeap<_>, l: usize, a: u32, b: u32| {
+            if let Some(&rank) = ranks.get(&(a, b)) {
+                heap.push(std::cmp::Reverse((rank, l, a, b)));
+            }
+        };
+        for l in 1..n {
+            push(&mut heap, l - 1, parts[l - 1], parts[l]);
         }
-        out.extend(parts);
+        while let Some(std::cmp::Reverse((_, l, a, b))) = heap.pop() {
+            let r = next[l];
+            if !alive[l] || r >= n || parts[l] != a || parts[r] != b {
+                continue;
+            }
+            let text = |id: u32| self.vocab.text(id).expect("ids come from the vocabulary");
+            let merged = [text(a), text(b)].concat();
+            parts[l] = self.vocab.id(&merged).expect("a ranked merge's join is a token");
+            alive[r] = false;
+            next[l] = next[r];
+            if next[l] < n {
+                prev[next[l]] = l;
+            }
+            if prev[l] < n {
+                push(&mut heap, prev[l], parts[prev[l]], parts[l]);
+            }
+            if next[l] < n {
+                push(&mut heap, l, parts[l], parts[next[l]]);
+            }
+        }
+        out.extend(parts.iter().zip(&alive).filter(|(_, &alive)| alive).map(|(&id, _)| id));
     }
 
     /// The text of `ids`. With `skip_special`, control tokens are left out.
