@@ -47,6 +47,9 @@ fn a_python_backend_writes_spans_in_place_whole_and_chunked() {
     }
     assert_eq!(p.metrics().spans_accepted, 1 + PROMPT.len().div_ceil(3) as u64);
     assert_eq!(p.metrics().restarts, 0);
+    // The stand-in has no `takes_context`: its capabilities say so, and a prefix-cache hit's rest is
+    // never sent to it (its requests take no hit and are prefilled from 0).
+    assert_eq!(p.takes_context(), Some(false));
     drop(p);
     assert_eq!(snapshot(), before, "nothing leaked");
 }

@@ -249,9 +249,11 @@ impl Producer {
     }
 
     /// Whether the running backend takes a request that starts past position 0 with its context (ABI 1.1:
-    /// a prefix-cache hit); `None` before it runs.
+    /// a prefix-cache hit, unless its capabilities say `PDHOST_CAP_NO_CONTEXT`); `None` before it runs.
     pub fn takes_context(&self) -> Option<bool> {
-        self.running.as_ref().map(|r| r.described.abi_minor >= 1)
+        self.running.as_ref().map(|r| {
+            r.described.abi_minor >= 1 && r.described.capabilities.flags & pdhost_plugin_abi::PDHOST_CAP_NO_CONTEXT == 0
+        })
     }
 
     /// Starts the producer now if it is not running (warm-up before the first request).

@@ -27,6 +27,14 @@
 #define PDHOST_ABI_MINOR 2
 
 /**
+ * [`PdhostCapabilities::flags`]: the backend refuses a `prefill` that carries a context (the tokens
+ * before `start_pos` on a prefix-cache hit, ABI 1.1), so the host never sends one: its requests take no
+ * prefix hit and are prefilled from position 0. For a backend built for ABI 1.1 or later that cannot
+ * take one (a Python class without `takes_context`).
+ */
+#define PDHOST_CAP_NO_CONTEXT 1
+
+/**
  * Result codes. Every ABI function returns one of these as a `u32`.
  */
 enum PdhostStatus
@@ -355,9 +363,9 @@ typedef struct PdhostCapabilities {
    */
   uint32_t layouts;
   /**
-   * Reserved, zero.
+   * Bits: [`PDHOST_CAP_NO_CONTEXT`]. 0 (what a backend that knows no flags leaves): the defaults.
    */
-  uint32_t reserved;
+  uint32_t flags;
   /**
    * The most tokens one `prefill` call may carry (the host chunks longer prompts); 0: no limit.
    */

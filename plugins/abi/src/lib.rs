@@ -167,11 +167,17 @@ pub struct PdhostCapabilities {
     pub dtypes: u32,
     /// The layouts it can emit: bit `l` set for [`PdhostLayout`] `l`. 0: only the described one.
     pub layouts: u32,
-    /// Reserved, zero.
-    pub reserved: u32,
+    /// Bits: [`PDHOST_CAP_NO_CONTEXT`]. 0 (what a backend that knows no flags leaves): the defaults.
+    pub flags: u32,
     /// The most tokens one `prefill` call may carry (the host chunks longer prompts); 0: no limit.
     pub max_tokens: u64,
 }
+
+/// [`PdhostCapabilities::flags`]: the backend refuses a `prefill` that carries a context (the tokens
+/// before `start_pos` on a prefix-cache hit, ABI 1.1), so the host never sends one: its requests take no
+/// prefix hit and are prefilled from position 0. For a backend built for ABI 1.1 or later that cannot
+/// take one (a Python class without `takes_context`).
+pub const PDHOST_CAP_NO_CONTEXT: u32 = 1;
 
 /// Severity of a backend's log line, for [`PdhostLogFn`].
 #[repr(u32)]
@@ -377,6 +383,8 @@ pub struct Description {
 /// What a Rust backend can do; [`export_backend!`] turns it into a [`PdhostCapabilities`].
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Capabilities {
+    /// It refuses calls that carry a context ([`PDHOST_CAP_NO_CONTEXT`]).
+    pub refuses_context: bool,
     /// Wire dtypes it can emit (empty: only the described one).
     pub dtypes: Vec<PdhostDtype>,
     /// Layouts it can emit (empty: only the described one).
@@ -392,7 +400,7 @@ impl Capabilities {
             struct_size: size_of::<PdhostCapabilities>() as u32,
             dtypes: self.dtypes.iter().fold(0, |bits, &d| bits | 1 << d as u32),
             layouts: self.layouts.iter().fold(0, |bits, &l| bits | 1 << l as u32),
-            reserved: 0,
+            flags: if self.refuses_context { PDHOST_CAP_NO_CONTEXT } else { 0 },
             max_tokens: self.max_tokens,
         }
     }

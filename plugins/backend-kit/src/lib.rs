@@ -195,6 +195,7 @@ impl ModelBackend {
             dtypes: vec![PdhostDtype::F32, PdhostDtype::F16, PdhostDtype::Bf16],
             layouts: vec![self.layout],
             max_tokens: 0,
+            refuses_context: false,
         }
     }
 

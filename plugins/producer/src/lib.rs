@@ -502,7 +502,7 @@ fn capabilities(instance: &Instance<'_>) -> Result<CapabilitiesDesc, Fatal> {
     if code != PdhostStatus::Ok as u32 {
         return Err(backend_fatal("capabilities", code, &err));
     }
-    Ok(CapabilitiesDesc { dtypes: c.dtypes, layouts: c.layouts, max_tokens: c.max_tokens })
+    Ok(CapabilitiesDesc { flags: c.flags, dtypes: c.dtypes, layouts: c.layouts, max_tokens: c.max_tokens })
 }
 
 /// The writer's context during one `prefill` call.

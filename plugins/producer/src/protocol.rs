@@ -85,6 +85,8 @@ pub struct Described {
 /// A backend's capabilities, as `PdhostCapabilities` gives them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct CapabilitiesDesc {
+    /// `PDHOST_CAP_*` bits.
+    pub flags: u32,
     /// Bit per `PdhostDtype` it can emit; 0: the described one.
     pub dtypes: u32,
     /// Bit per `PdhostLayout`; 0: the described one.

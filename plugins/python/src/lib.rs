@@ -384,7 +384,12 @@ impl pdhost_plugin_abi::Backend for PyBackend {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities { max_tokens: self.max_tokens, ..Capabilities::default() }
+        // A class without `takes_context` refuses a prefix-cache hit's call: the host is told so now, and
+        // never sends one (its requests take no hit and are prefilled from 0).
+        let takes_context = Python::attach(|py| {
+            self.instance.bind(py).getattr("takes_context").and_then(|v| v.is_truthy()).unwrap_or(false)
+        });
+        Capabilities { max_tokens: self.max_tokens, refuses_context: !takes_context, ..Capabilities::default() }
     }
 
     fn prefill(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
