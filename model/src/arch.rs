@@ -79,6 +79,28 @@ pub struct Config {
 /// The context of a model whose metadata does not say (llama.cpp's default for such files).
 pub const DEFAULT_CONTEXT: usize = 2048;
 
+/// The tokens that end generation in a GGUF: its EOS, its end-of-turn and end-of-message tokens where it
+/// names them, and for Gemma 3 `<end_of_turn>` (which Gemma 3's generation config lists beside EOS, and
+/// llama.cpp ends on too; Gemma 3 270M's GGUF names only `<eos>`, so a chat reply ran to `max_tokens`).
+fn gguf_eos(g: &Gguf, arch: Arch) -> Vec<u32> {
+    let mut eos = Vec::new();
+    for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
+        if let Some(id) = g.get_u64(key).ok().and_then(|v| u32::try_from(v).ok()) {
+            if !eos.contains(&id) {
+                eos.push(id);
+            }
+        }
+    }
+    if arch == Arch::Gemma3 {
+        let end_of_turn =
+            g.get_strings("tokenizer.ggml.tokens").ok().and_then(|t| t.iter().position(|t| t == "<end_of_turn>"));
+        if let Some(id) = end_of_turn.and_then(|i| u32::try_from(i).ok()).filter(|id| !eos.contains(id)) {
+            eos.push(id);
+        }
+    }
+    eos
+}
+
 impl Config {
     /// The KV geometry (what the span fingerprint hashes).
     pub fn kv_geometry(&self) -> KvGeometry {
@@ -288,7 +310,7 @@ impl Config {
             query_scale,
             context: g.get_u64(&key("context_length")).map(|v| v as usize).unwrap_or(DEFAULT_CONTEXT),
             bos: g.get_u64("tokenizer.ggml.bos_token_id").ok().map(|v| v as u32),
-            eos: g.get_u64("tokenizer.ggml.eos_token_id").ok().map(|v| vec![v as u32]).unwrap_or_default(),
+            eos: gguf_eos(g, arch),
         };
         config.checked(g.path())
     }

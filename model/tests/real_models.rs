@@ -54,9 +54,13 @@ fn metadata_describes_the_architectures() {
     assert_eq!(gemma.get_str("general.architecture").unwrap(), "gemma3");
     assert_eq!(gemma.get_u64("gemma3.block_count").unwrap(), 18);
     assert_eq!(gemma.get_u64("gemma3.attention.sliding_window").unwrap(), 512);
+    // Generation ends at `<eos>` and, as Gemma 3's generation config and llama.cpp have it, at
+    // `<end_of_turn>` (the GGUF names only the first).
+    assert_eq!(model::arch::Config::from_gguf(&gemma).unwrap().eos, [1, 106]);
     let smol = Gguf::open(&fetched("smollm2-135m")).unwrap();
     assert_eq!(smol.get_str("general.architecture").unwrap(), "llama");
     assert_eq!(smol.get_u64("llama.block_count").unwrap(), 30);
+    assert_eq!(model::arch::Config::from_gguf(&smol).unwrap().eos, [2]);
 }
 
 #[test]
