@@ -509,7 +509,9 @@ fn logprobs_are_those_of_generate_streamed_or_not_in_either_api() {
         let tops: Vec<f64> = t["top"].as_array().unwrap().iter().map(|p| p[1].as_f64().unwrap()).collect();
         assert!(tops.windows(2).all(|w| w[0] >= w[1]) && tops[0] <= 0.0, "{t}");
     }
-    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3});
+    // A stop string that never comes: the stream holds back text that might become it, and each chunk's
+    // log-probabilities are those of the tokens its text completes.
+    let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 3, "stop": ["qqqqqqqqqqqq"]});
     let mut streamed = body.clone();
     streamed["stream"] = json!(true);
     // The stream and the whole response at once: they share decode steps.
@@ -541,6 +543,17 @@ fn logprobs_are_those_of_generate_streamed_or_not_in_either_api() {
     assert_eq!(joined("token_logprobs"), values("token_logprobs", lp));
     assert_eq!(joined("tokens"), values("tokens", lp));
     assert_eq!(joined("text_offset"), offsets);
+    // Never ahead of the text: the tokens reported so far spell a prefix of the text sent so far (a
+    // token whose text is held back, or split across chunks, comes with the chunk that completes it).
+    let (mut text, mut spelled) = (String::new(), String::new());
+    for choice in chunks.iter().map(|c| &c["choices"][0]) {
+        text.push_str(choice["text"].as_str().unwrap_or_default());
+        if !choice["logprobs"].is_null() {
+            spelled.extend(values("tokens", &choice["logprobs"]).iter().map(|t| t.as_str().unwrap().to_string()));
+        }
+        assert!(text.starts_with(&spelled), "tokens {spelled:?} ahead of the text {text:?}");
+    }
+    assert_eq!(spelled, text);
 
     // Chat: `logprobs: true` and `top_logprobs`, each token with its bytes.
     let chat = json!({"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 6, "temperature": 0,

@@ -387,6 +387,7 @@ impl<'t> Scheduler<'_, 't> {
                         stream: TextStream::new(self.tokenizer),
                         sent: 0,
                         logprobs_sent: 0,
+                        ends: Vec::new(),
                         last_token: None,
                         stopped_by_string: false,
                         cancelled: false,
@@ -426,6 +427,8 @@ struct Running<'t> {
     sent: usize,
     /// Tokens whose log-probabilities were sent.
     logprobs_sent: usize,
+    /// Per token so far, the length of the shown text once it was pushed.
+    ends: Vec<usize>,
     last_token: Option<Instant>,
     stopped_by_string: bool,
     cancelled: bool,
@@ -450,10 +453,15 @@ fn advance(metrics: &Metrics, r: &mut Running<'_>, step: Result<Option<u32>, Eng
     }
     r.stream.push(id);
     let text = r.stream.shown();
+    r.ends.push(text.len());
     let (end, stop) = safe_end(text, r.sent, &r.job.stop);
     if end > r.sent {
-        let logprobs = r.live.logprobs()[r.logprobs_sent..].to_vec();
-        r.logprobs_sent += logprobs.len();
+        // The log-probabilities of the tokens this text completes; a token whose text is still held
+        // back (it may become a stop string) goes with the chunk that sends it.
+        let lps = r.live.logprobs();
+        let ready = r.ends.partition_point(|&e| e <= end).min(lps.len()).max(r.logprobs_sent);
+        let logprobs = lps[r.logprobs_sent..ready].to_vec();
+        r.logprobs_sent = ready;
         if r.job.events.send(Event::Text(text[r.sent..end].to_string(), logprobs)).is_err() {
             r.cancelled = true;
             return ControlFlow::Break(());
