@@ -255,10 +255,14 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         }
         writeln!(stdout, "{out}").map_err(StdoutError)?;
     } else {
-        if tokenizer.is_none() {
-            writeln!(stdout, "{:?}", gen.output).map_err(StdoutError)?;
-        } else {
-            writeln!(stdout).map_err(StdoutError)?;
+        match (&stream, &text) {
+            (None, _) | (_, None) => writeln!(stdout, "{:?}", gen.output).map_err(StdoutError)?,
+            // What the stream held back as an unfinished character is printed as `--json` has it (a
+            // replacement character), not dropped.
+            (Some(stream), Some(text)) => {
+                let tail = text.strip_prefix(stream.shown()).unwrap_or_default();
+                writeln!(stdout, "{tail}").map_err(StdoutError)?
+            }
         }
         stdout.flush().map_err(StdoutError)?;
         let decode_tps = (gen.output.len().saturating_sub(1)) as f64 / gen.decode.as_secs_f64().max(1e-9);
