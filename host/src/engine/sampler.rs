@@ -183,7 +183,9 @@ fn draw(kept: &[(f32, u32)], u: f32) -> u32 {
         }
         r -= w;
     }
-    kept.last().expect("a nucleus holds a token").1
+    // Rounding left the draw past the end: the last token that has any weight (all of them, with
+    // `top_p` missed by every share, may end in tokens of none).
+    kept.iter().rev().find(|k| k.0 > 0.0).or(kept.first()).expect("a nucleus holds a token").1
 }
 
 /// A small seeded generator (splitmix64) for sampling.
@@ -204,6 +206,14 @@ impl Rng {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A draw that rounding carries past every weight (here `u` of 1) lands on the last token that has
+    /// weight, never on a token of none.
+    #[test]
+    fn a_draw_past_the_end_lands_on_a_token_with_weight() {
+        assert_eq!(draw(&[(0.75, 7), (0.25, 8), (0.0, 9)], 1.0), 8);
+        assert_eq!(draw(&[(0.75, 7), (0.25, 8), (0.0, 9)], 0.5), 7);
+    }
 
     /// Logits of `n` tokens from `seed`: a few heavy ones over a long flat tail, as a language model's.
     fn logits(n: usize, seed: u64) -> Vec<f32> {
