@@ -37,6 +37,9 @@ pub struct PyBackend {
     instance: Py<PyAny>,
     description: Description,
     max_tokens: u64,
+    /// The class says `takes_context = True` (read once, at open: what its capabilities tell the host and
+    /// what its calls do cannot disagree).
+    takes_context: bool,
 }
 
 // SAFETY: the producer calls a backend from one thread at a time (docs/plugin-abi.md, threading), and
@@ -375,7 +378,8 @@ impl pdhost_plugin_abi::Backend for PyBackend {
             instance.call_method1("open", (config_dict,)).map_err(|e| backend_error(py, "open", &e))?;
             let described = instance.call_method0("describe").map_err(|e| backend_error(py, "describe", &e))?;
             let (description, max_tokens) = description(&described).map_err(bad_config)?;
-            Ok(PyBackend { instance: instance.unbind(), description, max_tokens })
+            let takes_context = instance.getattr("takes_context").and_then(|v| v.is_truthy()).unwrap_or(false);
+            Ok(PyBackend { instance: instance.unbind(), description, max_tokens, takes_context })
         })
     }
 
@@ -386,19 +390,16 @@ impl pdhost_plugin_abi::Backend for PyBackend {
     fn capabilities(&self) -> Capabilities {
         // A class without `takes_context` refuses a prefix-cache hit's call: the host is told so now, and
         // never sends one (its requests take no hit and are prefilled from 0).
-        let takes_context = Python::attach(|py| {
-            self.instance.bind(py).getattr("takes_context").and_then(|v| v.is_truthy()).unwrap_or(false)
-        });
-        Capabilities { max_tokens: self.max_tokens, refuses_context: !takes_context, ..Capabilities::default() }
+        Capabilities { max_tokens: self.max_tokens, refuses_context: !self.takes_context, ..Capabilities::default() }
     }
 
     fn prefill(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
         Python::attach(|py| {
             // A request that starts past 0 with the tokens before it (a prefix-cache hit) goes only to a
-            // class that says it takes one; the host prefills it itself otherwise.
+            // class that says it takes one (the host, told by the capabilities, sends no other one).
             let context = if request.context.is_empty() {
                 None
-            } else if self.instance.bind(py).getattr("takes_context").and_then(|v| v.is_truthy()).unwrap_or(false) {
+            } else if self.takes_context {
                 Some(PyList::new(py, request.context).map_err(|e| backend_error(py, "context", &e))?)
             } else {
                 return Err(BackendError::new(
