@@ -895,6 +895,7 @@ fn a_second_producer_prefills_while_the_first_hangs() {
     let (status, first) = first.join().unwrap();
     assert_eq!(status, 200, "{first}");
     assert_eq!(first["pdhost"]["prefill"], "local", "{first}");
+    assert_eq!(first["pdhost"]["producer"], "faulty", "{first}: the producer that was asked");
     assert!(first["pdhost"]["fallback_reason"].as_str().unwrap_or_default().starts_with("timeout"), "{first}");
     assert_eq!(first["pdhost"]["output_ids"], reference["output_ids"], "{first}");
 }

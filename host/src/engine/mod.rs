@@ -79,7 +79,7 @@ struct Prefilled {
 
 /// Who will prefill a request: the producers' name, and the wire dtype of their spans when their
 /// backend can start a request past position 0 (ABI 1.1), so that a prefix-cache hit may go remote.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Remote {
     /// The producers' name.
     pub name: String,
@@ -96,6 +96,24 @@ impl Remote {
     pub fn of(producer: &Producer) -> Self {
         let hits = producer.wire_dtype().filter(|_| producer.takes_context() == Some(true));
         Remote { name: producer.name().to_string(), hits, max_tokens: producer.max_tokens() }
+    }
+
+    /// What producers that may each take any request are together (`--producer A,B`): hits only when
+    /// every one of them takes a request's context with the same wire dtype (a hit's K/V are keyed by
+    /// their rounding, and the rest of the prompt must be rounded the same way, by whichever producer
+    /// takes it), chunks no longer than the smallest `max_tokens`, and their distinct names joined by
+    /// commas. `None` when there are none.
+    pub fn together(each: &[Remote]) -> Option<Remote> {
+        let first = each.first()?;
+        let hits = first.hits.filter(|&d| each.iter().all(|r| r.hits == Some(d)));
+        let max_tokens = each.iter().filter_map(|r| r.max_tokens).min();
+        let mut names: Vec<&str> = Vec::new();
+        for r in each {
+            if !names.contains(&r.name.as_str()) {
+                names.push(&r.name);
+            }
+        }
+        Some(Remote { name: names.join(","), hits, max_tokens })
     }
 }
 
@@ -193,6 +211,11 @@ impl Prefilling {
     /// falling back).
     pub fn take_fallback(&mut self) -> Option<ProducerError> {
         self.prefilled.report.fallback.take()
+    }
+
+    /// Notes which producer answered its last call (of several that might have), for the report.
+    pub fn asked(&mut self, producer: &Producer) {
+        self.prefilled.report.producer = Some(producer.name().to_string());
     }
 
     /// Notes the producer's layout, wire dtype and transport for the report.
@@ -960,6 +983,26 @@ mod tests {
                 assert_eq!(widened(v), want, "{dtype:?}");
             }
         }
+    }
+
+    #[test]
+    fn producers_together_promise_only_what_each_of_them_does() {
+        let r = |name: &str, hits, max_tokens| Remote { name: name.into(), hits, max_tokens };
+        assert_eq!(Remote::together(&[]), None);
+        let one = r("rngd", Some(Dtype::Bf16), Some(512));
+        assert_eq!(Remote::together(std::slice::from_ref(&one)), Some(one.clone()));
+        // Two of one backend are that backend.
+        assert_eq!(Remote::together(&[one.clone(), one.clone()]), Some(one.clone()));
+        // Another wire dtype, or one that takes no context, or one not known yet: no hits for anyone,
+        // whichever producer would take the request; chunks fit the smallest.
+        for other in [r("gpu", Some(Dtype::F32), None), r("gpu", None, Some(256)), r("py", None, None)] {
+            let both = Remote::together(&[one.clone(), other.clone(), one.clone()]).expect("two producers");
+            assert_eq!(both.hits, None, "{other:?}");
+            assert_eq!(both.max_tokens, Some(other.max_tokens.unwrap_or(512).min(512)), "{other:?}");
+            assert_eq!(both.name, format!("rngd,{}", other.name));
+        }
+        let same = Remote::together(&[one.clone(), r("gpu", Some(Dtype::Bf16), None)]).expect("two producers");
+        assert_eq!((same.hits, same.max_tokens), (Some(Dtype::Bf16), Some(512)));
     }
 
     fn borrowed(values: &KvValues<'_>) -> bool {

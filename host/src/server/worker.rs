@@ -145,7 +145,7 @@ pub fn spawn(
             }
             metrics.producer(i, p.metrics());
         }
-        let remote = loaded.producers.first().map(Remote::of);
+        let remotes: Vec<Remote> = loaded.producers.iter().map(Remote::of).collect();
         let mut pool = match super::prefill::Pool::new(std::mem::take(&mut loaded.producers)) {
             Ok(pool) => pool,
             Err(e) => {
@@ -156,8 +156,14 @@ pub fn spawn(
         metrics.kv_usage(&loaded.engine.kv.usage());
         state.0.store(EngineState::SERVING, Ordering::Release);
         (std::mem::replace(&mut loaded.on_ready, Box::new(|| {})))();
-        let mut scheduler =
-            Scheduler { loaded: &mut loaded, pool: &mut pool, remote, tokenizer: &tokenizer, metrics: &metrics };
+        let mut scheduler = Scheduler {
+            loaded: &mut loaded,
+            pool: &mut pool,
+            remote: Remote::together(&remotes),
+            remotes,
+            tokenizer: &tokenizer,
+            metrics: &metrics,
+        };
         scheduler.run(&queue, &stop);
         // Producers at rest stop here; one still with its waiter stops when the waiter's reply finds
         // no one listening.
@@ -195,7 +201,10 @@ impl Admitting {
 struct Scheduler<'a, 't> {
     loaded: &'a mut Loaded,
     pool: &'a mut super::prefill::Pool,
-    /// The producers, if there are any.
+    /// Each producer, by index, as far as it is known (what it said at its last reply).
+    remotes: Vec<Remote>,
+    /// What they are together, which is all a request can count on before a producer takes it: `None`
+    /// without producers.
     remote: Option<Remote>,
     tokenizer: &'t Tokenizer,
     metrics: &'a Metrics,
@@ -289,10 +298,13 @@ impl<'t> Scheduler<'_, 't> {
         let a = admitting.iter_mut().find(|a| a.prefill.seq() == seq).expect("a prefill in flight stays admitted");
         let taken = result.and_then(|pending| producer.take(pending, &mut self.loaded.engine.kv, seq));
         self.metrics.producer(index, producer.metrics());
-        if let Some(r) = self.remote.as_mut().filter(|r| r.hits.is_none()) {
-            // A producer that did not run at start-up says now what it is.
-            *r = Remote::of(&producer);
+        // A producer that did not run at start-up, or came back restarted, says now what it is.
+        let now = Remote::of(&producer);
+        if self.remotes[index] != now {
+            self.remotes[index] = now;
+            self.remote = Remote::together(&self.remotes);
         }
+        a.prefill.asked(&producer);
         match taken {
             Ok(times) => {
                 a.prefill.remote_by(&producer);
