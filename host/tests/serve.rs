@@ -323,6 +323,55 @@ fn the_queue_refuses_past_its_size_and_a_client_that_leaves_cancels_its_request(
     assert!(metric(&s, r#"pdhost_kv_pages{group="0 (full attention)",state="free"}"#).is_some_and(|f| f > 0.0));
 }
 
+/// While the only slot's prompt is prefilled by a producer (nothing decodes, so the engine waits for
+/// requests and replies at once), requests past the queue's one place are still refused. The engine
+/// used to take every request off the queue into a list of its own, where it counted as neither waiting
+/// nor running, and none was refused.
+#[test]
+fn the_queue_refuses_past_its_size_while_a_remote_prefill_holds_the_slot() {
+    let config = r#"{"fault": "hang", "on_requests": [1]}"#;
+    let s = serve(&[
+        "--producer",
+        "faulty",
+        "--backend-config",
+        config,
+        "--producer-timeout",
+        "10",
+        "--slots",
+        "1",
+        "--queue",
+        "1",
+    ]);
+    let send = |s: &Served| {
+        let url = format!("{}/v1/completions", s.url);
+        std::thread::spawn(move || {
+            let r = agent().post(&url).send_json(json!({"prompt": "Hi there", "max_tokens": 2, "temperature": 0}));
+            r.unwrap().status().as_u16()
+        })
+    };
+    let hung = send(&s);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while metric(&s, "pdhost_requests_running") != Some(1.0) {
+        assert!(Instant::now() < deadline, "request 1 was never admitted: {}", s.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut more: Vec<_> = (0..3).map(|_| send(&s)).collect();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while more.iter().filter(|t| t.is_finished()).count() < 2 {
+        assert!(Instant::now() < deadline, "fewer than two of three requests were refused while the slot was held");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(metric(&s, "pdhost_requests_waiting"), Some(1.0));
+    let queued = more.iter().position(|t| !t.is_finished()).expect("one request waits");
+    let waiting = more.remove(queued);
+    assert_eq!(more.into_iter().map(|t| t.join().unwrap()).collect::<Vec<_>>(), [503, 503]);
+    // The hung prefill falls back at its deadline; then the queued request runs.
+    assert_eq!(hung.join().unwrap(), 200);
+    assert_eq!(waiting.join().unwrap(), 200);
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="queue_full"}"#), Some(2.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(2.0));
+}
+
 /// A stream whose client leaves while it waits for a slot is cancelled before it runs (it used to be
 /// prefilled and decoded a token first: its leaving was seen only when that token could not be sent).
 #[test]
@@ -841,6 +890,9 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
             assert_eq!(status, 500, "{crashed}");
             assert_eq!(crashed["error"]["code"], "generation_failed", "{crashed}");
             assert!(crashed["error"]["message"].as_str().unwrap().contains("faulty"), "{crashed}");
+            // Counted once, by the engine (the handler counted it again, as `generation_failed`).
+            assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="failed"}"#), Some(1.0));
+            assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="generation_failed"}"#), None);
         }
         // The producer restarts at the next request after a 50 ms backoff (a request inside it would be
         // refused as `backing_off`): wait it out.

@@ -167,6 +167,11 @@ impl Prefilling {
         Some(PrefillCall { request_id: self.request_id, start_pos: start, tokens: tokens.to_vec(), context })
     }
 
+    /// K/V bytes its prefill has committed so far.
+    pub fn bytes(&self) -> u64 {
+        self.prefilled.bytes
+    }
+
     /// The request id its spans must carry.
     pub fn request_id(&self) -> u64 {
         self.request_id

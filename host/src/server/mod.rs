@@ -515,12 +515,10 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
                     .into_response());
                 }
                 Event::Failed(message) => {
-                    return Err(ApiError::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "server_error",
-                        "generation_failed",
-                        message,
-                    ))
+                    // The engine counted it (`failed`); a refusal's count is for what the handler refuses.
+                    let e =
+                        ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "generation_failed", message);
+                    return Ok(e.into_response());
                 }
             }
         }

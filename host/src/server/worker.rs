@@ -254,8 +254,11 @@ impl<'t> Scheduler<'_, 't> {
             if !queue_open && admitting.is_empty() && arrived.is_empty() {
                 return;
             }
-            // Nothing to compute: wait for a request or a reply, looking at `stop` now and then.
-            let requests = if queue_open { queue.clone() } else { crossbeam_channel::never() };
+            // Nothing to compute: wait for a request or a reply, looking at `stop` now and then. A request
+            // is taken off the bounded queue only for a free slot: taken early, it would count as
+            // neither waiting nor running, and the queue would take more than `--queue` behind it.
+            let free = live.len() + admitting.len() < self.loaded.slots;
+            let requests = if queue_open && free { queue.clone() } else { crossbeam_channel::never() };
             crossbeam_channel::select! {
                 recv(requests) -> job => match job {
                     Ok(job) => arrived.push_back(job),
@@ -280,7 +283,10 @@ impl<'t> Scheduler<'_, 't> {
         }
         let admitted = Instant::now();
         match self.loaded.engine.begin(&job.request, self.remote.as_ref()) {
-            Ok(prefill) => Some(Admitting { job, prefill, admitted, in_flight: false, failed: None }),
+            Ok(prefill) => {
+                self.metrics.running.inc();
+                Some(Admitting { job, prefill, admitted, in_flight: false, failed: None })
+            }
             Err(e) => {
                 tracing::warn!(id = job.id, "failed: {e}");
                 self.metrics.requests.with_label_values(&["failed"]).inc();
@@ -382,6 +388,11 @@ impl<'t> Scheduler<'_, 't> {
                 continue;
             }
             let Admitting { job, prefill, admitted, failed, .. } = admitting.remove(i);
+            if cancelled || failed.is_some() {
+                // Not running any more, and what its prefill committed counted, before its client hears.
+                self.metrics.running.dec();
+                self.metrics.kv_bytes.inc_by(prefill.bytes());
+            }
             if cancelled {
                 tracing::info!(id = job.id, "cancelled during prefill");
                 self.metrics.requests.with_label_values(&["cancelled"]).inc();
@@ -408,6 +419,7 @@ impl<'t> Scheduler<'_, 't> {
                     }),
                     Err(e) => {
                         tracing::warn!(id = job.id, "failed: {e}");
+                        self.metrics.running.dec();
                         self.metrics.requests.with_label_values(&["failed"]).inc();
                         let _ = job.events.send(Event::Failed(e.to_string()));
                     }
@@ -517,8 +529,11 @@ fn safe_end(text: &str, sent: usize, stop: &[String]) -> (usize, bool) {
 fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
     let Running { job, live, stream, sent, logprobs_sent, stopped_by_string, cancelled, failed, admitted, .. } = r;
     let gen = loaded.engine.finish(live);
-    // Its pages are free now, before its client hears of it.
+    // Its pages and its slot are free now, and what its prefill committed counted, before its client
+    // hears of it (a client that reads `/metrics` once it has its answer sees it gone).
     metrics.kv_usage(&loaded.engine.kv.usage());
+    metrics.running.dec();
+    metrics.kv_bytes.inc_by(gen.bytes);
     let events = &job.events;
     if let Some(e) = failed {
         tracing::warn!(id = job.id, "failed: {e}");
@@ -554,16 +569,20 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
     let report = &gen.report;
     let where_ = if report.remote { "remote" } else { "local" };
     let decode_tps = gen.output.len().saturating_sub(1) as f64 / gen.decode.as_secs_f64().max(1e-9);
+    // From acceptance to admission: the wait for a slot, which `ttft` (from admission, as in `generate`)
+    // leaves out and the TTFT histogram counts.
+    let queued = admitted.saturating_duration_since(job.accepted);
     tracing::info!(
         id = job.id,
         prompt = job.request.prompt.len(),
         output = gen.output.len(),
         prefill = where_,
         prefix_hit = report.prefix_hit,
+        queue_ms = format_args!("{:.1}", queued.as_secs_f64() * 1e3),
         ttft_ms = format_args!("{:.1}", gen.ttft.as_secs_f64() * 1e3),
         tok_s = format_args!("{decode_tps:.1}"),
         finish,
-        total_ms = format_args!("{:.1}", admitted.elapsed().as_secs_f64() * 1e3),
+        total_ms = format_args!("{:.1}", job.accepted.elapsed().as_secs_f64() * 1e3),
         "request"
     );
     let pdhost = json!({
@@ -575,6 +594,7 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
         "spans": gen.spans, "bytes": gen.bytes,
         "prefix_hit_tokens": report.prefix_hit,
         "fallback_reason": report.fallback.as_ref().map(|e| format!("{}: {e}", e.kind())),
+        "queue_ms": queued.as_secs_f64() * 1e3,
         "ttft_ms": gen.ttft.as_secs_f64() * 1e3,
         "decode_ms": gen.decode.as_secs_f64() * 1e3,
         "logits_xxh3": format!("{:016x}", gen.logits_hash),
@@ -584,9 +604,8 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
     metrics.requests.with_label_values(&["ok"]).inc();
     let how = if report.fallback.is_some() { "fallback" } else { where_ };
     metrics.prefills.with_label_values(&[how, report.producer.as_deref().unwrap_or("local")]).inc();
-    metrics.kv_bytes.inc_by(gen.bytes);
     metrics.prefix_hit_tokens.inc_by(report.prefix_hit);
-    metrics.ttft.observe(gen.ttft.as_secs_f64());
+    metrics.ttft.observe((queued + gen.ttft).as_secs_f64());
     metrics.e2e.observe(job.accepted.elapsed().as_secs_f64());
     let _ = events.send(Event::Done(Done { finish, completion_tokens: gen.output.len(), pdhost }));
 }
