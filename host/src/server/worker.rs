@@ -583,6 +583,7 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
         tok_s = format_args!("{decode_tps:.1}"),
         finish,
         total_ms = format_args!("{:.1}", job.accepted.elapsed().as_secs_f64() * 1e3),
+        fallback = report.fallback.as_ref().map_or("-", |e| e.kind()),
         "request"
     );
     let pdhost = json!({
