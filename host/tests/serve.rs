@@ -336,7 +336,7 @@ fn the_queue_refuses_past_its_size_while_a_remote_prefill_holds_the_slot() {
         "--backend-config",
         config,
         "--producer-timeout",
-        "10",
+        "20",
         "--slots",
         "1",
         "--queue",
@@ -356,7 +356,8 @@ fn the_queue_refuses_past_its_size_while_a_remote_prefill_holds_the_slot() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let mut more: Vec<_> = (0..3).map(|_| send(&s)).collect();
-    let deadline = Instant::now() + Duration::from_secs(5);
+    // Refusals are at once; the hung prefill holds the slot for 20 s.
+    let deadline = Instant::now() + Duration::from_secs(15);
     while more.iter().filter(|t| t.is_finished()).count() < 2 {
         assert!(Instant::now() < deadline, "fewer than two of three requests were refused while the slot was held");
         std::thread::sleep(Duration::from_millis(10));
@@ -385,8 +386,9 @@ fn a_stream_whose_client_leaves_while_queued_never_runs() {
     let queued = agent().post(&url).send_json(json!({"prompt": "Hi", "max_tokens": 5, "stream": true})).unwrap();
     assert_eq!(queued.status().as_u16(), 200);
     drop(queued);
-    // Then the long stream's client leaves too, and the slot comes free.
-    std::thread::sleep(Duration::from_millis(200));
+    // Then the long stream's client leaves too, and the slot comes free: a second later, so that the
+    // queued request's stream task has seen its client go (nothing outside the server shows when).
+    std::thread::sleep(Duration::from_secs(1));
     drop(lines);
     let deadline = Instant::now() + Duration::from_secs(30);
     while metric(&s, r#"pdhost_requests_total{outcome="cancelled"}"#) != Some(2.0) {
@@ -768,7 +770,7 @@ fn slots_interleave_streams_and_each_equals_generate_alone_sampled_or_greedy() {
 /// open when the drain timeout passes does not keep the server up: it exits 0, its producer gone with it.
 #[test]
 fn the_drain_timeout_ends_a_stream_that_outlives_it() {
-    let mut s = serve(&["--producer", "rngd", "--drain-timeout", "3"]);
+    let mut s = serve(&["--producer", "rngd", "--drain-timeout", "6"]);
     let long = json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true});
     let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&long).unwrap();
     let mut lines = BufReader::new(r.into_body().into_reader()).lines();
@@ -777,9 +779,11 @@ fn the_drain_timeout_ends_a_stream_that_outlives_it() {
     let kids = producers_of(pid);
     // SAFETY: signals the child this test started.
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-    let deadline = Instant::now() + Duration::from_secs(2);
+    // The drain timeout (6 s) leaves a slow machine time to see the drain before the server exits, and
+    // is shorter than the stream (1,000 tokens at no more than about 100 a second).
+    let deadline = Instant::now() + Duration::from_secs(5);
     while get(&s, "/health").0 != 503 {
-        assert!(Instant::now() < deadline, "still healthy 2 s after SIGTERM");
+        assert!(Instant::now() < deadline, "still healthy 5 s after SIGTERM");
         std::thread::sleep(Duration::from_millis(10));
     }
     let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(json!({"prompt": "Hi"})).unwrap();
@@ -790,7 +794,7 @@ fn the_drain_timeout_ends_a_stream_that_outlives_it() {
         if let Some(status) = s.child.try_wait().unwrap() {
             break status;
         }
-        assert!(Instant::now() < deadline, "still up 30 s after SIGTERM with a 1 s drain timeout");
+        assert!(Instant::now() < deadline, "still up 30 s after SIGTERM with a 6 s drain timeout");
         std::thread::sleep(Duration::from_millis(10));
     };
     assert_eq!(status.code(), Some(0), "{}", s.log.lock().unwrap());

@@ -208,6 +208,10 @@ pub struct Completion {
     pub raw: RawRequest,
     /// Stop strings (at most 4).
     pub stop: Vec<String>,
+    /// A chat request that gave no `max_tokens`: as many as the context leaves after the prompt, as
+    /// OpenAI's chat API, vLLM and llama-server do (`raw.max_tokens` is set once the prompt is
+    /// tokenized). Completions default to 16, as OpenAI's.
+    pub to_context: bool,
     /// Server-sent events instead of one body.
     pub stream: bool,
     /// With `stream`: a last chunk carrying `usage`.
@@ -344,9 +348,13 @@ impl Completion {
         if m.contains_key("prompt") {
             return Err(ApiError::invalid("prompt", "no prompt in a chat request (messages carry it)", "one"));
         }
-        // `max_completion_tokens` is the newer name of `max_tokens`.
-        if let Some(v) = m.remove("max_completion_tokens") {
-            m.entry("max_tokens").or_insert(v);
+        // `max_completion_tokens` is the newer name of `max_tokens`, and wins where both are set (as in
+        // vLLM): a client that sends every field leaves the deprecated one `null`.
+        match m.remove("max_completion_tokens") {
+            None | Some(Value::Null) => {}
+            Some(v) => {
+                m.insert("max_tokens".into(), v);
+            }
         }
         Completion::from_map(m, Some(Prompt::Messages(messages)))
     }
@@ -398,10 +406,12 @@ impl Completion {
             Prompt::Messages(_) => chat_logprobs(&m)?,
             _ => completion_logprobs(&m)?,
         };
+        let max_tokens = opt_u64(&m, "max_tokens")?;
+        let to_context = max_tokens.is_none() && matches!(prompt, Prompt::Messages(_));
         let raw = RawRequest {
             prompt: Vec::new(),
             prompt_field: Some(Field::Prompt),
-            max_tokens: opt_u64(&m, "max_tokens")?.unwrap_or(DEFAULT_MAX_TOKENS),
+            max_tokens: max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
             min_max_tokens: 1,
             // OpenAI's defaults: temperature 1, top_p 1.
             temperature: Some(opt_f64(&m, "temperature")?.unwrap_or(1.0)),
@@ -419,7 +429,7 @@ impl Completion {
             logit_bias: logit_bias(&m)?,
             logprobs,
         };
-        Ok(Completion { model, prompt, raw, stop, stream, include_usage })
+        Ok(Completion { model, prompt, raw, stop, stream, include_usage, to_context })
     }
 
     fn prompt(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
@@ -532,6 +542,19 @@ mod tests {
         .unwrap();
         let Prompt::Messages(m) = &c.prompt else { panic!("messages") };
         assert_eq!((m[0].role.as_str(), m[1].content.as_str(), c.raw.max_tokens), ("system", "Hi!", 5));
+        assert!(!c.to_context);
+        // The newer name wins over the deprecated one, also where a client sends that one as `null`.
+        let user = r#""messages":[{"role":"user","content":"x"}]"#;
+        for both in [r#""max_tokens":null,"max_completion_tokens":5"#, r#""max_tokens":40,"max_completion_tokens":5"#] {
+            let c = Completion::parse_chat(format!("{{{user},{both}}}").as_bytes()).unwrap();
+            assert_eq!((c.raw.max_tokens, c.to_context), (5, false), "{both}");
+        }
+        // No limit given: a chat reply runs to the context (set once the prompt is tokenized), not to the
+        // legacy completions' 16.
+        for none in ["", r#","max_tokens":null"#, r#","max_completion_tokens":null"#] {
+            assert!(Completion::parse_chat(format!("{{{user}{none}}}").as_bytes()).unwrap().to_context, "{none}");
+        }
+        assert!(!Completion::parse(br#"{"prompt":"x"}"#).unwrap().to_context);
         let chat_err = |b: &str| Completion::parse_chat(b.as_bytes()).unwrap_err().message;
         assert_eq!(chat_err(r#"{"messages":[]}"#), "messages: expected at least one message, found none");
         assert_eq!(chat_err(r#"{}"#), "messages: expected an array of messages, found none");

@@ -475,6 +475,10 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         }
     };
     c.raw.prefill_chunk = app.config.prefill_chunk as u64;
+    if c.to_context {
+        // At least 1, so that a prompt that fills the context is refused naming both numbers.
+        c.raw.max_tokens = (app.config.limits.context as u64).saturating_sub(c.raw.prompt.len() as u64).max(1);
+    }
     let checked = request::check_request(&c.raw, &app.config.limits)?;
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
