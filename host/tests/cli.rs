@@ -132,7 +132,9 @@ fn mutated_spans_never_crash_or_hang_the_binary() {
         state ^= state << 17;
         state
     };
-    for (name, verdict) in verdicts().into_iter().filter(|(_, v)| v.is_none()) {
+    let valid: Vec<String> = verdicts().into_iter().filter(|(_, v)| v.is_none()).map(|(name, _)| name).collect();
+    assert!(valid.len() >= 2, "the valid fixtures: {valid:?}");
+    for name in valid {
         let good = std::fs::read(fixtures().join(&name)).unwrap();
         for i in 0..40 {
             let mut b = good.clone();
@@ -159,7 +161,6 @@ fn mutated_spans_never_crash_or_hang_the_binary() {
                 assert_eq!(code, Some(1), "{name} mutation {i} was accepted");
             }
         }
-        assert!(verdict.is_none());
     }
 }
 
