@@ -279,11 +279,14 @@ mod xxh3 {
         // read back from the private copy. The chunk holds them: it is at least 1024 bytes or the whole
         // frame, and `covered >= 192 > 64`, so none of them is header.
         let covered = blocks * BLOCK + stripes * STRIPE;
-        // SAFETY: start <= covered < len; both ranges are in bounds and do not overlap. The final stripe
-        // is read back from the private copy, which holds it now.
+        // SAFETY: start <= covered < len, and start <= len - 64 (the chunk holds the last stripe); both
+        // ranges are in bounds and do not overlap. Offsets go from `dst`, never from `base` (which may lie
+        // outside the chunk's allocation, so only `wrapping_add` may start from it). The final stripe is
+        // read back from the private copy, which holds it now.
         unsafe {
-            shared::copy(src.add(covered), std::slice::from_raw_parts_mut(base.add(covered), len - covered));
-            accumulate(&mut a, private(base.add(len - STRIPE)), secret.add(SECRET_LEN - STRIPE - 7));
+            let copy = std::slice::from_raw_parts_mut(dst.add(covered - start), len - covered);
+            shared::copy(src.add(covered), copy);
+            accumulate(&mut a, private(dst.add(len - STRIPE - start)), secret.add(SECRET_LEN - STRIPE - 7));
         }
         store(&a, acc);
         merge(acc, &SECRET[11..], (len as u64).wrapping_mul(PRIME64_1))

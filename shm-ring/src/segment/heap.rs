@@ -13,7 +13,8 @@ pub struct HeapSegment {
 }
 
 // SAFETY: the region is only accessed through `Segment`'s methods, which use raw-pointer copies and atomic
-// words, never references; sharing the pointer between threads is the point of a segment.
+// words (`load_acquire` below, `store_release`), never references; sharing the pointer between threads
+// is the point of a segment.
 unsafe impl Send for HeapSegment {}
 // SAFETY: as above.
 unsafe impl Sync for HeapSegment {}
@@ -54,6 +55,20 @@ unsafe impl Segment for HeapSegment {
     fn writable(&self) -> bool {
         self.writable
     }
+    fn load_acquire(&self, offset: usize) -> u64 {
+        atomic_load(self, offset)
+    }
+}
+
+/// An atomic load of the word at `offset`: between threads of one process (these segments' use), the
+/// provided volatile read racing another thread's atomic store would be a data race. Heap memory is
+/// always writable, as `AtomicU64::from_ptr` asks.
+fn atomic_load(segment: &impl Segment, offset: usize) -> u64 {
+    let ptr = segment.word_ptr(offset);
+    // SAFETY: `word_ptr` checked that the 8 bytes are inside the allocation and 8-byte aligned; every
+    // other access to a word is atomic.
+    let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(ptr) };
+    u64::from_le(word.load(std::sync::atomic::Ordering::Acquire))
 }
 
 /// A borrowed view of a [`HeapSegment`].
@@ -73,5 +88,8 @@ unsafe impl Segment for HeapView<'_> {
     }
     fn writable(&self) -> bool {
         self.writable && self.owner.writable
+    }
+    fn load_acquire(&self, offset: usize) -> u64 {
+        atomic_load(self, offset)
     }
 }
