@@ -255,6 +255,25 @@ fn load(path: &std::path::Path) -> Result<Loaded, String> {
     if table.is_null() {
         return Err("pdhost_backend_v1 returned null: expected a vtable".into());
     }
+    // SAFETY: the ABI: a non-null table holds its `struct_size` bytes, for as long as the library is loaded.
+    let table = unsafe { copy_table(table) }?;
+    let name = if table.name.is_null() {
+        "unnamed".to_string()
+    } else {
+        // SAFETY: the ABI requires a NUL-terminated static string.
+        unsafe { CStr::from_ptr(table.name) }.to_string_lossy().into_owned()
+    };
+    Ok(Loaded { table, name, _library: library.into() })
+}
+
+/// A private copy of a backend's vtable, checked: its major version, its size, and the 1.0 functions
+/// present.
+///
+/// # Safety
+///
+/// `table` points to a vtable's header (three `u32`s) followed by the rest of its `struct_size` bytes, all
+/// readable.
+unsafe fn copy_table(table: *const PdhostBackendV1) -> Result<PdhostBackendV1, String> {
     // The header fields are read first, on their own, so that a short table is never over-read.
     // SAFETY: every vtable starts with these three u32s.
     let (major, size) = unsafe { ((*table).abi_major, (*table).struct_size) };
@@ -264,26 +283,32 @@ fn load(path: &std::path::Path) -> Result<Loaded, String> {
     if (size as usize) < PDHOST_BACKEND_V1_0_SIZE {
         return Err(format!("vtable size: expected at least {PDHOST_BACKEND_V1_0_SIZE} bytes, found {size}"));
     }
-    // A table of an older minor version ends early: the fields it lacks stay null (`None`).
+    // A table of an older minor version ends early: the fields it lacks stay null (`None`). A size that
+    // ends inside a field is cut to the fields it holds whole, so no pointer is half copied.
     let mut copy = std::mem::MaybeUninit::<PdhostBackendV1>::zeroed();
-    // SAFETY: the backend's table holds `size` bytes, and at most the struct's size is copied into a
-    // zeroed struct; every field past the 1.0 ones is an `Option` of a function pointer, for which all-zero
-    // bytes are `None`, and the 1.0 ones are all copied (checked above).
-    let table = unsafe {
-        std::ptr::copy_nonoverlapping(
-            table.cast::<u8>(),
-            copy.as_mut_ptr().cast::<u8>(),
-            (size as usize).min(size_of::<PdhostBackendV1>()),
-        );
-        copy.assume_init()
-    };
-    let name = if table.name.is_null() {
-        "unnamed".to_string()
-    } else {
-        // SAFETY: the ABI requires a NUL-terminated static string.
-        unsafe { CStr::from_ptr(table.name) }.to_string_lossy().into_owned()
-    };
-    Ok(Loaded { table, name, _library: library.into() })
+    let whole = (size as usize).min(size_of::<PdhostBackendV1>()) / size_of::<usize>() * size_of::<usize>();
+    // SAFETY: the backend's table holds `size >= whole` bytes, copied into a zeroed struct of at least as many.
+    unsafe { std::ptr::copy_nonoverlapping(table.cast::<u8>(), copy.as_mut_ptr().cast::<u8>(), whole) };
+    // The 1.0 functions are not `Option`s: a C backend that left one null is refused before the table is
+    // read as a `PdhostBackendV1` (a null `fn` is undefined behaviour).
+    let required = [
+        ("open", std::mem::offset_of!(PdhostBackendV1, open)),
+        ("describe", std::mem::offset_of!(PdhostBackendV1, describe)),
+        ("prefill", std::mem::offset_of!(PdhostBackendV1, prefill)),
+        ("close", std::mem::offset_of!(PdhostBackendV1, close)),
+    ];
+    for (field, offset) in required {
+        // SAFETY: `offset` is a pointer-sized, aligned field inside the struct, its bytes initialised (copied,
+        // or zeroed); read as an address, not as a function pointer.
+        let address = unsafe { copy.as_ptr().cast::<u8>().add(offset).cast::<usize>().read() };
+        if address == 0 {
+            return Err(format!("vtable: expected a function in `{field}` (ABI 1.0 requires it), found null"));
+        }
+    }
+    // SAFETY: every field is initialised: the 1.0 functions are non-null (checked above), the fields past
+    // them are `Option`s of function pointers, for which all-zero bytes are `None`, and the header and
+    // `name` are plain data.
+    Ok(unsafe { copy.assume_init() })
 }
 
 /// Text a backend wrote into an error buffer.
@@ -824,6 +849,46 @@ pub fn run_in_process(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A vtable as a C backend lays it out, as words: the header's `u32` pairs, `name`, then functions.
+    #[repr(C, align(8))]
+    struct RawTable([u64; size_of::<PdhostBackendV1>() / 8]);
+
+    unsafe extern "C" fn nothing() {}
+
+    fn raw_table(size: usize, functions: usize) -> RawTable {
+        let mut t = RawTable([0; size_of::<PdhostBackendV1>() / 8]);
+        t.0[0] = u64::from(PDHOST_ABI_MAJOR) | (1 << 32);
+        t.0[1] = size as u64;
+        for f in 0..functions {
+            t.0[3 + f] = nothing as *const () as usize as u64;
+        }
+        t
+    }
+
+    #[test]
+    fn a_vtable_without_a_required_function_or_cut_mid_field_is_read_safely() {
+        let copy = |t: &RawTable| {
+            // SAFETY: `RawTable` is the struct's size, so every `struct_size` below is readable.
+            unsafe { copy_table(std::ptr::from_ref(t).cast()) }
+        };
+        // `open`, `describe`, `prefill`, `close` are offsets 24..56: with one missing it is refused,
+        // naming it (it was read as a null `fn`).
+        for present in 0..4 {
+            let err = copy(&raw_table(PDHOST_BACKEND_V1_0_SIZE, present)).map(|_| ()).unwrap_err();
+            let missing = ["open", "describe", "prefill", "close"][present];
+            assert!(err.contains(&format!("`{missing}`")), "{err}");
+        }
+        let t = copy(&raw_table(PDHOST_BACKEND_V1_0_SIZE, 4)).unwrap();
+        assert!(t.release.is_none() && t.capabilities.is_none());
+        // A size four bytes into `release`, whose word holds a pointer: no half of it is taken.
+        let mut cut = raw_table(PDHOST_BACKEND_V1_0_SIZE + 4, 4);
+        cut.0[PDHOST_BACKEND_V1_0_SIZE / 8] = nothing as *const () as usize as u64;
+        assert!(copy(&cut).unwrap().release.is_none());
+        let mut whole = raw_table(PDHOST_BACKEND_V1_0_SIZE + 8, 4);
+        whole.0[PDHOST_BACKEND_V1_0_SIZE / 8] = nothing as *const () as usize as u64;
+        assert!(copy(&whole).unwrap().release.is_some());
+    }
 
     #[test]
     fn unwritten_elements_are_found_in_every_element_size() {
