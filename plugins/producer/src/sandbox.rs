@@ -15,7 +15,9 @@
 //!   `unshare`, `setns`, `chroot`, `bpf`, `perf_event_open`, `userfaultfd`, modules, `kexec`, `reboot`,
 //!   swap, keyrings, file handles).
 //! - **Refused with `EACCES`**: opening a path (`open`, `openat`, `openat2`, `creat`) and changing the
-//!   file system (unlink, rename, mkdir, rmdir, links, truncate, chmod, chown, mknod). A library may
+//!   file system (unlink, rename, mkdir, rmdir, links, truncate, chmod, chown, mknod), and punching holes
+//!   (`fallocate` with `FALLOC_FL_PUNCH_HOLE`, `madvise(MADV_REMOVE)`), which would free the data
+//!   segment's pages under the host. A library may
 //!   open files lazily (a panic's backtrace reads the executable); a refused open is an error it can
 //!   report, which reaches the host as `backend_error`.
 //! - **`clone3` answers `ENOSYS`**: seccomp cannot read its flags, and the C library then creates threads
@@ -90,7 +92,7 @@ pub fn confine_backend() -> Result<(), String> {
     let me = std::process::id() as u64;
     let programs = [
         filter(killed(me)?, SeccompAction::KillProcess, arch)?,
-        filter(unconditional(REFUSED), SeccompAction::Errno(libc::EACCES as u32), arch)?,
+        filter(refused()?, SeccompAction::Errno(libc::EACCES as u32), arch)?,
         filter(unconditional(&[libc::SYS_clone3]), SeccompAction::Errno(libc::ENOSYS as u32), arch)?,
     ];
     for program in &programs {
@@ -177,13 +179,27 @@ fn unconditional(calls: &[i64]) -> BTreeMap<i64, Vec<SeccompRule>> {
     calls.iter().map(|&call| (call, Vec::new())).collect()
 }
 
+/// A rule that matches when argument `arg` (its low 32 bits) compares to `value` by `op`.
+fn rule(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompRule, String> {
+    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value)
+        .and_then(|c| SeccompRule::new(vec![c]))
+        .map_err(|e| format!("seccomp rule: {e}"))
+}
+
+/// [`REFUSED`], plus the calls that free a shared segment's pages under the host, whose next read of
+/// them would then have to allocate (and, under a memory limit, could fault): a hole punched through a
+/// descriptor (`fallocate` with `FALLOC_FL_PUNCH_HOLE`; the data segment cannot be sealed against
+/// writes) or through a mapping (`madvise(MADV_REMOVE)`).
+fn refused() -> Result<BTreeMap<i64, Vec<SeccompRule>>, String> {
+    let mut rules = unconditional(REFUSED);
+    let punch = libc::FALLOC_FL_PUNCH_HOLE as u64;
+    rules.insert(libc::SYS_fallocate, vec![rule(1, SeccompCmpOp::MaskedEq(punch), punch)?]);
+    rules.insert(libc::SYS_madvise, vec![rule(2, SeccompCmpOp::Eq, libc::MADV_REMOVE as u64)?]);
+    Ok(rules)
+}
+
 /// [`KILLED`], plus a `clone` that does not create a thread and a signal sent to another process.
 fn killed(me: u64) -> Result<BTreeMap<i64, Vec<SeccompRule>>, String> {
-    let rule = |arg: u8, op: SeccompCmpOp, value: u64| {
-        SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value)
-            .and_then(|c| SeccompRule::new(vec![c]))
-            .map_err(|e| format!("seccomp rule: {e}"))
-    };
     let mut rules = unconditional(KILLED);
     rules.insert(libc::SYS_clone, vec![rule(0, SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64), 0)?]);
     for call in [libc::SYS_kill, libc::SYS_tgkill, libc::SYS_rt_sigqueueinfo, libc::SYS_rt_tgsigqueueinfo] {
