@@ -92,6 +92,25 @@ fn python_failures_are_typed_and_fall_back() {
     }
 }
 
+/// A class that keeps a region (a view's `.obj`) past its call and views it again in the next call (the
+/// request's next chunk) gets a `BufferError` there: a region exports nothing once its call has returned
+/// (it gave a new view of the old slot, which the host may be reading, or another call writing, by then).
+#[test]
+fn a_region_kept_past_its_call_gives_no_view_after_it() {
+    let _serial = serial();
+    let reference = engine(&gemma(), Dtype::F32).generate(&request(), |_| {}).unwrap().output;
+    let mut e = engine(&gemma(), Dtype::F32);
+    let mut p = python(&e, "KeepsTheRegion", Duration::from_secs(30));
+    assert!(request().prefill_chunk < PROMPT.len() - 1, "more than one call");
+    let gen = e
+        .generate_with(&request(), PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fallback }, |_| {})
+        .unwrap();
+    let reason = gen.report.fallback.expect("the second call views the first call's region");
+    assert_eq!(reason.kind(), "backend_error", "{reason}");
+    assert!(reason.to_string().contains("BufferError: a region is only valid during the prefill call"), "{reason}");
+    assert_eq!(gen.output, reference, "the fallback equals local prefill");
+}
+
 #[test]
 fn a_missing_python_class_is_a_config_error_that_is_not_retried() {
     let _serial = serial();

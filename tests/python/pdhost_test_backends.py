@@ -86,3 +86,18 @@ class KeepsAView(StandIn):
             struct.pack_into("<%df" % len(values), region, 0, *values)
             if entry == 0:
                 self.kept = region.cast("f")
+
+
+class KeepsTheRegion(StandIn):
+    """Keeps a region itself (a view's `.obj`, not the view) past prefill and views it again in the next
+    call: refused there, since the slot under it may be the host's, or another call's, by then."""
+
+    def prefill(self, request, tokens, start, writer):
+        if hasattr(self, "kept"):
+            memoryview(self.kept)[:4] = bytes(4)
+        for entry in range(writer.entries):
+            region = writer.region(entry)
+            values = self.values(entry, tokens, start)
+            struct.pack_into("<%df" % len(values), region, 0, *values)
+            if entry == 0:
+                self.kept = region.obj

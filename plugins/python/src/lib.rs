@@ -222,10 +222,12 @@ fn description(d: &Bound<'_, PyAny>) -> Result<(Description, u64), String> {
 
 /// One region's bytes, exported through the buffer protocol so that every view of it (a memoryview, a
 /// cast of one, a numpy array over one) is counted: after `prefill` returns, a count above zero means
-/// Python still reaches the ring slot.
+/// Python still reaches the ring slot. The region itself (a view's `.obj`) may outlive the call; it
+/// exports nothing after it.
 #[pyclass(unsendable)]
 struct Region {
-    ptr: *mut u8,
+    /// The slot's bytes; null once the call has returned.
+    ptr: std::cell::Cell<*mut u8>,
     len: usize,
     exports: std::cell::Cell<usize>,
 }
@@ -243,17 +245,17 @@ impl Region {
         flags: std::os::raw::c_int,
     ) -> PyResult<()> {
         let this = slf.borrow();
+        let ptr = this.ptr.get();
+        if ptr.is_null() {
+            return Err(pyo3::exceptions::PyBufferError::new_err(
+                "a region is only valid during the prefill call that handed it out",
+            ));
+        }
         // SAFETY: `view` is the interpreter's to fill; `ptr` and `len` are the region, valid while the
-        // export count is checked (the producer fails the call when it is not zero after `prefill`).
+        // export count is checked (the producer fails the call when it is not zero after `prefill`, and
+        // the region exports nothing after it: `ptr` is null then).
         let status = unsafe {
-            pyo3::ffi::PyBuffer_FillInfo(
-                view,
-                slf.as_ptr(),
-                this.ptr.cast(),
-                this.len as pyo3::ffi::Py_ssize_t,
-                0,
-                flags,
-            )
+            pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr.cast(), this.len as pyo3::ffi::Py_ssize_t, 0, flags)
         };
         if status != 0 {
             return Err(PyErr::fetch(slf.py()));
@@ -293,7 +295,7 @@ impl PyWriter {
             return Err(PyValueError::new_err("the writer is only valid during prefill"));
         }
         if entry >= self.entries {
-            return Err(PyIndexError::new_err(format!("region {entry}: expected 0 to {}", self.entries - 1)));
+            return Err(PyIndexError::new_err(format!("region {entry}: expected an entry below {}", self.entries)));
         }
         // SAFETY: `writer` points to the `Writer` of the `prefill` call in progress (it is nulled before
         // that call returns), used from the thread that made the call.
@@ -302,8 +304,8 @@ impl PyWriter {
             writer.region(entry).map_err(|e| PyValueError::new_err(format!("region {entry}: {}", e.message)))?;
         // The region is `len` writable bytes of the ring slot, valid until `prefill` returns; `finish`
         // checks that no view of it is left by then.
-        let exported =
-            Bound::new(py, Region { ptr: region.as_mut_ptr(), len: region.len(), exports: Default::default() })?;
+        let region = Region { ptr: region.as_mut_ptr().into(), len: region.len(), exports: Default::default() };
+        let exported = Bound::new(py, region)?;
         let view = py.import("builtins")?.getattr("memoryview")?.call1((exported.clone(),))?;
         self.views.push((entry, view.clone().unbind(), exported.unbind()));
         Ok(view.unbind())
@@ -321,7 +323,10 @@ impl PyWriter {
         for (entry, view, region) in self.views.drain(..) {
             let _ = view.bind(py).call_method0("release");
             drop(view);
-            if region.borrow(py).exports.get() > 0 {
+            let region = region.borrow(py);
+            // Kept (as a view's `.obj`), the region gives no new view of the slot.
+            region.ptr.set(std::ptr::null_mut());
+            if region.exports.get() > 0 {
                 kept.push(entry.to_string());
             }
         }
@@ -409,12 +414,12 @@ impl pdhost_plugin_abi::Backend for PyBackend {
                 ));
             };
             let entries = writer.entries();
+            let tokens = PyList::new(py, request.tokens).map_err(|e| backend_error(py, "tokens", &e))?;
             // SAFETY (of the cast): the pointer is used only by `PyWriter::region` during this call, and
             // `finish` nulls it before the call returns, whatever Python did.
             let raw = (writer as *mut Writer<'_>).cast::<Writer<'static>>();
             let py_writer = Bound::new(py, PyWriter { writer: raw, views: Vec::new(), entries })
                 .map_err(|e| backend_error(py, "writer", &e))?;
-            let tokens = PyList::new(py, request.tokens).map_err(|e| backend_error(py, "tokens", &e))?;
             let args = (request.request_id, tokens, request.start_pos, py_writer.clone());
             let instance = self.instance.bind(py);
             let called = match context {
