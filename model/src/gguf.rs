@@ -1,10 +1,12 @@
 //! A GGUF reader: the file is memory-mapped, every length is bounded before use, and every tensor is
 //! checked to lie inside the file, aligned, and made of whole quantization blocks.
 //!
-//! The mapping is of a model file in pdhost's own cache, opened read-only; nobody else writes it. (A file
-//! truncated underneath a mapping would fault on access; model files are written once, atomically renamed
-//! into place, and never modified: a re-fetch renames a new file over the name, and the old mapping keeps
-//! the old inode.) A model's weights keep the mapping alive ([`Gguf::tensor_shared`]) for as long as the
+//! The mapping is of a model file in pdhost's own cache, opened read-only; pdhost never writes it in place.
+//! (A file truncated underneath a mapping would fault on access; model files are written once, atomically
+//! renamed into place, and never modified: a re-fetch renames a new file over the name, and the old
+//! mapping keeps the old inode.) Another process of the same user could still write it: a producer's
+//! backend can only in its `open`, before its sandbox goes on (docs/plugin-abi.md, "The sandbox around
+//! you"), where it holds the user's rights whatever the host maps. A model's weights keep the mapping alive ([`Gguf::tensor_shared`]) for as long as the
 //! model lives, so the same holds for its whole life, not only while it loads.
 
 use std::collections::BTreeMap;
