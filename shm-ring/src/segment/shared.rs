@@ -8,8 +8,8 @@
 //! the program depends on it being stable. Torn or changing bytes land only in the host's private copy,
 //! which is then checksummed and validated; no Rust reference is ever formed over the shared bytes.
 //!
-//! The loads are unaligned (a frame may start anywhere a slot does), 8 bytes wide in [`copy`] and 32 bytes
-//! wide in the fused copy-and-checksum kernel ([`read`] of an `__m256i`). `pdhost bench ring` and
+//! The loads are unaligned (a frame may start anywhere a slot does) and 32 bytes wide, in [`copy`] (a
+//! `[u64; 4]`, the tail byte by byte) and in the fused copy-and-checksum kernel ([`read`] of an `__m256i`). `pdhost bench ring` and
 //! `pdhost bench ingest` put the result beside a plain memcpy of the same bytes.
 
 /// `T` at any address: a volatile read of it needs no alignment.
