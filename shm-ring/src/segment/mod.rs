@@ -23,7 +23,9 @@ use std::sync::atomic::{fence, AtomicU64, Ordering};
 /// # Safety
 ///
 /// Implementors guarantee that `base()..base() + len()` stays mapped and readable for the lifetime of the
-/// value, that it is 64-byte aligned, and that it is writable if `writable()` returns true.
+/// value, that it is 64-byte aligned, and that it is writable if `writable()` returns true. An
+/// implementor that overrides a provided method keeps its checks: `range_ptr` and `word_ptr` return
+/// pointers only into the region (the copy kernels trust them), and every access stays volatile or atomic.
 pub unsafe trait Segment: Send {
     /// Start of the region.
     fn base(&self) -> NonNull<u8>;
