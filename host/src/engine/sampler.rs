@@ -239,10 +239,21 @@ mod tests {
 
     #[test]
     fn the_nucleus_is_the_full_sorts_and_each_draw_its_draw() {
-        for (seed, temperature, top_p) in
-            [(1, 1.0, 0.9), (2, 0.7, 0.5), (3, 1.5, 0.95), (4, 3.0, 0.999), (5, 0.2, 0.01)]
-        {
-            let logits = logits(5000, seed);
+        // The last three: nearly every token a candidate; and logits in steps of a half, full of ties.
+        for (seed, temperature, top_p) in [
+            (1, 1.0, 0.9),
+            (2, 0.7, 0.5),
+            (3, 1.5, 0.95),
+            (4, 3.0, 0.999),
+            (5, 0.2, 0.01),
+            (6, 100.0, 0.9),
+            (7, 2.0, 0.98),
+            (8, 50.0, 0.5),
+        ] {
+            let mut logits = logits(5000, seed);
+            if seed >= 7 {
+                logits.iter_mut().for_each(|l| *l = (*l * 2.0).round() / 2.0);
+            }
             let want = nucleus_by_full_sort(&logits, temperature, top_p);
             let sampling = Sampling::TopP { temperature, top_p, seed };
             let (mut sampler, mut rng) = (
