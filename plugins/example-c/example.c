@@ -85,8 +85,12 @@ static uint32_t example_open(const uint8_t *config, size_t config_len, PdhostBac
     long head_dim = number_or(json, config_len, "head_dim", 16);
     long window = number_or(json, config_len, "window", 8);
     const char *layers = find_value(json, config_len, "layers");
-    if (layers == NULL || *layers != '"' || kv_heads < 1 || head_dim < 1 || window < 1) {
-        set_error(err, err_cap, "config: expected \"layers\" (a string of S and F) and positive kv_heads, head_dim, window");
+    /* Each is narrowed to a uint32_t below: bounded first, so 4294967297 is refused rather than read as 1. */
+    if (layers == NULL || *layers != '"' || kv_heads < 1 || head_dim < 1 || window < 1 || kv_heads > 65536 ||
+        head_dim > 65536 || window > (long)UINT32_MAX) {
+        set_error(err, err_cap,
+                  "config: expected \"layers\" (a string of S and F), kv_heads and head_dim from 1 to 65536, "
+                  "and a positive window");
         free(json);
         free(b);
         return PDHOST_STATUS_BAD_CONFIG;

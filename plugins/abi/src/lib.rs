@@ -602,6 +602,9 @@ fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
 pub unsafe fn guard(err: *mut c_char, cap: usize, f: impl FnOnce() -> Result<(), BackendError>) -> u32 {
     let (status, message) = match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => return PdhostStatus::Ok as u32,
+        // An error made with the status `OK` is still an error: read as success, its call's outputs
+        // (never filled) would be taken.
+        Ok(Err(e)) if e.status == PdhostStatus::Ok => (PdhostStatus::BackendError, e.message),
         Ok(Err(e)) => (e.status, e.message),
         Err(payload) => (PdhostStatus::Panic, panic_text(payload)),
     };
@@ -942,5 +945,19 @@ mod tests {
         assert_eq!(layers(&first), vec![layer(8), layer(9)], "the first array is still there");
         // SAFETY: the handle came from `open_impl::<Toy>` and is not used again.
         unsafe { close_impl::<Toy>(backend) };
+    }
+
+    /// An error is never read as success, even one made with the status `OK`; its text reaches the buffer.
+    #[test]
+    fn an_error_with_the_ok_status_is_still_an_error() {
+        let mut buf = [0 as c_char; 64];
+        for status in [PdhostStatus::Ok, PdhostStatus::Unsupported] {
+            // SAFETY: a writable buffer of its length.
+            let code = unsafe { guard(buf.as_mut_ptr(), buf.len(), || Err(BackendError::new(status, "no device"))) };
+            let want = if status == PdhostStatus::Ok { PdhostStatus::BackendError } else { status };
+            assert_eq!(code, want as u32);
+            // SAFETY: `guard` wrote a NUL-terminated text into the buffer.
+            assert_eq!(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_str(), Ok("no device"));
+        }
     }
 }
