@@ -104,6 +104,12 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     let streams = args.stream.cells();
     let threads = request::check_threads(args.threads)?;
     request::check_sampling(Some(args.temperature), None, SEED)?;
+    if args.peer && args.temperature > 0.0 {
+        // llama-server samples with its own generator: its text could not be compared, and greedy
+        // decoding is what it is sent.
+        let found = format!("{} with --peer", args.temperature);
+        return Err(Invalid::new(Field::Temperature, "0 (greedy) with --peer", found).into());
+    }
     let agent: ureq::Agent = ureq::Agent::config_builder()
         .http_status_as_error(false)
         .timeout_global(Some(REQUEST_TIMEOUT))
@@ -194,7 +200,9 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                 .args(["--context", &context.to_string(), "--kv-dtype", kv_dtype.get_name()])
                 .args(["--precision", precision.get_name()])
                 .args(["--prefix-cache", if args.prefix_cache == crate::cli::Switch::On { "on" } else { "off" }])
-                // Every batch waits in the server's queue, not in a 503.
+                // A slot for every request of the widest batch (as `--peer`'s llama-server gets), so a
+                // batch decodes together; and every batch waits in the queue, not in a 503.
+                .args(["--slots", &max_concurrency.max(4).to_string()])
                 .args(["--queue", &max_concurrency.max(16).to_string()]);
             if let Some(t) = args.threads {
                 cmd.args(["--threads", &t.to_string()]);
@@ -247,6 +255,9 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                         });
                         cell.wall += t.elapsed();
                         cell.batches += 1;
+                        let (tokens, decoding) = decode_span(&results);
+                        (cell.decode_tokens, cell.decode_time) =
+                            (cell.decode_tokens + tokens, cell.decode_time + decoding);
                         for r in results {
                             cell.add(r, &reference);
                         }
@@ -394,8 +405,9 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         outln!(
             "TTFT: SSE on, the client's time to the first chunk with text (queueing included); off, the server's \
              pdhost.ttft_ms (engine only). ITL: gaps between text chunks. tok/s/r: output tokens / request latency \
-             (median); tok/s: all output tokens / the batches' wall time; dec t/s: decode alone, the sum of a batch's \
-             decode rates (tokens after the first / the server's pdhost.decode_ms), per batch. fallb: local after a \
+             (median); tok/s: all output tokens / the batches' wall time; dec t/s: decode alone, tokens after the \
+             first / the time some request of the batch decoded (each request's pdhost.decode_ms, ending with its \
+             response). fallb: local after a \
              failed remote prefill."
         )?;
         for p in &problems {
@@ -511,6 +523,8 @@ struct Response {
     gaps_ms: Vec<f64>,
     /// From sending the request to its last byte.
     latency: Duration,
+    /// When its last byte came.
+    ended: Option<Instant>,
     /// The server's `pdhost.decode_ms`: from the first token to the last.
     decode_ms: Option<f64>,
 }
@@ -577,6 +591,7 @@ fn send(agent: &ureq::Agent, url: &str, body: &Value, stream: bool) -> Result<Re
         v["pdhost"].take()
     };
     out.latency = t.elapsed();
+    out.ended = Some(Instant::now());
     out.output_ids = last["output_ids"].clone();
     out.logits = last["logits_xxh3"].clone();
     if !out.output_ids.is_array() || !out.logits.is_string() {
@@ -595,6 +610,40 @@ fn send(agent: &ureq::Agent, url: &str, body: &Value, stream: bool) -> Result<Re
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
+}
+
+/// A batch's decoding: its answered requests' tokens after the first, and the length of the union of
+/// their decode intervals, each the server's `decode_ms` ending when its response ended (a request's last
+/// token is its response's end, give or take the HTTP write). Summing each request's own rate instead
+/// counted requests that decoded one after another (more than `--slots`, or staggered prefills) as if
+/// they had decoded together.
+fn decode_span(results: &[Result<Response, String>]) -> (u64, Duration) {
+    let mut tokens = 0;
+    let mut spans: Vec<(Instant, Instant)> = Vec::new();
+    for r in results.iter().flatten() {
+        let n = r.output_ids.as_array().map_or(0, Vec::len) as u64;
+        let (Some(ended), Some(d)) = (r.ended, r.decode_ms.filter(|&d| n > 1 && d > 0.0)) else { continue };
+        tokens += n - 1;
+        let d = Duration::from_secs_f64(d / 1e3);
+        spans.push((ended.checked_sub(d).unwrap_or(ended), ended));
+    }
+    spans.sort();
+    let mut union = Duration::ZERO;
+    let mut current: Option<(Instant, Instant)> = None;
+    for (start, end) in spans {
+        current = match current {
+            Some((s, e)) if start <= e => Some((s, e.max(end))),
+            Some((s, e)) => {
+                union += e - s;
+                Some((start, end))
+            }
+            None => Some((start, end)),
+        };
+    }
+    if let Some((s, e)) = current {
+        union += e - s;
+    }
+    (tokens, union)
 }
 
 /// Nearest-rank p50 and p99.
@@ -617,9 +666,10 @@ struct Cell {
     gaps_ms: Vec<f64>,
     /// Per answered request: output tokens / latency.
     rates: Vec<f64>,
-    /// Per answered request of more than one token: its decode rate, tokens after the first / the
-    /// server's decode time.
-    decode_rates: Vec<f64>,
+    /// Tokens after the first of every answered request, and the time some request of their batch was
+    /// decoding, summed over the batches ([`decode_span`]).
+    decode_tokens: u64,
+    decode_time: Duration,
     /// Timed batches sent.
     batches: u64,
     output_tokens: u64,
@@ -661,9 +711,6 @@ impl Cell {
         let tokens = r.output_ids.as_array().map_or(0, Vec::len) as u64;
         self.output_tokens += tokens;
         self.rates.push(tokens as f64 / r.latency.as_secs_f64().max(1e-9));
-        if let Some(d) = r.decode_ms.filter(|&d| tokens > 1 && d > 0.0) {
-            self.decode_rates.push((tokens - 1) as f64 / (d / 1e3));
-        }
         let differs = if r.output_ids != reference.output_ids {
             Some(format!("output ids {} (reference {})", r.output_ids, reference.output_ids))
         } else if r.logits != reference.logits {
@@ -690,11 +737,11 @@ impl Cell {
         (self.output_tokens > 0).then(|| self.output_tokens as f64 / self.wall.as_secs_f64().max(1e-9))
     }
 
-    /// Aggregate decode throughput: the sum of a batch's requests' decode rates, averaged over the
-    /// batches (what `llama-batched-bench` reports as S_TG: generation alone, prefill left out).
+    /// Aggregate decode throughput: tokens after the first over the time some request was decoding
+    /// (what `llama-batched-bench` reports as S_TG: generation alone, prefill left out).
     fn decode_aggregate(&self) -> Option<f64> {
-        (!self.decode_rates.is_empty() && self.batches > 0)
-            .then(|| self.decode_rates.iter().sum::<f64>() / self.batches as f64)
+        (self.decode_tokens > 0 && !self.decode_time.is_zero())
+            .then(|| self.decode_tokens as f64 / self.decode_time.as_secs_f64())
     }
 
     /// One line for the log while the matrix runs.
@@ -885,6 +932,9 @@ impl Server {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+        // Killed here, as the message says (dropping it would send SIGTERM again and wait as long).
+        let _ = self.child.kill();
+        let _ = self.child.wait();
         Err(format!("still running {} s after SIGTERM; killed it", STOP_TIMEOUT.as_secs()))
     }
 
@@ -909,5 +959,32 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.terminate();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn decoded(tokens: usize, ended: Instant, decode_ms: f64) -> Result<Response, String> {
+        Ok(Response {
+            output_ids: json!(vec![0; tokens]),
+            ended: Some(ended),
+            decode_ms: Some(decode_ms),
+            ..Response::default()
+        })
+    }
+
+    /// Two requests that decoded one after the other take the time of both, not of one; two that decoded
+    /// together take the time of one; a failed or one-token request adds nothing.
+    #[test]
+    fn a_batch_decodes_for_the_union_of_its_requests_decode_times() {
+        let t = Instant::now() + Duration::from_secs(10);
+        let apart = [decoded(11, t, 1000.0), decoded(11, t + Duration::from_secs(1), 1000.0)];
+        assert_eq!(decode_span(&apart), (20, Duration::from_secs(2)));
+        let together = [decoded(11, t, 1000.0), decoded(11, t + Duration::from_millis(500), 1000.0)];
+        assert_eq!(decode_span(&together), (20, Duration::from_millis(1500)));
+        let others = [decoded(11, t, 1000.0), decoded(1, t, 5.0), Err("refused".into())];
+        assert_eq!(decode_span(&others), (10, Duration::from_secs(1)));
     }
 }

@@ -580,7 +580,14 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
         && before.shm == after.shm
         && after.rss_mib <= before.rss_mib + before.rss_mib / 4 + 16;
     let clean = drain_ok && left.is_empty() && shm_after_drain == before.shm;
-    let ok = tally.lost == 0 && server_lost == 0 && tally.unequal == 0 && tally.bad_answered == 0 && flat && clean;
+    // And something was served: a server that refused everything loses nothing.
+    let ok = tally.completed > 0
+        && tally.lost == 0
+        && server_lost == 0
+        && tally.unequal == 0
+        && tally.bad_answered == 0
+        && flat
+        && clean;
     let (p50, p99) = percentiles(&tally.latency_ms);
     let drain_text = match &drained {
         Ok(status) => format!("{status}"),
