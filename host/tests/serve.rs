@@ -898,9 +898,8 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
             assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="failed"}"#), Some(1.0));
             assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="generation_failed"}"#), None);
         }
-        // The producer restarts at the next request after a 50 ms backoff (a request inside it would be
-        // refused as `backing_off`): wait it out.
-        std::thread::sleep(Duration::from_millis(500));
+        // The producer restarts after a 50 ms backoff. A request sent inside it waits for the restart:
+        // the backoff is not its failure (it was refused as `backing_off`, with no process asked).
         let (status, after) = post(&s, "/v1/completions", &body);
         assert_eq!(status, 200, "{after}");
         assert_eq!(after["pdhost"]["prefill"], "remote", "{after}");
@@ -954,6 +953,28 @@ fn a_second_producer_prefills_while_the_first_hangs() {
     assert_eq!(first["pdhost"]["producer"], "faulty", "{first}: the producer that was asked");
     assert!(first["pdhost"]["fallback_reason"].as_str().unwrap_or_default().starts_with("timeout"), "{first}");
     assert_eq!(first["pdhost"]["output_ids"], reference["output_ids"], "{first}");
+}
+
+/// Two producers, one of which can never start (`faulty` refuses its config): every request goes to the
+/// healthy one. The broken one refused at once, so it was always the producer that went idle last, and
+/// the pool gave it every request while `rngd` sat idle (three 500s under `fail`).
+#[test]
+fn a_producer_that_cannot_start_gets_no_request_while_another_can_take_it() {
+    let s = serve(&[
+        "--producer",
+        "rngd,faulty",
+        "--backend-config",
+        r#"{"fault": "nope"}"#,
+        "--on-producer-failure",
+        "fail",
+    ]);
+    let prompt = "The three primary colours are";
+    let body = json!({"prompt": prompt, "max_tokens": 3, "temperature": 0}).to_string();
+    for i in 0..3 {
+        let (status, v) = post(&s, "/v1/completions", &body);
+        assert_eq!(status, 200, "request {i}: {v}");
+        assert_eq!((v["pdhost"]["prefill"].as_str(), v["pdhost"]["producer"].as_str()), (Some("remote"), Some("rngd")));
+    }
 }
 
 /// With `--prefix-cache on`, a prompt that shares whole pages with an earlier one prefills only the rest

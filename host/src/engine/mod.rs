@@ -141,7 +141,8 @@ pub struct Prefilling {
 
 impl Prefilling {
     fn new(seq: SeqId, request_id: u64, len: usize, chunk: usize, producer: Option<&str>) -> Self {
-        let chunk = if chunk == 0 { len.max(1) } else { chunk };
+        // At most the whole prompt: a backend's `max_tokens` may be any u64, and `done + chunk` must not wrap.
+        let chunk = if chunk == 0 { len.max(1) } else { chunk.min(len.max(1)) };
         let mut prefilled = Prefilled::default();
         prefilled.report.producer = producer.map(str::to_string);
         let remote = producer.is_some() && len > 0;
@@ -598,7 +599,7 @@ impl Engine {
         remote: Option<&Remote>,
     ) -> Prefilling {
         let chunk = match remote.and_then(|r| r.max_tokens) {
-            Some(max) if chunk == 0 || chunk as u64 > max => max as usize,
+            Some(max) if chunk == 0 || chunk as u64 > max => usize::try_from(max).unwrap_or(usize::MAX),
             _ => chunk,
         };
         let mut p = Prefilling::new(seq, request_id, head.len(), chunk, remote.map(|r| r.name.as_str()));
@@ -988,6 +989,16 @@ mod tests {
                 assert_eq!(widened(v), want, "{dtype:?}");
             }
         }
+    }
+
+    /// A backend may say any `max_tokens` (a Python one, 2^64 - 1 for "no limit"): the chunk is at most
+    /// the prompt, so the next chunk after a prefix hit does not wrap (it panicked the engine thread).
+    #[test]
+    fn a_huge_chunk_is_the_rest_of_the_prompt() {
+        let mut p = Prefilling::new(SeqId(1), 1, 10, usize::MAX, Some("py"));
+        p.done = 5;
+        let prompt: Vec<u32> = (0..10).collect();
+        assert_eq!(p.next_chunk(&prompt), Some((5, &prompt[5..])));
     }
 
     #[test]

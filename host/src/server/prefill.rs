@@ -62,13 +62,29 @@ impl Pool {
         Ok(Pool { idle: producers.into_iter().enumerate().collect(), waiters, replies })
     }
 
-    /// Gives `work` to a producer at rest; `Err(work)` when all are busy.
+    /// Gives `work` to a producer at rest; `Err(work)` when it should wait.
+    ///
+    /// The producer at rest that went idle last is taken, of those that would take a request now. One
+    /// that would refuse it without a process being asked (waiting out a restart's backoff, or unable to
+    /// start) is passed over: its refusal is not this request's failure, and it would come back at once,
+    /// first in line for every request after, while a healthy producer sat idle. The work waits while
+    /// another producer is busy or one is backing off; only when every producer refuses for good (its
+    /// start refused, its restarts at their limit) does it go to one of them, whose refusal the request
+    /// then falls back or fails on.
     pub fn submit(&mut self, work: Work) -> Result<(), Work> {
-        let Some((index, producer)) = self.idle.pop() else { return Err(work) };
+        let now = std::time::Instant::now();
+        let ready = self.idle.iter().rposition(|(_, p)| p.refusing(now).is_none());
+        let at = match ready {
+            Some(at) => at,
+            None if self.idle.len() < self.waiters.len() => return Err(work),
+            None if self.idle.iter().any(|(_, p)| matches!(p.refusing(now), Some(Some(_)))) => return Err(work),
+            None => self.idle.len() - 1,
+        };
+        let (index, producer) = self.idle.remove(at);
         match self.waiters[index].send((producer, work)) {
             Ok(()) => Ok(()),
             Err(crossbeam_channel::SendError((producer, work))) => {
-                self.idle.push((index, producer));
+                self.idle.insert(at, (index, producer));
                 Err(work)
             }
         }

@@ -105,12 +105,16 @@ impl EngineState {
     }
 }
 
-/// Marks the engine gone when the thread ends, however it ends (a panic unwinds through it).
-struct Gone(Arc<EngineState>);
+/// Marks the engine gone when the thread ends, however it ends (a panic unwinds through it), and fails
+/// the requests still queued: the server keeps the queue's sender, so they would wait for ever.
+struct Gone(Arc<EngineState>, crossbeam_channel::Receiver<Job>);
 
 impl Drop for Gone {
     fn drop(&mut self) {
         self.0 .0.store(EngineState::GONE, Ordering::Release);
+        for job in self.1.try_iter() {
+            let _ = job.events.send(Event::Failed("the engine stopped before this request ran".into()));
+        }
     }
 }
 
@@ -125,7 +129,7 @@ pub fn spawn(
     stop: Arc<AtomicBool>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new().name("pdhost-engine".into()).spawn(move || {
-        let _gone = Gone(Arc::clone(&state));
+        let _gone = Gone(Arc::clone(&state), queue.clone());
         let mut loaded = match start() {
             Ok(loaded) => loaded,
             Err(e) => {
@@ -305,8 +309,9 @@ impl<'t> Scheduler<'_, 't> {
         let taken = result.and_then(|pending| producer.take(pending, &mut self.loaded.engine.kv, seq));
         self.metrics.producer(index, producer.metrics());
         // A producer that did not run at start-up, or came back restarted, says now what it is.
+        // (Not from a producer that is not running: it would say nothing, and forget what it said.)
         let now = Remote::of(&producer);
-        if self.remotes[index] != now {
+        if producer.described().is_some() && self.remotes[index] != now {
             self.remotes[index] = now;
             self.remote = Remote::together(&self.remotes);
         }
@@ -401,6 +406,7 @@ impl<'t> Scheduler<'_, 't> {
                 tracing::warn!(id = job.id, "failed: {e}");
                 self.metrics.requests.with_label_values(&["failed"]).inc();
                 self.loaded.engine.abandon(prefill);
+                self.metrics.kv_usage(&self.loaded.engine.kv.usage());
                 let _ = job.events.send(Event::Failed(e));
             } else {
                 match self.loaded.engine.go_live(prefill, &job.request) {
@@ -420,6 +426,7 @@ impl<'t> Scheduler<'_, 't> {
                     Err(e) => {
                         tracing::warn!(id = job.id, "failed: {e}");
                         self.metrics.running.dec();
+                        self.metrics.kv_usage(&self.loaded.engine.kv.usage());
                         self.metrics.requests.with_label_values(&["failed"]).inc();
                         let _ = job.events.send(Event::Failed(e.to_string()));
                     }

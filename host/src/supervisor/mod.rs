@@ -198,6 +198,23 @@ impl Producer {
         self.next_epoch = epoch;
     }
 
+    /// Whether a request given now would be refused without a process being asked, and for how long:
+    /// `Some(Some(wait))` while a restart waits out its backoff, `Some(None)` while it cannot start for
+    /// good or for a while (its start was refused, or its restarts are at their limit), `None` when a
+    /// request would be sent (to the running process, or to one started for it).
+    pub fn refusing(&self, now: Instant) -> Option<Option<Duration>> {
+        if self.start_refused.is_some() {
+            return Some(None);
+        }
+        if self.running.is_some() {
+            return None;
+        }
+        match self.restarts.would_refuse(&self.spec.restart, now)? {
+            Refused::BackingOff { wait } => Some(Some(wait)),
+            Refused::Limit { .. } => Some(None),
+        }
+    }
+
     /// What the running backend described.
     pub fn described(&self) -> Option<&Described> {
         self.running.as_ref().map(|r| &r.described)

@@ -79,6 +79,21 @@ impl Restarts {
         Ok(true)
     }
 
+    /// What [`Restarts::admit`] would answer at `now`, without counting anything.
+    pub(super) fn would_refuse(&self, policy: &RestartPolicy, now: Instant) -> Option<Refused> {
+        if !self.failed {
+            return None;
+        }
+        let recent = self.recent.iter().filter(|&&t| now.saturating_duration_since(t) <= policy.window);
+        let restarts = recent.count() as u32;
+        if restarts >= policy.max_restarts {
+            // The wait is not needed by the callers, only that it is the limit.
+            return Some(Refused::Limit { restarts, wait: policy.window });
+        }
+        let wait = self.not_before.and_then(|t| t.checked_duration_since(now)).filter(|w| !w.is_zero())?;
+        Some(Refused::BackingOff { wait })
+    }
+
     /// A process is starting: until it is ready it counts as failed, so that a crash during start-up makes
     /// the next start a restart.
     pub(super) fn starting(&mut self) {
