@@ -939,6 +939,11 @@ impl Live {
         self.prefill
     }
 
+    /// Time its prefill spent committing K/V into the paged cache (the last prompt token's not counted).
+    pub fn ingest_time(&self) -> Duration {
+        self.ingest
+    }
+
     /// How its prompt was prefilled.
     pub fn report(&self) -> &PrefillReport {
         &self.report

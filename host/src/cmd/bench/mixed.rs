@@ -75,6 +75,12 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     let context = args.context.unwrap_or(DEFAULT_CONTEXT.min(config.context as u64));
     let limits = Limits::new(&name, &config, Some(context))?;
     let context = limits.context as u64;
+    // Each stream's prompt and at least one token must fit, before the servers start (a short context
+    // failed late, naming a flag the user never gave).
+    if context <= STREAM_PROMPT as u64 {
+        let expected = format!("more than {STREAM_PROMPT} tokens with --mixed (each stream's prompt)");
+        return Err(request::Invalid::new(Field::Context, expected, context).into());
+    }
     let why = format!(" (the {context}-token context less the one token each long prompt asks for)");
     let long = count(Field::LongPrompt, args.long_prompt, 1, context - 1, &why)? as usize;
     let tok = Tokenizer::from_gguf(&gguf)?;
@@ -82,6 +88,8 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     drop(gguf);
 
     let kv_dtype = clap::ValueEnum::to_possible_value(&args.kv_dtype).expect("not skipped");
+    let precision = clap::ValueEnum::to_possible_value(&args.precision).expect("not skipped");
+    let prefix_cache = if args.prefix_cache == crate::cli::Switch::On { "on" } else { "off" };
     let mut producers = vec![args.producer.as_str()];
     if args.producer != "local" {
         producers.push("local");
@@ -98,10 +106,12 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         let mut cmd = Command::new(std::env::current_exe().context("locating the pdhost executable")?);
         cmd.args(["serve", "--model", &name, "--host", "127.0.0.1", "--port", "0", "--producer", producer])
             .args(["--context", &context.to_string(), "--kv-dtype", kv_dtype.get_name()])
+            .args(["--precision", precision.get_name(), "--prefix-cache", prefix_cache])
             .args(["--slots", &(streams + n_long).to_string(), "--queue", "16"]);
         let split = if producer == "local" {
-            cmd.args(["--threads", &threads.to_string(), "--prefill-chunk", &LOCAL_CHUNK.to_string()]);
-            format!("host: decode and prefill on {threads} thread(s), prefill in {LOCAL_CHUNK}-token chunks")
+            let chunk = LOCAL_CHUNK.min(context);
+            cmd.args(["--threads", &threads.to_string(), "--prefill-chunk", &chunk.to_string()]);
+            format!("host: decode and prefill on {threads} thread(s), prefill in {chunk}-token chunks")
         } else {
             // Decode and prefill a share of the cores each (one each on two cores).
             let decode = (threads / 2).max(1);
@@ -139,7 +149,8 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
             .collect();
         outln!(
             "{}",
-            json!({"bench": "serve-mixed", "model": name, "context": context, "streams": streams,
+            json!({"bench": "serve-mixed", "model": name, "context": context, "precision": precision.get_name(),
+                   "kv_dtype": kv_dtype.get_name(), "prefix_cache": prefix_cache, "streams": streams,
                    "long_prompts": n_long, "long_prompt_tokens": long, "threads": threads, "rows": rows})
         )?;
     } else {
