@@ -364,6 +364,8 @@ fn every_reported_case_is_refused_or_handled() {
             .refused(2, &["--temperature: expected a number from 0 (greedy) to 100, found -1"]),
         case("bench serve peer sampled", &["bench", "serve", "--peer", "--temperature", "0.5"])
             .refused(2, &["--temperature: expected 0 (greedy) with --peer, found 0.5"]),
+        case("bench serve mixed tiny context", &["bench", "serve", "--mixed", "--context", "20", "--long-prompt", "8"])
+            .refused(2, &["--context: expected more than 32 tokens with --mixed (each stream's prompt), found 20"]),
         case("bench ingest tokens u64::MAX", &["bench", "ingest", "--tokens", &max])
             .refused(2, &["--tokens: expected 1 to 65536"]),
         // Accepted, or silently changed.
