@@ -390,8 +390,16 @@ fn a_stream_whose_client_leaves_while_queued_never_runs() {
     // queued request's stream task has seen its client go (nothing outside the server shows when).
     std::thread::sleep(Duration::from_secs(1));
     drop(lines);
+    // Both counted, and both lines read from the server's log (a thread of this test reads it, and
+    // may read a line after the metric that follows it has been scraped).
     let deadline = Instant::now() + Duration::from_secs(30);
-    while metric(&s, r#"pdhost_requests_total{outcome="cancelled"}"#) != Some(2.0) {
+    let ended = |id: u32| {
+        let log = s.log.lock().unwrap();
+        ["cancelled while queued", "cancelled during prefill", "cancelled by its client"]
+            .iter()
+            .any(|how| log.contains(&format!("{how} id={id}")))
+    };
+    while metric(&s, r#"pdhost_requests_total{outcome="cancelled"}"#) != Some(2.0) || !ended(1) || !ended(2) {
         assert!(Instant::now() < deadline, "not both cancelled: {}", s.log.lock().unwrap());
         std::thread::sleep(Duration::from_millis(10));
     }
