@@ -164,6 +164,32 @@ mod tests {
         assert_eq!(r.admit(&p, t0 + 1041 * MS), Ok(true));
     }
 
+    /// `would_refuse` answers as `admit` would, with the same kind of refusal, and counts nothing.
+    #[test]
+    fn would_refuse_foresees_admit_without_counting() {
+        let (p, t0) = (policy(), Instant::now());
+        let mut r = Restarts::default();
+        assert_eq!(r.would_refuse(&p, t0), None, "a first start");
+        r.starting();
+        for i in 0..5u32 {
+            let failure = t0 + i * 100 * MS;
+            r.failed(&p, failure);
+            for at in [failure, failure + 5 * MS, failure + 40 * MS] {
+                let foreseen = r.would_refuse(&p, at);
+                let again = r.would_refuse(&p, at);
+                assert_eq!(foreseen, again, "nothing counted");
+                match (foreseen, r.admit(&p, at)) {
+                    (None, Ok(_)) => break,
+                    (Some(Refused::BackingOff { wait }), Err(Refused::BackingOff { wait: w })) => assert_eq!(wait, w),
+                    (Some(Refused::Limit { restarts, .. }), Err(Refused::Limit { restarts: n, .. })) => {
+                        assert_eq!(restarts, n)
+                    }
+                    (foreseen, admitted) => panic!("at {i}: foreseen {foreseen:?}, admit {admitted:?}"),
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_cap_of_zero_never_restarts() {
         let (p, t0) = (RestartPolicy { max_restarts: 0, ..policy() }, Instant::now());
