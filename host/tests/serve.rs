@@ -378,6 +378,10 @@ fn the_queue_refuses_past_its_size_while_a_remote_prefill_holds_the_slot() {
 #[test]
 fn a_stream_whose_client_leaves_while_queued_never_runs() {
     let s = serve(&["--producer", "local", "--slots", "1"]);
+    // Every server's outcomes are there from the start, at zero.
+    for outcome in ["ok", "cancelled", "failed"] {
+        assert_eq!(metric(&s, &format!("pdhost_requests_total{{outcome=\"{outcome}\"}}")), Some(0.0), "{outcome}");
+    }
     let url = format!("{}/v1/completions", s.url);
     let long = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "stream": true});
     let r = agent().post(&url).send_json(&long).unwrap();

@@ -91,6 +91,11 @@ impl Metrics {
             seen: Default::default(),
             kv_gauges: Default::default(),
         };
+        // The outcomes every server has, at zero from the start: a `rate()` over a series that appears
+        // only with its first request reads as no data, not as none.
+        for outcome in ["ok", "cancelled", "failed"] {
+            m.requests.with_label_values(&[outcome]);
+        }
         let info = IntGauge::new("pdhost_info", "Always 1.").expect("valid");
         info.set(1);
         let all: [Box<dyn prometheus::core::Collector>; 14] = [
