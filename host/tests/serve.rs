@@ -992,6 +992,10 @@ fn a_producer_that_cannot_start_gets_no_request_while_another_can_take_it() {
         assert_eq!(status, 200, "request {i}: {v}");
         assert_eq!((v["pdhost"]["prefill"].as_str(), v["pdhost"]["producer"].as_str()), (Some("remote"), Some("rngd")));
     }
+    // A one-token prompt has nothing to prefill: no producer is asked or named (it said "rngd,faulty").
+    let (status, v) = post(&s, "/v1/completions", &json!({"prompt": [2], "max_tokens": 1}).to_string());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!((v["pdhost"]["prefill"].as_str(), v["pdhost"]["producer"].as_str()), (Some("local"), Some("local")));
 }
 
 /// With `--prefix-cache on`, a prompt that shares whole pages with an earlier one prefills only the rest

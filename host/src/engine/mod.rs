@@ -144,7 +144,8 @@ impl Prefilling {
         // At most the whole prompt: a backend's `max_tokens` may be any u64, and `done + chunk` must not wrap.
         let chunk = if chunk == 0 { len.max(1) } else { chunk.min(len.max(1)) };
         let mut prefilled = Prefilled::default();
-        prefilled.report.producer = producer.map(str::to_string);
+        // Nothing to prefill (a one-token prompt): no producer is asked, and none is named.
+        prefilled.report.producer = producer.filter(|_| len > 0).map(str::to_string);
         let remote = producer.is_some() && len > 0;
         Prefilling {
             seq,
