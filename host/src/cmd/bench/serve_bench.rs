@@ -912,7 +912,7 @@ impl Server {
 
     /// SIGTERM (it drains and stops its producers), then SIGKILL after [`STOP_TIMEOUT`].
     pub(super) fn stop(mut self) {
-        self.terminate();
+        let _ = self.terminate();
     }
 
     /// The server's process id.
@@ -923,42 +923,33 @@ impl Server {
     /// SIGTERM, and how it exited: `Ok` with its status when it exited within [`STOP_TIMEOUT`], else it is
     /// killed and `Err` says so.
     pub(super) fn drain(mut self) -> Result<std::process::ExitStatus, String> {
+        self.terminate().ok_or_else(|| format!("still running {} s after SIGTERM; killed it", STOP_TIMEOUT.as_secs()))
+    }
+
+    /// SIGTERM, then SIGKILL after [`STOP_TIMEOUT`]: its exit status if it exited by itself (or had
+    /// already), `None` if it was killed. Dropping it afterwards does nothing more.
+    fn terminate(&mut self) -> Option<std::process::ExitStatus> {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            return Some(status);
+        }
         let _ =
             rustix::process::kill_process(rustix::process::Pid::from_child(&self.child), rustix::process::Signal::TERM);
         let deadline = Instant::now() + STOP_TIMEOUT;
         while Instant::now() < deadline {
             if let Ok(Some(status)) = self.child.try_wait() {
-                return Ok(status);
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        // Killed here, as the message says (dropping it would send SIGTERM again and wait as long).
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        Err(format!("still running {} s after SIGTERM; killed it", STOP_TIMEOUT.as_secs()))
-    }
-
-    fn terminate(&mut self) {
-        if let Ok(Some(_)) = self.child.try_wait() {
-            return;
-        }
-        let _ =
-            rustix::process::kill_process(rustix::process::Pid::from_child(&self.child), rustix::process::Signal::TERM);
-        let deadline = Instant::now() + STOP_TIMEOUT;
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
+                return Some(status);
             }
             std::thread::sleep(Duration::from_millis(20));
         }
         let _ = self.child.kill();
         let _ = self.child.wait();
+        None
     }
 }
 
 impl Drop for Server {
     fn drop(&mut self) {
-        self.terminate();
+        let _ = self.terminate();
     }
 }
 
