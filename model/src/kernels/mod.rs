@@ -174,6 +174,11 @@ impl Exec {
                 Layout::Rows => outs[p].iter_mut().map(Vec::as_mut_ptr).collect(),
             },
         });
+        if let Some(acts) = &acts {
+            if ws.iter().any(|(_, _, native, _)| matches!(native, Some(Native::Interleaved(_)))) {
+                acts.halves();
+            }
+        }
         self.pool.install(|| {
             tasks.par_iter().for_each(|(p, rows)| {
                 let (w, q8, native, _) = ws[*p];

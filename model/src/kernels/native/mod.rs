@@ -226,6 +226,25 @@ impl<'a> Acts<'a> {
         Acts::bare(Kernel::best(simd), q8)
     }
 
+    /// Every row's sums per chunk of its first and last 16 values, for the interleaved kernels: where
+    /// their unsigned weights `u = v + o` meet the activations, the integer sums start from `-o` times
+    /// these, so they come out as `sum(v * q)`. Made once per input, by the first caller; a product calls
+    /// it before its parallel region, so that no task waits on another's (a thread that blocked on it
+    /// was put to sleep and woken again, which cost more than the sums on a VM).
+    pub(crate) fn halves(&self) -> &[[i32; 2]] {
+        self.halves.get_or_init(|| {
+            (0..self.q8.rows)
+                .flat_map(|r| {
+                    self.q8
+                        .act(r)
+                        .q
+                        .chunks_exact(QK)
+                        .map(|c| std::array::from_fn(|h| c[16 * h..16 * h + 16].iter().map(|&q| i32::from(q)).sum()))
+                })
+                .collect()
+        })
+    }
+
     /// The rows of `q8` for `kernel`, with none of the row-major kernels' layouts.
     fn bare(kernel: Kernel, q8: &'a Q8) -> Self {
         #[cfg(target_arch = "x86_64")]
