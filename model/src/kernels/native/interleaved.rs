@@ -31,11 +31,12 @@ use crate::quant::GgmlType;
 /// Activation rows per pass over a group's weights: each weight vector is loaded once for them all.
 const PASS: usize = 4;
 
-/// How far ahead of the group it reads the AVX-512 kernel asks for the weights' bytes, into L1 (groups
-/// and their units lie in the order the kernel reads them). The hardware's prefetchers alone left a
-/// decode step waiting on its loads on a Sapphire Rapids VM: `bench kernels --threads 1`, Gemma 3
-/// `fast`, the whole pass of one row 19.8 -> 11.6-15.3 ms, of four rows 30.3 -> 14.8-18.9 (the head
-/// 19.0 -> 9.5-12.4). 16 KiB ahead was ahead of 8 and 4 KiB by less than the noise, 2 KiB behind.
+/// How far ahead of the group it reads a SIMD kernel asks for the weights' bytes, into L1 (groups and
+/// their units lie in the order the kernels read them). The hardware's prefetchers alone left a decode
+/// step waiting on its loads on a Sapphire Rapids VM: `bench kernels --threads 1`, Gemma 3 `fast`, the
+/// whole pass of one row 19.8 -> 11.6-15.3 ms, of four rows 30.3 -> 14.8-18.9 (the head 19.0 ->
+/// 9.5-12.4); the AVX2 kernel on the same CPU 27-28 -> 20-22 ms and 45-48 -> 34-35. 16 KiB ahead was
+/// ahead of 8 and 4 KiB by less than the noise, 2 KiB behind.
 const AHEAD: usize = 16384;
 
 /// `out[i][j] = x[i] . m[rows.start + j]` for every activation row of `x` and the weight rows `rows`
@@ -336,6 +337,12 @@ unsafe fn avx2<const R: usize, const T: u32>(m: &Interleaved, g: usize, acts: [O
     let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
     for c in 0..chunks {
         let cu = c % cpu;
+        let step = m.layout.unit_bytes() / cpu;
+        crate::quant::prefetch_lines(
+            m.bytes.as_ptr().wrapping_add(m.at(g, c / cpu) + cu * step + AHEAD),
+            step,
+            crate::quant::Toward::L1,
+        );
         for side in 0..2 {
             // SAFETY: as in `avx512`: the unit's bytes and the rows' operands are in bounds (checked);
             // unaligned loads.
