@@ -95,6 +95,16 @@ impl Tokenizer {
         }
     }
 
+    /// The bytes `id` adds to [`Tokenizer::decode`]'s, where a text's bytes are its tokens' bytes end
+    /// to end (a GGUF's vocabulary; `None` for a `tokenizer.json`, whose decoders may look across
+    /// tokens). With `skip_special`, a special token adds nothing.
+    pub fn piece_bytes(&self, id: u32, skip_special: bool) -> Option<Vec<u8>> {
+        match self {
+            Tokenizer::Gguf(t) => Some(t.decode_bytes(&[id], skip_special)),
+            Tokenizer::Hf { .. } => None,
+        }
+    }
+
     /// The bytes token `id` stands for (special tokens' text included): a byte-fallback or byte-level
     /// token may hold part of a character, which [`Tokenizer::decode`] would replace. (From a
     /// `tokenizer.json`, the decoded text's bytes.)
