@@ -776,6 +776,20 @@ fn slots_interleave_streams_and_each_equals_generate_alone_sampled_or_greedy() {
     let ended =
         |id: u32| log.find(&format!("request id={id} ")).unwrap_or_else(|| panic!("request {id} not logged: {log}"));
     assert!(ended(2) < ended(1), "{log}");
+    // The seeded request reports its seed; unseeded ones each draw their own, and a reported seed gives
+    // the same reply again.
+    assert_eq!(v["pdhost"]["seed"], 5, "{v}");
+    let unseeded = json!({"prompt": "The three primary colours are", "max_tokens": 6, "temperature": 1.5}).to_string();
+    let (a, b) = (post(&s, "/v1/completions", &unseeded).1, post(&s, "/v1/completions", &unseeded).1);
+    let seed = |v: &Value| v["pdhost"]["seed"].as_u64().unwrap_or_else(|| panic!("no seed: {v}"));
+    assert_ne!(seed(&a), seed(&b), "{a}\n{b}");
+    let again =
+        json!({"prompt": "The three primary colours are", "max_tokens": 6, "temperature": 1.5, "seed": seed(&b)});
+    let (status, again) = post(&s, "/v1/completions", &again.to_string());
+    assert_eq!(status, 200, "{again}");
+    assert_eq!(again["pdhost"]["output_ids"], b["pdhost"]["output_ids"]);
+    assert_eq!(again["pdhost"]["logits_xxh3"], b["pdhost"]["logits_xxh3"]);
+    assert!(last["pdhost"]["seed"].is_null(), "a greedy reply has no seed: {last}");
 }
 
 /// While a drain waits for a stream, new requests hear 503 (not a refused connection); a stream still

@@ -416,8 +416,10 @@ impl Completion {
             // OpenAI's defaults: temperature 1, top_p 1.
             temperature: Some(opt_f64(&m, "temperature")?.unwrap_or(1.0)),
             top_p: Some(opt_f64(&m, "top_p")?.unwrap_or(1.0)),
+            // No seed: a fresh one (vLLM and llama-server draw each unseeded request anew; with 0 every
+            // sampled reply to the same prompt was the same), which the `pdhost` object reports.
             seed: match m.get("seed") {
-                None | Some(Value::Null) => 0,
+                None | Some(Value::Null) => random_seed(),
                 Some(Value::Number(n)) if n.as_i64().is_some() => n.as_i64().unwrap_or(0) as u64,
                 Some(Value::Number(n)) if n.as_u64().is_some() => n.as_u64().unwrap_or(0),
                 Some(v) => return Err(ApiError::invalid("seed", "an integer", kind(v))),
@@ -471,6 +473,13 @@ impl Completion {
             Some(v) => return Err(ApiError::invalid("prompt", "a string or an array of token ids", kind(v))),
         })
     }
+}
+
+/// A fresh seed: the hash of nothing under std's random SipHash keys (drawn from the OS once per
+/// thread, and stepped for every `RandomState`).
+fn random_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new().build_hasher().finish()
 }
 
 #[cfg(test)]

@@ -13,7 +13,9 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::metrics::Metrics;
-use crate::engine::{Engine, EngineError, Finish, Live, OnFailure, Prefilling, Remote, Request, TokenLogprob};
+use crate::engine::{
+    Engine, EngineError, Finish, Live, OnFailure, Prefilling, Remote, Request, Sampling, TokenLogprob,
+};
 use crate::supervisor::Producer;
 use crate::text::TextStream;
 
@@ -607,6 +609,11 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
         "decode_ms": gen.decode.as_secs_f64() * 1e3,
         "logits_xxh3": format!("{:016x}", gen.logits_hash),
         "output_ids": gen.output,
+        // The sampling seed (drawn where the request named none), so that the reply can be had again.
+        "seed": match job.request.sampling {
+            Sampling::TopP { seed, .. } => Some(seed),
+            Sampling::Greedy => None,
+        },
     });
     // The metrics first: a client that reads `/metrics` once it has its answer sees the request counted.
     metrics.requests.with_label_values(&["ok"]).inc();
