@@ -633,6 +633,21 @@ fn logprobs_are_those_of_generate_streamed_or_not_in_either_api() {
         assert_eq!(t["top_logprobs"][0]["token"], t["token"], "greedy: the likeliest {t}");
         assert_eq!(t["top_logprobs"][0]["logprob"], t["logprob"]);
     }
+    // A chosen token that is not among the likeliest (here forced by a bias; the log-probabilities are
+    // the model's, before it) joins them: up to `logprobs` + 1 entries, as OpenAI's legacy API says.
+    let likeliest = want[0]["id"].as_u64().unwrap();
+    let forced = want[0]["top"][2][0].as_u64().unwrap();
+    let biased = json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+                        "logit_bias": {forced.to_string(): 100}});
+    let (status, v) = post(&s, "/v1/completions", &biased.to_string());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["pdhost"]["output_ids"], json!([forced]), "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let top = lp["top_logprobs"][0].as_object().unwrap();
+    assert_eq!(top.len(), 2, "the likeliest and the chosen: {lp}");
+    assert_eq!(top[lp["tokens"][0].as_str().unwrap()], lp["token_logprobs"][0], "{lp}");
+    assert_eq!(lp["token_logprobs"][0], want[0]["top"][2][1], "{lp}");
+    assert_ne!(likeliest, forced);
     // Without them: null, as before.
     let (_, v) = post(&s, "/v1/completions", &json!({"prompt": prompt, "max_tokens": 2}).to_string());
     assert!(v["choices"][0]["logprobs"].is_null(), "{v}");

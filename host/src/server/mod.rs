@@ -386,13 +386,17 @@ impl Endpoint {
                     let (name, _) = named(t.token);
                     offsets.push(*offset);
                     *offset += name.chars().count();
-                    tokens.push(name);
                     let mut top = serde_json::Map::new();
                     for &(id, lp) in &t.top {
                         // Two ids of one text: the likelier one's figure.
                         top.entry(named(id).0).or_insert(json!(lp));
                     }
+                    // The chosen token too, where it is not among the likeliest (a sampled or biased
+                    // one): OpenAI's legacy API "will always return the logprob of the sampled token,
+                    // so there may be up to logprobs+1 elements", as vLLM does.
+                    top.entry(name.clone()).or_insert(json!(t.logprob));
                     tops.push(Value::Object(top));
+                    tokens.push(name);
                 }
                 json!({"tokens": tokens, "token_logprobs": lps.iter().map(|t| t.logprob).collect::<Vec<_>>(),
                        "top_logprobs": tops, "text_offset": offsets})
