@@ -648,6 +648,28 @@ fn logprobs_are_those_of_generate_streamed_or_not_in_either_api() {
     assert_eq!(top[lp["tokens"][0].as_str().unwrap()], lp["token_logprobs"][0], "{lp}");
     assert_eq!(lp["token_logprobs"][0], want[0]["top"][2][1], "{lp}");
     assert_ne!(likeliest, forced);
+    // Tokens that stand for single bytes of multi-byte characters (forced by biases): each one's
+    // `text_offset` is where its character starts in the text, in characters (it counted the characters
+    // of its `bytes:\xNN` name, ten a byte).
+    let path = model::registry::fetch(MODEL, &mut model::registry::Quiet).unwrap();
+    let tokenizer = model::tokenizer::Tokenizer::from_gguf(&model::gguf::Gguf::open(&path).unwrap()).unwrap();
+    let bias: serde_json::Map<String, Value> = (0..49152u32)
+        .filter(|&id| matches!(tokenizer.token_bytes(id)[..], [b] if b >= 0x80))
+        .map(|id| (id.to_string(), json!(100)))
+        .collect();
+    assert!(bias.len() >= 64, "{} single high-byte tokens", bias.len());
+    let bytes = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0, "logprobs": 0, "logit_bias": bias});
+    let (status, v) = post(&s, "/v1/completions", &bytes.to_string());
+    assert_eq!(status, 200, "{v}");
+    let text = v["choices"][0]["text"].as_str().unwrap();
+    let offsets: Vec<u64> =
+        v["choices"][0]["logprobs"]["text_offset"].as_array().unwrap().iter().map(|o| o.as_u64().unwrap()).collect();
+    assert_eq!(offsets.len(), 8, "{v}");
+    assert!(
+        offsets.iter().all(|&o| o < text.chars().count() as u64) && offsets.windows(2).all(|w| w[0] <= w[1]),
+        "{v}"
+    );
+    assert!(offsets.windows(2).any(|w| w[0] == w[1]), "a character of several byte tokens: {v}");
     // Without them: null, as before.
     let (_, v) = post(&s, "/v1/completions", &json!({"prompt": prompt, "max_tokens": 2}).to_string());
     assert!(v["choices"][0]["logprobs"].is_null(), "{v}");

@@ -370,7 +370,7 @@ impl Endpoint {
     /// the completion, `offset` on), or a chat completion's `content` of `{token, logprob, bytes,
     /// top_logprobs}`. A token that is not whole UTF-8 characters is named `bytes:\xNN...`, as
     /// OpenAI names it.
-    fn logprobs(self, tokenizer: &Tokenizer, lps: &[TokenLogprob], offset: &mut usize) -> Value {
+    fn logprobs(self, tokenizer: &Tokenizer, lps: &[TokenLogprob], offset: &mut TextOffset) -> Value {
         let named = |id: u32| {
             let bytes = tokenizer.token_bytes(id);
             let name = match std::str::from_utf8(&bytes) {
@@ -384,8 +384,7 @@ impl Endpoint {
                 let (mut tokens, mut offsets, mut tops) = (Vec::new(), Vec::new(), Vec::new());
                 for t in lps {
                     let (name, _) = named(t.token);
-                    offsets.push(*offset);
-                    *offset += name.chars().count();
+                    offsets.push(offset.push(tokenizer, t.token));
                     let mut top = serde_json::Map::new();
                     for &(id, lp) in &t.top {
                         // Two ids of one text: the likelier one's figure.
@@ -417,6 +416,33 @@ impl Endpoint {
                 json!({"content": content, "refusal": null})
             }
         }
+    }
+}
+
+/// Where each token of a completion starts in its text, in characters (a completion's `text_offset`):
+/// the characters the text has before the token's bytes, a character that the token ends (a
+/// byte-fallback token's, or a byte-level one's) counted from the token that began it.
+#[derive(Debug, Default)]
+struct TextOffset {
+    /// Characters of the text before the bytes still pending.
+    chars: usize,
+    /// Bytes of the tokens since the last whole character (the text holds them back while they end in
+    /// U+FFFD, as `TextStream` does).
+    pending: Vec<u8>,
+}
+
+impl TextOffset {
+    /// Token `id`'s offset; then its bytes join the text.
+    fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> usize {
+        let at = self.chars;
+        let bytes = tokenizer.piece_bytes(id, true).unwrap_or_else(|| tokenizer.decode(&[id], true).into_bytes());
+        self.pending.extend_from_slice(&bytes);
+        let text = String::from_utf8_lossy(&self.pending);
+        if !text.ends_with('\u{FFFD}') {
+            self.chars += text.chars().count();
+            self.pending.clear();
+        }
+        at
     }
 }
 
@@ -515,8 +541,11 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
                     logprobs.extend(lps);
                 }
                 Event::Done(done) => {
-                    let logprobs =
-                        if wants_logprobs { endpoint.logprobs(&tokenizer, &logprobs, &mut 0) } else { Value::Null };
+                    let logprobs = if wants_logprobs {
+                        endpoint.logprobs(&tokenizer, &logprobs, &mut TextOffset::default())
+                    } else {
+                        Value::Null
+                    };
                     return Ok(Json(json!({
                         "id": cmpl, "object": endpoint.object(false), "created": created, "model": model,
                         "choices": [endpoint.choice(&text, done.finish, logprobs)],
@@ -548,7 +577,7 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     tokio::spawn(async move {
         let _in_flight = in_flight;
         // Whether no text was sent yet (a chat stream's first chunk says the role).
-        let (mut first, mut offset) = (true, 0);
+        let (mut first, mut offset) = (true, TextOffset::default());
         let mut chunk = |text: &str, first: bool, lps: &[TokenLogprob], usage: Option<Value>| {
             let logprobs = if wants_logprobs { endpoint.logprobs(&tokenizer, lps, &mut offset) } else { Value::Null };
             let mut v = json!({"id": cmpl, "object": endpoint.object(true), "created": created, "model": model,
