@@ -496,8 +496,9 @@ impl PagedKv {
         }))
     }
 
-    /// A hash of the whole cache: every pool byte, free list, block table and sequence. Equal before and
-    /// after a rejected span, byte for byte.
+    /// A hash of the whole cache: every pool byte, free list, page's holders, cached page (and when it
+    /// was released), block table and sequence, and the prefix index. Equal before and after a rejected
+    /// span, byte for byte.
     pub fn state_hash(&self) -> u64 {
         let mut h = twox_hash::XxHash3_64::with_seed(0);
         for g in &self.groups {
@@ -505,10 +506,17 @@ impl PagedKv {
             for &p in &g.free {
                 h.write_u32(p);
             }
-            for &p in g.cached.values() {
+            for &r in &g.refs {
+                h.write_u32(r);
+            }
+            for (&tick, &p) in &g.cached {
+                h.write_u64(tick);
                 h.write_u32(p);
             }
             h.write_u8(0xFF);
+        }
+        if let Some(index) = &self.prefix {
+            index.hash_into(&mut h);
         }
         for (id, s) in &self.seqs {
             h.write_u64(id.0);

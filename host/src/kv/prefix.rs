@@ -83,6 +83,37 @@ impl PrefixIndex {
         }
     }
 
+    /// Everything the index holds, into `h`, in an order its hash maps do not decide.
+    pub(crate) fn hash_into(&self, h: &mut impl Hasher) {
+        h.write_u64(self.tick);
+        let mut keys: Vec<&u64> = self.blocks.keys().collect();
+        keys.sort_unstable();
+        for k in keys {
+            let b = &self.blocks[k];
+            h.write_u64(*k);
+            h.write_u64(b.parent);
+            b.tokens.iter().for_each(|&t| h.write_u32(t));
+            for page in &b.pages {
+                match page {
+                    Some((page, from)) => {
+                        h.write_u32(*page);
+                        h.write_u64(*from);
+                    }
+                    None => h.write_u8(0xFD),
+                }
+            }
+        }
+        for owner in &self.owner {
+            let mut pages: Vec<(&u32, &u64)> = owner.iter().collect();
+            pages.sort_unstable();
+            for (page, k) in pages {
+                h.write_u32(*page);
+                h.write_u64(*k);
+            }
+            h.write_u8(0xFC);
+        }
+    }
+
     /// The registered blocks of `tokens`' full pages from the start, as far as they go.
     fn chain<'a>(&'a self, tokens: &[u32], page: usize, dtype: Dtype) -> Vec<&'a Block> {
         let mut found = Vec::new();

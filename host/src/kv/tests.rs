@@ -377,7 +377,9 @@ fn a_prefix_hit_shares_whole_pages_and_reads_back_the_first_sequences_bytes() {
     let a: Vec<u32> = (0..19).collect();
     kv.add_sequence(SeqId(1), 1).unwrap();
     ingest_chunks(&mut kv, SeqId(1), 1, 0..19, 4, 1);
+    let unregistered = kv.state_hash();
     kv.register_prefix(SeqId(1), &a, Dtype::F32);
+    assert_ne!(kv.state_hash(), unregistered, "the state's hash covers the prefix index");
 
     // Misses change nothing: other tokens in the first page, another rounding.
     kv.add_sequence(SeqId(2), 2).unwrap();
