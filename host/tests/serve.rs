@@ -652,8 +652,9 @@ fn logprobs_are_those_of_generate_streamed_or_not_in_either_api() {
     // `text_offset` is where its character starts in the text, in characters (it counted the characters
     // of its `bytes:\xNN` name, ten a byte).
     let path = model::registry::fetch(MODEL, &mut model::registry::Quiet).unwrap();
-    let tokenizer = model::tokenizer::Tokenizer::from_gguf(&model::gguf::Gguf::open(&path).unwrap()).unwrap();
-    let bias: serde_json::Map<String, Value> = (0..49152u32)
+    let gguf = model::gguf::Gguf::open(&path).unwrap();
+    let tokenizer = model::tokenizer::Tokenizer::from_gguf(&gguf).unwrap();
+    let bias: serde_json::Map<String, Value> = (0..model::arch::Config::from_gguf(&gguf).unwrap().vocab as u32)
         .filter(|&id| matches!(tokenizer.token_bytes(id)[..], [b] if b >= 0x80))
         .map(|id| (id.to_string(), json!(100)))
         .collect();
