@@ -99,7 +99,7 @@ pub struct ProducerNodeArgs {
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MIB")]
     pub producer_memory: Option<u64>,
     /// Seconds a producer may take to start and to answer each prefill.
-    #[arg(long, allow_hyphen_values = true, default_value_t = 120.0, value_name = "SECONDS")]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 120.0, value_name = "SECONDS")]
     pub producer_timeout: f64,
     /// Inject a fault into the first span of each session (for tests of the host's side of the link).
     #[arg(long, value_enum, hide = true)]
@@ -121,11 +121,11 @@ pub struct CheckBackendArgs {
     pub backend_config: Option<String>,
     /// The largest relative L2 error of any layer's K or V against local prefill. The default fits a
     /// backend that computes what the host computes; a backend on another numerical stack sets its own.
-    #[arg(long, allow_hyphen_values = true, default_value_t = 1e-2)]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 1e-2)]
     pub kv_tolerance: f64,
     /// The largest gap between the local logits of two tokens for greedy decode to part there as a
     /// near-tie.
-    #[arg(long, allow_hyphen_values = true, default_value_t = 1e-2)]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 1e-2)]
     pub tie_margin: f64,
     /// Tokens decoded per prompt in the greedy check (1 to 256).
     #[arg(long, value_parser = whole, default_value_t = 16, allow_negative_numbers = true)]
@@ -140,7 +140,7 @@ pub struct CheckBackendArgs {
     #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,
     /// Seconds the backend may take to start and to answer each prefill.
-    #[arg(long, allow_hyphen_values = true, default_value_t = 120.0)]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 120.0)]
     pub producer_timeout: f64,
     /// Checks not to run, comma-separated: a backend whose plumbing comes before its numbers (a
     /// stand-in, like the C example) skips `kv,greedy`. `start` and `spans` always run.
@@ -173,7 +173,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value = "gemma3-270m")]
     pub model: String,
     /// The prompt text, tokenized as Hugging Face does (BOS added where the model's tokenizer adds it).
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub prompt: Option<String>,
     /// A file whose whole content (UTF-8, used verbatim) is the prompt, or `-` for standard input.
     #[arg(long, value_name = "PATH")]
@@ -208,7 +208,7 @@ pub struct GenerateArgs {
     pub on_producer_failure: OnFailureArg,
     /// Seconds a producer may take to answer one prefill (and to start) before it is killed (at most
     /// 3600).
-    #[arg(long, allow_hyphen_values = true, default_value_t = 120.0, value_name = "SECONDS")]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 120.0, value_name = "SECONDS")]
     pub producer_timeout: f64,
     /// The producers' sandbox (docs/plugin-abi.md, "The sandbox around you"). `on`: once its backend is open, a producer
     /// that starts a process, signals another one or opens a socket is stopped (`sandbox_violation`), and
@@ -239,24 +239,24 @@ pub struct GenerateArgs {
     #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,
     /// Sample with this temperature (0 to 100; 0 is greedy) instead of greedy decoding.
-    #[arg(long, allow_hyphen_values = true)]
+    #[arg(long, value_parser = number, allow_hyphen_values = true)]
     pub temperature: Option<f64>,
     /// Nucleus mass when sampling: above 0, at most 1.
-    #[arg(long, allow_hyphen_values = true, default_value_t = 1.0, requires = "temperature")]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 1.0, requires = "temperature")]
     pub top_p: f64,
     /// Sampling seed.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 0, requires = "temperature")]
     pub seed: u64,
     /// Subtracted from the logit of every token the output already holds (-2 to 2; OpenAI's
     /// `presence_penalty`). Penalties apply greedy or sampled.
-    #[arg(long, allow_hyphen_values = true)]
+    #[arg(long, value_parser = number, allow_hyphen_values = true)]
     pub presence_penalty: Option<f64>,
     /// Subtracted once for each time the output holds a token (-2 to 2; `frequency_penalty`).
-    #[arg(long, allow_hyphen_values = true)]
+    #[arg(long, value_parser = number, allow_hyphen_values = true)]
     pub frequency_penalty: Option<f64>,
     /// Divides the positive logits, and multiplies the others, of tokens in the prompt or the output
     /// (above 0, at most 10; 1 is off; vLLM's `repetition_penalty`).
-    #[arg(long, allow_hyphen_values = true)]
+    #[arg(long, value_parser = number, allow_hyphen_values = true)]
     pub repetition_penalty: Option<f64>,
     /// Biases added to tokens' logits, as ID:BIAS pairs separated by commas, e.g. `50256:-100,13:2.5`
     /// (-100 to 100; `logit_bias`).
@@ -285,7 +285,7 @@ pub struct ServeArgs {
     #[arg(long, value_parser = listen_ip, default_value = "127.0.0.1")]
     pub host: std::net::IpAddr,
     /// Port to listen on (0: any free port; the address is printed once the server is ready).
-    #[arg(long, default_value_t = 8080, allow_negative_numbers = true)]
+    #[arg(long, default_value_t = 8080, value_parser = port, allow_negative_numbers = true)]
     pub port: u16,
     /// Prompt plus output tokens per request, at most (default 9216, or the model's context when smaller).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
@@ -324,7 +324,7 @@ pub struct ServeArgs {
     #[arg(long, value_enum, default_value_t = OnFailureArg::Fallback)]
     pub on_producer_failure: OnFailureArg,
     /// Seconds a producer may take to answer one prefill (and to start) before it is killed (at most 3600).
-    #[arg(long, default_value_t = 120.0, value_name = "SECONDS", allow_hyphen_values = true)]
+    #[arg(long, value_parser = number, default_value_t = 120.0, value_name = "SECONDS", allow_hyphen_values = true)]
     pub producer_timeout: f64,
     /// The producers' sandbox (docs/plugin-abi.md, "The sandbox around you"): `on` stops a producer whose backend
     /// starts a process, signals another one or opens a socket, and refuses its file opens; `off` for a
@@ -351,10 +351,10 @@ pub struct ServeArgs {
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
     pub prefill_chunk: Option<u64>,
     /// A key every `/v1/` request must carry as `Authorization: Bearer KEY` (401 without it).
-    #[arg(long, value_name = "KEY")]
+    #[arg(long, value_name = "KEY", value_parser = api_key, allow_hyphen_values = true)]
     pub api_key: Option<String>,
     /// Seconds in-flight requests may take to finish after SIGTERM or SIGINT.
-    #[arg(long, default_value_t = 30.0, value_name = "SECONDS", allow_hyphen_values = true)]
+    #[arg(long, value_parser = number, default_value_t = 30.0, value_name = "SECONDS", allow_hyphen_values = true)]
     pub drain_timeout: f64,
 }
 
@@ -588,18 +588,18 @@ pub struct SoakBenchArgs {
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 8)]
     pub concurrency: u64,
     /// Share of prefills the `faulty` producer fails, each in one of its modes chosen at random (0 to 1).
-    #[arg(long, allow_hyphen_values = true, default_value_t = 0.25)]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 0.25)]
     pub fault_rate: f64,
     /// Share of requests whose client disconnects at a random moment: before the first token
     /// (mid-prefill) or mid-stream (0 to 1).
-    #[arg(long, allow_hyphen_values = true, default_value_t = 0.1)]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 0.1)]
     pub disconnect_rate: f64,
     /// Share of requests that are malformed, oversized or invalid (0 to 1).
-    #[arg(long, allow_hyphen_values = true, default_value_t = 0.05)]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 0.05)]
     pub bad_rate: f64,
     /// Seconds between SIGKILLs of a producer from outside (0: none); the first interval also stops one
     /// with SIGSTOP.
-    #[arg(long, allow_hyphen_values = true, default_value_t = 10.0, value_name = "SECONDS")]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 10.0, value_name = "SECONDS")]
     pub kill_every: f64,
     /// Output tokens per request (`max_tokens`, greedy; 1 to 256).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 16)]
@@ -671,7 +671,7 @@ pub struct ServeBenchArgs {
     pub stream: StreamArg,
     /// Sampling temperature of every request (0 to 100; 0 is greedy). Above 0 every request carries the
     /// same seed, so a sampled response must still equal its reference token for token.
-    #[arg(long, allow_hyphen_values = true, default_value_t = 0.0)]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 0.0)]
     pub temperature: f64,
     /// After the matrix, run the same cells against llama.cpp's `llama-server` on the same GGUF with the
     /// same threads (`-np` the widest concurrency, at least 4; `-c` the context per slot), and print
@@ -739,6 +739,25 @@ fn whole(text: &str) -> Result<u64, String> {
         std::num::IntErrorKind::PosOverflow => format!("expected a whole number up to {}", u64::MAX),
         _ => "expected a whole number, 0 or more".to_string(),
     })
+}
+
+/// A decimal number (each flag checks its own bounds after).
+fn number(text: &str) -> Result<f64, String> {
+    text.parse().map_err(|_| "expected a number".to_string())
+}
+
+/// `serve --port`.
+fn port(text: &str) -> Result<u16, String> {
+    text.parse().map_err(|_| format!("expected a port from 0 to {}", u16::MAX))
+}
+
+/// `serve --api-key`: what a client can send after `Bearer ` (HTTP trims a header value's ends, so a
+/// key that is empty or starts or ends with whitespace could never match).
+fn api_key(text: &str) -> Result<String, String> {
+    if text.is_empty() || text.trim() != text {
+        return Err("expected a key with no whitespace at either end, not empty".into());
+    }
+    Ok(text.to_string())
 }
 
 /// `serve --host`: an IP address, or `localhost` (the loopback address, as `vllm serve` and `llama-server`

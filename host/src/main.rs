@@ -40,13 +40,15 @@ fn main() -> ExitCode {
             return ExitCode::SUCCESS;
         }
         Err(e) => {
-            // One line, like every other refusal: clap's first line names the flag, the value and why.
+            // One line, like every other refusal: clap's first line names the flag, the value and why;
+            // its tips (a similar flag, `--` before a value that starts with `-`) join it.
             let text = e.render().to_string();
-            let line: Vec<&str> = text
+            let line: Vec<String> = text
                 .lines()
                 .map(str::trim)
                 .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
-                .filter(|l| !l.is_empty() && !l.starts_with("tip:"))
+                .filter(|l| !l.is_empty())
+                .map(|l| if l.starts_with("tip:") { format!("({l})") } else { l.to_string() })
                 .collect();
             cmd::errln!("{} (see --help)", line.join(" "));
             return ExitCode::from(2);

@@ -428,6 +428,11 @@ fn an_api_key_is_required_when_set_and_sigterm_drains_leaving_nothing() {
     assert_eq!(r.status().as_u16(), 401);
     let r = agent().post(&url).header("authorization", "Bearer sesame").send_json(&body).unwrap();
     assert_eq!(r.status().as_u16(), 200);
+    // The scheme's name is case-insensitive (RFC 9110); the key is not.
+    let r = agent().post(&url).header("authorization", "bearer sesame").send_json(&body).unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let r = agent().post(&url).header("authorization", "Bearer SESAME").send_json(&body).unwrap();
+    assert_eq!(r.status().as_u16(), 401);
     assert_eq!(get(&s, "/health").0, 200, "health needs no key");
 
     let pid = s.child.id();

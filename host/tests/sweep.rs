@@ -632,7 +632,18 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
             .refused(2, &["--max-restarts: expected 0 to 1000, found 1001"]),
         case("serve max-restarts -1", &["serve", "--max-restarts", "-1"])
             .refused(2, &["'-1' for '--max-restarts <MAX_RESTARTS>': expected a whole number, 0 or more"]),
-        case("serve port -1", &["serve", "--port", "-1"]).refused(2, &["'-1' for '--port <PORT>': -1 is not in 0..=65535"]),
+        case("serve port -1", &["serve", "--port", "-1"])
+            .refused(2, &["'-1' for '--port <PORT>': expected a port from 0 to 65535"]),
+        case("serve port abc", &["serve", "--port", "abc"])
+            .refused(2, &["'abc' for '--port <PORT>': expected a port from 0 to 65535"]),
+        // An empty key could never match (HTTP trims a header's ends): every request would get 401.
+        case("serve empty api key", &["serve", "--api-key", ""])
+            .refused(2, &["'' for '--api-key <KEY>': expected a key with no whitespace at either end, not empty"]),
+        case("serve drain timeout abc", &["serve", "--drain-timeout", "abc"])
+            .refused(2, &["'abc' for '--drain-timeout <SECONDS>': expected a number"]),
+        // A mistyped flag keeps clap's suggestion, on the same line.
+        case("generate mistyped flag", &["generate", "--promt", "hi"])
+            .refused(2, &["unexpected argument '--promt' found (tip: a similar argument exists: '--prompt')"]),
         case("serve host name", &["serve", "--host", "example.org"])
             .refused(2, &["'example.org' for '--host <HOST>': expected an IP address (such as 127.0.0.1"]),
         tiny_gen("prompt-ids -2", &["--prompt-ids", "1,-2"]).refused(2, &["expected a token id, a whole number from 0"]),
@@ -678,6 +689,9 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         tiny_gen("ids: hex", &["--prompt-ids", "0x10"]).refused(2, &["--prompt-ids"]),
         // Text prompts on a checkpoint without a tokenizer.
         tiny_gen("text on a model without a tokenizer", &["--prompt", "hello"])
+            .refused(2, &["--prompt: expected --prompt-ids (this model has no tokenizer)"]),
+        // A prompt that starts with a hyphen is the prompt, not a flag (it was "unexpected argument").
+        tiny_gen("a prompt starting with a hyphen", &["--prompt", "- item one"])
             .refused(2, &["--prompt: expected --prompt-ids (this model has no tokenizer)"]),
         // Prompt files.
         tiny_gen("prompt-file: a directory", &["--prompt-file", &d]).refused(2, &["--prompt-file", "a directory"]),

@@ -57,9 +57,10 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let max_len = limits.context as u64;
     let budget = request::kv_budget(&geometry, dtype, page_size, max_len, slots)
         .context("the KV cache's size does not fit in 64 bits")?;
+    // Named by the flag the user gave: a default context is not what they would change.
     request::check_memory(
-        Field::Context,
-        &format!("the KV cache for {slots} x {max_len} tokens in {}", dtype.name()),
+        if args.context.is_some() { Field::Context } else { Field::Slots },
+        &format!("the KV cache for --slots {slots} x --context {max_len} tokens in {}", dtype.name()),
         budget,
     )?;
     let tokenizer = Arc::new(opened.tokenizer.take().ok_or_else(|| {

@@ -129,6 +129,8 @@ pub enum Field {
     Backend,
     /// Check-backend: the backend checked (its positional argument).
     CheckedBackend,
+    /// A chat completion's messages (their rendered prompt).
+    Messages,
     /// Log-probabilities: a completion's count of alternatives.
     Logprobs,
     /// Log-probabilities: a chat completion's count of alternatives.
@@ -188,6 +190,7 @@ impl Field {
             Field::Listen => "--listen",
             Field::Backend => "--backend",
             Field::CheckedBackend => "BACKEND",
+            Field::Messages => "messages",
             Field::Logprobs => "--logprobs",
             Field::TopLogprobs => "--top-logprobs",
         }

@@ -121,6 +121,24 @@ const UNSUPPORTED: &[Unsupported] = &[
         off: |v| matches!(v.as_str(), Some("none" | "auto")),
         expected: "\"none\" or \"auto\" (no tools)",
     },
+    // The older function calling, and the audio and predicted outputs.
+    Unsupported {
+        field: "functions",
+        off: |v| v.as_array().is_some_and(Vec::is_empty),
+        expected: "an empty list (function calls are not supported)",
+    },
+    Unsupported {
+        field: "function_call",
+        off: |v| matches!(v.as_str(), Some("none" | "auto")),
+        expected: "\"none\" or \"auto\" (no functions)",
+    },
+    Unsupported {
+        field: "modalities",
+        off: |v| v.as_array().is_some_and(|m| m.iter().all(|m| m == "text")),
+        expected: "[\"text\"] (text output only)",
+    },
+    Unsupported { field: "audio", off: |_| false, expected: "none (text output only)" },
+    Unsupported { field: "prediction", off: |_| false, expected: "none (no predicted outputs)" },
     Unsupported {
         field: "response_format",
         off: |v| v.get("type").and_then(Value::as_str) == Some("text"),
@@ -243,6 +261,11 @@ fn opt_u64(m: &Map<String, Value>, key: &'static str) -> Result<Option<u64>, Api
         None | Some(Value::Null) => Ok(None),
         Some(Value::Number(n)) if n.as_u64().is_some() => Ok(n.as_u64()),
         Some(Value::Number(n)) if n.as_i64().is_some() => Err(ApiError::invalid(key, "a positive integer", n)),
+        // A whole number written as a float (`16.0`, as some languages' JSON writers put it), as vLLM
+        // takes it.
+        Some(Value::Number(n)) if n.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0 && f < 2f64.powi(53)) => {
+            Ok(n.as_f64().map(|f| f as u64))
+        }
         Some(v) => Err(ApiError::invalid(key, "an integer", kind(v))),
     }
 }
@@ -300,10 +323,16 @@ fn message(i: usize, v: &Value) -> Result<model::chat::Message, ApiError> {
         Some(Value::String(c)) => c.clone(),
         // OpenAI's content parts: only text ones here.
         Some(Value::Array(parts)) => {
+            // Joined by newlines, as vLLM joins them.
             let mut text = String::new();
-            for part in parts {
+            for (k, part) in parts.iter().enumerate() {
                 match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
-                    (Some("text"), Some(t)) => text.push_str(t),
+                    (Some("text"), Some(t)) => {
+                        if k > 0 {
+                            text.push('\n');
+                        }
+                        text.push_str(t)
+                    }
                     _ => {
                         return Err(ApiError::invalid(
                             "messages",
@@ -399,6 +428,9 @@ impl Completion {
         let stream = opt_bool(&m, "stream")?;
         let include_usage = match m.get("stream_options") {
             None | Some(Value::Null) => false,
+            Some(Value::Object(_)) if !stream => {
+                return Err(ApiError::invalid("stream_options", "none unless \"stream\" is true", "an object"))
+            }
             Some(Value::Object(o)) => opt_bool(o, "include_usage")?,
             Some(v) => return Err(ApiError::invalid("stream_options", "an object", kind(v))),
         };
@@ -410,7 +442,10 @@ impl Completion {
         let to_context = max_tokens.is_none() && matches!(prompt, Prompt::Messages(_));
         let raw = RawRequest {
             prompt: Vec::new(),
-            prompt_field: Some(Field::Prompt),
+            prompt_field: Some(match prompt {
+                Prompt::Messages(_) => Field::Messages,
+                _ => Field::Prompt,
+            }),
             max_tokens: max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
             min_max_tokens: 1,
             // OpenAI's defaults: temperature 1, top_p 1.
@@ -541,16 +576,33 @@ mod tests {
             "temperature: expected a number, found a string of 3 bytes"
         );
         assert_eq!(err(r#"{"prompt":"x","stream":1}"#), "stream: expected a boolean, found the number 1");
+        // Usage chunks come only in a stream (OpenAI and vLLM refuse the options without one).
+        assert_eq!(
+            err(r#"{"prompt":"x","stream_options":{"include_usage":true}}"#),
+            "stream_options: expected none unless \"stream\" is true, found an object"
+        );
+        // A whole number written as a float is that number; a fraction is not.
+        assert_eq!(Completion::parse(br#"{"prompt":"x","max_tokens":16.0}"#).unwrap().raw.max_tokens, 16);
+        assert_eq!(err(r#"{"prompt":"x","max_tokens":1.5}"#), "max_tokens: expected an integer, found the number 1.5");
+        // The older function calling and the audio outputs are refused, not ignored.
+        for (field, value) in
+            [("functions", r#"[{"name":"f"}]"#), ("function_call", r#"{"name":"f"}"#), ("audio", "{}")]
+        {
+            let body = format!(r#"{{"prompt":"x","{field}":{value}}}"#);
+            assert!(err(&body).starts_with(&format!("{field}: expected")), "{field}: {}", err(&body));
+        }
+        assert!(Completion::parse(br#"{"prompt":"x","functions":[],"modalities":["text"]}"#).is_ok());
     }
 
     #[test]
     fn chat_messages_are_read_with_text_parts_and_named_when_wrong() {
+        // Text parts of one message are joined by newlines, as vLLM joins them.
         let c = Completion::parse_chat(
             br#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi"},{"type":"text","text":"!"}]}],"max_completion_tokens":5}"#,
         )
         .unwrap();
         let Prompt::Messages(m) = &c.prompt else { panic!("messages") };
-        assert_eq!((m[0].role.as_str(), m[1].content.as_str(), c.raw.max_tokens), ("system", "Hi!", 5));
+        assert_eq!((m[0].role.as_str(), m[1].content.as_str(), c.raw.max_tokens), ("system", "Hi\n!", 5));
         assert!(!c.to_context);
         // The newer name wins over the deprecated one, also where a client sends that one as `null`.
         let user = r#""messages":[{"role":"user","content":"x"}]"#;

@@ -98,7 +98,13 @@ impl Drop for InFlight {
 impl App {
     fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
         let Some(key) = &self.config.api_key else { return Ok(()) };
-        let given = headers.get("authorization").and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        // The scheme's name is case-insensitive (RFC 9110).
+        let given = headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split_once(' '))
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+            .map(|(_, key)| key);
         if given == Some(key.as_str()) {
             return Ok(());
         }
@@ -506,8 +512,18 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     };
     c.raw.prefill_chunk = app.config.prefill_chunk as u64;
     if c.to_context {
-        // At least 1, so that a prompt that fills the context is refused naming both numbers.
-        c.raw.max_tokens = (app.config.limits.context as u64).saturating_sub(c.raw.prompt.len() as u64).max(1);
+        // A reply of at least one token, so that a conversation that fills the context is refused
+        // naming its length, not a `max_tokens` the client never sent.
+        let context = app.config.limits.context as u64;
+        let room = context.saturating_sub(c.raw.prompt.len() as u64);
+        if room == 0 {
+            return Err(ApiError::invalid(
+                "messages",
+                format!("a conversation shorter than the {context}-token context (room for a reply)"),
+                format_args!("{} tokens", c.raw.prompt.len()),
+            ));
+        }
+        c.raw.max_tokens = room;
     }
     let checked = request::check_request(&c.raw, &app.config.limits)?;
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
