@@ -280,6 +280,19 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(5.0));
     assert_eq!(metric(&s, r#"pdhost_producer_starts_total{kind="start"}"#), Some(1.0));
     assert_eq!(metric(&s, "pdhost_requests_running"), Some(0.0));
+    // A conversation too long for the context is named by its messages, not by a `prompt` it never sent;
+    // one that fills it exactly, by what it leaves for a reply, not by a `max_tokens` it never sent.
+    let chat = |words: usize| json!({"messages": [{"role": "user", "content": "hello ".repeat(words)}]}).to_string();
+    let (status, v) = post(&s, "/v1/chat/completions", &chat(1100));
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
+    let refused = "messages: expected a conversation shorter than the 1024-token context (room for a reply), found";
+    assert!(v["error"]["message"].as_str().unwrap().starts_with(refused), "{v}");
+    let one = json!({"messages": [{"role": "user", "content": "hello "}], "max_tokens": 1}).to_string();
+    let (status, v) = post(&s, "/v1/chat/completions", &one);
+    let overhead = v["usage"]["prompt_tokens"].as_u64().unwrap_or_else(|| panic!("{status} {v}")) - 1;
+    let (status, v) = post(&s, "/v1/chat/completions", &chat(1024 - overhead as usize));
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
+    assert_eq!(v["error"]["message"].as_str().unwrap(), format!("{refused} 1024 tokens"), "{v}");
 }
 
 #[test]
