@@ -634,6 +634,15 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
             .refused(2, &["'-1' for '--max-restarts <MAX_RESTARTS>': expected a whole number, 0 or more"]),
         case("serve port -1", &["serve", "--port", "-1"])
             .refused(2, &["'-1' for '--port <PORT>': expected a port from 0 to 65535"]),
+        case("serve local with producers", &["serve", "--producer", "local", "--producers", "3"])
+            .refused(2, &["--producers: expected 1 with --producer local"]),
+        // An unknown model is the user's flag in every bench that fetches one.
+        case("bench pd unknown model", &["bench", "pd", "--model", "bogus"])
+            .refused(2, &["--model: expected one of gemma3-270m, smollm2-135m, found \"bogus\""]),
+        case("bench soak unknown model", &["bench", "soak", "--model", "bogus"])
+            .refused(2, &["--model: expected one of gemma3-270m, smollm2-135m, found \"bogus\""]),
+        case("bench serve mixed unknown model", &["bench", "serve", "--mixed", "--model", "bogus"])
+            .refused(2, &["--model: expected one of gemma3-270m, smollm2-135m, found \"bogus\""]),
         case("serve port abc", &["serve", "--port", "abc"])
             .refused(2, &["'abc' for '--port <PORT>': expected a port from 0 to 65535"]),
         // An empty key could never match (HTTP trims a header's ends): every request would get 401.

@@ -45,6 +45,14 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let max_restarts = request::check_count(Field::MaxRestarts, args.max_restarts, 0, MAX_RESTARTS)? as u32;
     let producers = args.producers.unwrap_or(backends.len() as u64);
     let count = request::check_count(Field::Producers, producers, backends.len() as u64, MAX_PRODUCERS)?;
+    if backends == ["local"] && count > 1 {
+        return Err(request::Invalid::new(
+            Field::Producers,
+            "1 with --producer local (prompts prefill in the server, between decode rounds)",
+            count,
+        )
+        .into());
+    }
     let source = input::model_source(&args.model)?;
 
     let mut opened = Opened::open(&source, true)?;

@@ -41,6 +41,11 @@ pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
 
 /// The model file of a known model, fetched first if needed (a progress bar unless `quiet`).
 pub(crate) fn fetched(name: &str, quiet: bool) -> anyhow::Result<std::path::PathBuf> {
+    // An unknown name is the user's `--model` (exit 2, naming the flag), not a failed fetch.
+    if let Err(model::registry::FetchError::Unknown { expected, .. }) = model::registry::spec(name) {
+        let field = pdhost::request::Field::Model;
+        return Err(pdhost::request::Invalid::new(field, format!("one of {expected}"), format_args!("{name:?}")).into());
+    }
     let mut bar = crate::cmd::models::Bar::new(quiet);
     let path = model::registry::fetch(name, &mut bar)?;
     bar.finish();
