@@ -6,8 +6,7 @@ use model::tokenizer::Tokenizer;
 /// multi-byte character (the decoder shows U+FFFD there), so no client ever sees half a character.
 ///
 /// Where the tokenizer's text is its tokens' bytes end to end (a GGUF's), each id costs the decoding
-/// of the bytes not yet shown: the shown text ends with a whole character, after which UTF-8 decodes
-/// afresh, so the pieces are the whole text's decoding cut up. Otherwise (a `tokenizer.json`, whose
+/// of the bytes not yet shown ([`Pending`]). Otherwise (a `tokenizer.json`, whose
 /// decoders may look across tokens) every id decodes the whole output again, which at 8192 tokens
 /// costs about half a millisecond a token.
 #[derive(Debug)]
@@ -15,27 +14,21 @@ pub struct TextStream<'a> {
     tokenizer: &'a Tokenizer,
     ids: Vec<u32>,
     /// The bytes of the ids pushed since the last piece shown (GGUF vocabularies only).
-    pending: Vec<u8>,
+    pending: Pending,
     shown: String,
 }
 
 impl<'a> TextStream<'a> {
     /// A stream over `tokenizer`'s decoding.
     pub fn new(tokenizer: &'a Tokenizer) -> Self {
-        TextStream { tokenizer, ids: Vec::new(), pending: Vec::new(), shown: String::new() }
+        TextStream { tokenizer, ids: Vec::new(), pending: Pending::default(), shown: String::new() }
     }
 
     /// Adds `id`; returns the text it completes (empty while a character is still partial).
     pub fn push(&mut self, id: u32) -> String {
         self.ids.push(id);
         if let Some(bytes) = self.tokenizer.piece_bytes(id, true) {
-            self.pending.extend_from_slice(&bytes);
-            let new = String::from_utf8_lossy(&self.pending);
-            if new.ends_with('\u{FFFD}') {
-                return String::new();
-            }
-            let new = new.into_owned();
-            self.pending.clear();
+            let Some(new) = self.pending.push(&bytes) else { return String::new() };
             self.shown.push_str(&new);
             return new;
         }
@@ -58,6 +51,27 @@ impl<'a> TextStream<'a> {
     /// The whole text of every id pushed, partial characters included.
     pub fn text(&self) -> String {
         self.tokenizer.decode(&self.ids, true)
+    }
+}
+
+/// Bytes of text not yet whole characters: each piece's bytes join them, and what they decode to comes
+/// out once it no longer ends in U+FFFD (the decoder's mark of a character cut short). What came out
+/// ended with a whole character, after which UTF-8 decodes afresh, so the pieces that come out are the
+/// whole text's decoding cut up.
+#[derive(Debug, Default)]
+pub struct Pending(Vec<u8>);
+
+impl Pending {
+    /// Adds `bytes`; the text they complete, or `None` while a character is still partial.
+    pub fn push(&mut self, bytes: &[u8]) -> Option<String> {
+        self.0.extend_from_slice(bytes);
+        let text = String::from_utf8_lossy(&self.0);
+        if text.ends_with('\u{FFFD}') {
+            return None;
+        }
+        let text = text.into_owned();
+        self.0.clear();
+        Some(text)
     }
 }
 

@@ -31,6 +31,7 @@ use serde_json::{json, Value};
 
 use crate::engine::TokenLogprob;
 use crate::request::{self, Limits};
+use crate::text::Pending;
 
 pub mod api;
 pub mod metrics;
@@ -432,9 +433,8 @@ impl Endpoint {
 struct TextOffset {
     /// Characters of the text before the bytes still pending.
     chars: usize,
-    /// Bytes of the tokens since the last whole character (the text holds them back while they end in
-    /// U+FFFD, as `TextStream` does).
-    pending: Vec<u8>,
+    /// Bytes of the tokens since the last whole character, held back as `TextStream` holds them.
+    pending: Pending,
 }
 
 impl TextOffset {
@@ -442,11 +442,8 @@ impl TextOffset {
     fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> usize {
         let at = self.chars;
         let bytes = tokenizer.piece_bytes(id, true).unwrap_or_else(|| tokenizer.decode(&[id], true).into_bytes());
-        self.pending.extend_from_slice(&bytes);
-        let text = String::from_utf8_lossy(&self.pending);
-        if !text.ends_with('\u{FFFD}') {
+        if let Some(text) = self.pending.push(&bytes) {
             self.chars += text.chars().count();
-            self.pending.clear();
         }
         at
     }

@@ -165,6 +165,17 @@ fn check<const R: usize>(m: &Interleaved, g: usize, acts: &[Operands<'_>; R]) ->
     chunks
 }
 
+/// Asks for chunk `c` of group `g`'s share of its unit, [`AHEAD`] bytes on (a hint: it reads nothing and
+/// cannot fault, wherever that lands).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn prefetch_ahead(m: &Interleaved, g: usize, c: usize) {
+    let cpu = m.layout.chunks_per_unit();
+    let step = m.layout.unit_bytes() / cpu;
+    let at = m.at(g, c / cpu) + c % cpu * step + AHEAD;
+    crate::quant::prefetch_lines(m.bytes.as_ptr().wrapping_add(at), step, crate::quant::Toward::L1);
+}
+
 /// Which of the kernels' cases the type with GGML id `T` takes.
 #[cfg(target_arch = "x86_64")]
 struct Form {
@@ -215,9 +226,7 @@ unsafe fn avx512<const R: usize, const T: u32>(
         // chunk `c` of its operands; unaligned loads.
         unsafe {
             let b = m.bytes.as_ptr().add(m.at(g, c / cpu));
-            // This chunk's share of the unit, AHEAD bytes on.
-            let step = m.layout.unit_bytes() / cpu;
-            crate::quant::prefetch_lines(b.wrapping_add(cu * step + AHEAD), step, crate::quant::Toward::L1);
+            prefetch_ahead(m, g, c);
             let load = |at: usize| _mm512_loadu_si512(b.add(at).cast());
             // Sixteen bytes from `at` widened to 32 bits.
             let bytes16 = |at: usize| _mm_loadu_si128(b.add(at).cast());
@@ -337,12 +346,7 @@ unsafe fn avx2<const R: usize, const T: u32>(m: &Interleaved, g: usize, acts: [O
     let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
     for c in 0..chunks {
         let cu = c % cpu;
-        let step = m.layout.unit_bytes() / cpu;
-        crate::quant::prefetch_lines(
-            m.bytes.as_ptr().wrapping_add(m.at(g, c / cpu) + cu * step + AHEAD),
-            step,
-            crate::quant::Toward::L1,
-        );
+        prefetch_ahead(m, g, c);
         for side in 0..2 {
             // SAFETY: as in `avx512`: the unit's bytes and the rows' operands are in bounds (checked);
             // unaligned loads.
