@@ -333,7 +333,8 @@ pub(crate) enum Toward {
     /// Gemma 3's 1 KiB rows are L1 whole, so into L1 they likely evicted lines not yet read).
     /// Four sequences' scores and weighted sums at 330 positions (Gemma 3's shape, f32 rows from
     /// memory, one thread) took 5.9-6.0 ms asking for L1 and 3.5-3.7 ms asking for L2; a read of every
-    /// line alone, 3.0-3.6 ms.
+    /// line alone, 3.0-3.6 ms. And the interleaved `fast` kernels' weights (`AHEAD` in
+    /// `kernels::native::interleaved`).
     L2,
 }
 

@@ -31,12 +31,16 @@ use crate::quant::GgmlType;
 /// Activation rows per pass over a group's weights: each weight vector is loaded once for them all.
 const PASS: usize = 4;
 
-/// How far ahead of the group it reads a SIMD kernel asks for the weights' bytes, into L1 (groups and
+/// How far ahead of the group it reads a SIMD kernel asks for the weights' bytes, into L2 (groups and
 /// their units lie in the order the kernels read them). The hardware's prefetchers alone left a decode
 /// step waiting on its loads on a Sapphire Rapids VM: `bench kernels --threads 1`, Gemma 3 `fast`, the
 /// whole pass of one row 19.8 -> 11.6-15.3 ms, of four rows 30.3 -> 14.8-18.9 (the head 19.0 ->
 /// 9.5-12.4); the AVX2 kernel on the same CPU 27-28 -> 20-22 ms and 45-48 -> 34-35. 16 KiB ahead was
-/// ahead of 8 and 4 KiB by less than the noise, 2 KiB behind.
+/// ahead of 8 and 4 KiB by less than the noise, 2 KiB behind. Into L2 (`prefetcht1`) rather than L1:
+/// a real decode, whose weights come from memory (`bench kernels`' best pass finds them in L3), ran
+/// 5-20% faster (Gemma 3 `fast`, `generate`, one thread 47-53 -> 52-56 tok/s, two 88-96 -> 95-99,
+/// alternating; `bench model` one row 49-50 -> 61); into L1 the lines wait there, evicting ones not
+/// yet read. `exact`'s row kernels, bound by their dequantization, gained nothing either way.
 const AHEAD: usize = 16384;
 
 /// `out[i][j] = x[i] . m[rows.start + j]` for every activation row of `x` and the weight rows `rows`
@@ -165,7 +169,7 @@ fn check<const R: usize>(m: &Interleaved, g: usize, acts: &[Operands<'_>; R]) ->
     chunks
 }
 
-/// Asks for chunk `c` of group `g`'s share of its unit, [`AHEAD`] bytes on (a hint: it reads nothing and
+/// Asks for chunk `c` of group `g`'s share of its unit, [`AHEAD`] bytes on, into L2 (a hint: it reads nothing and
 /// cannot fault, wherever that lands).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
@@ -173,7 +177,7 @@ fn prefetch_ahead(m: &Interleaved, g: usize, c: usize) {
     let cpu = m.layout.chunks_per_unit();
     let step = m.layout.unit_bytes() / cpu;
     let at = m.at(g, c / cpu) + c % cpu * step + AHEAD;
-    crate::quant::prefetch_lines(m.bytes.as_ptr().wrapping_add(at), step, crate::quant::Toward::L1);
+    crate::quant::prefetch_lines(m.bytes.as_ptr().wrapping_add(at), step, crate::quant::Toward::L2);
 }
 
 /// Which of the kernels' cases the type with GGML id `T` takes.
