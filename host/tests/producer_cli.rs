@@ -62,7 +62,20 @@ fn fail_policy_ends_the_request_with_one_line() {
 
 #[test]
 fn bad_producer_flags_get_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let text_so = dir.path().join("notes.so");
+    std::fs::write(&text_so, "# not a library\n").unwrap();
+    let text_so = text_so.to_str().unwrap();
+    let not_elf = format!(
+        "--producer: expected a backend library (an ELF shared object), found {text_so}: a file starting with \"# no\""
+    );
     for (args, text) in [
+        (&["--producer", text_so][..], not_elf.as_str()),
+        (
+            &["--backend-config", r#"{"precision":"bogus"}"#][..],
+            r#"--backend-config: expected "precision" one of exact, fast, found "precision": "bogus""#,
+        ),
+        (&["--backend-config", r#"{"dtype":7}"#][..], r#"--backend-config: expected "dtype" one of f32, bf16, f16, found "dtype": 7"#),
         (
             &["--producer", "nosuch"][..],
             "--producer: expected local, rngd, gpu, faulty, torch, py:MODULE:CLASS, a PATH.so or nixl://HOST:PORT/NAME, found \"nosuch\"",

@@ -577,6 +577,8 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         ckpt("zero-window", &config.to_string())
     };
     let not_a_lib = file("libnot.so", b"not an ELF file");
+    // An ELF file's first bytes and nothing else: the host takes it, its producer fails to load it.
+    let broken_lib = file("libbroken.so", b"\x7fELF and then nothing a loader can use");
     let max = u64::MAX.to_string();
 
     let mut cases = Vec::new();
@@ -766,27 +768,27 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         tiny_gen("producer: missing library", &["--producer", "/nonexistent/libx.so"])
             .refused(2, &["--producer: expected a backend library file, found /nonexistent/libx.so: nothing there"]),
         tiny_gen("producer: a directory", &["--producer", &format!("{d}/")]).refused(2, &["a directory"]),
-        tiny_gen("producer: not a library, fail", &["--producer", &not_a_lib, "--on-producer-failure", "fail"])
-            .refused(1, &["remote prefill failed"]),
-        tiny_gen("producer: not a library, fallback", &["--producer", &not_a_lib]).never(&["panicked"]),
+        tiny_gen("producer: not a library", &["--producer", &not_a_lib]).refused(
+            2,
+            &["--producer: expected a backend library (an ELF shared object), found", "a file starting with \"not \""],
+        ),
+        tiny_gen("producer: a broken library, fail", &["--producer", &broken_lib, "--on-producer-failure", "fail"])
+            .refused(1, &["remote prefill failed", "load failed"]),
+        tiny_gen("producer: a broken library, fallback", &["--producer", &broken_lib]).never(&["panicked"]),
         // Nothing to prefill (one token), yet the producer that cannot start fails the request under `fail`.
         tiny_gen(
-            "producer: not a library, fail, a one-token prompt",
-            &["--producer", &not_a_lib, "--on-producer-failure", "fail", "--prompt-ids", "2"],
+            "producer: a broken library, fail, a one-token prompt",
+            &["--producer", &broken_lib, "--on-producer-failure", "fail", "--prompt-ids", "2"],
         )
         .refused(1, &["remote prefill failed"]),
-        // A config key of the wrong type is refused, not read as absent.
-        tiny_gen(
-            "producer: a number for the config's dtype, fail",
-            &["--producer", "rngd", "--on-producer-failure", "fail", "--backend-config", r#"{"dtype":5}"#],
-        )
-        .refused(1, &["config dtype: expected bf16, f16 or f32, found 5"]),
+        // The keys the host gives every backend are checked up front, not left to fail its start.
+        tiny_gen("producer: a number for the config's dtype", &["--producer", "rngd", "--backend-config", r#"{"dtype":5}"#])
+            .refused(2, &[r#"--backend-config: expected "dtype" one of f32, bf16, f16, found "dtype": 5"#]),
         case("check-backend: unknown backend", &["check-backend", "tpu"]).refused(2, &["BACKEND: expected", "\"tpu\""]),
-        tiny_gen(
-            "producer: bad dtype in config, fail",
-            &["--producer", "rngd", "--on-producer-failure", "fail", "--backend-config", r#"{"dtype":"f64"}"#],
-        )
-        .refused(1, &["dtype"]),
+        tiny_gen("producer: bad dtype in config", &["--producer", "rngd", "--backend-config", r#"{"dtype":"f64"}"#])
+            .refused(2, &[r#"found "dtype": "f64""#]),
+        tiny_gen("producer: bad precision in config", &["--producer", "gpu", "--backend-config", r#"{"precision":1}"#])
+            .refused(2, &[r#"--backend-config: expected "precision" one of exact, fast, found "precision": 1"#]),
         tiny_gen(
             "producer: bad model in config, falls back",
             &["--producer", "gpu", "--backend-config", r#"{"model":"/nonexistent"}"#],

@@ -68,7 +68,8 @@ fn python_class(producer: &str) -> Result<(String, String), Invalid> {
 }
 
 /// A backend library named by path, for `field`: its name (the file stem) and its absolute path; refused
-/// unless it is a file, with what is there instead.
+/// unless it is an ELF file, with what is there instead (the host never loads it: its producer does, and
+/// a file that is no library would only fail there, as a producer fault).
 pub fn library(path: &str, field: Field) -> anyhow::Result<(String, PathBuf)> {
     let p = PathBuf::from(path);
     if !p.is_file() {
@@ -77,6 +78,18 @@ pub fn library(path: &str, field: Field) -> anyhow::Result<(String, PathBuf)> {
             Err(_) => format!("{path}: nothing there"),
         };
         return Err(Invalid::new(field, "a backend library file", found).into());
+    }
+    let mut magic = [0u8; 4];
+    match pdhost::request::input::read_start(&p, &mut magic) {
+        Ok(4) if &magic == b"\x7fELF" => {}
+        Ok(n) => {
+            let found = match n {
+                0 => format!("{path}: an empty file"),
+                n => format!("{path}: a file starting with {}", shm_format::words::bytes(&magic[..n])),
+            };
+            return Err(Invalid::new(field, "a backend library (an ELF shared object)", found).into());
+        }
+        Err(e) => return Err(Invalid::new(field, "a readable backend library", format_args!("{path}: {e}")).into()),
     }
     let name = p.file_stem().map_or_else(|| path.to_string(), |s| s.to_string_lossy().into_owned());
     Ok((name, std::path::absolute(p)?))

@@ -170,17 +170,7 @@ pub fn model_source(arg: &str) -> Result<ModelSource, Invalid> {
         ));
     }
     let mut magic = [0u8; 4];
-    let read = std::fs::File::open(path).and_then(|mut f| {
-        let mut n = 0;
-        while n < 4 {
-            match f.read(&mut magic[n..])? {
-                0 => break,
-                k => n += k,
-            }
-        }
-        Ok(n)
-    });
-    match read {
+    match read_start(path, &mut magic) {
         Ok(4) if &magic == b"GGUF" => Ok(ModelSource::Gguf(path.to_path_buf())),
         Ok(0) => Err(Invalid::new(
             field,
@@ -196,9 +186,24 @@ pub fn model_source(arg: &str) -> Result<ModelSource, Invalid> {
     }
 }
 
+/// Reads the first `start.len()` bytes of the file at `path` (fewer if it is shorter): how many.
+pub fn read_start(path: &Path, start: &mut [u8]) -> std::io::Result<usize> {
+    let mut f = std::fs::File::open(path)?;
+    let mut n = 0;
+    while n < start.len() {
+        match f.read(&mut start[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
 /// `--backend-config`: a JSON object of at most [`MAX_BACKEND_CONFIG_BYTES`] nested at most
-/// [`MAX_BACKEND_CONFIG_DEPTH`] deep, whose `threads`, if given, is a valid thread count. It is never
-/// echoed back whole. `local` prefill has no backend, so any config there is refused rather than ignored.
+/// [`MAX_BACKEND_CONFIG_DEPTH`] deep. The keys the host itself gives every backend, where it overrides
+/// them, hold what the host would (`threads` a valid thread count, `precision` and `dtype` one of their
+/// names): a backend would refuse them at its start, which is a producer fault. It is never echoed back
+/// whole. `local` prefill has no backend, so any config there is refused rather than ignored.
 pub fn check_backend_config(
     text: Option<&str>,
     producer: &str,
@@ -252,6 +257,15 @@ pub fn check_backend_config(
                 field,
                 format!("\"threads\" from 1 to {max} (4 per core)"),
                 format_args!("\"threads\": {threads}"),
+            ));
+        }
+    }
+    for (key, names) in [("precision", &["exact", "fast"][..]), ("dtype", &["f32", "bf16", "f16"][..])] {
+        if let Some(value) = map.get(key).filter(|v| !v.as_str().is_some_and(|v| names.contains(&v))) {
+            return Err(Invalid::new(
+                field,
+                format!("{key:?} one of {}", names.join(", ")),
+                format_args!("{key:?}: {}", shorten(&value.to_string())),
             ));
         }
     }

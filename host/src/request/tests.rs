@@ -218,6 +218,12 @@ fn backend_config_is_bounded_never_echoed_and_refused_for_local() {
     assert!(check_backend_config(Some("{\"threads\":100000}"), "rngd").is_err());
     assert!(check_backend_config(Some("{\"threads\":0}"), "rngd").is_err());
     assert!(check_backend_config(Some("{\"threads\":\"2\"}"), "rngd").is_err());
+    // The other keys the host gives every backend hold what it would give.
+    assert_eq!(check_backend_config(Some(r#"{"precision":"fast","dtype":"bf16"}"#), "rngd").unwrap().len(), 2);
+    for bad in [r#"{"precision":"Fast"}"#, r#"{"precision":null}"#, r#"{"dtype":"float32"}"#, r#"{"dtype":16}"#] {
+        let e = check_backend_config(Some(bad), "rngd").unwrap_err().to_string();
+        assert!(e.contains("one of") && e.lines().count() == 1, "{bad}: {e}");
+    }
     assert_eq!(check_backend_config(Some("{\"threads\":1,\"fault\":\"hang\"}"), "faulty").unwrap().len(), 2);
     let e = check_backend_config(Some("{nope"), "rngd").unwrap_err().to_string();
     assert!(e.starts_with("--backend-config: expected a JSON object, found invalid JSON at line 1 column 2"), "{e}");
