@@ -683,7 +683,12 @@ pub struct ServeBenchArgs {
     /// `--producer` (decode and the producer a core each) and for `--producer local` (prefill in the host,
     /// in 256-token chunks between decode rounds), each in a server started for it. Greedy; `--precision`,
     /// `--kv-dtype` and `--prefix-cache` go to both servers.
-    #[arg(long, conflicts_with_all = ["url", "peer", "prefill_chunk", "temperature"])]
+    #[arg(
+        long,
+        conflicts_with_all = [
+            "url", "peer", "prefill_chunk", "temperature", "inputs", "outputs", "concurrency", "repeats", "stream"
+        ]
+    )]
     pub mixed: bool,
     /// `--mixed`: streams decoding (1 to 16).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "mixed", default_value_t = 2)]

@@ -645,6 +645,14 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
             .refused(2, &["--model: expected one of gemma3-270m, smollm2-135m, found \"bogus\""]),
         case("bench serve mixed unknown model", &["bench", "serve", "--mixed", "--model", "bogus"])
             .refused(2, &["--model: expected one of gemma3-270m, smollm2-135m, found \"bogus\""]),
+        // `--mixed` runs its own cells: the matrix's flags would be ignored, so they are refused; its
+        // producer is checked before any server starts.
+        case("bench serve mixed with repeats", &["bench", "serve", "--mixed", "--repeats", "2"])
+            .refused(2, &["'--mixed' cannot be used with '--repeats <REPEATS>'"]),
+        case("bench serve mixed with concurrency", &["bench", "serve", "--mixed", "--concurrency", "8"])
+            .refused(2, &["'--mixed' cannot be used with '--concurrency <CONCURRENCY>'"]),
+        case("bench serve mixed unknown producer", &["bench", "serve", "--mixed", "--producer", "nosuch"])
+            .refused(2, &["--producer: expected local, rngd", "found \"nosuch\""]),
         case("serve port abc", &["serve", "--port", "abc"])
             .refused(2, &["'abc' for '--port <PORT>': expected a port from 0 to 65535"]),
         // An empty key could never match (HTTP trims a header's ends): every request would get 401.

@@ -68,6 +68,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     let streams = count(Field::Streams, args.streams, 1, 16, "")? as usize;
     let n_long = count(Field::LongPrompts, args.long_prompts, 1, 8, "")? as usize;
     let threads = request::check_threads(args.threads)?;
+    super::serve_bench::check_producer(&args.producer)?;
     let name = args.model.clone().unwrap_or_else(|| DEFAULT_MODEL.to_string());
     let path = super::fetched(&name, args.json)?;
     let gguf = Gguf::open(&path)?;

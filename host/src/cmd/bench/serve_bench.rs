@@ -477,7 +477,7 @@ fn peer_table(cells: &[Cell], peer: &[super::peer::PeerCell], threads: usize) ->
 }
 
 /// `--producer` as `pdhost serve` takes it, checked before the server starts.
-fn check_producer(producer: &str) -> Result<(), Invalid> {
+pub(super) fn check_producer(producer: &str) -> Result<(), Invalid> {
     match producer {
         "local" | "rngd" | "gpu" | "faulty" | "torch" => Ok(()),
         python if python.starts_with("py:") => Ok(()),
