@@ -792,7 +792,11 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         // The keys the host gives every backend are checked up front, not left to fail its start.
         tiny_gen("producer: a number for the config's dtype", &["--producer", "rngd", "--backend-config", r#"{"dtype":5}"#])
             .refused(2, &[r#"--backend-config: expected "dtype" one of f32, bf16, f16, found "dtype": 5"#]),
-        case("check-backend: unknown backend", &["check-backend", "tpu"]).refused(2, &["BACKEND: expected", "\"tpu\""]),
+        case("check-backend: unknown backend", &["check-backend", "tpu"]).refused(
+            2,
+            &["BACKEND: expected a backend (rngd, gpu, faulty, torch, py:MODULE:CLASS or a PATH.so), found \"tpu\""],
+        ),
+        case("check-backend: local", &["check-backend", "local"]).refused(2, &["BACKEND: expected a backend", "found \"local\""]),
         tiny_gen("producer: bad dtype in config", &["--producer", "rngd", "--backend-config", r#"{"dtype":"f64"}"#])
             .refused(2, &[r#"found "dtype": "f64""#]),
         tiny_gen("producer: bad precision in config", &["--producer", "gpu", "--backend-config", r#"{"precision":1}"#])
