@@ -845,6 +845,12 @@ pub struct KernelsBenchArgs {
     /// Timed passes per case, 1 to 1000; the best is reported.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 7)]
     pub iters: u64,
+    /// Read a buffer of twice the last-level cache before every pass and every memcpy, so that each
+    /// reads its weights from memory. Without it, passes after the first find in the cache whatever of
+    /// the weights it holds: all of a model smaller than the cache, which a real decode step, whose
+    /// K/V, activations and logits pass through the same cache, may not.
+    #[arg(long)]
+    pub cold: bool,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,

@@ -492,6 +492,9 @@ fn every_reported_case_is_refused_or_handled() {
         case("bench kernels", &["bench", "kernels", "--batch", "1,2", "--threads", "1", "--iters", "1"])
             .prints(&["gemma3-270m   exact    1     2 ", "smollm2-135m  fast     1     1 ", "x memcpy"])
             .never(&["NaN", "inf"]),
+        case("bench kernels cold", &["bench", "kernels", "--batch", "1", "--threads", "1", "--iters", "1", "--cold"])
+            .prints(&["each from memory", "smollm2-135m  fast     1     1 "])
+            .never(&["NaN", "inf"]),
         case("bench kernels batch 65", &["bench", "kernels", "--batch", "1,65"])
             .refused(2, &["--batch: expected 1 to 64, found 65"]),
     ];

@@ -23,6 +23,44 @@ const MAX_BATCH: u64 = 64;
 const MAX_THREADS: u64 = 64;
 /// The most timed passes `--iters` asks for.
 const MAX_ITERS: u64 = 1000;
+/// The last-level cache assumed where the system does not say (`--cold`).
+const DEFAULT_LLC: usize = 256 << 20;
+
+/// `--cold`: a buffer of twice the last-level cache, read through before each timed pass so that the
+/// pass finds none of its weights cached (read, not written: evicting clean lines writes nothing back
+/// during the pass).
+struct Evict(Vec<u8>);
+
+impl Evict {
+    fn new(cold: bool) -> Self {
+        Evict(if cold { shm_ring::prefaulted(2 * last_level_cache().unwrap_or(DEFAULT_LLC)) } else { Vec::new() })
+    }
+
+    /// Reads one word of every cache line of the buffer (nothing when not `--cold`).
+    fn run(&self) {
+        let sum = self.0.chunks(64).fold(0u8, |acc, line| acc.wrapping_add(line[0]));
+        std::hint::black_box(sum);
+    }
+}
+
+/// The largest cache of CPU 0 as Linux describes it (`/sys/devices/system/cpu/cpu0/cache`), in bytes.
+fn last_level_cache() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.filter_map(|e| {
+        let size = std::fs::read_to_string(e.ok()?.path().join("size")).ok()?;
+        let size = size.trim();
+        let (digits, unit) = size.split_at(size.find(|c: char| !c.is_ascii_digit()).unwrap_or(size.len()));
+        let unit = match unit {
+            "" => 1,
+            "K" => 1 << 10,
+            "M" => 1 << 20,
+            "G" => 1 << 30,
+            _ => return None,
+        };
+        digits.parse::<usize>().ok()?.checked_mul(unit)
+    })
+    .max()
+}
 
 /// One product of a pass: the weight, its Q8_0 copy in `fast` where it has one, and its shape.
 struct Product<'a> {
@@ -95,12 +133,19 @@ impl Row {
 
 /// The best of `reps` passes over every product with `t` rows of activations, and each product's time in
 /// that pass.
-fn time_passes(model: &Model, products: &[Product<'_>], t: usize, reps: usize) -> (Duration, Vec<Duration>) {
+fn time_passes(
+    model: &Model,
+    products: &[Product<'_>],
+    t: usize,
+    reps: usize,
+    evict: &Evict,
+) -> (Duration, Vec<Duration>) {
     let widest = products.iter().map(|p| p.n_in).max().unwrap_or(0);
     let x: Vec<f32> = (0..t * widest).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
     let mut best = (Duration::MAX, Vec::new());
     // One pass untimed first: the pool's threads started, the weights' pages touched.
     for rep in 0..=reps {
+        evict.run();
         let times: Vec<Duration> = model.exec.install(|| {
             products
                 .iter()
@@ -133,12 +178,13 @@ fn read_bytes<'a>(p: &Product<'a>, precision: Precision) -> Vec<&'a [u8]> {
 /// The best of `reps` memcpys of every product's bytes, in order, into prefaulted buffers, by `threads`
 /// threads as the products are (each copies its share of every product's bytes), so that the reference
 /// has the row's thread count.
-fn time_memcpy(products: &[Product<'_>], precision: Precision, threads: usize, reps: usize) -> Duration {
+fn time_memcpy(products: &[Product<'_>], precision: Precision, threads: usize, reps: usize, evict: &Evict) -> Duration {
     let sources: Vec<&[u8]> = products.iter().flat_map(|p| read_bytes(p, precision)).collect();
     let longest = sources.iter().map(|s| s.len()).max().unwrap_or(0);
     let mut dests: Vec<Vec<u8>> = (0..threads).map(|_| shm_ring::prefaulted(longest.div_ceil(threads))).collect();
     let mut best = Duration::MAX;
     for rep in 0..=reps {
+        evict.run();
         let start = Instant::now();
         std::thread::scope(|s| {
             for (t, dest) in dests.iter_mut().enumerate() {
@@ -170,6 +216,7 @@ pub fn run(args: &KernelsBenchArgs) -> anyhow::Result<ExitCode> {
     let batches = counts(Field::Batch, &args.batch, MAX_BATCH)?;
     let threads = counts(Field::Threads, &args.threads, MAX_THREADS.min(model::kernels::max_threads() as u64))?;
     let reps = request::check_count(Field::Iters, args.iters, 1, MAX_ITERS)? as usize;
+    let evict = Evict::new(args.cold);
     let mut cases = Vec::new();
     for name in ["gemma3-270m", "smollm2-135m"] {
         let path = model::registry::fetch(name, &mut model::registry::Quiet)?;
@@ -185,10 +232,10 @@ pub fn run(args: &KernelsBenchArgs) -> anyhow::Result<ExitCode> {
                 model.configure(precision, thr);
                 let products = products(&model, &config);
                 let weight_bytes = products.iter().flat_map(|p| read_bytes(p, precision)).map(|b| b.len() as u64).sum();
-                let memcpy = time_memcpy(&products, precision, thr, reps);
+                let memcpy = time_memcpy(&products, precision, thr, reps, &evict);
                 for &batch in &batches {
                     bar.set_message(format!("{name} {} {thr}t batch {batch}", precision.name()));
-                    let (pass, times) = time_passes(&model, &products, batch, reps);
+                    let (pass, times) = time_passes(&model, &products, batch, reps, &evict);
                     rows.push(Row {
                         model: name,
                         precision: precision.name(),
@@ -226,11 +273,15 @@ pub fn run(args: &KernelsBenchArgs) -> anyhow::Result<ExitCode> {
                        "memcpy_ms": r.memcpy.as_secs_f64() * 1e3, "memcpy_gb_s": gbs(r.weight_bytes, r.memcpy)})
             })
             .collect();
-        outln!("{}", json!({"bench": "kernels", "batch": batches, "threads": threads, "reps": reps, "results": out}))?;
+        outln!(
+            "{}",
+            json!({"bench": "kernels", "batch": batches, "threads": threads, "reps": reps, "cold": args.cold, "results": out})
+        )?;
         return Ok(ExitCode::SUCCESS);
     }
+    let from = if args.cold { ", each from memory (the caches read over first)" } else { "" };
     outln!(
-        "the linear products of one decode step (every layer's q, k, v, o, gate, up, down, then the head) for `batch` rows at once, best of {reps} passes; memcpy: the same weight bytes, weight by weight, into a prefaulted buffer, same run"
+        "the linear products of one decode step (every layer's q, k, v, o, gate, up, down, then the head) for `batch` rows at once, best of {reps} passes{from}; memcpy: the same weight bytes, weight by weight, into a prefaulted buffer, same run"
     )?;
     outln!(
         "{:<13} {:<6} {:>3} {:>5} {:>9} {:>9} {:>9} {:>8} {:>9} {:>9} {:>7} {:>8}",
