@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use pdhost::request::{Field, Invalid};
 use shm_format::Dtype;
 
 /// pdhost: a host for prefill/decode disaggregated LLM inference on one machine.
@@ -736,6 +737,38 @@ pub struct PdBenchArgs {
     #[arg(long)]
     pub json: bool,
 }
+
+/// Flags that only set up producer processes, given on the command line of a `generate` or `serve` with
+/// `--producer local`, which starts none: refused, as `--backend-config` is there, rather than ignored
+/// (their defaults are no choice of the user's, so only a flag typed counts).
+pub fn unused_without_producer(cli: &Cli, matches: &clap::ArgMatches) -> Result<(), Invalid> {
+    let (name, producer, flags): (_, _, &[(&str, Field)]) = match &cli.command {
+        Command::Generate(a) => ("generate", a.producer.as_str(), &PRODUCER_FLAGS[..4]),
+        Command::Serve(a) => ("serve", a.producer.as_str(), &PRODUCER_FLAGS[..]),
+        _ => return Ok(()),
+    };
+    let Some(sub) = matches.subcommand_matches(name).filter(|_| producer == "local") else { return Ok(()) };
+    for &(id, field) in flags {
+        if sub.value_source(id) == Some(clap::parser::ValueSource::CommandLine) {
+            let found = sub.get_raw(id).and_then(|mut v| v.next()).map(|v| v.to_string_lossy().into_owned());
+            return Err(Invalid::new(
+                field,
+                format!("no {} with --producer local (local prefill starts no producer)", field.flag()),
+                found.unwrap_or_default(),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The flags [`unused_without_producer`] looks at, by clap id: `generate` has the first four.
+const PRODUCER_FLAGS: [(&str, Field); 5] = [
+    ("sandbox", Field::Sandbox),
+    ("producer_memory", Field::ProducerMemory),
+    ("on_producer_failure", Field::OnProducerFailure),
+    ("producer_timeout", Field::ProducerTimeout),
+    ("max_restarts", Field::MaxRestarts),
+];
 
 /// A flag's whole number: clap's own refusal of `-1` is Rust's "invalid digit found in string", which does
 /// not say what was expected. Ranges are checked later, where the message names them.

@@ -5,7 +5,7 @@ mod cmd;
 
 use std::process::ExitCode;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 
 /// The hidden first argument that makes this binary a producer (see `pdhost_producer`): a host always
 /// starts producers from its own executable, so both sides of the control protocol come from one build.
@@ -27,8 +27,17 @@ fn main() -> ExitCode {
         cmd::errln!("error: making the host non-dumpable (prctl PR_SET_DUMPABLE 0): {e}");
         return ExitCode::FAILURE;
     }
-    let cli = match cli::Cli::try_parse() {
-        Ok(cli) => cli,
+    let parsed = cli::Cli::command()
+        .try_get_matches()
+        .and_then(|matches| cli::Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
+    let cli = match parsed {
+        Ok((cli, matches)) => match cli::unused_without_producer(&cli, &matches) {
+            Ok(()) => cli,
+            Err(invalid) => {
+                cmd::errln!("error: {invalid}");
+                return ExitCode::from(2);
+            }
+        },
         // `pdhost` or `pdhost models` alone: the help, as clap shows it, is the useful answer.
         Err(e) if e.kind() == clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
             let _ = e.print();

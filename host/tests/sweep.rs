@@ -408,6 +408,20 @@ fn every_reported_case_is_refused_or_handled() {
             .refused(2, &["--prompt-file: expected a non-empty prompt"]),
         g("local with backend-config", &["--producer", "local", "--backend-config", "{}"])
             .refused(2, &["--backend-config: expected no backend config with --producer local"]),
+        // Flags that only set up producers do nothing with local prefill: refused, not ignored; their
+        // defaults are no choice of the user's.
+        g("local with sandbox", &["--producer", "local", "--sandbox", "off"]).refused(
+            2,
+            &["--sandbox: expected no --sandbox with --producer local (local prefill starts no producer), found off"],
+        ),
+        g("local with on-producer-failure", &["--producer", "local", "--on-producer-failure", "fail"]).refused(
+            2,
+            &["--on-producer-failure: expected no --on-producer-failure with --producer local", "found fail"],
+        ),
+        case("serve local with max-restarts", &["serve", "--producer", "local", "--max-restarts", "3"])
+            .refused(2, &["--max-restarts: expected no --max-restarts with --producer local", "found 3"]),
+        case("serve local with producer-memory", &["serve", "--producer", "local", "--producer-memory=512"])
+            .refused(2, &["--producer-memory: expected no --producer-memory with --producer local", "found 512"]),
         case("bench model decode-tokens u64::MAX", &["bench", "model", "--no-llama-cpp", "--decode-tokens", &max])
             .refused(2, &["--decode-tokens: expected 1 to 4096"]),
         case("bench pd decode-tokens u64::MAX", &["bench", "pd", "--decode-tokens", &max])
@@ -679,8 +693,10 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         tiny_gen("context past the model", &["--context", "2049"]).refused(2, &["--context: expected 1 to 2048"]),
         tiny_gen("prompt plus output past --context", &["--context", "4", "--max-tokens", "2"])
             .refused(2, &["--max-tokens: expected at most 1 after a 3-token prompt (the 4-token --context)"]),
-        tiny_gen("producer-timeout 0", &["--producer-timeout", "0"]).refused(2, &["--producer-timeout"]),
-        tiny_gen("producer-timeout 3601", &["--producer-timeout", "3601"]).refused(2, &["at most 3600"]),
+        tiny_gen("producer-timeout 0", &["--producer", "rngd", "--producer-timeout", "0"])
+            .refused(2, &["--producer-timeout: expected seconds above 0"]),
+        tiny_gen("producer-timeout 3601", &["--producer", "rngd", "--producer-timeout", "3601"])
+            .refused(2, &["at most 3600"]),
         tiny_gen("temperature 101", &["--temperature", "101"]).refused(2, &["--temperature"]),
         tiny_gen("top-p 0", &["--temperature", "1", "--top-p", "0"]).refused(2, &["--top-p"]),
         tiny_gen("top-p without temperature", &["--top-p", "0.5"]).refused(2, &["--temperature"]),

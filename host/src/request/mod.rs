@@ -89,6 +89,10 @@ pub enum Field {
     Producers,
     /// Serve: restarts per producer per minute.
     MaxRestarts,
+    /// The producers' sandbox.
+    Sandbox,
+    /// What a failed remote prefill does.
+    OnProducerFailure,
     /// Bench serve: prompt lengths.
     Inputs,
     /// Bench serve: output lengths.
@@ -170,6 +174,8 @@ impl Field {
             Field::Slots => "--slots",
             Field::Producers => "--producers",
             Field::MaxRestarts => "--max-restarts",
+            Field::Sandbox => "--sandbox",
+            Field::OnProducerFailure => "--on-producer-failure",
             Field::Inputs => "--inputs",
             Field::Outputs => "--outputs",
             Field::Concurrency => "--concurrency",
