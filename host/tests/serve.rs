@@ -1068,6 +1068,45 @@ fn a_producer_that_cannot_start_gets_no_request_while_another_can_take_it() {
     assert_eq!((v["pdhost"]["prefill"].as_str(), v["pdhost"]["producer"].as_str()), (Some("local"), Some("local")));
 }
 
+/// When not one producer can ever start (here `faulty` refuses its config), the server does not serve
+/// (each prefill would fall back, or fail, for ever): it exits 1 before listening, its last line naming
+/// the producer's refusal. It served, every request prefilled locally.
+#[test]
+fn a_server_whose_every_producer_can_never_start_does_not_serve() {
+    fetched(MODEL);
+    let mut child = Command::new(PDHOST)
+        .args(["serve", "--model", MODEL, "--port", "0", "--context", "1024"])
+        .args(["--producer", "faulty", "--producers", "2", "--backend-config", r#"{"fault": "nope"}"#])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the server is still up after 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (mut out, mut err) = (String::new(), String::new());
+    child.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    child.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(!out.contains("listening on"), "{out}");
+    let last = err.lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("error: the engine did not start: no producer can start")
+            && last.contains("producer faulty")
+            && last.contains("--backend-config"),
+        "{err}"
+    );
+}
+
 /// With `--prefix-cache on`, a prompt that shares whole pages with an earlier one prefills only the rest
 /// (a span at a nonzero offset, in the producer or locally), and its output and logits stay bit-identical
 /// to `generate` alone.

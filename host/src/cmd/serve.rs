@@ -152,8 +152,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("--host/--port: cannot listen on {addr}"))?;
         let local = server.local_addr()?;
         let _ = printed_tx.send(local);
-        if !server.ready().await {
-            anyhow::bail!("the engine did not start (see the log above)");
+        if let Err(why) = server.ready().await {
+            anyhow::bail!("the engine did not start: {why}");
         }
         server.run(shutdown_signal()).await?;
         Ok::<_, anyhow::Error>(())

@@ -185,15 +185,16 @@ impl Server {
         self.listener.local_addr()
     }
 
-    /// Waits until the engine thread has loaded everything (or died trying).
-    pub async fn ready(&self) -> bool {
+    /// Waits until the engine thread has loaded everything and started its producers, or says why it did
+    /// not (loading failed, or not one producer can ever start).
+    pub async fn ready(&self) -> Result<(), String> {
         while !self.app.engine.serving() {
             if self.app.engine.gone() || self.worker.is_finished() {
-                return false;
+                return Err(self.app.engine.why_not_started().unwrap_or("it stopped (see the log above)").to_string());
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        true
+        Ok(())
     }
 
     /// Serves until `shutdown` resolves, then drains: new requests get 503, in-flight ones get up to the

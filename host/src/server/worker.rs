@@ -81,13 +81,14 @@ pub struct Done {
     pub pdhost: Value,
 }
 
-/// Where the engine thread is: loading, serving, or gone (returned, or panicked).
+/// Where the engine thread is: loading, serving, or gone (returned, or panicked), and why it did not
+/// start when it did not.
 #[derive(Debug)]
-pub struct EngineState(AtomicU8);
+pub struct EngineState(AtomicU8, std::sync::OnceLock<String>);
 
 impl Default for EngineState {
     fn default() -> Self {
-        EngineState(AtomicU8::new(Self::LOADING))
+        EngineState(AtomicU8::new(Self::LOADING), std::sync::OnceLock::new())
     }
 }
 
@@ -104,6 +105,16 @@ impl EngineState {
     /// It has ended: nothing will answer a request any more.
     pub fn gone(&self) -> bool {
         self.0.load(Ordering::Acquire) == Self::GONE
+    }
+
+    /// Why it ended before serving, where it said.
+    pub fn why_not_started(&self) -> Option<&str> {
+        self.1.get().map(String::as_str)
+    }
+
+    /// It could not start, for `why` (`pdhost serve` ends with it as its error).
+    fn not_started(&self, why: String) {
+        let _ = self.1.set(why);
     }
 }
 
@@ -135,12 +146,13 @@ pub fn spawn(
         let mut loaded = match start() {
             Ok(loaded) => loaded,
             Err(e) => {
-                tracing::error!("loading failed: {e:#}");
+                state.not_started(format!("loading failed: {e:#}"));
                 return;
             }
         };
         // The producers start here, on this long-lived thread: their parent-death signal follows the
         // thread that spawned them (a waiter thread, as long-lived, restarts them).
+        let mut never = Vec::new();
         for (i, p) in loaded.producers.iter_mut().enumerate() {
             if let Err(e) = p.start() {
                 tracing::warn!(
@@ -148,14 +160,27 @@ pub fn spawn(
                     p.name(),
                     e.kind()
                 );
+                if e.repeats_on_every_start() {
+                    never.push(e);
+                }
             }
             metrics.producer(i, p.metrics());
+        }
+        // Not one producer can ever start (a library that is no backend, a config every backend refuses,
+        // another model): a server whose every prefill would fall back, or fail, is a mistake in its
+        // flags, and is refused as one rather than served.
+        if let Some(e) = never.first().filter(|_| never.len() == loaded.producers.len()) {
+            state.not_started(format!(
+                "no producer can start, and none would on a later try ({e}): check --producer and \
+                 --backend-config (--producer local prefills in the server)"
+            ));
+            return;
         }
         let remotes: Vec<Remote> = loaded.producers.iter().map(Remote::of).collect();
         let mut pool = match super::prefill::Pool::new(std::mem::take(&mut loaded.producers)) {
             Ok(pool) => pool,
             Err(e) => {
-                tracing::error!("starting the prefill threads failed: {e}");
+                state.not_started(format!("starting the prefill threads failed: {e}"));
                 return;
             }
         };
