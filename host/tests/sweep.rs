@@ -658,6 +658,8 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         // An unknown model is the user's flag in every bench that fetches one.
         case("bench pd unknown model", &["bench", "pd", "--model", "bogus"])
             .refused(2, &["--model: expected one of gemma3-270m, smollm2-135m, found \"bogus\""]),
+        case("bench soak rates over 1", &["bench", "soak", "--bad-rate", "0.7", "--disconnect-rate", "0.5"])
+            .refused(2, &["--disconnect-rate: expected at most 0.3 (1 less --bad-rate), found 0.5"]),
         case("bench soak unknown model", &["bench", "soak", "--model", "bogus"])
             .refused(2, &["--model: expected one of gemma3-270m, smollm2-135m, found \"bogus\""]),
         case("bench serve mixed unknown model", &["bench", "serve", "--mixed", "--model", "bogus"])

@@ -392,7 +392,8 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
     if args.disconnect_rate + args.bad_rate > 1.0 {
         return Err(Invalid::new(
             Field::DisconnectRate,
-            format!("at most {} (1 less --bad-rate)", 1.0 - args.bad_rate),
+            // Rounded: 1 - 0.7 is 0.30000000000000004 in binary floating point.
+            format!("at most {} (1 less --bad-rate)", ((1.0 - args.bad_rate) * 1e9).round() / 1e9),
             args.disconnect_rate,
         )
         .into());
