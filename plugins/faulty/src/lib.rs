@@ -21,6 +21,8 @@
 //! shapes, dtype, tokens or model, emit frames whose header lies about lengths and ring coordinates or
 //! changes after commit, attack the host's segments, and write garbage on the control socket.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use pdhost_backend_kit::ModelBackend;
@@ -96,6 +98,8 @@ pub struct Faulty {
     delay: Duration,
     /// The capability `max_tokens` it reports (`call_limit`; 0: none), and enforces.
     call_limit: u64,
+    /// The thread that rewrites the last `double_fetch` frame's header, while it may still run.
+    toggler: Option<Toggler>,
 }
 
 fn splitmix(mut z: u64) -> u64 {
@@ -162,6 +166,7 @@ impl Backend for Faulty {
             rate: json.get("rate").and_then(|r| r.as_f64()).unwrap_or(0.3),
             delay: Duration::from_millis(json.get("delay_ms").and_then(|d| d.as_u64()).unwrap_or(2000)),
             call_limit: json.get("call_limit").and_then(|d| d.as_u64()).unwrap_or(0),
+            toggler: None,
         })
     }
 
@@ -178,6 +183,10 @@ impl Backend for Faulty {
     }
 
     fn prefill(&mut self, request: &Prefill<'_>, writer: &mut Writer<'_>) -> Result<(), BackendError> {
+        // A `double_fetch` fault targets one frame: its header is restored before any later frame is written.
+        if let Some(toggler) = self.toggler.take() {
+            toggler.stop();
+        }
         if self.call_limit > 0 && request.tokens.len() as u64 > self.call_limit {
             return Err(BackendError::new(
                 PdhostStatus::Unsupported,
@@ -436,7 +445,7 @@ impl Faulty {
         }
         match mode {
             "bad_checksum" => frame.buf[start] ^= 0x01,
-            "double_fetch" => toggle_header_later(frame.buf.as_mut_ptr()),
+            "double_fetch" => self.toggler = Some(Toggler::start(frame.buf.as_mut_ptr())),
             _ => {}
         }
         Ok(())
@@ -459,31 +468,45 @@ struct SlotPtr(*mut u8);
 // mapped for the producer's life; racing with the host's reads is the point of this fault.
 unsafe impl Send for SlotPtr {}
 
-/// After the producer commits, flips the header's epoch field back and forth for a while: a header that
-/// changes under the host's feet after commit. It stops early, restoring the byte, once the slot holds a
-/// later frame (its sequence field changed), so that only this frame is affected.
-fn toggle_header_later(frame: *mut u8) {
-    const EPOCH: usize = 40; // producer_epoch, inside the checksummed header
-    const SEQUENCE: usize = 56;
-    const _: () = assert!(EPOCH != CHECKSUM_OFFSET);
-    let ptr = SlotPtr(frame);
-    std::thread::spawn(move || {
-        let ptr = ptr;
-        // Volatile: the host and the producer's next frame race with these bytes.
-        // SAFETY: a byte of the slot's frame header, inside the writable mapping (see `SlotPtr`).
-        let read = |at: usize| unsafe { std::ptr::read_volatile(ptr.0.add(at)) };
-        // SAFETY: as above.
-        let write = |at: usize, v: u8| unsafe { std::ptr::write_volatile(ptr.0.add(at), v) };
-        let (epoch, sequence) = (read(EPOCH), read(SEQUENCE));
-        let until = std::time::Instant::now() + Duration::from_millis(50);
-        while std::time::Instant::now() < until && read(SEQUENCE) == sequence {
-            write(EPOCH, read(EPOCH) ^ 1);
-            std::thread::yield_now();
-        }
-        if read(SEQUENCE) == sequence {
-            write(EPOCH, epoch);
-        }
-    });
+/// After the producer commits, flips the header's epoch field back and forth for up to 50 ms: a header
+/// that changes under the host's feet after commit. [`Toggler::stop`] ends it and restores the byte; the
+/// backend calls it before it writes another frame, so that only this frame is affected.
+#[derive(Debug)]
+struct Toggler {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Toggler {
+    fn start(frame: *mut u8) -> Toggler {
+        const EPOCH: usize = 40; // producer_epoch, inside the checksummed header
+        const _: () = assert!(EPOCH != CHECKSUM_OFFSET);
+        let ptr = SlotPtr(frame);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || {
+            let ptr = ptr;
+            // Volatile: the host reads these bytes while they change.
+            // SAFETY: a byte of the slot's frame header, inside the writable mapping (see `SlotPtr`).
+            let read = || unsafe { std::ptr::read_volatile(ptr.0.add(EPOCH)) };
+            // SAFETY: as above.
+            let write = |v: u8| unsafe { std::ptr::write_volatile(ptr.0.add(EPOCH), v) };
+            let epoch = read();
+            let until = std::time::Instant::now() + Duration::from_millis(50);
+            while std::time::Instant::now() < until && !stopped.load(Ordering::Relaxed) {
+                write(read() ^ 1);
+                std::thread::yield_now();
+            }
+            write(epoch);
+        });
+        Toggler { stop, thread }
+    }
+
+    /// Ends the rewriting and waits until the header holds its committed epoch again.
+    fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("the header toggler does not panic");
+    }
 }
 
 fn die_kill() -> ! {
