@@ -432,6 +432,27 @@ impl PrecisionArg {
     }
 }
 
+/// A model the benches measure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum BenchModel {
+    /// Gemma 3 270M: sliding and full attention, a 262144-token vocabulary.
+    #[value(name = "gemma3-270m")]
+    Gemma3,
+    /// SmolLM2-135M: Llama, one attention group.
+    #[value(name = "smollm2-135m")]
+    Smollm2,
+}
+
+impl BenchModel {
+    /// Its name in the model registry.
+    pub fn name(self) -> &'static str {
+        match self {
+            BenchModel::Gemma3 => "gemma3-270m",
+            BenchModel::Smollm2 => "smollm2-135m",
+        }
+    }
+}
+
 /// `--on-producer-failure`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 pub enum OnFailureArg {
@@ -839,6 +860,15 @@ fn pd_producer(text: &str) -> Result<String, String> {
 /// `pdhost bench model`.
 #[derive(Debug, Args)]
 pub struct ModelBenchArgs {
+    /// The models to measure (fetched on first use).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [BenchModel::Gemma3, BenchModel::Smollm2])]
+    pub models: Vec<BenchModel>,
+    /// The precisions to measure.
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [PrecisionArg::Exact, PrecisionArg::Fast])]
+    pub precision: Vec<PrecisionArg>,
+    /// Forward-pass threads, on both sides (each 1 to 4 per core).
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 2])]
+    pub threads: Vec<u64>,
     /// Prompt lengths in tokens (each 1 to the smaller model's context, less the decoded tokens).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64])]
     pub prompt_tokens: Vec<u64>,
@@ -869,6 +899,9 @@ pub struct ModelBenchArgs {
 /// `pdhost bench kernels`.
 #[derive(Debug, Args)]
 pub struct KernelsBenchArgs {
+    /// The models whose products are measured (fetched on first use).
+    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [BenchModel::Gemma3, BenchModel::Smollm2])]
+    pub models: Vec<BenchModel>,
     /// Rows multiplied at once (each 1 to 64), as a decode step of that many sequences.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
     pub batch: Vec<u64>,

@@ -503,12 +503,35 @@ fn every_reported_case_is_refused_or_handled() {
             .refused(2, &["--batch: expected 1 to 16, found 0"]),
         case("bench model repeats 21", &["bench", "model", "--no-llama-cpp", "--repeats", "21"])
             .refused(2, &["--repeats: expected 1 to 20, found 21"]),
+        case("bench model threads 0", &["bench", "model", "--no-llama-cpp", "--threads", "1,0"])
+            .refused(2, &["--threads: expected 1 to", "found 0"]),
+        case("bench model models gemma", &["bench", "model", "--no-llama-cpp", "--models", "gemma"]).refused(
+            2,
+            &["invalid value 'gemma' for '--models <MODELS>' [possible values: gemma3-270m, smollm2-135m]"],
+        ),
+        case("bench model precision bf16", &["bench", "model", "--no-llama-cpp", "--precision", "fast,bf16"])
+            .refused(2, &["invalid value 'bf16' for '--precision <PRECISION>' [possible values: exact, fast]"]),
         case("bench kernels", &["bench", "kernels", "--batch", "1,2", "--threads", "1", "--iters", "1"])
             .prints(&["gemma3-270m   exact    1     2 ", "smollm2-135m  fast     1     1 ", "x memcpy"])
             .never(&["NaN", "inf"]),
-        case("bench kernels cold", &["bench", "kernels", "--batch", "1", "--threads", "1", "--iters", "1", "--cold"])
-            .prints(&["each from memory", "smollm2-135m  fast     1     1 "])
-            .never(&["NaN", "inf"]),
+        case(
+            "bench kernels cold smollm2",
+            &[
+                "bench",
+                "kernels",
+                "--models",
+                "smollm2-135m",
+                "--batch",
+                "1",
+                "--threads",
+                "1",
+                "--iters",
+                "1",
+                "--cold",
+            ],
+        )
+        .prints(&["each from memory", "smollm2-135m  fast     1     1 "])
+        .never(&["NaN", "inf", "gemma3-270m"]),
         case("bench kernels batch 65", &["bench", "kernels", "--batch", "1,65"])
             .refused(2, &["--batch: expected 1 to 64, found 65"]),
     ];

@@ -218,7 +218,7 @@ pub fn run(args: &KernelsBenchArgs) -> anyhow::Result<ExitCode> {
     let reps = request::check_count(Field::Iters, args.iters, 1, MAX_ITERS)? as usize;
     let evict = Evict::new(args.cold);
     let mut cases = Vec::new();
-    for name in ["gemma3-270m", "smollm2-135m"] {
+    for name in args.models.iter().map(|m| m.name()) {
         let path = model::registry::fetch(name, &mut model::registry::Quiet)?;
         cases.push((name, Gguf::open(&path)?));
     }

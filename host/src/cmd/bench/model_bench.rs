@@ -171,7 +171,7 @@ struct Case {
 fn cases(args: &ModelBenchArgs) -> anyhow::Result<Vec<Case>> {
     let decode = request::check_count(Field::DecodeTokens, args.decode_tokens, 1, MAX_DECODE)?;
     let mut cases = Vec::new();
-    for name in ["gemma3-270m", "smollm2-135m"] {
+    for name in args.models.iter().map(|m| m.name()) {
         let path = model::registry::fetch(name, &mut model::registry::Quiet)?;
         let gguf = Gguf::open(&path)?;
         let config = Config::from_gguf(&gguf)?;
@@ -212,14 +212,22 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         .map(|&b| request::check_count(Field::Batch, b, 1, MAX_BATCH).map(|b| b as usize))
         .collect::<Result<_, _>>()?;
     let repeats = request::check_count(Field::Repeats, args.repeats, 1, MAX_REPEATS)?;
+    let max_threads = model::kernels::max_threads() as u64;
+    let threads: Vec<usize> = args
+        .threads
+        .iter()
+        .map(|&t| request::check_count(Field::Threads, t, 1, max_threads).map(|t| t as usize))
+        .collect::<Result<_, _>>()?;
+    let precisions: Vec<Precision> = args.precision.iter().map(|p| p.precision()).collect();
     let cases = cases(args)?;
     let kv_name = args.kv_dtype.dtype().name();
     let llama_site = if args.no_llama_cpp { None } else { Some(llama_cpp_python(args.json)?) };
-    let bar = super::progress(8 * repeats * (batches.len() * args.prompt_tokens.len()) as u64, args.json);
+    let per_case = precisions.len() * threads.len() * batches.len() * args.prompt_tokens.len();
+    let bar = super::progress(repeats * (cases.len() * per_case) as u64, args.json);
     let (mut rows, mut loads, mut residents) = (Vec::new(), Vec::new(), Vec::new());
     for case in &cases {
         let name = case.name;
-        for precision in [Precision::Exact, Precision::Fast] {
+        for &precision in &precisions {
             let t = std::time::Instant::now();
             let mut model = Model::from_gguf(&case.gguf)?;
             model.configure(precision, 1);
@@ -242,15 +250,13 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             });
         }
         let mut model = Model::from_gguf(&case.gguf)?;
-        for threads in [1, 2] {
+        for &threads in &threads {
             for request in &case.requests {
                 let prompt = &request.prompt;
                 // Per repeat, llama.cpp's run, then each of pdhost's cells: both sides' samples of a
                 // repeat are taken within a minute of each other, as this machine's speed drifts.
-                let cells: Vec<(Precision, usize)> = [Precision::Exact, Precision::Fast]
-                    .into_iter()
-                    .flat_map(|p| batches.iter().map(move |&b| (p, b)))
-                    .collect();
+                let cells: Vec<(Precision, usize)> =
+                    precisions.iter().flat_map(|&p| batches.iter().map(move |&b| (p, b))).collect();
                 let mut ours = vec![(Vec::new(), Vec::new()); cells.len()];
                 let mut theirs: Vec<(f64, Vec<(usize, f64)>)> = Vec::new();
                 for rep in 0..repeats {
@@ -328,7 +334,9 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             .collect();
         outln!(
             "{}",
-            json!({"bench": "model", "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+            json!({"bench": "model", "models": cases.iter().map(|c| c.name).collect::<Vec<_>>(),
+                   "precisions": precisions.iter().map(|p| p.name()).collect::<Vec<_>>(), "threads": threads,
+                   "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
                    "batch": batches, "repeats": repeats, "kv_dtype": kv_name, "loads": loads, "resident": residents, "results": out})
         )?;
     } else {
