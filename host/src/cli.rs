@@ -796,7 +796,11 @@ const PRODUCER_FLAGS: [(&str, Field); 5] = [
 fn whole(text: &str) -> Result<u64, String> {
     text.parse().map_err(|e: std::num::ParseIntError| match e.kind() {
         std::num::IntErrorKind::PosOverflow => format!("expected a whole number up to {}", u64::MAX),
-        _ => "expected a whole number, 0 or more".to_string(),
+        // Not "0 or more": most counts start at 1, and their range check names the real bounds.
+        _ if text.strip_prefix('-').is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())) => {
+            "expected a whole number, not a negative one".to_string()
+        }
+        _ => "expected a whole number".to_string(),
     })
 }
 
@@ -957,7 +961,9 @@ mod tests {
     #[test]
     fn whole_numbers_and_addresses_say_what_they_expected() {
         assert_eq!(whole("42"), Ok(42));
-        assert_eq!(whole("-1").unwrap_err(), "expected a whole number, 0 or more");
+        assert_eq!(whole("-1").unwrap_err(), "expected a whole number, not a negative one");
+        assert_eq!(whole("1.5").unwrap_err(), "expected a whole number");
+        assert_eq!(whole("-").unwrap_err(), "expected a whole number");
         assert_eq!(whole("18446744073709551616").unwrap_err(), "expected a whole number up to 18446744073709551615");
         assert_eq!(token_id("-2").unwrap_err(), "expected a token id, a whole number from 0 to 4294967295");
         assert_eq!(listen_ip("localhost"), Ok(std::net::Ipv4Addr::LOCALHOST.into()));

@@ -659,7 +659,8 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
     ] {
         for value in ["0", "-5", &max, "abc"] {
             // A negative count says what a count is, not Rust's "invalid digit found in string".
-            let says: &[&str] = if value == "-5" { &[flag, "expected a whole number, 0 or more"] } else { &[flag] };
+            let says: &[&str] =
+                if value == "-5" { &[flag, "expected a whole number, not a negative one"] } else { &[flag] };
             cases.push(case(&format!("bench {bench} {flag} {value}"), &["bench", bench, flag, value]).refused(2, says));
         }
     }
@@ -673,7 +674,7 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         case("serve max-restarts 1001", &["serve", "--max-restarts", "1001"])
             .refused(2, &["--max-restarts: expected 0 to 1000, found 1001"]),
         case("serve max-restarts -1", &["serve", "--max-restarts", "-1"])
-            .refused(2, &["'-1' for '--max-restarts <MAX_RESTARTS>': expected a whole number, 0 or more"]),
+            .refused(2, &["'-1' for '--max-restarts <MAX_RESTARTS>': expected a whole number, not a negative one"]),
         case("serve port -1", &["serve", "--port", "-1"])
             .refused(2, &["'-1' for '--port <PORT>': expected a port from 0 to 65535"]),
         case("serve local with producers", &["serve", "--producer", "local", "--producers", "3"])
