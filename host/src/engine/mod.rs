@@ -812,20 +812,22 @@ impl Engine {
                     .collect();
                 self.model.forward_batch(&segments)
             };
+            // The K/V into the shared cache one sequence at a time; then each sequence's logits, a
+            // vocabulary's worth each, hashed and sampled on the model's threads at once.
+            let mut logits: Vec<Option<Vec<f32>>> = (0..lives.len()).map(|_| None).collect();
             for (&(i, token), out) in to_run.iter().zip(outs) {
                 let live = &mut *lives[i];
-                if let Err(e) = self.ingest(live.seq, live.request_id, &out.kv) {
-                    live.to_run = Some(token);
-                    results[i] = Err(e.into());
-                    continue;
+                match self.ingest(live.seq, live.request_id, &out.kv) {
+                    Ok(_) => logits[i] = Some(out.logits),
+                    Err(e) => {
+                        live.to_run = Some(token);
+                        results[i] = Err(e.into());
+                    }
                 }
-                hash_logits(&mut live.hasher, &out.logits);
-                let next = live.sampler.next(&out.logits);
-                if let Some(top) = live.top_logprobs {
-                    live.logprobs.push(logprobs::of(&out.logits, next, top));
-                }
-                live.next = Some(next);
             }
+            let mut drawn: Vec<(&mut Live, Vec<f32>)> =
+                lives.iter_mut().zip(logits).filter_map(|(live, l)| Some((&mut **live, l?))).collect();
+            self.model.exec.each(&mut drawn, |(live, logits)| live.draw(logits));
         }
         for (live, result) in lives.iter_mut().zip(&mut results) {
             if result.is_ok() && live.finish.is_none() {
@@ -874,6 +876,18 @@ impl Engine {
                 lps
             },
         }
+    }
+}
+
+impl Live {
+    /// Takes a step's logits into the sequence's hash, and draws the next token from them.
+    fn draw(&mut self, logits: &[f32]) {
+        hash_logits(&mut self.hasher, logits);
+        let next = self.sampler.next(logits);
+        if let Some(top) = self.top_logprobs {
+            self.logprobs.push(logprobs::of(logits, next, top));
+        }
+        self.next = Some(next);
     }
 }
 

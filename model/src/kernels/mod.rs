@@ -235,6 +235,17 @@ impl Exec {
     pub fn install<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
         self.pool.install(f)
     }
+
+    /// Runs `f` on every item, on the pool's threads where there are several of both: for work per
+    /// sequence that does not depend on the others (each item's result is the same whichever thread
+    /// runs it).
+    pub fn each<T: Send>(&self, items: &mut [T], f: impl Fn(&mut T) + Sync + Send) {
+        if items.len() < 2 || self.threads() < 2 {
+            items.iter_mut().for_each(f);
+        } else {
+            self.pool.install(|| items.par_iter_mut().with_max_len(1).for_each(f));
+        }
+    }
 }
 
 /// A weight `fast` computes on with [`native`]'s kernels.
