@@ -16,7 +16,7 @@ const TIMEOUT: Duration = Duration::from_millis(1000);
 
 /// The deadline of a request that `mode` breaks: [`TIMEOUT`], but `eat_memory` must reach its cap
 /// before its deadline, and touching 512 MiB of fresh pages takes 0.2 s on an idle VM and, now and
-/// then, over a second (the hypervisor backing them anew), which timed out two runs in seven.
+/// then, over a second (the hypervisor backing them anew): 1 s timed out two runs of the suite in twelve.
 fn timeout(mode: &str) -> Duration {
     if mode == "eat_memory" {
         Duration::from_secs(20)
