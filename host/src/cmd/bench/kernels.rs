@@ -207,14 +207,8 @@ fn time_memcpy(products: &[Product<'_>], precision: Precision, threads: usize, r
 }
 
 pub fn run(args: &KernelsBenchArgs) -> anyhow::Result<ExitCode> {
-    let counts = |field: Field, values: &[u64], max: u64| -> anyhow::Result<Vec<usize>> {
-        Ok(values
-            .iter()
-            .map(|&v| request::check_count(field, v, 1, max).map(|v| v as usize))
-            .collect::<Result<_, _>>()?)
-    };
-    let batches = counts(Field::Batch, &args.batch, MAX_BATCH)?;
-    let threads = counts(Field::Threads, &args.threads, MAX_THREADS.min(model::kernels::max_threads() as u64))?;
+    let batches = super::counts(Field::Batch, &args.batch, MAX_BATCH)?;
+    let threads = super::counts(Field::Threads, &args.threads, MAX_THREADS.min(model::kernels::max_threads() as u64))?;
     let reps = request::check_count(Field::Iters, args.iters, 1, MAX_ITERS)? as usize;
     let evict = Evict::new(args.cold);
     let mut cases = Vec::new();

@@ -52,6 +52,11 @@ pub(crate) fn fetched(name: &str, quiet: bool) -> anyhow::Result<std::path::Path
     Ok(path)
 }
 
+/// Each of a list flag's counts checked to be 1 to `max`, as `usize`.
+fn counts(field: Field, values: &[u64], max: u64) -> Result<Vec<usize>, Invalid> {
+    values.iter().map(|&v| request::check_count(field, v, 1, max).map(|v| v as usize)).collect()
+}
+
 /// A progress bar on a terminal, nothing otherwise (or with `--json`).
 pub(crate) fn progress(len: u64, json: bool) -> ProgressBar {
     if json || !std::io::IsTerminal::is_terminal(&std::io::stderr()) {

@@ -206,18 +206,9 @@ const MAX_BATCH: u64 = 16;
 const MAX_REPEATS: u64 = 20;
 
 pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
-    let batches: Vec<usize> = args
-        .batch
-        .iter()
-        .map(|&b| request::check_count(Field::Batch, b, 1, MAX_BATCH).map(|b| b as usize))
-        .collect::<Result<_, _>>()?;
+    let batches = super::counts(Field::Batch, &args.batch, MAX_BATCH)?;
     let repeats = request::check_count(Field::Repeats, args.repeats, 1, MAX_REPEATS)?;
-    let max_threads = model::kernels::max_threads() as u64;
-    let threads: Vec<usize> = args
-        .threads
-        .iter()
-        .map(|&t| request::check_count(Field::Threads, t, 1, max_threads).map(|t| t as usize))
-        .collect::<Result<_, _>>()?;
+    let threads = super::counts(Field::Threads, &args.threads, model::kernels::max_threads() as u64)?;
     let precisions: Vec<Precision> = args.precision.iter().map(|p| p.precision()).collect();
     let cases = cases(args)?;
     let kv_name = args.kv_dtype.dtype().name();
