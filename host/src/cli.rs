@@ -267,6 +267,10 @@ pub struct GenerateArgs {
     /// bias and temperature), with this many of the most likely tokens at each step (0 to 20).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "json")]
     pub logprobs: Option<u64>,
+    /// Go on past the model's end-of-sequence tokens: exactly `--max-tokens` tokens (vLLM's and
+    /// llama-server's `ignore_eos`)
+    #[arg(long)]
+    pub ignore_eos: bool,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,

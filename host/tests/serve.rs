@@ -171,6 +171,23 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         reference["logits_xxh3"]
     );
 
+    // `ignore_eos`: a reply that ends at its end-of-sequence token after three tokens goes on to
+    // `max_tokens`, equal to `generate --ignore-eos` bit for bit.
+    let short = "<|im_start|>user\nReply with one word: yes or no. Is water wet?<|im_end|>\n<|im_start|>assistant\n";
+    let ends = json!({"prompt": short, "max_tokens": 24, "temperature": 0});
+    let (_, v) = post(&s, "/v1/completions", &ends.to_string());
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
+    let eos_at = v["pdhost"]["output_ids"].as_array().unwrap().len();
+    assert!(eos_at < 24, "the prompt's reply ends early: {v}");
+    let go_on = generate(short, 24, &["--ignore-eos"]);
+    assert_eq!(go_on["output_ids"][eos_at - 1], v["pdhost"]["output_ids"][eos_at - 1], "the end-of-sequence token");
+    let mut ignoring = ends.clone();
+    ignoring["ignore_eos"] = json!(true);
+    let (_, v) = post(&s, "/v1/completions", &ignoring.to_string());
+    assert_eq!((&v["choices"][0]["finish_reason"], &v["usage"]["completion_tokens"]), (&json!("length"), &json!(24)));
+    assert_eq!(v["pdhost"]["output_ids"], go_on["output_ids"]);
+    assert_eq!(v["pdhost"]["logits_xxh3"], go_on["logits_xxh3"]);
+
     // Token ids as the prompt, and a stop string that ends the text before it.
     let ids = reference["prompt_ids"].clone();
     // With the "off" values of fields the server does not implement, as clients send them: accepted.
@@ -236,6 +253,7 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         (r#"{"prompt":"hi","echo":true}"#, 400, "echo: expected false (the prompt is not echoed), found true"),
         (r#"{"prompt":"hi","logit_bias":{"7":-500}}"#, 400, "logit_bias: expected biases from -100 to 100, found -500"),
         (r#"{"prompt":"hi","best_of":3}"#, 400, "best_of: expected 1 (one completion per request), found 3"),
+        (r#"{"prompt":"hi","ignore_eos":"yes"}"#, 400, "ignore_eos: expected a boolean"),
     ] {
         let (got, v) = post(&s, "/v1/completions", body);
         assert_eq!(got, status, "{v}");
@@ -272,12 +290,12 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(get(&s, "/health").0, 200);
 
     // Metrics count what happened.
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(5.0));
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(18.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(7.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(19.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
-    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(5.0));
-    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(5.0));
-    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(5.0));
+    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(7.0));
+    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(7.0));
+    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(7.0));
     assert_eq!(metric(&s, r#"pdhost_producer_starts_total{kind="start"}"#), Some(1.0));
     assert_eq!(metric(&s, "pdhost_requests_running"), Some(0.0));
     // A conversation too long for the context is named by its messages, not by a `prompt` it never sent;

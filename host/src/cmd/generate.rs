@@ -138,6 +138,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         repetition_penalty: args.repetition_penalty,
         logit_bias: args.logit_bias.clone().map(|b| b.0).unwrap_or_default(),
         logprobs: args.logprobs.map(|n| (Field::Logprobs, n)),
+        ignore_eos: args.ignore_eos,
     };
     let request = request::check_request(&raw, &limits)?;
     let prompt = request.prompt.clone();

@@ -287,6 +287,9 @@ pub struct Request {
     /// Whether to report each generated token's log-probability ([`TokenLogprob`]), and then with how
     /// many of the most likely tokens at each step (0 to [`MAX_TOP_LOGPROBS`]).
     pub logprobs: Option<usize>,
+    /// Whether an end-of-sequence token is emitted like any other, so that only `max_tokens` ends the
+    /// sequence (a benchmark's fixed output length; vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 impl Request {
@@ -299,6 +302,7 @@ impl Request {
             sampling: Sampling::Greedy,
             penalties: Penalties::default(),
             logprobs: None,
+            ignore_eos: false,
         }
     }
 }
@@ -688,15 +692,13 @@ impl Engine {
         let _ = self.kv.remove_sequence(p.seq);
     }
 
-    /// Runs the last prompt token of a prefilled `p` and makes it live; on failure the sequence is gone.
-    pub fn go_live(&mut self, p: Prefilling, req: &Request) -> Result<Live, EngineError> {
-        let seq = p.seq;
+    /// Makes a prefilled `p` live. Its last prompt token has not run yet: the sequence's first
+    /// [`Engine::step_many`] runs it in the same batched pass as the other live sequences' steps, and
+    /// its logits choose the first output token (the server's decode rounds never stop for a lone
+    /// pass over one new sequence's last token).
+    pub fn go_live(&mut self, p: Prefilling, req: &Request) -> Live {
         self.register_prefix(&p, &req.prompt[..req.prompt.len() - 1]);
-        let result = self.finish_start(p.seq, p.request_id, req, p.prefilled, p.started);
-        if result.is_err() {
-            let _ = self.kv.remove_sequence(seq);
-        }
-        result
+        Live::pending(p.seq, p.request_id, req, p.prefilled, p.started)
     }
 
     /// Adds a sequence for `req`, prefills its prompt (by `by`) and runs its last prompt token in the host,
@@ -723,8 +725,8 @@ impl Engine {
         self.finish_start(seq, request_id, req, prefilled, started)
     }
 
-    /// The host's step over the last prompt token of a prefilled sequence: its logits choose the first
-    /// output token.
+    /// The host's step over the last prompt token of a prefilled sequence, at once: its logits choose
+    /// the first output token, which the first [`Engine::step`] emits.
     fn finish_start(
         &mut self,
         seq: SeqId,
@@ -733,46 +735,11 @@ impl Engine {
         prefilled: Prefilled,
         started: Instant,
     ) -> Result<Live, EngineError> {
-        let mut sampler = Sampler::new(req.sampling, req.penalties.clone(), &req.prompt);
-        let (&last, head) = req.prompt.split_last().expect("a prompt has at least one token");
-        let Prefilled { forward: mut prefill, ingest, bytes, spans, report } = prefilled;
-        // The last prompt token, run by the host: its logits choose the first output token.
-        let t = Instant::now();
-        let out = self.model.forward(&[last], head.len() as u64, &PagedPast { kv: &self.kv, seq }, false);
-        let last_token = t.elapsed();
-        prefill += last_token;
-        self.ingest(seq, request_id, &out.kv)?;
-        let mut hasher = twox_hash::XxHash3_64::with_seed(0);
-        let next = if req.max_tokens == 0 {
-            None
-        } else {
-            hash_logits(&mut hasher, &out.logits);
-            Some(sampler.next(&out.logits))
-        };
-        let drawn = next.iter().filter_map(|&t| req.logprobs.map(|top| logprobs::of(&out.logits, t, top))).collect();
-        let ttft = started.elapsed();
-        Ok(Live {
-            seq,
-            request_id,
-            prompt_len: req.prompt.len(),
-            max_tokens: req.max_tokens,
-            sampler,
-            hasher,
-            next,
-            to_run: None,
-            output: Vec::new(),
-            top_logprobs: req.logprobs,
-            logprobs: drawn,
-            finish: if next.is_none() { Some(Finish::Length) } else { None },
-            spans,
-            bytes,
-            prefill,
-            ingest,
-            ttft,
-            last_token,
-            decode_start: Instant::now(),
-            report,
-        })
+        let mut live = Live::pending(seq, request_id, req, prefilled, started);
+        match self.run(&mut [&mut live]).pop().expect("one result per sequence") {
+            Ok(()) => Ok(live),
+            Err(e) => Err(e),
+        }
     }
 
     /// Emits `live`'s next token: first, unless it is the first, runs the previous token through the model
@@ -787,53 +754,64 @@ impl Engine {
     /// gets exactly the logits it would get alone. One result per sequence, in order; a sequence whose
     /// step fails is left as it was and the others go on.
     pub fn step_many(&mut self, lives: &mut [&mut Live]) -> Vec<Result<Option<u32>, EngineError>> {
-        let mut results: Vec<Result<Option<u32>, EngineError>> = (0..lives.len()).map(|_| Ok(None)).collect();
+        let ran = self.run(lives);
+        lives
+            .iter_mut()
+            .zip(ran)
+            .map(|(live, ran)| ran.map(|()| if live.finish.is_none() { self.emit(live) } else { None }))
+            .collect()
+    }
+
+    /// The model's part of [`Engine::step_many`]: every sequence's token to run (its last emitted one,
+    /// or its last prompt token if it has just gone live) through the model as one batch, the K/V into
+    /// the cache, then each sequence's next token drawn from its logits. A sequence whose K/V is refused
+    /// is left as it was.
+    fn run(&mut self, lives: &mut [&mut Live]) -> Vec<Result<(), EngineError>> {
+        let mut results: Vec<Result<(), EngineError>> = (0..lives.len()).map(|_| Ok(())).collect();
         let to_run: Vec<(usize, u32)> = lives
             .iter_mut()
             .enumerate()
             .filter(|(_, l)| l.finish.is_none())
             .filter_map(|(i, l)| l.to_run.take().map(|t| (i, t)))
             .collect();
-        if !to_run.is_empty() {
-            let tokens: Vec<[u32; 1]> = to_run.iter().map(|&(_, t)| [t]).collect();
-            let outs = {
-                let pasts: Vec<PagedPast<'_>> =
-                    to_run.iter().map(|&(i, _)| PagedPast { kv: &self.kv, seq: lives[i].seq }).collect();
-                let segments: Vec<Segment<'_>> = to_run
-                    .iter()
-                    .zip(&tokens)
-                    .zip(&pasts)
-                    .map(|((&(i, _), tokens), past)| Segment {
-                        tokens,
-                        start: (lives[i].prompt_len + lives[i].output.len() - 1) as u64,
-                        past,
-                        all_logits: false,
-                    })
-                    .collect();
-                self.model.forward_batch(&segments)
-            };
-            // The K/V into the shared cache one sequence at a time; then each sequence's logits, a
-            // vocabulary's worth each, hashed and sampled on the model's threads at once.
-            let mut logits: Vec<Option<Vec<f32>>> = (0..lives.len()).map(|_| None).collect();
-            for (&(i, token), out) in to_run.iter().zip(outs) {
-                let live = &mut *lives[i];
-                match self.ingest(live.seq, live.request_id, &out.kv) {
-                    Ok(_) => logits[i] = Some(out.logits),
-                    Err(e) => {
-                        live.to_run = Some(token);
-                        results[i] = Err(e.into());
-                    }
+        if to_run.is_empty() {
+            return results;
+        }
+        let tokens: Vec<[u32; 1]> = to_run.iter().map(|&(_, t)| [t]).collect();
+        let pass = Instant::now();
+        let outs = {
+            let pasts: Vec<PagedPast<'_>> =
+                to_run.iter().map(|&(i, _)| PagedPast { kv: &self.kv, seq: lives[i].seq }).collect();
+            let segments: Vec<Segment<'_>> = to_run
+                .iter()
+                .zip(&tokens)
+                .zip(&pasts)
+                .map(|((&(i, _), tokens), past)| Segment {
+                    tokens,
+                    start: lives[i].position(),
+                    past,
+                    all_logits: false,
+                })
+                .collect();
+            self.model.forward_batch(&segments)
+        };
+        let pass = pass.elapsed();
+        // The K/V into the shared cache one sequence at a time; then each sequence's logits, a
+        // vocabulary's worth each, hashed and sampled on the model's threads at once.
+        let mut logits: Vec<Option<Vec<f32>>> = (0..lives.len()).map(|_| None).collect();
+        for (&(i, token), out) in to_run.iter().zip(outs) {
+            let live = &mut *lives[i];
+            match self.ingest(live.seq, live.request_id, &out.kv) {
+                Ok(_) => logits[i] = Some(out.logits),
+                Err(e) => {
+                    live.to_run = Some(token);
+                    results[i] = Err(e.into());
                 }
             }
-            let mut drawn: Vec<(&mut Live, Vec<f32>)> =
-                lives.iter_mut().zip(logits).filter_map(|(live, l)| Some((&mut **live, l?))).collect();
-            self.model.exec.each(&mut drawn, |(live, logits)| live.draw(logits));
         }
-        for (live, result) in lives.iter_mut().zip(&mut results) {
-            if result.is_ok() && live.finish.is_none() {
-                *result = Ok(self.emit(live));
-            }
-        }
+        let mut drawn: Vec<(&mut Live, Vec<f32>)> =
+            lives.iter_mut().zip(logits).filter_map(|(live, l)| Some((&mut **live, l?))).collect();
+        self.model.exec.each(&mut drawn, |(live, logits)| live.draw(logits, pass));
         results
     }
 
@@ -841,7 +819,7 @@ impl Engine {
     fn emit(&self, live: &mut Live) -> Option<u32> {
         let token = live.next.take()?;
         live.output.push(token);
-        if self.model.config.eos.contains(&token) {
+        if !live.ignore_eos && self.model.config.eos.contains(&token) {
             live.finish = Some(Finish::Eos);
         } else if live.output.len() >= live.max_tokens {
             live.finish = Some(Finish::Length);
@@ -880,14 +858,64 @@ impl Engine {
 }
 
 impl Live {
-    /// Takes a step's logits into the sequence's hash, and draws the next token from them.
-    fn draw(&mut self, logits: &[f32]) {
-        hash_logits(&mut self.hasher, logits);
-        let next = self.sampler.next(logits);
-        if let Some(top) = self.top_logprobs {
-            self.logprobs.push(logprobs::of(logits, next, top));
+    /// A prefilled sequence whose last prompt token is still to run (`to_run`): the first pass over it
+    /// draws its first output token (or, with `max_tokens` 0, ends it).
+    fn pending(seq: SeqId, request_id: u64, req: &Request, prefilled: Prefilled, started: Instant) -> Live {
+        let Prefilled { forward, ingest, bytes, spans, report } = prefilled;
+        Live {
+            seq,
+            request_id,
+            prompt_len: req.prompt.len(),
+            max_tokens: req.max_tokens,
+            ignore_eos: req.ignore_eos,
+            sampler: Sampler::new(req.sampling, req.penalties.clone(), &req.prompt),
+            hasher: twox_hash::XxHash3_64::with_seed(0),
+            next: None,
+            to_run: Some(*req.prompt.last().expect("a prompt has at least one token")),
+            output: Vec::new(),
+            top_logprobs: req.logprobs,
+            logprobs: Vec::new(),
+            finish: None,
+            first_from: Some(started),
+            spans,
+            bytes,
+            prefill: forward,
+            ingest,
+            ttft: Duration::ZERO,
+            last_token: Duration::ZERO,
+            decode_start: started,
+            report,
         }
-        self.next = Some(next);
+    }
+
+    /// The position of the token it runs next: its last prompt token's, then each emitted token's.
+    fn position(&self) -> u64 {
+        (self.prompt_len + self.output.len() - 1) as u64
+    }
+
+    /// Takes the logits of a pass (of `pass`'s time) into the sequence's hash, and draws the next token
+    /// from them. The pass over the last prompt token ends the time to the first token, and with
+    /// `max_tokens` 0 the sequence.
+    fn draw(&mut self, logits: &[f32], pass: Duration) {
+        let first = self.first_from.take();
+        if first.is_some() {
+            self.last_token = pass;
+            self.prefill += pass;
+        }
+        if first.is_some() && self.max_tokens == 0 {
+            self.finish = Some(Finish::Length);
+        } else {
+            hash_logits(&mut self.hasher, logits);
+            let next = self.sampler.next(logits);
+            if let Some(top) = self.top_logprobs {
+                self.logprobs.push(logprobs::of(logits, next, top));
+            }
+            self.next = Some(next);
+        }
+        if let Some(started) = first {
+            self.ttft = started.elapsed();
+            self.decode_start = Instant::now();
+        }
     }
 }
 
@@ -899,6 +927,8 @@ pub struct Live {
     request_id: u64,
     prompt_len: usize,
     max_tokens: usize,
+    /// Whether only `max_tokens` ends it.
+    ignore_eos: bool,
     /// Its sampling settings, generator and scratch space.
     sampler: Sampler,
     hasher: twox_hash::XxHash3_64,
@@ -912,6 +942,9 @@ pub struct Live {
     /// The log-probability of each token drawn (`output`'s, and the next one's once drawn).
     logprobs: Vec<TokenLogprob>,
     finish: Option<Finish>,
+    /// While its last prompt token has not run: when its request was admitted (its time to the first
+    /// token ends when that pass is done).
+    first_from: Option<Instant>,
     spans: usize,
     bytes: u64,
     prefill: Duration,

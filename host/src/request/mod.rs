@@ -353,6 +353,8 @@ pub struct RawRequest {
     pub logit_bias: Vec<(u64, f64)>,
     /// Log-probabilities wanted, with how many alternatives per token, and which field asked.
     pub logprobs: Option<(Field, u64)>,
+    /// Go on past the model's end-of-sequence tokens, to `max_tokens` (vLLM's `ignore_eos`).
+    pub ignore_eos: bool,
 }
 
 /// Checks a request against the model's limits: a non-empty prompt of ids inside the vocabulary, prompt
@@ -416,6 +418,7 @@ pub fn check_request(raw: &RawRequest, limits: &Limits) -> Result<engine::Reques
         sampling,
         penalties,
         logprobs,
+        ignore_eos: raw.ignore_eos,
     })
 }
 

@@ -465,6 +465,7 @@ impl Completion {
             repetition_penalty: opt_f64(&m, "repetition_penalty")?,
             logit_bias: logit_bias(&m)?,
             logprobs,
+            ignore_eos: opt_bool(&m, "ignore_eos")?,
         };
         Ok(Completion { model, prompt, raw, stop, stream, include_usage, to_context })
     }

@@ -436,28 +436,21 @@ impl<'t> Scheduler<'_, 't> {
                 self.metrics.kv_usage(&self.loaded.engine.kv.usage());
                 let _ = job.events.send(Event::Failed(e));
             } else {
-                match self.loaded.engine.go_live(prefill, &job.request) {
-                    Ok(l) => live.push(Running {
-                        job,
-                        live: l,
-                        stream: TextStream::new(self.tokenizer),
-                        sent: 0,
-                        logprobs_sent: 0,
-                        ends: Vec::new(),
-                        last_token: None,
-                        stopped_by_string: false,
-                        cancelled: false,
-                        failed: None,
-                        admitted,
-                    }),
-                    Err(e) => {
-                        tracing::warn!(id = job.id, "failed: {e}");
-                        self.metrics.running.dec();
-                        self.metrics.kv_usage(&self.loaded.engine.kv.usage());
-                        self.metrics.requests.with_label_values(&["failed"]).inc();
-                        let _ = job.events.send(Event::Failed(e.to_string()));
-                    }
-                }
+                // Its last prompt token runs in the next round, batched with the others' steps.
+                let l = self.loaded.engine.go_live(prefill, &job.request);
+                live.push(Running {
+                    job,
+                    live: l,
+                    stream: TextStream::new(self.tokenizer),
+                    sent: 0,
+                    logprobs_sent: 0,
+                    ends: Vec::new(),
+                    last_token: None,
+                    stopped_by_string: false,
+                    cancelled: false,
+                    failed: None,
+                    admitted,
+                });
             }
         }
     }

@@ -16,7 +16,7 @@ use model::arch::Config;
 use model::gguf::Gguf;
 use model::tokenizer::Tokenizer;
 use pdhost::request::{self, Field, Limits};
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
 use super::serve_bench::{count, percentiles, text_ids, Server, DEFAULT_CONTEXT, DEFAULT_MODEL};
 use crate::cli::ServeBenchArgs;
@@ -39,7 +39,7 @@ const TIMEOUT: Duration = Duration::from_secs(1800);
 #[derive(Debug, Default)]
 struct Phase {
     gaps_ms: Vec<f64>,
-    /// Streams that ended (EOS) before the phase did.
+    /// Streams that ended before the phase did (an error, or `max_tokens`).
     ended: usize,
     /// The long prompts' latencies and where each was prefilled.
     long_ms: Vec<f64>,
@@ -87,6 +87,9 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     let tok = Tokenizer::from_gguf(&gguf)?;
     let ids = text_ids(&tok, long + STREAM_PROMPT * streams);
     drop(gguf);
+    // The streams never draw an end-of-sequence token: past one they would go on (`ignore_eos`) with
+    // text-less special tokens, two steps between text chunks, and before it they would end early.
+    let no_eos: Map<String, Value> = config.eos.iter().map(|id| (id.to_string(), json!(-100))).collect();
 
     let kv_dtype = clap::ValueEnum::to_possible_value(&args.kv_dtype).expect("not skipped");
     let precision = clap::ValueEnum::to_possible_value(&args.precision).expect("not skipped");
@@ -124,10 +127,10 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         let server = Server::start(cmd)?;
         bar.set_message(format!("{producer}: streams alone"));
         let max_tokens = STREAM_MAX_TOKENS.min(context - STREAM_PROMPT as u64);
-        let alone = phase(&agent, &server.url, &ids, (streams, max_tokens), None);
+        let alone = phase(&agent, &server.url, &ids, (streams, max_tokens, &no_eos), None);
         bar.inc(1);
         bar.set_message(format!("{producer}: streams while {n_long} x {long}-token prompts prefill"));
-        let during = phase(&agent, &server.url, &ids, (streams, max_tokens), Some((&ids[..long], n_long)));
+        let during = phase(&agent, &server.url, &ids, (streams, max_tokens, &no_eos), Some((&ids[..long], n_long)));
         bar.inc(1);
         server.stop();
         rows.push(Row { producer: producer.to_string(), split, alone, during });
@@ -213,7 +216,7 @@ fn phase(
     agent: &ureq::Agent,
     url: &str,
     ids: &[u32],
-    (streams, max_tokens): (usize, u64),
+    (streams, max_tokens, no_eos): (usize, u64, &Map<String, Value>),
     long: Option<(&[u32], usize)>,
 ) -> Phase {
     let stop = AtomicBool::new(false);
@@ -227,8 +230,9 @@ fn phase(
             let (stop, chunks, ended, errors) = (&stop, &chunks[i], &ended[i], &errors);
             // A different prompt per stream, sampled with a fixed seed, so that no stream is a copy.
             let prompt = &ids[ids.len() - STREAM_PROMPT * (i + 1)..ids.len() - STREAM_PROMPT * i];
-            let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8,
-                              "seed": i, "stream": true});
+            // A stream that ended early would leave the rest of the long prompts' prefill unmeasured.
+            let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
+                              "stream": true, "ignore_eos": true, "logit_bias": no_eos});
             s.spawn(move || {
                 if let Err(e) = stream(agent, url, &body, stop, chunks) {
                     errors.lock().unwrap_or_else(|e| e.into_inner()).push(format!("stream {i}: {e}"));
