@@ -736,14 +736,13 @@ impl Engine {
         started: Instant,
     ) -> Result<Live, EngineError> {
         let mut live = Live::pending(seq, request_id, req, prefilled, started);
-        match self.run(&mut [&mut live]).pop().expect("one result per sequence") {
-            Ok(()) => Ok(live),
-            Err(e) => Err(e),
-        }
+        let ran = self.run(&mut [&mut live]).pop().expect("one result per sequence");
+        ran.map(|()| live)
     }
 
-    /// Emits `live`'s next token: first, unless it is the first, runs the previous token through the model
-    /// and samples from its logits. `None` once the sequence has ended (EOS, `max_tokens`); then
+    /// Emits `live`'s next token: first runs the token before it through the model and samples from its
+    /// logits (the last emitted token, or the last prompt token of a sequence from [`Engine::go_live`];
+    /// [`Engine::admit`] has run that one already). `None` once the sequence has ended (EOS, `max_tokens`); then
     /// [`Engine::finish`] it. A caller that stops after a token never pays for the step after it.
     pub fn step(&mut self, live: &mut Live) -> Result<Option<u32>, EngineError> {
         self.step_many(&mut [live]).pop().expect("one result per sequence")
