@@ -1073,6 +1073,56 @@ mod tests {
         assert_eq!((same.hits, same.max_tokens), (Some(Dtype::Bf16), Some(512)));
     }
 
+    /// A sequence made live by `go_live` runs its last prompt token in its first step, batched with
+    /// another sequence's decode step: both end exactly as each does alone through `admit` (ids and
+    /// logits hash), and `ignore_eos` runs to `max_tokens`.
+    #[test]
+    fn a_sequence_that_goes_live_runs_its_last_prompt_token_in_the_batch_and_equals_admit() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/reference/tiny_gemma3_8l");
+        let engine = || {
+            let mut m = Model::from_hf_dir(&dir).expect("tiny checkpoint loads");
+            m.configure(model::kernels::Precision::Exact, 1);
+            Engine::new(m, Dtype::F32, 4, 64, 2).expect("engine")
+        };
+        let first = Request::greedy((1..12).collect(), 8, 0);
+        let second = Request { ignore_eos: true, ..Request::greedy((20..33).collect(), 12, 5) };
+        let alone = |req: &Request| {
+            let mut e = engine();
+            let mut live = e.admit(req, PrefillBy::Local).expect("admitted");
+            while e.step(&mut live).expect("a step").is_some() {}
+            let g = e.finish(live);
+            (g.output, g.logits_hash)
+        };
+        let (want1, want2) = (alone(&first), alone(&second));
+        assert_eq!(want2.0.len(), 12, "ignore_eos: only max_tokens ends it");
+
+        let mut e = engine();
+        let mut one = e.admit(&first, PrefillBy::Local).expect("admitted");
+        let mut out1 = Vec::new();
+        out1.extend(e.step(&mut one).expect("a step"));
+        // The second request prefills chunk by chunk, then goes live with its last prompt token to run.
+        let mut p = e.begin(&second, None).expect("begun");
+        let head = &second.prompt[..second.prompt.len() - 1];
+        while let Some((start, part)) = p.next_chunk(head) {
+            let part = part.to_vec();
+            e.prefill_chunk(&mut p, start, &part).expect("a chunk");
+        }
+        let mut two = e.go_live(p, &second);
+        assert!(two.output().is_empty() && two.ttft().is_zero(), "nothing run yet");
+        let mut out2 = Vec::new();
+        while !(one.is_done() && two.is_done()) {
+            let steps = e.step_many(&mut [&mut one, &mut two]);
+            let [s1, s2] = <[_; 2]>::try_from(steps).expect("two results");
+            out1.extend(s1.expect("a step"));
+            out2.extend(s2.expect("a step"));
+            assert!(!two.ttft().is_zero(), "its first step ends its time to the first token");
+        }
+        let (g1, g2) = (e.finish(one), e.finish(two));
+        assert_eq!((&g1.output, g1.logits_hash), (&want1.0, want1.1));
+        assert_eq!((&g2.output, g2.logits_hash), (&want2.0, want2.1));
+        assert_eq!((out1, out2), (want1.0, want2.0));
+    }
+
     fn borrowed(values: &KvValues<'_>) -> bool {
         match values {
             KvValues::F32(v) => matches!(v, Cow::Borrowed(_)),
