@@ -350,9 +350,10 @@ pub struct ServeArgs {
     /// Threads for the forward pass: 1 to 4 per core (default: one per core).
     #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,
-    /// Prompt tokens per prefill span, and per local prefill piece between decode rounds (0: the whole
-    /// prompt as one). Each producer's ring holds two spans of this size (default 2048, or the context
-    /// when smaller; outputs are the same bits at any size).
+    /// Prompt tokens per prefill span, and per piece of a prefill the host runs between decode rounds
+    /// (`--producer local`, or a fallback), 0: the whole prompt as one. Each producer's ring holds two
+    /// spans of this size. Default: spans of 2048 and pieces of 256 (each piece stalls every live stream
+    /// while it runs), or the context when smaller; outputs are the same bits at any size.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
     pub prefill_chunk: Option<u64>,
     /// A key every `/v1/` request must carry as `Authorization: Bearer KEY` (401 without it).

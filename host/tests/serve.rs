@@ -956,13 +956,18 @@ fn a_live_stream_keeps_decoding_while_another_prompt_prefills_in_a_producer() {
 
 /// A producer killed halfway through writing one request's span (request 2, the `faulty` backend's
 /// `kill_mid`) costs that request its remote prefill and nothing else: with `fallback` it is prefilled
-/// locally and still equals `generate`; with `fail` it gets a 500 error object. A stream live meanwhile,
+/// locally, in pieces of 256 tokens between the live stream's decode rounds (its remote prefill was one
+/// span), and still equals `generate`; with `fail` it gets a 500 error object. A stream live meanwhile,
 /// and the request after (on a restarted producer), are remote and equal `generate`.
 #[test]
 fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_else_anything() {
-    let (stream_prompt, prompt) = ("1, 2, 3, 4, 5, 6, 7, 8,", "The three primary colours are");
+    let stream_prompt = "1, 2, 3, 4, 5, 6, 7, 8,";
+    let prompt = format!("{}The three primary colours are", "Red, yellow and blue are colours. ".repeat(40));
+    let prompt = prompt.as_str();
     let stream_reference = generate(stream_prompt, 40, &[]);
     let reference = generate(prompt, 8, &[]);
+    let prompt_tokens = reference["prompt_ids"].as_array().unwrap().len() as u64;
+    assert!(prompt_tokens > 257, "a prompt of more than one local piece: {prompt_tokens} tokens");
     for policy in ["fallback", "fail"] {
         let config = r#"{"fault": "kill_mid", "on_requests": [2]}"#;
         let s = serve(&["--producer", "faulty", "--backend-config", config, "--on-producer-failure", policy]);
@@ -995,6 +1000,8 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
             let reason = crashed["pdhost"]["fallback_reason"].as_str().unwrap_or_default();
             assert!(reason.starts_with("producer_exited"), "{crashed}");
             assert_eq!(crashed["pdhost"]["output_ids"], reference["output_ids"], "{crashed}");
+            assert_eq!(crashed["pdhost"]["logits_xxh3"], reference["logits_xxh3"], "{crashed}");
+            assert_eq!(crashed["pdhost"]["spans"], (prompt_tokens - 1).div_ceil(256), "{crashed}");
         } else {
             assert_eq!(status, 500, "{crashed}");
             assert_eq!(crashed["error"]["code"], "generation_failed", "{crashed}");
@@ -1009,6 +1016,7 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
         assert_eq!(status, 200, "{after}");
         assert_eq!(after["pdhost"]["prefill"], "remote", "{after}");
         assert_eq!(after["pdhost"]["output_ids"], reference["output_ids"], "{after}");
+        assert_eq!(after["pdhost"]["spans"], 1, "{after}");
         streamer.join().unwrap();
         let chunks = chunks.lock().unwrap();
         let last = chunks.iter().rev().find(|c| !c["pdhost"].is_null()).expect("a chunk with the pdhost object");

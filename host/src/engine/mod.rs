@@ -195,6 +195,15 @@ impl Prefilling {
         (self.done < self.len).then(|| (self.done as u64, &prompt[self.done..(self.done + self.chunk).min(self.len)]))
     }
 
+    /// Prefills the rest in pieces of at most `tokens` (0: as it was chunked). A prefill that fell back to
+    /// the host runs between decode rounds, and every live stream waits for each piece; the bits are the
+    /// same at any size.
+    pub fn in_pieces_of(&mut self, tokens: usize) {
+        if tokens > 0 {
+            self.chunk = self.chunk.min(tokens);
+        }
+    }
+
     /// A remote chunk landed in the cache, costing `times`.
     pub fn remote_done(&mut self, times: SpanTimes) {
         let span = self.chunk.min(self.len - self.done);

@@ -31,6 +31,9 @@ pub struct Loaded {
     pub producers: Vec<Producer>,
     /// What a failed remote prefill does.
     pub on_failure: OnFailure,
+    /// Prompt tokens per piece of a prefill that fell back to the host (0: the rest at once): each piece
+    /// runs between two decode rounds, so it bounds how long the live streams wait.
+    pub local_piece: usize,
     /// Sequences live at once (the engine's cache holds this many).
     pub slots: usize,
     /// Called once everything is up (the CLI prints `listening on ...`).
@@ -366,6 +369,7 @@ impl<'t> Scheduler<'_, 't> {
                 self.pool.rest(index, producer);
                 let head = &a.job.request.prompt[..a.job.request.prompt.len() - 1];
                 self.loaded.engine.fall_back(&mut a.prefill, head, e);
+                a.prefill.in_pieces_of(self.loaded.local_piece);
                 if self.loaded.on_failure == OnFailure::Fail {
                     let e = a.prefill.take_fallback().expect("just set");
                     a.failed = Some(EngineError::from(e).to_string());
