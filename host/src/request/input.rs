@@ -232,13 +232,8 @@ pub fn check_backend_config(
             format_args!("nesting {depth} deep"),
         ));
     }
-    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
-        Invalid::new(
-            field,
-            "a JSON object",
-            format_args!("invalid JSON at line {} column {}: {}", e.line(), e.column(), shorten(text)),
-        )
-    })?;
+    let value: serde_json::Value = serde_json::from_str(text)
+        .map_err(|e| Invalid::new(field, "a JSON object", format_args!("invalid JSON ({e}): {}", shorten(text))))?;
     let serde_json::Value::Object(map) = value else {
         let kind = match value {
             serde_json::Value::Null => "null",

@@ -247,7 +247,9 @@ fn obj(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
         ApiError::invalid(
             "body",
             "a JSON object",
-            format_args!("invalid JSON at line {} column {}", e.line(), e.column()),
+            // serde_json says what it met and where: "EOF while parsing an object at line 1 column 1",
+            // "recursion limit exceeded at ...".
+            format_args!("invalid JSON ({e})"),
         )
     })?;
     match value {
@@ -551,7 +553,12 @@ mod tests {
         assert_eq!(c.prompt, Prompt::Ids(vec![1, 2, 3]));
         assert_eq!(c.raw.max_tokens, DEFAULT_MAX_TOKENS);
 
-        assert_eq!(err("{"), "body: expected a JSON object, found invalid JSON at line 1 column 1");
+        assert_eq!(
+            err("{"),
+            "body: expected a JSON object, found invalid JSON (EOF while parsing an object at line 1 column 1)"
+        );
+        let deep = format!("{}{}", "[".repeat(1000), "]".repeat(1000));
+        assert!(err(&deep).contains("(recursion limit exceeded at line 1 column 128)"), "{}", err(&deep));
         assert_eq!(err("[1]"), "body: expected a JSON object, found an array of 1 item");
         assert_eq!(err(r#"{"prompt":""}"#), "prompt: expected a non-empty prompt, found an empty string");
         assert_eq!(err(r#"{}"#), "prompt: expected a string or an array of token ids, found none");
