@@ -33,6 +33,9 @@ use shm_format::{
     seal_frame, write_prefix, Dtype, Entry, EntryKind, FrameCoords, Group, GroupKind, Layout, CHECKSUM_OFFSET,
 };
 
+/// The keys this backend reads from its config besides [`ModelBackend`]'s (the module's docs).
+const KEYS: &[&str] = &["fault", "layout", "on_requests", "seed", "rate", "delay_ms", "call_limit", "daemon_in_open"];
+
 /// Every fault mode, by name.
 pub const MODES: &[&str] = &[
     "kill_before",
@@ -159,7 +162,7 @@ impl Backend for Faulty {
         let on_requests =
             json.get("on_requests").and_then(|r| r.as_array()).map(|a| a.iter().filter_map(|v| v.as_u64()).collect());
         Ok(Faulty {
-            inner: ModelBackend::open(config, layout, Dtype::Bf16)?,
+            inner: ModelBackend::open_with(config, layout, Dtype::Bf16, KEYS)?,
             fault,
             on_requests,
             seed: json.get("seed").and_then(|s| s.as_u64()).unwrap_or(0),
