@@ -649,7 +649,10 @@ pub struct ServeBenchArgs {
     #[arg(
         long,
         value_name = "URL",
-        conflicts_with_all = ["producer", "threads", "precision", "kv_dtype", "context", "prefix_cache", "prefill_chunk"]
+        conflicts_with_all = [
+            "producer", "producers", "backend_config", "threads", "precision", "kv_dtype", "context", "prefix_cache",
+            "prefill_chunk"
+        ]
     )]
     pub url: Option<String>,
     /// The model (a name from `pdhost models list`; default gemma3-270m, or what `--url` serves). Prompts
@@ -660,6 +663,13 @@ pub struct ServeBenchArgs {
     /// library `PATH.so`, or `local`.
     #[arg(long, default_value = "rngd")]
     pub producer: String,
+    /// Producer processes of the started server, as `serve --producers` (its default when not given).
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, conflicts_with = "mixed")]
+    pub producers: Option<u64>,
+    /// JSON object merged into the started server's backend configuration, as `serve --backend-config`:
+    /// `--producers 4 --backend-config '{"threads":1}'` prefills four prompts at once on one thread each.
+    #[arg(long, value_name = "JSON", conflicts_with = "mixed")]
+    pub backend_config: Option<String>,
     /// Forward-pass threads of the started server: 1 to 4 per core (default: one per core).
     #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub threads: Option<u64>,

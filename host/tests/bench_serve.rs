@@ -46,6 +46,11 @@ fn every_cell_of_the_matrix_equals_its_reference() {
         // Sampled, with one seed: every answer still equals its reference, alone or beside another.
         "--temperature",
         "0.9",
+        // Two producers of one thread: a batch of two prefills at once.
+        "--producers",
+        "2",
+        "--backend-config",
+        r#"{"threads":1}"#,
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "status {}, stderr {stderr}", out.status);
@@ -54,6 +59,7 @@ fn every_cell_of_the_matrix_equals_its_reference() {
     });
     assert_eq!(v["bench"], "serve");
     assert_eq!(v["prefill_chunk"], 24);
+    assert_eq!((n(&v["producers"]), &v["backend_config"]), (2, &serde_json::json!({"threads": 1})));
     assert_eq!((v["temperature"].as_f64(), v["seed"].as_u64()), (Some(0.9), Some(1)));
     assert_eq!((v["model"].as_str(), v["server"].as_str(), n(&v["context"])), (Some(MODEL), Some("started"), 512));
 

@@ -103,6 +103,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     }
     let streams = args.stream.cells();
     let threads = request::check_threads(args.threads)?;
+    request::input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
     request::check_sampling(Some(args.temperature), None, SEED)?;
     if args.peer && args.temperature > 0.0 {
         // llama-server samples with its own generator: its text could not be compared, and greedy
@@ -209,6 +210,12 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
             }
             if let Some(chunk) = args.prefill_chunk {
                 cmd.args(["--prefill-chunk", &chunk.to_string()]);
+            }
+            if let Some(n) = args.producers {
+                cmd.args(["--producers", &n.to_string()]);
+            }
+            if let Some(config) = &args.backend_config {
+                cmd.args(["--backend-config", config]);
             }
             Target::Started(Server::start(cmd)?)
         }
@@ -320,6 +327,8 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
             json!({
                 "bench": "serve", "model": name, "url": url, "server": server,
                 "producer": if started { json!(args.producer) } else { Value::Null },
+                "producers": args.producers,
+                "backend_config": args.backend_config.as_deref().map(|c| serde_json::from_str::<Value>(c).unwrap_or(Value::Null)),
                 "producers_seen": producers,
                 "threads": if started { json!(threads) } else { Value::Null },
                 "precision": if started { json!(args.precision.precision().name()) } else { Value::Null },
@@ -334,8 +343,10 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     } else {
         let how = match server {
             "started" => format!(
-                "a `pdhost serve` started for this run (--producer {}, {}, {} KV, {threads} thread(s), {context}-token context, {})",
+                "a `pdhost serve` started for this run (--producer {}{}{}, {}, {} KV, {threads} thread(s), {context}-token context, {})",
                 args.producer,
+                args.producers.map(|n| format!(" --producers {n}")).unwrap_or_default(),
+                args.backend_config.as_ref().map(|c| format!(" --backend-config '{c}'")).unwrap_or_default(),
                 args.precision.precision().name(),
                 dtype.name(),
                 match args.prefill_chunk {
