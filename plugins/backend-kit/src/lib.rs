@@ -442,7 +442,7 @@ pub fn encode_into(dtype: Dtype, values: &[f32], dst: &mut [u8]) {
 
 /// A JSON value for an error message: whole when short, cut (on a character boundary) when long, so a
 /// hostile config is never echoed back in full.
-fn short_json(v: &serde_json::Value) -> String {
+pub fn short_json(v: &serde_json::Value) -> String {
     const MAX: usize = 40;
     let text = v.to_string();
     match text.char_indices().nth(MAX) {

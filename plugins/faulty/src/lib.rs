@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdhost_backend_kit::ModelBackend;
+use pdhost_backend_kit::{short_json, ModelBackend};
 use pdhost_plugin_abi::{
     Backend, BackendError, Capabilities, Description, PdhostLayout, PdhostStatus, Prefill, Writer,
 };
@@ -131,44 +131,72 @@ impl Faulty {
     }
 }
 
+fn bad_config(message: String) -> BackendError {
+    BackendError::new(PdhostStatus::BadConfig, message)
+}
+
+/// The config's `key` as `get` reads it: `None` when absent, refused (naming the key, what was expected
+/// and what was found) when present as anything `get` does not take.
+fn read<'j, T>(
+    json: &'j serde_json::Value,
+    key: &str,
+    expected: &str,
+    get: impl Fn(&'j serde_json::Value) -> Option<T>,
+) -> Result<Option<T>, BackendError> {
+    match json.get(key) {
+        None => Ok(None),
+        Some(v) => get(v)
+            .map(Some)
+            .ok_or_else(|| bad_config(format!("config {key}: expected {expected}, found {}", short_json(v)))),
+    }
+}
+
 impl Backend for Faulty {
     fn open(config: &str) -> Result<Self, BackendError> {
         let json: serde_json::Value = serde_json::from_str(config)
             .map_err(|e| BackendError::new(PdhostStatus::BadConfig, format!("config: expected JSON, found {e}")))?;
-        let layout = match json.get("layout").and_then(|l| l.as_str()) {
+        // Each key of its own read with its type, or refused naming it: a fault test whose fault was
+        // silently off could not fail.
+        let str_key = |key| read(&json, key, "a string", |v| v.as_str());
+        let layout = match str_key("layout")? {
             None | Some("dense") => PdhostLayout::Dense,
             Some("grouped") => PdhostLayout::Grouped,
             Some(other) => {
-                return Err(BackendError::new(
-                    PdhostStatus::BadConfig,
-                    format!("config layout: expected dense or grouped, found {other:?}"),
-                ))
+                return Err(bad_config(format!("config layout: expected dense or grouped, found {other:?}")))
             }
         };
-        let fault = json.get("fault").and_then(|f| f.as_str()).map(str::to_string);
+        let fault = str_key("fault")?.map(str::to_string);
         if let Some(f) = &fault {
             if f != "random" && !MODES.contains(&f.as_str()) {
-                return Err(BackendError::new(
-                    PdhostStatus::BadConfig,
-                    format!("config fault: expected random or one of {}, found {f:?}", MODES.join(", ")),
-                ));
+                return Err(bad_config(format!(
+                    "config fault: expected random or one of {}, found {f:?}",
+                    MODES.join(", ")
+                )));
             }
         }
-        if let Some(path) = json.get("daemon_in_open").and_then(|p| p.as_str()) {
+        let on_requests = read(&json, "on_requests", "an array of request ids", |v| {
+            v.as_array()?.iter().map(serde_json::Value::as_u64).collect::<Option<Vec<u64>>>()
+        })?;
+        let seed = read(&json, "seed", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(0);
+        let rate = read(&json, "rate", "a number from 0 to 1", |v| v.as_f64().filter(|r| (0.0..=1.0).contains(r)))?
+            .unwrap_or(0.3);
+        let delay_ms = read(&json, "delay_ms", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(2000);
+        let call_limit = read(&json, "call_limit", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(0);
+        let daemon_in_open = str_key("daemon_in_open")?;
+        let inner = ModelBackend::open_with(config, layout, Dtype::Bf16, KEYS)?;
+        if let Some(path) = daemon_in_open {
             let pid = fork_daemon();
             std::fs::write(path, pid.to_string())
                 .map_err(|e| BackendError::new(PdhostStatus::BackendError, format!("daemon_in_open {path}: {e}")))?;
         }
-        let on_requests =
-            json.get("on_requests").and_then(|r| r.as_array()).map(|a| a.iter().filter_map(|v| v.as_u64()).collect());
         Ok(Faulty {
-            inner: ModelBackend::open_with(config, layout, Dtype::Bf16, KEYS)?,
+            inner,
             fault,
             on_requests,
-            seed: json.get("seed").and_then(|s| s.as_u64()).unwrap_or(0),
-            rate: json.get("rate").and_then(|r| r.as_f64()).unwrap_or(0.3),
-            delay: Duration::from_millis(json.get("delay_ms").and_then(|d| d.as_u64()).unwrap_or(2000)),
-            call_limit: json.get("call_limit").and_then(|d| d.as_u64()).unwrap_or(0),
+            seed,
+            rate,
+            delay: Duration::from_millis(delay_ms),
+            call_limit,
             toggler: None,
         })
     }
@@ -659,3 +687,39 @@ fn attack_segments() -> Vec<String> {
 }
 
 pdhost_plugin_abi::export_backend!(Faulty, c"faulty");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refused(config: &str) -> String {
+        match Faulty::open(config) {
+            Ok(_) => panic!("{config} was taken"),
+            Err(e) => e.message,
+        }
+    }
+
+    #[test]
+    fn each_key_of_its_own_is_read_with_its_type_or_refused_before_the_model_loads() {
+        for (config, says) in [
+            (r#"{"delay_ms":"2000"}"#, r#"config delay_ms: expected an integer from 0, found "2000""#),
+            (r#"{"rate":2}"#, "config rate: expected a number from 0 to 1, found 2"),
+            (r#"{"seed":-1}"#, "config seed: expected an integer from 0, found -1"),
+            (r#"{"call_limit":1.5}"#, "config call_limit: expected an integer from 0, found 1.5"),
+            (r#"{"on_requests":[1,"2"]}"#, r#"config on_requests: expected an array of request ids, found [1,"2"]"#),
+            (r#"{"on_requests":1}"#, "config on_requests: expected an array of request ids, found 1"),
+            (r#"{"fault":5}"#, "config fault: expected a string, found 5"),
+            (r#"{"fault":"nope"}"#, r#"config fault: expected random or one of"#),
+            (r#"{"layout":"sideways"}"#, r#"config layout: expected dense or grouped, found "sideways""#),
+            (r#"{"falt":"kill_mid"}"#, r#"found "falt""#),
+        ] {
+            let config = format!(r#"{{"model":"/nonexistent",{}"#, &config[1..]);
+            let message = refused(&config);
+            assert!(message.contains(says), "{config}: {message}");
+        }
+        // Every key well typed: the next thing to fail is the missing model.
+        let config = r#"{"model":"/nonexistent","fault":"random","seed":7,"rate":0.5,"delay_ms":10,"call_limit":4,
+                         "on_requests":[1,2],"layout":"grouped"}"#;
+        assert!(refused(config).contains("/nonexistent"), "{}", refused(config));
+    }
+}
