@@ -33,9 +33,6 @@ use shm_format::{
     seal_frame, write_prefix, Dtype, Entry, EntryKind, FrameCoords, Group, GroupKind, Layout, CHECKSUM_OFFSET,
 };
 
-/// The keys this backend reads from its config besides [`ModelBackend`]'s (the module's docs).
-const KEYS: &[&str] = &["fault", "layout", "on_requests", "seed", "rate", "delay_ms", "call_limit", "daemon_in_open"];
-
 /// Every fault mode, by name.
 pub const MODES: &[&str] = &[
     "kill_before",
@@ -183,7 +180,7 @@ impl Backend for Faulty {
         let delay_ms = read(&json, "delay_ms", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(2000);
         let call_limit = read(&json, "call_limit", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(0);
         let daemon_in_open = str_key("daemon_in_open")?;
-        let inner = ModelBackend::open_with(config, layout, Dtype::Bf16, KEYS)?;
+        let inner = ModelBackend::open(config, layout, Dtype::Bf16)?;
         if let Some(path) = daemon_in_open {
             let pid = fork_daemon();
             std::fs::write(path, pid.to_string())
@@ -711,7 +708,6 @@ mod tests {
             (r#"{"fault":5}"#, "config fault: expected a string, found 5"),
             (r#"{"fault":"nope"}"#, r#"config fault: expected random or one of"#),
             (r#"{"layout":"sideways"}"#, r#"config layout: expected dense or grouped, found "sideways""#),
-            (r#"{"falt":"kill_mid"}"#, r#"found "falt""#),
         ] {
             let config = format!(r#"{{"model":"/nonexistent",{}"#, &config[1..]);
             let message = refused(&config);
