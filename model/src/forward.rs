@@ -335,8 +335,9 @@ impl Model {
     pub fn forward_batch(&self, segments: &[Segment<'_>]) -> Vec<Output> {
         // The whole pass runs on the pool, so its many products and attention layers hand work to the
         // pool's threads from inside it (cheap), not each from the caller's thread (a wake-up and a
-        // context switch every time: 13% of a decode step with 1 thread).
-        self.exec.install(|| self.forward_in_pool(segments))
+        // context switch every time: 13% of a decode step with 1 thread), and the other threads stay
+        // awake between them (`Exec::install_awake`).
+        self.exec.install_awake(|| self.forward_in_pool(segments))
     }
 
     fn forward_in_pool(&self, segments: &[Segment<'_>]) -> Vec<Output> {

@@ -273,6 +273,10 @@ impl<'t> Scheduler<'_, 't> {
             self.local_chunk(&mut admitting);
             self.settle(&mut admitting, &mut live);
             if !live.is_empty() {
+                // While a producer prefills on the cores decode runs on, decode's threads sleep between
+                // parallel regions, to be woken ahead of the producer's (`Exec::set_awake`).
+                let shared = admitting.iter().any(|a| a.in_flight);
+                self.loaded.engine.model.exec.set_awake(!shared);
                 self.round(&mut live);
             }
             self.metrics.running.set((live.len() + admitting.len()) as i64);

@@ -3,6 +3,8 @@
 //! each weight load but never a reduction, so a row's bits do not depend on the batch size, the batch's
 //! other rows, the prefill chunking or the thread count.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use rayon::prelude::*;
 
 mod act;
@@ -56,13 +58,24 @@ pub struct Exec {
     /// Precision.
     pub precision: Precision,
     pool: rayon::ThreadPool,
+    /// Whether [`Exec::install_awake`] keeps the other threads awake.
+    awake: bool,
 }
 
 impl Exec {
     /// `threads` worker threads (at least 1).
     pub fn new(precision: Precision, threads: usize) -> Self {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(threads.max(1)).build().expect("thread pool");
-        Exec { precision, pool }
+        Exec { precision, pool, awake: true }
+    }
+
+    /// Whether [`Exec::install_awake`] keeps the pool's other threads awake (the default), or lets them
+    /// sleep between parallel regions as rayon does. A process whose cores another busy process shares
+    /// (a server while its producer prefills) should let them sleep: a thread woken from sleep runs ahead
+    /// of the other process's threads, where one kept awake waits out their time slices. Bits never
+    /// depend on it.
+    pub fn set_awake(&mut self, awake: bool) {
+        self.awake = awake;
     }
 
     /// Worker threads.
@@ -236,6 +249,48 @@ impl Exec {
         self.pool.install(f)
     }
 
+    /// [`Exec::install`], with the pool's other threads kept awake until `f` returns: between parallel
+    /// regions each waits for the next by yielding (to the pool's work, then to the OS), where rayon
+    /// would put it to sleep a hundred microseconds or so after its last task. A forward pass is about
+    /// five regions a layer with serial work between them, and waking a sleeping thread is slow on a VM:
+    /// on the 2-core VM of 2026-12-05, two threads took 20-60 µs more per region once the serial gap
+    /// between regions reached 20 µs, and 2-4 µs kept awake. Which thread runs a task never changes a
+    /// bit, so neither does this.
+    pub fn install_awake<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        if self.threads() < 2 || !self.awake {
+            return self.install(f);
+        }
+        /// Ends the waiting when `f` returns or unwinds (a waiter left spinning would hang the scope).
+        struct Done<'a>(&'a AtomicBool);
+        impl Drop for Done<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::Release);
+            }
+        }
+        self.pool.install(|| {
+            let done = AtomicBool::new(false);
+            let runs_f = rayon::current_thread_index();
+            let mut out = None;
+            rayon::scope(|s| {
+                // One waiter on every thread of the pool but this one: a broadcast job runs on the
+                // thread it is given to, so the thread running `f` never spins in place of it.
+                s.spawn_broadcast(|_, ctx| {
+                    if Some(ctx.index()) == runs_f {
+                        return;
+                    }
+                    while !done.load(Ordering::Acquire) {
+                        if rayon::yield_now() != Some(rayon::Yield::Executed) {
+                            std::thread::yield_now();
+                        }
+                    }
+                });
+                let _done = Done(&done);
+                out = Some(f());
+            });
+            out.expect("`f` ran in the scope")
+        })
+    }
+
     /// Runs `f` on every item, on the pool's threads where there are several of both: for work per
     /// sequence that does not depend on the others (each item's result is the same whichever thread
     /// runs it).
@@ -362,6 +417,35 @@ fn panels(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usi
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `install_awake` returns what `f` returns, its parallel work runs on every thread, and a panic in
+    /// `f` reaches the caller instead of leaving the waiters spinning (the scope would never end).
+    #[test]
+    fn install_awake_returns_f_and_a_panic_in_f_ends_the_waiting() {
+        for threads in [1, 2, 3] {
+            let exec = Exec::new(Precision::Exact, threads);
+            let (sum, used) = exec.install_awake(|| {
+                let used = std::sync::Mutex::new(std::collections::BTreeSet::new());
+                let sum: u64 = (0..10_000usize)
+                    .into_par_iter()
+                    .with_max_len(1)
+                    .map(|i| {
+                        used.lock().unwrap().insert(rayon::current_thread_index());
+                        i as u64
+                    })
+                    .sum();
+                (sum, used.into_inner().unwrap())
+            });
+            assert_eq!(sum, 10_000 * 9_999 / 2);
+            assert!(used.iter().all(Option::is_some) && !used.is_empty(), "{used:?}");
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                exec.install_awake(|| -> u32 { panic!("inside the pass") })
+            }));
+            assert!(caught.is_err(), "{threads} thread(s)");
+            // The pool still works after it.
+            assert_eq!(exec.install_awake(|| 7), 7);
+        }
+    }
 
     /// Rows alone, rows in any batch, and any thread count give the same bits, in both precisions; the
     /// values are the product's.
