@@ -251,7 +251,7 @@ impl Exec {
 
     /// [`Exec::install`], with the pool's other threads kept awake until `f` returns: between parallel
     /// regions each waits for the next by yielding (to the pool's work, then to the OS), where rayon
-    /// would put it to sleep a hundred microseconds or so after its last task. A forward pass is about
+    /// puts it to sleep after a few dozen fruitless yields (about 10 µs on an idle core). A forward pass is about
     /// five regions a layer with serial work between them, and waking a sleeping thread is slow on a VM:
     /// on the 2-core VM of 2026-12-05, two threads took 20-60 µs more per region once the serial gap
     /// between regions reached 20 µs, and 2-4 µs kept awake. Which thread runs a task never changes a
@@ -418,8 +418,9 @@ fn panels(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usi
 mod tests {
     use super::*;
 
-    /// `install_awake` returns what `f` returns, its parallel work runs on every thread, and a panic in
-    /// `f` reaches the caller instead of leaving the waiters spinning (the scope would never end).
+    /// `install_awake` returns what `f` returns, its parallel work runs on the pool's threads, and a
+    /// panic in `f` reaches the caller instead of leaving the waiters spinning (the scope would never
+    /// end).
     #[test]
     fn install_awake_returns_f_and_a_panic_in_f_ends_the_waiting() {
         for threads in [1, 2, 3] {

@@ -140,6 +140,10 @@ impl ModelBackend {
             Model::from_gguf(&gguf).map_err(|e| load_error(&e))?
         };
         model.configure(precision, threads);
+        // A producer prefills beside a host that decodes on the same cores: its threads sleep between
+        // parallel regions (rayon's way) rather than wait awake, so that the host's, woken, run first.
+        // A prefill's regions are long, so this costs it little.
+        model.exec.set_awake(false);
         // Each chunk's K/V is rounded to the wire dtype as it is computed: what the host's cache of that
         // dtype will hold, so later chunks (and the host) attend to exactly the same values.
         model.kv_dtype = dtype;
