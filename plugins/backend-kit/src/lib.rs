@@ -66,8 +66,26 @@ struct Past {
     newest: std::ops::Range<u64>,
 }
 
-fn bad_config(message: String) -> BackendError {
+/// A `BadConfig` refusal of `open`'s config.
+pub fn bad_config(message: String) -> BackendError {
     BackendError::new(PdhostStatus::BadConfig, message)
+}
+
+/// The config's `key` as `get` reads it: `None` when absent, refused (naming the key, what was expected
+/// and what was found) when present as anything `get` does not take. A key given with the wrong type is
+/// never read as absent (a number for `dtype` would otherwise silently mean the default).
+pub fn config_key<'j, T>(
+    json: &'j serde_json::Value,
+    key: &str,
+    expected: &str,
+    get: impl Fn(&'j serde_json::Value) -> Option<T>,
+) -> Result<Option<T>, BackendError> {
+    match json.get(key) {
+        None => Ok(None),
+        Some(v) => get(v)
+            .map(Some)
+            .ok_or_else(|| bad_config(format!("config {key}: expected {expected}, found {}", short_json(v)))),
+    }
 }
 
 /// Parses a dtype name.
@@ -85,15 +103,7 @@ impl ModelBackend {
     pub fn open(config: &str, layout: PdhostLayout, default_dtype: Dtype) -> Result<Self, BackendError> {
         let json: serde_json::Value =
             serde_json::from_str(config).map_err(|e| bad_config(format!("config: expected JSON, found {e}")))?;
-        // A key given with the wrong type is refused, never read as absent (a number for `dtype` would
-        // otherwise silently mean the default).
-        let string = |key: &str, expected: &str| -> Result<Option<&str>, BackendError> {
-            match json.get(key) {
-                None => Ok(None),
-                Some(serde_json::Value::String(s)) => Ok(Some(s)),
-                Some(v) => Err(bad_config(format!("config {key}: expected {expected}, found {}", short_json(v)))),
-            }
-        };
+        let string = |key, expected| config_key(&json, key, expected, serde_json::Value::as_str);
         let path = string("model", "a path as a string")?
             .ok_or_else(|| bad_config("config: expected a \"model\" path, found none".into()))?;
         let dtype = match string("dtype", "bf16, f16 or f32")? {
@@ -109,26 +119,14 @@ impl ModelBackend {
             }
         };
         let max_threads = model::kernels::max_threads();
-        let threads = match json.get("threads") {
-            None => model::kernels::available_cores(),
-            Some(t) => {
-                t.as_u64().filter(|t| (1..=max_threads as u64).contains(t)).map(|t| t as usize).ok_or_else(|| {
-                    bad_config(format!(
-                        "config threads: expected an integer from 1 to {max_threads} (4 per core), found {}",
-                        short_json(t)
-                    ))
-                })?
-            }
-        };
-        let store_mib = match json.get("prefix_store_mib") {
-            None => 256,
-            Some(m) => m.as_u64().filter(|&m| m <= 1 << 20).ok_or_else(|| {
-                bad_config(format!(
-                    "config prefix_store_mib: expected an integer from 0 to 1048576, found {}",
-                    short_json(m)
-                ))
-            })?,
-        };
+        let threads = config_key(&json, "threads", &format!("an integer from 1 to {max_threads} (4 per core)"), |t| {
+            t.as_u64().filter(|t| (1..=max_threads as u64).contains(t)).map(|t| t as usize)
+        })?
+        .unwrap_or_else(model::kernels::available_cores);
+        let store_mib = config_key(&json, "prefix_store_mib", "an integer from 0 to 1048576", |m| {
+            m.as_u64().filter(|&m| m <= 1 << 20)
+        })?
+        .unwrap_or(256);
         let path = Path::new(path);
         let load_error = |e: &dyn std::fmt::Display| {
             BackendError::new(PdhostStatus::BackendError, format!("loading {}: {e}", path.display()))
@@ -402,7 +400,7 @@ pub fn encode_into(dtype: Dtype, values: &[f32], dst: &mut [u8]) {
 
 /// A JSON value for an error message: whole when short, cut (on a character boundary) when long, so a
 /// hostile config is never echoed back in full.
-pub fn short_json(v: &serde_json::Value) -> String {
+fn short_json(v: &serde_json::Value) -> String {
     const MAX: usize = 40;
     let text = v.to_string();
     match text.char_indices().nth(MAX) {

@@ -25,7 +25,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pdhost_backend_kit::{short_json, ModelBackend};
+use pdhost_backend_kit::{bad_config, config_key, ModelBackend};
 use pdhost_plugin_abi::{
     Backend, BackendError, Capabilities, Description, PdhostLayout, PdhostStatus, Prefill, Writer,
 };
@@ -128,33 +128,13 @@ impl Faulty {
     }
 }
 
-fn bad_config(message: String) -> BackendError {
-    BackendError::new(PdhostStatus::BadConfig, message)
-}
-
-/// The config's `key` as `get` reads it: `None` when absent, refused (naming the key, what was expected
-/// and what was found) when present as anything `get` does not take.
-fn read<'j, T>(
-    json: &'j serde_json::Value,
-    key: &str,
-    expected: &str,
-    get: impl Fn(&'j serde_json::Value) -> Option<T>,
-) -> Result<Option<T>, BackendError> {
-    match json.get(key) {
-        None => Ok(None),
-        Some(v) => get(v)
-            .map(Some)
-            .ok_or_else(|| bad_config(format!("config {key}: expected {expected}, found {}", short_json(v)))),
-    }
-}
-
 impl Backend for Faulty {
     fn open(config: &str) -> Result<Self, BackendError> {
-        let json: serde_json::Value = serde_json::from_str(config)
-            .map_err(|e| BackendError::new(PdhostStatus::BadConfig, format!("config: expected JSON, found {e}")))?;
+        let json: serde_json::Value =
+            serde_json::from_str(config).map_err(|e| bad_config(format!("config: expected JSON, found {e}")))?;
         // Each key of its own read with its type, or refused naming it: a fault test whose fault was
         // silently off could not fail.
-        let str_key = |key| read(&json, key, "a string", |v| v.as_str());
+        let str_key = |key| config_key(&json, key, "a string", |v| v.as_str());
         let layout = match str_key("layout")? {
             None | Some("dense") => PdhostLayout::Dense,
             Some("grouped") => PdhostLayout::Grouped,
@@ -171,14 +151,15 @@ impl Backend for Faulty {
                 )));
             }
         }
-        let on_requests = read(&json, "on_requests", "an array of request ids", |v| {
+        let on_requests = config_key(&json, "on_requests", "an array of request ids", |v| {
             v.as_array()?.iter().map(serde_json::Value::as_u64).collect::<Option<Vec<u64>>>()
         })?;
-        let seed = read(&json, "seed", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(0);
-        let rate = read(&json, "rate", "a number from 0 to 1", |v| v.as_f64().filter(|r| (0.0..=1.0).contains(r)))?
-            .unwrap_or(0.3);
-        let delay_ms = read(&json, "delay_ms", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(2000);
-        let call_limit = read(&json, "call_limit", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(0);
+        let seed = config_key(&json, "seed", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(0);
+        let rate =
+            config_key(&json, "rate", "a number from 0 to 1", |v| v.as_f64().filter(|r| (0.0..=1.0).contains(r)))?
+                .unwrap_or(0.3);
+        let delay_ms = config_key(&json, "delay_ms", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(2000);
+        let call_limit = config_key(&json, "call_limit", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(0);
         let daemon_in_open = str_key("daemon_in_open")?;
         let inner = ModelBackend::open(config, layout, Dtype::Bf16)?;
         if let Some(path) = daemon_in_open {
