@@ -33,7 +33,7 @@ fn expected(mode: &str, dense: bool) -> Option<&'static [&'static str]> {
         }
         "hang" | "slow" | "dribble_reply" => &["timeout"],
         "panic" => &["backend_panic"],
-        "fork_daemon" | "signal_host" | "exec" | "connect" => &["sandbox_violation"],
+        "fork_daemon" | "signal_host" | "sigio_host" | "exec" | "connect" => &["sandbox_violation"],
         // The sandbox refuses the open with EACCES; the backend reports it.
         "open_file" => &["backend_error"],
         "eat_memory" | "huge_alloc" => &["memory_limit"],
@@ -183,6 +183,7 @@ fault_tests!(
     panic,
     fork_daemon,
     signal_host,
+    sigio_host,
     exec,
     connect,
     open_file,
@@ -214,6 +215,40 @@ fault_tests!(
     oversize_reply,
     dribble_reply,
 );
+
+/// A backend that makes the host the owner of the control socket inside `open`, before any filter
+/// exists, with `SIGKILL` as its signal and `O_ASYNC` on: the kernel would kill the host whenever its
+/// write found the producer not waiting in a read. The producer takes its descriptors back before it
+/// reports ready: none of its sockets is asynchronous any more, and requests run remotely.
+#[test]
+fn a_socket_owner_set_in_open_signals_no_one() {
+    let _serial = serial();
+    let dtype = Dtype::Bf16;
+    let reference = local_output(dtype);
+    let mut e = engine(&gemma(), dtype);
+    let before = snapshot();
+    let config = config(&gemma(), dtype, serde_json::json!({"sigio_in_open": true}));
+    let mut p = producer(&e, builtin("faulty"), config, TIMEOUT);
+    let gen = e
+        .generate_with(&request(), PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail }, |_| {})
+        .unwrap_or_else(|err| panic!("the request runs remotely: {err}"));
+    assert!(gen.report.remote && gen.output == reference, "remote and equal to local");
+    let pid = p.pid().expect("a running producer");
+    let mut sockets = 0;
+    for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
+        if !std::fs::read_link(fd.path()).is_ok_and(|t| t.to_string_lossy().starts_with("socket:")) {
+            continue;
+        }
+        let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy()));
+        let flags = info.iter().flat_map(|i| i.lines()).find_map(|l| l.strip_prefix("flags:"));
+        let flags = u32::from_str_radix(flags.expect("fdinfo has flags").trim(), 8).unwrap();
+        assert_eq!(flags & libc::O_ASYNC as u32, 0, "the producer's socket {fd:?} signals its owner");
+        sockets += 1;
+    }
+    assert!(sockets > 0, "the producer has its control socket");
+    drop(p);
+    assert_eq!(snapshot(), before, "leak");
+}
 
 /// A daemon the backend double-forks inside `open`, before any filter exists (a vendor SDK's helper):
 /// with the sandbox on it is gone before the producer reports ready; with it off it lives as long as

@@ -700,22 +700,37 @@ pub unsafe fn prefill_impl<B: Backend>(
                 return Err(BackendError::new(PdhostStatus::InvalidArgument, "null pointer"));
             }
             let handle = &mut *backend.cast::<Handle<B>>();
-            let r = &*request;
+            // A producer of an older minor version passes a shorter struct: copy only the bytes it
+            // has (its `struct_size`, read first) over zeros, so that no field past them is read.
+            let size = (request.cast::<u32>().read_unaligned() as usize).min(size_of::<PdhostPrefill>());
+            if size < std::mem::offset_of!(PdhostPrefill, n_context) {
+                return Err(BackendError::new(
+                    PdhostStatus::InvalidArgument,
+                    format!(
+                        "prefill struct_size: expected at least {}, found {size}",
+                        std::mem::offset_of!(PdhostPrefill, n_context)
+                    ),
+                ));
+            }
+            let mut r = std::mem::MaybeUninit::<PdhostPrefill>::zeroed();
+            std::ptr::copy_nonoverlapping(request.cast::<u8>(), r.as_mut_ptr().cast::<u8>(), size);
+            // SAFETY: every field is an integer or a raw pointer, for which zeros and any copied bytes
+            // are valid values.
+            let r = r.assume_init();
             if r.n_tokens == 0 || r.token_ids.is_null() {
                 return Err(BackendError::new(PdhostStatus::InvalidArgument, "no tokens"));
             }
             let tokens = std::slice::from_raw_parts(r.token_ids, r.n_tokens as usize);
-            // The 1.1 fields exist only when the producer's struct is that large.
-            let has_context = r.struct_size as usize >= std::mem::offset_of!(PdhostPrefill, context_ids) + 8;
-            let context = match (has_context, r.n_context) {
-                (false, _) | (true, 0) => &[][..],
-                (true, n) if n != r.start_pos || r.context_ids.is_null() => {
+            // The 1.1 fields are zero (no context) where the producer's struct does not reach them.
+            let context = match r.n_context {
+                0 => &[][..],
+                n if n != r.start_pos || r.context_ids.is_null() => {
                     return Err(BackendError::new(
                         PdhostStatus::InvalidArgument,
                         format!("context: expected {} token ids (start_pos), found {n}", r.start_pos),
                     ))
                 }
-                (true, n) => std::slice::from_raw_parts(r.context_ids, n as usize),
+                n => std::slice::from_raw_parts(r.context_ids, n as usize),
             };
             let prefill = Prefill { request_id: r.request_id, start_pos: r.start_pos, tokens, context };
             let mut w = Writer::from_raw(&*writer);
@@ -877,6 +892,8 @@ mod tests {
     struct Toy {
         layers: Cell<u32>,
         grow: Cell<bool>,
+        /// The context length of the last prefill.
+        context: Cell<Option<usize>>,
     }
 
     fn layer(head_dim: u32) -> PdhostLayer {
@@ -885,7 +902,7 @@ mod tests {
 
     impl Backend for Toy {
         fn open(_: &str) -> Result<Self, BackendError> {
-            Ok(Toy { layers: Cell::new(2), grow: Cell::new(false) })
+            Ok(Toy { layers: Cell::new(2), grow: Cell::new(false), context: Cell::new(None) })
         }
         fn describe(&self) -> Description {
             if self.grow.get() {
@@ -899,7 +916,8 @@ mod tests {
                 identity: None,
             }
         }
-        fn prefill(&mut self, _: &Prefill<'_>, _: &mut Writer<'_>) -> Result<(), BackendError> {
+        fn prefill(&mut self, p: &Prefill<'_>, _: &mut Writer<'_>) -> Result<(), BackendError> {
+            self.context.set(Some(p.context.len()));
             Ok(())
         }
     }
@@ -943,6 +961,53 @@ mod tests {
         let grown = describe(backend);
         assert_eq!(layers(&grown), vec![layer(8), layer(9), layer(10)]);
         assert_eq!(layers(&first), vec![layer(8), layer(9)], "the first array is still there");
+        // SAFETY: the handle came from `open_impl::<Toy>` and is not used again.
+        unsafe { close_impl::<Toy>(backend) };
+    }
+
+    /// A producer of ABI 1.0 passes the 40 bytes of the 1.0 struct: whatever lies after them is never
+    /// read as the 1.1 fields; a struct too short for the 1.0 fields is refused.
+    #[test]
+    fn a_shorter_prefill_struct_is_read_only_as_far_as_it_goes() {
+        unsafe extern "C" fn region(_: *mut c_void, _: u32, _: *mut *mut u8, _: *mut u64) -> u32 {
+            PdhostStatus::InvalidArgument as u32
+        }
+        unsafe extern "C" fn frame(_: *mut c_void, _: *mut PdhostFrame) -> u32 {
+            PdhostStatus::InvalidArgument as u32
+        }
+        let writer = PdhostWriter {
+            struct_size: size_of::<PdhostWriter>() as u32,
+            num_entries: 0,
+            ctx: std::ptr::null_mut(),
+            region,
+            frame,
+        };
+        let mut backend = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; an empty config.
+        let code = unsafe { open_impl::<Toy>(std::ptr::null(), 0, &mut backend, std::ptr::null_mut(), 0) };
+        assert_eq!(code, PdhostStatus::Ok as u32);
+        let tokens = [1u32, 2, 3];
+        // The 1.1 fields hold what a longer struct would mean as a context of 5 tokens at position 5.
+        let full = PdhostPrefill {
+            struct_size: std::mem::offset_of!(PdhostPrefill, n_context) as u32,
+            reserved: 0,
+            request_id: 7,
+            start_pos: 5,
+            n_tokens: 3,
+            token_ids: tokens.as_ptr(),
+            n_context: 5,
+            context_ids: tokens.as_ptr(),
+        };
+        let mut buf = [0 as c_char; 128];
+        for (size, want) in [(full.struct_size, PdhostStatus::Ok), (8, PdhostStatus::InvalidArgument)] {
+            let request = PdhostPrefill { struct_size: size, ..full };
+            // SAFETY: an open handle, a request whose pointers are valid, a writer, an error buffer.
+            let code = unsafe { prefill_impl::<Toy>(backend, &request, &writer, buf.as_mut_ptr(), buf.len()) };
+            assert_eq!(code, want as u32, "struct_size {size}");
+        }
+        // SAFETY: as above.
+        let toy = unsafe { &*backend.cast::<Handle<Toy>>() };
+        assert_eq!(toy.backend.context.get(), Some(0), "no context read past a 1.0 struct");
         // SAFETY: the handle came from `open_impl::<Toy>` and is not used again.
         unsafe { close_impl::<Toy>(backend) };
     }

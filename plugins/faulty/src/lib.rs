@@ -12,11 +12,14 @@
 //! (default: every request); `layout` is `dense` (default) or `grouped`. Without `fault` it behaves.
 //! `call_limit` makes it report (and enforce) a capability of that many tokens per prefill call.
 //! `daemon_in_open: "PATH"` double-forks a daemon inside `open`, before any filter exists (as a vendor
-//! SDK starting a helper would), and writes its pid to `PATH`.
+//! SDK starting a helper would), and writes its pid to `PATH`. `sigio_in_open: true` does there what
+//! the mode `sigio_host` does in `prefill`. `open_delay_ms: N` makes `open` take N ms more (a backend
+//! slow to load its device).
 //!
 //! Everything a misbehaving vendor library could do from inside the producer process is fair: crash in
 //! three ways at three points, panic, leave a region unwritten or half-written, try what the sandbox
-//! forbids (fork a daemon, signal the host, exec, connect, open a file), eat memory or ask for far too
+//! forbids (fork a daemon, signal the host directly or through its control socket, exec, connect, open
+//! a file), eat memory or ask for far too
 //! much at once, stall, exit cleanly mid-request, emit spans whose manifest lies about layers, groups,
 //! shapes, dtype, tokens or model, emit frames whose header lies about lengths and ring coordinates or
 //! changes after commit, attack the host's segments, and write garbage on the control socket.
@@ -50,6 +53,7 @@ pub const MODES: &[&str] = &[
     "panic",
     "fork_daemon",
     "signal_host",
+    "sigio_host",
     "exec",
     "connect",
     "open_file",
@@ -161,7 +165,15 @@ impl Backend for Faulty {
         let delay_ms = config_key(&json, "delay_ms", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(2000);
         let call_limit = config_key(&json, "call_limit", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(0);
         let daemon_in_open = str_key("daemon_in_open")?;
+        let sigio_in_open =
+            config_key(&json, "sigio_in_open", "true or false", serde_json::Value::as_bool)?.unwrap_or(false);
+        let open_delay_ms =
+            config_key(&json, "open_delay_ms", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(0);
         let inner = ModelBackend::open(config, layout, Dtype::Bf16)?;
+        std::thread::sleep(Duration::from_millis(open_delay_ms));
+        if sigio_in_open {
+            sigio_host();
+        }
         if let Some(path) = daemon_in_open {
             let pid = fork_daemon();
             std::fs::write(path, pid.to_string())
@@ -271,6 +283,10 @@ impl Backend for Faulty {
             "signal_host" => {
                 // SAFETY: plain system calls.
                 unsafe { libc::kill(libc::getppid(), libc::SIGKILL) };
+                self.behave(request, writer)
+            }
+            "sigio_host" => {
+                sigio_host();
                 self.behave(request, writer)
             }
             "exec" => {
@@ -598,6 +614,22 @@ fn open_fds() -> Vec<(i32, String)> {
             Some((fd, target.to_string_lossy().into_owned()))
         })
         .collect()
+}
+
+/// Makes the host the owner of this process's control sockets, with `SIGKILL` for their signal: each
+/// write by the host would then kill it (the kernel signals a descriptor's owner when the descriptor
+/// becomes readable).
+fn sigio_host() {
+    /// Linux's `F_SETSIG` (x86-64 and arm64), which the `libc` crate does not export for glibc.
+    const F_SETSIG: libc::c_int = 10;
+    for fd in control_sockets() {
+        // SAFETY: fcntl with integer arguments on a descriptor this process holds.
+        unsafe {
+            libc::fcntl(fd, F_SETSIG, libc::SIGKILL);
+            libc::fcntl(fd, libc::F_SETOWN, libc::getppid());
+            libc::fcntl(fd, libc::F_SETFL, libc::fcntl(fd, libc::F_GETFL) | libc::O_ASYNC);
+        }
+    }
 }
 
 /// Descriptors of this process that are Unix sockets: the producer's control socket.

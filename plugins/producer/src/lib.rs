@@ -14,15 +14,15 @@ pub mod procfs;
 pub mod protocol;
 pub mod sandbox;
 
-use std::ffi::{c_char, c_void, CStr, OsString};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::ffi::{c_char, c_void, OsString};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use pdhost_plugin_abi::{
-    PdhostBackend, PdhostBackendV1, PdhostCapabilities, PdhostDescription, PdhostEntryFn, PdhostFrame, PdhostLayout,
-    PdhostLogLevel, PdhostPrefill, PdhostStatus, PdhostWriter, ENTRY_SYMBOL, PDHOST_ABI_MAJOR,
+    PdhostBackend, PdhostBackendV1, PdhostCapabilities, PdhostDescription, PdhostEntryFn, PdhostFrame, PdhostLayer,
+    PdhostLayout, PdhostLogLevel, PdhostPrefill, PdhostStatus, PdhostWriter, ENTRY_SYMBOL, PDHOST_ABI_MAJOR,
     PDHOST_BACKEND_V1_0_SIZE,
 };
 use protocol::{CapabilitiesDesc, Described, FromProducer, LayerDesc, PrefillCall, ToProducer};
@@ -257,12 +257,8 @@ fn load(path: &std::path::Path) -> Result<Loaded, String> {
     }
     // SAFETY: the ABI: a non-null table holds its `struct_size` bytes, for as long as the library is loaded.
     let table = unsafe { copy_table(table) }?;
-    let name = if table.name.is_null() {
-        "unnamed".to_string()
-    } else {
-        // SAFETY: the ABI requires a NUL-terminated static string.
-        unsafe { CStr::from_ptr(table.name) }.to_string_lossy().into_owned()
-    };
+    // SAFETY: the ABI requires null or a NUL-terminated static string; at most 256 bytes of it are read.
+    let name = unsafe { c_text(table.name, 256) }.unwrap_or_else(|| "unnamed".to_string());
     Ok(Loaded { table, name, _library: library.into() })
 }
 
@@ -340,9 +336,15 @@ unsafe extern "C" fn log_line(_ctx: *mut c_void, level: u32, message: *const c_c
         l if l == PdhostLogLevel::Info as u32 => "info",
         _ => "debug",
     };
-    for line in String::from_utf8_lossy(bytes).lines() {
-        eprintln!("{LOG_TAG}{level} {line}");
-    }
+    // Called from C: nothing may unwind out of it. A stderr that fails (the host gone) loses the line;
+    // `eprintln!` would panic on it, and a panic here would abort the producer.
+    let _ = std::panic::catch_unwind(|| {
+        use std::io::Write as _;
+        let mut err = std::io::stderr().lock();
+        for line in String::from_utf8_lossy(bytes).lines() {
+            let _ = writeln!(err, "{LOG_TAG}{level} {line}");
+        }
+    });
 }
 
 fn status_text(code: u32) -> String {
@@ -376,10 +378,14 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(),
     let loaded = load(&args.backend).map_err(|e| fatal("load")(format!("{}: {e}", args.backend.display())))?;
     let instance = open(&loaded, &args.config)?;
     let (framing, described) = describe(&instance)?;
+    let mut fds: Vec<RawFd> = ring_fds.iter().map(AsRawFd::as_raw_fd).collect();
+    fds.push(socket.as_raw_fd());
     let mut ring = RingWriter::open(ring_fds).map_err(|e| fatal("ring")(e.to_string()))?;
     if args.sandbox {
-        // What the backend started while it opened (a helper, a daemon) ends here; from the filters on it
-        // can start nothing.
+        // From here on nothing starts a process; what the backend started while it opened (a helper, a
+        // daemon) ends here, and the descriptors it could have pointed at another process are ours again.
+        sandbox::forbid_processes().map_err(fatal("sandbox"))?;
+        sandbox::disown(&fds).map_err(fatal("sandbox"))?;
         let ended = sandbox::end_descendants().map_err(fatal("sandbox"))?;
         if ended > 0 {
             eprintln!(
@@ -438,12 +444,23 @@ fn open<'l>(loaded: &'l Loaded, config: &str) -> Result<Instance<'l>, Fatal> {
 ///
 /// `ptr` is null or points to a NUL-terminated string, valid until the backend is closed.
 unsafe fn identity_text(ptr: *const c_char) -> Option<String> {
+    // SAFETY: forwarded.
+    unsafe { c_text(ptr, 4096) }
+}
+
+/// The text of a NUL-terminated string a backend handed out, up to its NUL or `max` bytes, whichever
+/// comes first (a string without its NUL is cut, not read past); `None` for null.
+///
+/// # Safety
+///
+/// `ptr` is null or points to a NUL-terminated string, or to at least `max` readable bytes.
+unsafe fn c_text(ptr: *const c_char, max: usize) -> Option<String> {
     if ptr.is_null() {
         return None;
     }
     let mut bytes = Vec::new();
-    while bytes.len() < 4096 {
-        // SAFETY: byte by byte up to the NUL, which the caller promises; never past 4 KiB.
+    while bytes.len() < max {
+        // SAFETY: byte by byte up to the NUL, which the caller promises; never past `max` bytes.
         match unsafe { *ptr.add(bytes.len()) } as u8 {
             0 => break,
             b => bytes.push(b),
@@ -476,6 +493,13 @@ fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
     let capabilities = capabilities(instance)?;
     if d.num_layers == 0 || d.layers.is_null() || d.num_layers > 1 << 16 {
         return Err(bad(format!("layers: expected 1..=65536 described layers, found {}", d.num_layers)));
+    }
+    if !d.layers.is_aligned() {
+        return Err(bad(format!(
+            "layers: expected an array aligned to {} bytes, found one at {:p}",
+            align_of::<PdhostLayer>(),
+            d.layers
+        )));
     }
     // SAFETY: the backend promises `num_layers` layers at `layers`, valid until close.
     let layers = unsafe { std::slice::from_raw_parts(d.layers, d.num_layers as usize) };

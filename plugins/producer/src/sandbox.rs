@@ -9,7 +9,11 @@
 //! - **Killed on the spot** (`SIGSYS`, which the host reports as `sandbox_violation`): starting a process
 //!   (`fork`, `vfork`, a `clone` without `CLONE_THREAD`, `execve`), signalling any process but itself
 //!   (`kill`, `tgkill`, `rt_sigqueueinfo` and `rt_tgsigqueueinfo` with another pid, `tkill`,
-//!   `pidfd_send_signal`), changing its parent-death signal (`prctl(PR_SET_PDEATHSIG)`), reaching into another process (`ptrace`, `process_vm_readv`/`writev`,
+//!   `pidfd_send_signal`), or having the kernel signal one: a descriptor's owner set to another process
+//!   (`fcntl(F_SETOWN)` with another pid, `F_SETOWN_EX`, `ioctl(FIOSETOWN)` and `SIOCSPGRP`, after which
+//!   each write by the other end sends the owner `SIGIO`, or whatever `F_SETSIG` chose, `SIGKILL`
+//!   included), changing another process's limits (`prlimit64` with another pid and new limits),
+//!   changing its parent-death signal (`prctl(PR_SET_PDEATHSIG)`), reaching into another process (`ptrace`, `process_vm_readv`/`writev`,
 //!   `pidfd_getfd`), the network (`socket`, `socketpair`, `connect`, `bind`, `listen`, `accept`),
 //!   `io_uring` (whose operations seccomp cannot see), and the kernel's administration (`mount`,
 //!   `unshare`, `setns`, `chroot`, `bpf`, `perf_event_open`, `userfaultfd`, modules, `kexec`, `reboot`,
@@ -23,8 +27,15 @@
 //! - **`clone3` answers `ENOSYS`**: seccomp cannot read its flags, and the C library then creates threads
 //!   with `clone`, whose flags the filter checks.
 //!
+//! Starting a process is forbidden first, before the producer ends whatever the backend started while
+//! it opened ([`end_descendants`]), so that nothing forks between the two; the rest follows. The
+//! producer also takes back its own descriptors' ownership ([`disown`]), which the backend could have
+//! set while it opened.
+//!
 //! Everything else is allowed: memory, threads, futexes, time, and the descriptors the producer already
-//! holds. The filters are a deny list on purpose: an allow list breaks the first vendor library whose
+//! holds. Scheduling calls on another process (`setpriority`, `sched_setaffinity`) are allowed too: a
+//! thread pool pins and renices its own threads by thread id, which the filter cannot tell from another
+//! process's id, and at worst they slow the host. The filters are a deny list on purpose: an allow list breaks the first vendor library whose
 //! allocator or thread pool uses one more system call. `--sandbox off` turns the filters off for a backend
 //! that needs more (a Python SDK); the OOM rank and the memory cap stay.
 
@@ -34,6 +45,16 @@ use seccompiler::{
     apply_filter_all_threads, BpfProgram, SeccompAction, SeccompCmpArgLen, SeccompCmpOp, SeccompCondition,
     SeccompFilter, SeccompRule, TargetArch,
 };
+
+// Linux's values (the same on x86-64 and arm64), which the `libc` crate does not export for glibc.
+/// `fcntl`: the signal sent to a descriptor's owner instead of `SIGIO`.
+const F_SETSIG: libc::c_int = 10;
+/// `fcntl`: a descriptor's owner, as a `struct f_owner_ex` behind a pointer.
+const F_SETOWN_EX: libc::c_int = 15;
+/// `ioctl`: a descriptor's owner, behind a pointer.
+const FIOSETOWN: u64 = 0x8901;
+/// `ioctl`: a socket's owning process group, behind a pointer.
+const SIOCSPGRP: u64 = 0x8902;
 
 /// Ranks this process first for the OOM killer and caps its private writable memory at `memory_limit`
 /// bytes, before any backend code runs.
@@ -85,20 +106,61 @@ pub fn end_descendants() -> Result<usize, String> {
     Err(format!("the backend's processes kept forking: {ended} killed and more still running"))
 }
 
-/// Installs the filters above on every thread of this process. From here on, a forbidden call kills the
-/// process or fails, as listed in the module's documentation.
-pub fn confine_backend() -> Result<(), String> {
-    let arch = TargetArch::try_from(std::env::consts::ARCH).map_err(|e| format!("seccomp: {e}"))?;
-    let me = std::process::id() as u64;
+/// Installs, on every thread of this process, the filter that kills it when it starts a process
+/// (`fork`, `vfork`, `execve`, a `clone` without `CLONE_THREAD`; `clone3` answers `ENOSYS`). The first
+/// step of confining a backend: after it, [`end_descendants`] ends what the backend started while it
+/// opened, and nothing can start more in between.
+pub fn forbid_processes() -> Result<(), String> {
+    let arch = arch()?;
+    let mut rules = unconditional(&[libc::SYS_fork, libc::SYS_vfork, libc::SYS_execve, libc::SYS_execveat]);
+    rules.insert(libc::SYS_clone, vec![rule(0, SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64), 0)?]);
     let programs = [
-        filter(killed(me)?, SeccompAction::KillProcess, arch)?,
-        filter(refused()?, SeccompAction::Errno(libc::EACCES as u32), arch)?,
+        filter(rules, SeccompAction::KillProcess, arch)?,
         filter(unconditional(&[libc::SYS_clone3]), SeccompAction::Errno(libc::ENOSYS as u32), arch)?,
     ];
     for program in &programs {
         apply_filter_all_threads(program).map_err(|e| format!("seccomp: {e}"))?;
     }
     Ok(())
+}
+
+/// Takes back the ownership of each of `fds` (no process is sent `SIGIO` for it, and `O_ASYNC` is
+/// off): the producer's control socket and doorbell, whose owner a backend could have set to another
+/// process while it opened, before the filters.
+pub fn disown(fds: &[std::os::fd::RawFd]) -> Result<(), String> {
+    for &fd in fds {
+        // SAFETY: fcntl with integer arguments on a descriptor this process holds.
+        let ok = unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0
+                && libc::fcntl(fd, libc::F_SETOWN, 0) == 0
+                && libc::fcntl(fd, F_SETSIG, 0) == 0
+                && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_ASYNC) == 0
+        };
+        if !ok {
+            return Err(format!("descriptor {fd}'s owner: {}", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+/// Installs the rest of the filters above on every thread of this process (after [`forbid_processes`]).
+/// From here on, a forbidden call kills the process or fails, as listed in the module's documentation.
+pub fn confine_backend() -> Result<(), String> {
+    let arch = arch()?;
+    let me = std::process::id() as u64;
+    let programs = [
+        filter(killed(me)?, SeccompAction::KillProcess, arch)?,
+        filter(refused()?, SeccompAction::Errno(libc::EACCES as u32), arch)?,
+    ];
+    for program in &programs {
+        apply_filter_all_threads(program).map_err(|e| format!("seccomp: {e}"))?;
+    }
+    Ok(())
+}
+
+fn arch() -> Result<TargetArch, String> {
+    TargetArch::try_from(std::env::consts::ARCH).map_err(|e| format!("seccomp: {e}"))
 }
 
 /// System calls that stop the producer outright.
@@ -181,9 +243,17 @@ fn unconditional(calls: &[i64]) -> BTreeMap<i64, Vec<SeccompRule>> {
 
 /// A rule that matches when argument `arg` (its low 32 bits) compares to `value` by `op`.
 fn rule(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompRule, String> {
-    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value)
-        .and_then(|c| SeccompRule::new(vec![c]))
-        .map_err(|e| format!("seccomp rule: {e}"))
+    and(vec![cond(arg, op, value)?])
+}
+
+/// Argument `arg` (its low 32 bits) compared to `value` by `op`.
+fn cond(arg: u8, op: SeccompCmpOp, value: u64) -> Result<SeccompCondition, String> {
+    SeccompCondition::new(arg, SeccompCmpArgLen::Dword, op, value).map_err(|e| format!("seccomp rule: {e}"))
+}
+
+/// A rule that matches when every one of `conditions` holds.
+fn and(conditions: Vec<SeccompCondition>) -> Result<SeccompRule, String> {
+    SeccompRule::new(conditions).map_err(|e| format!("seccomp rule: {e}"))
 }
 
 /// [`REFUSED`], plus the calls that free a shared segment's pages under the host, whose next read of
@@ -207,6 +277,27 @@ fn killed(me: u64) -> Result<BTreeMap<i64, Vec<SeccompRule>>, String> {
     }
     // Clearing the parent-death signal would let a hung producer outlive its host.
     rules.insert(libc::SYS_prctl, vec![rule(0, SeccompCmpOp::Eq, libc::PR_SET_PDEATHSIG as u64)?]);
+    // A descriptor owned by another process signals it on every write by the other end (the host's,
+    // on the control socket), with the signal `F_SETSIG` chose. `F_SETOWN`'s owner is an argument
+    // (itself is allowed); `F_SETOWN_EX`'s and the ioctls' are behind pointers the filter cannot read.
+    rules.insert(
+        libc::SYS_fcntl,
+        vec![
+            and(vec![cond(1, SeccompCmpOp::Eq, libc::F_SETOWN as u64)?, cond(2, SeccompCmpOp::Ne, me)?])?,
+            rule(1, SeccompCmpOp::Eq, F_SETOWN_EX as u64)?,
+        ],
+    );
+    rules.insert(libc::SYS_ioctl, vec![rule(1, SeccompCmpOp::Eq, FIOSETOWN)?, rule(1, SeccompCmpOp::Eq, SIOCSPGRP)?]);
+    // Setting another process's limits (reading them, or its own by pid 0 or its pid, is allowed).
+    rules.insert(
+        libc::SYS_prlimit64,
+        vec![and(vec![
+            cond(0, SeccompCmpOp::Ne, 0)?,
+            cond(0, SeccompCmpOp::Ne, me)?,
+            SeccompCondition::new(2, SeccompCmpArgLen::Qword, SeccompCmpOp::Ne, 0)
+                .map_err(|e| format!("seccomp rule: {e}"))?,
+        ])?],
+    );
     Ok(rules)
 }
 
