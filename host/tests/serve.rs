@@ -409,6 +409,12 @@ fn the_queue_refuses_past_its_size_while_a_remote_prefill_holds_the_slot() {
 #[test]
 fn a_stream_whose_client_leaves_while_queued_never_runs() {
     let s = serve(&["--producer", "local", "--slots", "1"]);
+    // Idle, a server without producers waits; it does not spin a core (its engine thread once did, on a
+    // reply channel that no producer kept open): a busy loop would use about 2 s of CPU here.
+    let before = cpu_seconds(s.child.id());
+    std::thread::sleep(Duration::from_secs(2));
+    let idle = cpu_seconds(s.child.id()) - before;
+    assert!(idle < 0.5, "an idle server used {idle:.2} s of CPU in 2 s");
     // Every server's outcomes are there from the start, at zero.
     for outcome in ["ok", "cancelled", "failed"] {
         assert_eq!(metric(&s, &format!("pdhost_requests_total{{outcome=\"{outcome}\"}}")), Some(0.0), "{outcome}");
@@ -441,6 +447,16 @@ fn a_stream_whose_client_leaves_while_queued_never_runs() {
     let log = s.log.lock().unwrap();
     assert!(log.contains("cancelled while queued id=2") || log.contains("cancelled during prefill id=2"), "{log}");
     assert!(!log.contains("cancelled by its client id=2"), "{log}");
+}
+
+/// User and system CPU time of process `pid` so far, in seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let fields: Vec<&str> = stat.rsplit_once(')').unwrap().1.split_whitespace().collect();
+    // After the command's closing parenthesis: state is field 3, utime 14 and stime 15 (proc(5)).
+    let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
+    // SAFETY: sysconf reads a constant.
+    ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
 }
 
 fn producers_of(pid: u32) -> Vec<u32> {
@@ -489,6 +505,68 @@ fn an_api_key_is_required_when_set_and_sigterm_drains_leaving_nothing() {
         .filter(|e| e.file_name().to_string_lossy().contains("pdhost"))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// While the server starts (a producer's backend takes 20 s to open) its port answers: `/health` and
+/// requests get 503 with `Retry-After`. SIGTERM then ends it at once with status 0, no producer left.
+#[test]
+fn sigterm_while_the_server_starts_exits_zero() {
+    fetched(MODEL);
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut child = Command::new(PDHOST)
+        .args(["serve", "--model", MODEL, "--port", &port.to_string(), "--context", "1024"])
+        .args(["--producer", "faulty", "--backend-config", r#"{"open_delay_ms": 20000}"#])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let health = format!("http://127.0.0.1:{port}/health");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        let status = agent().get(&health).call().map(|r| r.status().as_u16());
+        if let Ok(status) = status {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "the port never answered");
+        assert!(child.try_wait().unwrap().is_none(), "the server exited before it listened");
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    assert_eq!(status, 503, "caught while loading");
+    let r = agent()
+        .post(&format!("http://127.0.0.1:{port}/v1/completions"))
+        .send_json(json!({"prompt": "Hi", "max_tokens": 2}))
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 503, "a request while loading");
+    assert_eq!(r.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
+    let pid = child.id();
+    let kids = producers_of(pid);
+    // SAFETY: signals the child this test started.
+    unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(Instant::now() < deadline, "no exit after SIGTERM");
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let mut log = String::new();
+    child.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+    assert_eq!(status.code(), Some(0), "{log}");
+    // A producer started before the signal ends with the server (its parent-death signal; whoever
+    // adopted it reaps it, so a zombie counts as ended).
+    let alive = |pid: u32| {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| stat.rsplit_once(')').is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')))
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for kid in kids {
+        while alive(kid) {
+            assert!(Instant::now() < deadline, "producer {kid} outlived the server");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
 
 /// Chat completions render the messages with the model's own template to exactly transformers' ids
@@ -907,7 +985,11 @@ fn the_drain_timeout_ends_a_stream_that_outlives_it() {
     for kid in kids {
         assert!(!std::path::Path::new(&format!("/proc/{kid}")).exists(), "producer {kid} outlived the server");
     }
-    drop(lines);
+    // The stream does not end as if it were complete: an error event, then `[DONE]`.
+    let rest: Vec<String> = lines.map_while(Result::ok).filter(|l| l.starts_with("data: ")).collect();
+    let n = rest.len();
+    assert!(n >= 2 && rest[n - 1] == "data: [DONE]", "the stream's end: {:?}", &rest[n.saturating_sub(3)..]);
+    assert!(rest[n - 2].contains(r#""code":"engine_stopped""#), "the stream's end: {:?}", &rest[n - 2..]);
 }
 
 /// Prefill overlaps decode: while a producer spends 3 s on one request's prompt (the `faulty` backend's

@@ -64,10 +64,16 @@ pub fn kv_heads(kv_heads: u64, head_dim: u64) -> String {
     format!("{kv_heads} KV head{s} of size {head_dim}")
 }
 
-/// A tensor shape, outermost dimension first: `[3 x 2 x 4]`.
+/// A tensor shape, outermost dimension first: `[3 x 2 x 4]`. A hostile manifest's shape can have a
+/// million dimensions: past [`crate::MAX_RANK`] the rest are counted, not written out
+/// (`[1 x 1 x 1 x 1 x 1 x 1 x 1 x 1 x ... (1000000 dimensions)]`).
 pub fn shape(dims: &[u64]) -> String {
-    let dims: Vec<String> = dims.iter().map(u64::to_string).collect();
-    format!("[{}]", dims.join(" x "))
+    let shown: Vec<String> = dims.iter().take(crate::MAX_RANK).map(u64::to_string).collect();
+    if dims.len() > crate::MAX_RANK {
+        format!("[{} x ... ({} dimensions)]", shown.join(" x "), dims.len())
+    } else {
+        format!("[{}]", shown.join(" x "))
+    }
 }
 
 /// A duration as a person would say it: `120 s`, `1.5 s`, `50 ms`, `20 µs`.
@@ -137,6 +143,7 @@ mod tests {
         assert_eq!(kv_heads(8, 64), "8 KV heads of size 64");
         assert_eq!(shape(&[3, 2, 4]), "[3 x 2 x 4]");
         assert_eq!(shape(&[]), "[]");
+        assert_eq!(shape(&[1; 1_000_000]), "[1 x 1 x 1 x 1 x 1 x 1 x 1 x 1 x ... (1000000 dimensions)]");
         assert_eq!(duration(Duration::from_secs(120)), "120 s");
         assert_eq!(duration(Duration::from_millis(1500)), "1.5 s");
         assert_eq!(duration(Duration::from_micros(1_000_213)), "1 s");

@@ -235,15 +235,17 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
     pub fn take(&mut self, deadline: Instant, watch: Option<BorrowedFd<'_>>) -> Result<SpanView<'_>, RingError> {
         let started = Instant::now();
         loop {
+            // The commit word is read once: `take_committed` does not poll again (a producer flipping
+            // the word back between two reads would otherwise make a committed frame vanish).
             if self.poll_next()? {
-                return self.try_take().map(|span| span.expect("committed frame"));
+                return self.take_committed();
             }
             match wait(&self.from_peer, watch, deadline)? {
                 Woken::Rang => {}
                 Woken::Other | Woken::Closed => {
                     // The producer may have committed just before it exited: take what is there.
                     if self.poll_next()? {
-                        return self.try_take().map(|span| span.expect("committed frame"));
+                        return self.take_committed();
                     }
                     self.poisoned = true;
                     return Err(RingError::PeerExited { sequence: self.next_sequence });
@@ -286,13 +288,19 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         if !self.poll_next()? {
             return Ok(None);
         }
+        self.take_committed().map(Some)
+    }
+
+    /// [`RingReader::try_take`] of the next frame, whose commit word [`RingReader::poll_next`] has just
+    /// read as committed (the copy re-checks it).
+    fn take_committed(&mut self) -> Result<SpanView<'_>, RingError> {
         let slot = self.geometry.slot_of(self.next_sequence);
         match self.copy_out(slot) {
             Ok((info, checksum)) => {
                 self.release(slot);
                 let frame = &self.private[..info.frame_len as usize];
                 match decode_body(info, frame, checksum) {
-                    Ok(span) => Ok(Some(span)),
+                    Ok(span) => Ok(span),
                     Err(source) => {
                         self.poisoned = true;
                         Err(RingError::Span { slot, source })

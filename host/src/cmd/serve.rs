@@ -143,6 +143,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         .build()
         .context("starting the async runtime")?;
     runtime.block_on(async move {
+        // Listened for from here, so that SIGTERM or SIGINT while the model loads ends the server as a
+        // drain does (exit 0), not by the signal's default action.
+        let mut stop = Stop::new();
         let (printed_tx, printed_rx) = std::sync::mpsc::channel::<SocketAddr>();
         let start: pdhost::server::worker::Start = Box::new(move || {
             let mut model = opened.load(true)?;
@@ -163,10 +166,32 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             .with_context(|| format!("--host/--port: cannot listen on {addr}"))?;
         let local = server.local_addr()?;
         let _ = printed_tx.send(local);
-        if let Err(why) = server.ready().await {
-            anyhow::bail!("the engine did not start: {why}");
+        // Served from now on, `/health` answering 503 until the engine is ready; a signal before then ends
+        // the process at once (there is nothing to drain), one after drains.
+        let ready = server.ready();
+        let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
+        let mut running = tokio::spawn(server.run(async move {
+            let _ = drain_rx.await;
+        }));
+        tokio::select! {
+            ready = ready => {
+                if let Err(why) = ready {
+                    anyhow::bail!("the engine did not start: {why}");
+                }
+            }
+            () = stop.requested() => {
+                tracing::info!("stopped before the engine was ready");
+                return Ok(());
+            }
         }
-        server.run(shutdown_signal()).await?;
+        tokio::select! {
+            () = stop.requested() => {
+                let _ = drain_tx.send(());
+                running.await.context("the server's task")??;
+            }
+            // It ended by itself (its listener failed).
+            ended = &mut running => ended.context("the server's task")??,
+        }
         Ok::<_, anyhow::Error>(())
     })?;
     Ok(ExitCode::SUCCESS)
@@ -185,14 +210,23 @@ fn backends(producer: &str) -> Result<Vec<&str>, request::Invalid> {
     Ok(names)
 }
 
-/// SIGTERM or SIGINT.
-async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let (Ok(mut term), Ok(mut int)) = (signal(SignalKind::terminate()), signal(SignalKind::interrupt())) else {
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => {}
-        _ = int.recv() => {}
+/// SIGTERM and SIGINT, caught from its creation on (inside the runtime).
+struct Stop(Option<(tokio::signal::unix::Signal, tokio::signal::unix::Signal)>);
+
+impl Stop {
+    fn new() -> Self {
+        use tokio::signal::unix::{signal, SignalKind};
+        Stop(signal(SignalKind::terminate()).ok().zip(signal(SignalKind::interrupt()).ok()))
+    }
+
+    /// Until either signal arrives (for ever, where they could not be caught).
+    async fn requested(&mut self) {
+        let Some((term, int)) = &mut self.0 else {
+            return std::future::pending().await;
+        };
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
     }
 }

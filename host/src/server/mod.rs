@@ -185,16 +185,20 @@ impl Server {
         self.listener.local_addr()
     }
 
-    /// Waits until the engine thread has loaded everything and started its producers, or says why it did
-    /// not (loading failed, or not one producer can ever start).
-    pub async fn ready(&self) -> Result<(), String> {
-        while !self.app.engine.serving() {
-            if self.app.engine.gone() || self.worker.is_finished() {
-                return Err(self.app.engine.why_not_started().unwrap_or("it stopped (see the log above)").to_string());
+    /// Resolves once the engine thread has loaded everything and started its producers, or says why it
+    /// did not (loading failed, or not one producer can ever start). It holds no borrow of the server, so
+    /// the server can [`Server::run`] meanwhile (`/health` answering 503 until then).
+    pub fn ready(&self) -> impl std::future::Future<Output = Result<(), String>> + Send + 'static {
+        let engine = Arc::clone(&self.app.engine);
+        async move {
+            while !engine.serving() {
+                if engine.gone() {
+                    return Err(engine.why_not_started().unwrap_or("it stopped (see the log above)").to_string());
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
             }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok(())
         }
-        Ok(())
     }
 
     /// Serves until `shutdown` resolves, then drains: new requests get 503, in-flight ones get up to the
@@ -605,9 +609,17 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         loop {
             let event = tokio::select! {
                 event = rx.recv() => event,
-                () = sse_tx.closed() => None,
+                () = sse_tx.closed() => break,
             };
-            let Some(event) = event else { break };
+            let Some(event) = event else {
+                // The engine dropped the request without an answer (it stopped: a drain past
+                // `--drain-timeout`): the client is told, as a non-streaming request is, not left with
+                // a stream that ends as if complete.
+                let message = "the engine stopped before this request finished";
+                let _ = sse_tx.send(Ok(error_event("engine_stopped", message))).await;
+                let _ = sse_tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+                break;
+            };
             let sent = match event {
                 Event::Text(t, lps) => sse_tx.send(Ok(chunk(&t, std::mem::take(&mut first), &lps, None))).await,
                 Event::Done(done) => {
@@ -629,8 +641,7 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
                     break;
                 }
                 Event::Failed(message) => {
-                    let e = json!({"error": {"message": message, "type": "server_error", "param": null, "code": "generation_failed"}});
-                    let _ = sse_tx.send(Ok(SseEvent::default().data(e.to_string()))).await;
+                    let _ = sse_tx.send(Ok(error_event("generation_failed", &message))).await;
                     let _ = sse_tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
                     break;
                 }
@@ -645,4 +656,10 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
 
 fn usage(prompt: usize, completion: usize) -> Value {
     json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+/// An SSE event carrying an OpenAI-style server error, for a stream that cannot go on.
+fn error_event(code: &str, message: &str) -> SseEvent {
+    let e = json!({"error": {"message": message, "type": "server_error", "param": null, "code": code}});
+    SseEvent::default().data(e.to_string())
 }

@@ -38,6 +38,9 @@ pub struct Pool {
     idle: Vec<(usize, Producer)>,
     waiters: Vec<Sender<(Producer, Work)>>,
     replies: Receiver<Reply>,
+    /// Keeps `replies` connected with no waiter (`--producer local`): a disconnected channel is always
+    /// ready, and the engine thread's idle wait on it would spin.
+    _replies_open: Sender<Reply>,
 }
 
 impl Pool {
@@ -51,7 +54,19 @@ impl Pool {
             // Long-lived: a producer this thread restarts gets its parent-death signal from it.
             std::thread::Builder::new().name(format!("pdhost-prefill-{index}")).spawn(move || {
                 for (mut producer, work) in rx {
-                    let result = producer.submit(&work.call);
+                    // A panic here would lose the reply, and with it the request's slot and this
+                    // producer for good: it becomes the request's failure instead, and the producer,
+                    // left mid-exchange, is stopped (the next request starts a new one).
+                    let submitted =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| producer.submit(&work.call)));
+                    let result = submitted.unwrap_or_else(|_| {
+                        producer.shutdown();
+                        Err(ProducerError::Io {
+                            name: producer.name().to_string(),
+                            op: "prefill",
+                            source: std::io::Error::other("the host's side of the exchange panicked"),
+                        })
+                    });
                     if reply_tx.send(Reply { index, producer, seq: work.seq, result }).is_err() {
                         return;
                     }
@@ -59,7 +74,7 @@ impl Pool {
             })?;
             waiters.push(tx);
         }
-        Ok(Pool { idle: producers.into_iter().enumerate().collect(), waiters, replies })
+        Ok(Pool { idle: producers.into_iter().enumerate().collect(), waiters, replies, _replies_open: reply_tx })
     }
 
     /// Gives `work` to a producer at rest; `Err(work)` when it should wait.

@@ -174,7 +174,8 @@ pub enum ProducerError {
         #[source]
         source: RingError,
     },
-    /// The span was well-formed but does not fit this request and cache; the producer was killed.
+    /// The span was well-formed but does not fit this request and cache; the producer was killed (kept,
+    /// where the cache had no room or no such sequence: the host's state, not the producer's doing).
     #[error("producer {name}: span rejected: {source}")]
     Rejected {
         /// Producer.

@@ -38,7 +38,7 @@ use self::process::{
 };
 pub use self::restarts::RestartPolicy;
 use self::restarts::{Refused, Restarts};
-use crate::kv::{IntoSequence, PagedKv, SeqId};
+use crate::kv::{IngestError, IntoSequence, PagedKv, SeqId};
 
 /// Everything needed to start a producer.
 #[derive(Clone, Debug)]
@@ -655,13 +655,20 @@ impl Producer {
 
     /// Takes the span that `pending`'s reply announced out of the ring into `seq`: the header read once and
     /// checked, the copy checksummed, then one commit. On failure the cache is as before and the producer
-    /// is killed (the next submit restarts it).
+    /// is killed (the next submit restarts it), unless the host's own cache refused a well-formed span
+    /// (no room, or no such sequence): the ring is back in step then, and the producer did nothing wrong.
     pub fn take(&mut self, pending: Pending, kv: &mut PagedKv, seq: SeqId) -> Result<SpanTimes, ProducerError> {
         match self.take_frame(pending, kv, seq) {
             Ok(times) => {
                 self.accepted(times.bytes);
                 Ok(times)
             }
+            Err(
+                e @ ProducerError::Rejected {
+                    source: IngestError::CapacityExhausted { .. } | IngestError::UnknownSequence { .. },
+                    ..
+                },
+            ) => Err(self.refuse(e)),
             Err(e) => Err(self.fail(e)),
         }
     }
