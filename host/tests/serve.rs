@@ -507,21 +507,25 @@ fn an_api_key_is_required_when_set_and_sigterm_drains_leaving_nothing() {
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
 
-/// While the server starts (a producer's backend takes 20 s to open) its port answers: `/health` and
-/// requests get 503 with `Retry-After`. SIGTERM then ends it at once with status 0, no producer left.
+/// While the server starts (a producer's backend takes 60 s to open) its port answers: `/health` and
+/// requests get 503 with `Retry-After`. SIGTERM then ends it with status 0 before that backend has
+/// opened (it waits for nothing), no producer left.
 #[test]
 fn sigterm_while_the_server_starts_exits_zero() {
     fetched(MODEL);
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut child = Command::new(PDHOST)
+    let child = Command::new(PDHOST)
         .args(["serve", "--model", MODEL, "--port", &port.to_string(), "--context", "1024"])
-        .args(["--producer", "faulty", "--backend-config", r#"{"open_delay_ms": 20000}"#])
+        .args(["--producer", "faulty", "--backend-config", r#"{"open_delay_ms": 60000}"#])
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let health = format!("http://127.0.0.1:{port}/health");
+    // Killed if this test fails before its SIGTERM.
+    let mut s = Served { child, url: format!("http://127.0.0.1:{port}"), log: Arc::default() };
+    let child = &mut s.child;
+    let health = format!("{}/health", s.url);
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         let status = agent().get(&health).call().map(|r| r.status().as_u16());
@@ -533,22 +537,21 @@ fn sigterm_while_the_server_starts_exits_zero() {
         std::thread::sleep(Duration::from_millis(5));
     };
     assert_eq!(status, 503, "caught while loading");
-    let r = agent()
-        .post(&format!("http://127.0.0.1:{port}/v1/completions"))
-        .send_json(json!({"prompt": "Hi", "max_tokens": 2}))
-        .unwrap();
+    let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(json!({"prompt": "Hi", "max_tokens": 2}));
+    let child = &mut s.child;
+    let r = r.unwrap();
     assert_eq!(r.status().as_u16(), 503, "a request while loading");
     assert_eq!(r.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
     let pid = child.id();
     let kids = producers_of(pid);
     // SAFETY: signals the child this test started.
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-    let deadline = Instant::now() + Duration::from_secs(40);
+    let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         if let Some(status) = child.try_wait().unwrap() {
             break status;
         }
-        assert!(Instant::now() < deadline, "no exit after SIGTERM");
+        assert!(Instant::now() < deadline, "no exit in 30 s after SIGTERM: it waited for the loading");
         std::thread::sleep(Duration::from_millis(10));
     };
     let mut log = String::new();

@@ -171,7 +171,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         let ready = server.ready();
         let (drain_tx, drain_rx) = tokio::sync::oneshot::channel::<()>();
         let mut running = tokio::spawn(server.run(async move {
-            let _ = drain_rx.await;
+            // Only a send drains: a sender dropped by the early return below leaves the task to be
+            // dropped with the runtime (a drain would join the engine thread, still loading).
+            if drain_rx.await.is_err() {
+                std::future::pending::<()>().await;
+            }
         }));
         tokio::select! {
             ready = ready => {
