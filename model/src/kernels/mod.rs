@@ -396,9 +396,14 @@ fn blocks(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usi
 }
 
 /// [`dot::dots`] over weight rows held as blocks: a panel of rows at a time is dequantized into a buffer
-/// small enough to stay in L1 while the activations stream past.
+/// that stays in L2 while every activation row passes it, so the activations are read once per panel.
+/// A panel of 256 KiB (100 rows of 640 weights, 32 of 2048), against 32 KiB before, read a 512-token
+/// prompt's activations an eighth as often (the down projection's, 4 MiB, from L3): `exact` prefill
+/// 8-24% faster at 512 tokens, 2-12% at 128 (`bench model --prompt-tokens 128,512`, both models, one and
+/// two threads, alternating builds on the 2-core VM of 2026-12-05). The panel never changes a bit: each
+/// output is the same fixed-order dot product whatever rows share its pass.
 fn panels(simd: bool, x: &[f32], t: usize, w: &Weight, rows: std::ops::Range<usize>, n: usize, out: &mut [f32]) {
-    const PANEL_ELEMS: usize = 8192;
+    const PANEL_ELEMS: usize = 65536;
     let per_panel = (PANEL_ELEMS / n.max(1)).max(1);
     let width = rows.len();
     let (mut buf, mut part) = (Vec::new(), Vec::new());
