@@ -124,7 +124,8 @@ pub enum TakeError<E: std::error::Error + 'static> {
     /// The ring or the frame is bad (the ring is poisoned).
     #[error(transparent)]
     Ring(#[from] RingError),
-    /// The frame is well-formed but the sink refused it (the ring moves on to the next frame).
+    /// The frame is well-formed and intact (checksum and re-checks passed) but the sink refused it (the
+    /// ring moves on to the next frame).
     #[error(transparent)]
     Sink(E),
 }
@@ -418,7 +419,7 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         let mut copier = FrameCopier::new(&self.data, base, &header, info.frame_len as usize).prefetching();
         // Header and manifest collect in `prefix` (they may span chunks); payload bytes go to the sink.
         let mut prefix = Vec::with_capacity(payload_offset);
-        let mut staged = None;
+        let (mut staged, mut refused) = (None, None);
         let mut staging = std::mem::take(&mut self.staging);
         while copier.next_len() > 0 {
             let n = copier.next_len();
@@ -437,36 +438,40 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
                                 return Err(e.into());
                             }
                         };
+                    // A refusal is reported only once the whole frame is checked: a frame that is also
+                    // corrupt, or changed under the copy, is that (and poisons the ring), not a span the
+                    // receiver happened to refuse first.
                     match sink.prepare(&info, &manifest) {
                         Ok(s) => staged = Some(s),
-                        Err(e) => {
-                            self.staging = staging;
-                            return Err(TakeError::Sink(e));
-                        }
+                        Err(e) => refused = Some(e),
                     }
                 }
             }
             if range.end > payload_offset {
                 let from = range.start.max(payload_offset);
-                let staged = staged.as_mut().expect("prepared once the manifest was whole");
-                sink.write(staged, (from - payload_offset) as u64, &chunk[from - range.start..]);
+                if let Some(staged) = staged.as_mut() {
+                    sink.write(staged, (from - payload_offset) as u64, &chunk[from - range.start..]);
+                }
             }
         }
         self.staging = staging;
         let checksum = copier.finish();
-        let staged = staged.expect("prepared");
         let checked =
             self.recheck(slot, &header).and_then(|()| verify_prefix(&info, &prefix, checksum).map_err(span_err));
-        match checked {
-            Ok(()) => {
+        match (checked, staged, refused) {
+            (Err(e), staged, _) => {
+                if let Some(staged) = staged {
+                    sink.abort(staged);
+                }
+                Err(e.into())
+            }
+            (Ok(()), _, Some(refusal)) => Err(TakeError::Sink(refusal)),
+            (Ok(()), Some(staged), None) => {
                 self.release(slot);
                 sink.commit(staged);
                 Ok(())
             }
-            Err(e) => {
-                sink.abort(staged);
-                Err(e.into())
-            }
+            (Ok(()), None, None) => unreachable!("the manifest is whole before the payload's end"),
         }
     }
 

@@ -126,6 +126,59 @@ fn ring_coordinates_are_checked_against_private_state() {
     assert_eq!(take_after(|f, _| f[0] = b'X'), "bad_magic");
 }
 
+/// A sink that refuses every span (as a cache without room would), counting what it was asked.
+struct Refusing(usize);
+
+#[derive(Debug, thiserror::Error)]
+#[error("refused")]
+struct Refused;
+
+impl crate::SpanSink for Refusing {
+    type Staged = ();
+    type Error = Refused;
+    fn prepare(&mut self, _: &shm_format::HeaderInfo, _: &Manifest) -> Result<(), Refused> {
+        self.0 += 1;
+        Err(Refused)
+    }
+    fn write(&mut self, (): &mut (), _: u64, _: &[u8]) {
+        unreachable!("nothing is written for a refused span")
+    }
+    fn commit(&mut self, (): ()) {
+        unreachable!("a refused span is never committed")
+    }
+    fn abort(&mut self, (): ()) {
+        unreachable!("a refused span has nothing to undo")
+    }
+}
+
+/// A sound frame the sink refuses hands its slot back and the ring goes on; a corrupt one that the sink
+/// would refuse as well is reported as corrupt (the whole frame is checked before a refusal is), and
+/// poisons the ring.
+#[test]
+fn a_refused_frame_is_reported_as_corrupt_when_it_is() {
+    let ring = HeapRing::new(1, 64 << 10);
+    let (mut reader, mut writer) = ring.ends(1);
+    let m = manifest(1, 0, 2);
+    for corrupt in [false, true] {
+        let mut slot = writer.reserve(soon()).unwrap();
+        let mut frame = shm_format::encode_frame(&m, &pattern(m.payload_len(), 0), slot.coords());
+        if corrupt {
+            *frame.last_mut().unwrap() ^= 1;
+        }
+        slot.frame_mut()[..frame.len()].copy_from_slice(&frame);
+        slot.commit();
+        let mut sink = Refusing(0);
+        let verdict = match reader.take_into(&mut sink) {
+            Err(crate::TakeError::Sink(Refused)) => "refused".to_string(),
+            Err(crate::TakeError::Ring(e)) => e.kind().to_string(),
+            Ok(found) => panic!("taken: {found:?}"),
+        };
+        assert_eq!(sink.0, 1, "the sink was asked");
+        assert_eq!(verdict, if corrupt { "checksum_mismatch" } else { "refused" });
+    }
+    assert!(matches!(reader.try_take(), Err(RingError::Poisoned)), "poisoned by the corrupt frame");
+}
+
 #[test]
 fn a_replayed_frame_is_rejected() {
     let ring = HeapRing::new(1, 64 << 10);
