@@ -354,6 +354,41 @@ fn the_queue_refuses_past_its_size_and_a_client_that_leaves_cancels_its_request(
     assert!(metric(&s, r#"pdhost_kv_pages{group="0 (full attention)",state="free"}"#).is_some_and(|f| f > 0.0));
 }
 
+/// A queued request whose client leaves gives its place back within a round, not once the busy slot
+/// frees: the next request is queued, not refused (its place used to stay taken, and the next request
+/// heard 503 for as long as the slot was busy).
+#[test]
+fn a_queued_client_that_leaves_gives_its_place_back() {
+    let s = serve(&["--producer", "local", "--slots", "1", "--queue", "1"]);
+    let url = format!("{}/v1/completions", s.url);
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "stream": true});
+    let r = agent().post(&url).send_json(&long).unwrap();
+    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
+    assert!(lines.next().unwrap().unwrap().starts_with("data: "));
+    let queued = agent().post(&url).send_json(json!({"prompt": "Hi", "max_tokens": 5, "stream": true})).unwrap();
+    assert_eq!(queued.status().as_u16(), 200);
+    assert_eq!(metric(&s, "pdhost_requests_waiting"), Some(1.0));
+    drop(queued);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(&s, "pdhost_requests_waiting") != Some(0.0) {
+        assert!(Instant::now() < deadline, "the place is still taken: {}", s.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // The long stream still holds the slot; the next request takes the free place and waits.
+    let next = {
+        let url = url.clone();
+        std::thread::spawn(move || agent().post(&url).send_json(json!({"prompt": "Hi", "max_tokens": 2})).unwrap())
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while metric(&s, "pdhost_requests_waiting") != Some(1.0) {
+        assert!(!next.is_finished(), "the next request was answered while the slot was busy");
+        assert!(Instant::now() < deadline, "the next request never queued");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(lines);
+    assert_eq!(next.join().unwrap().status().as_u16(), 200);
+}
+
 /// While the only slot's prompt is prefilled by a producer (nothing decodes, so the engine waits for
 /// requests and replies at once), requests past the queue's one place are still refused. The engine
 /// used to take every request off the queue into a list of its own, where it counted as neither waiting

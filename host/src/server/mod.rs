@@ -155,7 +155,9 @@ impl Server {
         start: worker::Start,
     ) -> std::io::Result<Server> {
         let listener = tokio::net::TcpListener::bind(addr).await?;
-        let (jobs, queue) = crossbeam_channel::bounded(config.queue);
+        // Unbounded: the engine's count of places (`EngineState::enqueue`) bounds it to `--queue` plus
+        // the free slots.
+        let (jobs, queue) = crossbeam_channel::unbounded();
         let engine = Arc::new(worker::EngineState::default());
         let metrics = metrics::Metrics::new();
         let stop = Arc::new(AtomicBool::new(false));
@@ -291,7 +293,7 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 }
 
 async fn metrics_text(State(app): State<Arc<App>>) -> Response {
-    app.metrics.waiting.set(app.jobs.len() as i64);
+    app.metrics.waiting.set(app.engine.waiting() as i64);
     ([("content-type", "text/plain; version=0.0.4; charset=utf-8")], app.metrics.render()).into_response()
 }
 
@@ -532,15 +534,16 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let prompt_tokens = checked.prompt.len();
     let job = Job { id, request: checked, stop: c.stop.clone(), events, accepted: std::time::Instant::now() };
-    if let Err(e) = app.jobs.try_send(job) {
-        let (why, code) = match e {
-            crossbeam_channel::TrySendError::Full(_) => {
-                (format!("queue: expected at most {} waiting requests, found it full", app.config.queue), "queue_full")
-            }
-            crossbeam_channel::TrySendError::Disconnected(_) => {
-                ("the engine has stopped".to_string(), "engine_stopped")
-            }
-        };
+    let refused = if !app.engine.enqueue(app.config.queue) {
+        Some((format!("queue: expected at most {} waiting requests, found it full", app.config.queue), "queue_full"))
+    } else if app.jobs.try_send(job).is_err() {
+        // Disconnected (the channel holds as many as the count allows): the engine thread is gone.
+        app.engine.unqueue();
+        Some(("the engine has stopped".to_string(), "engine_stopped"))
+    } else {
+        None
+    };
+    if let Some((why, code)) = refused {
         let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", code, why);
         e.retry_after = Some(1);
         return Err(e);

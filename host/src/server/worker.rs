@@ -4,7 +4,7 @@
 //! text back as it is generated.
 
 use std::ops::ControlFlow;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -87,11 +87,11 @@ pub struct Done {
 /// Where the engine thread is: loading, serving, or gone (returned, or panicked), and why it did not
 /// start when it did not.
 #[derive(Debug)]
-pub struct EngineState(AtomicU8, std::sync::OnceLock<String>);
+pub struct EngineState(AtomicU8, std::sync::OnceLock<String>, AtomicUsize);
 
 impl Default for EngineState {
     fn default() -> Self {
-        EngineState(AtomicU8::new(Self::LOADING), std::sync::OnceLock::new())
+        EngineState(AtomicU8::new(Self::LOADING), std::sync::OnceLock::new(), AtomicUsize::new(0))
     }
 }
 
@@ -118,6 +118,68 @@ impl EngineState {
     /// It could not start, for `why` (`pdhost serve` ends with it as its error).
     fn not_started(&self, why: String) {
         let _ = self.1.set(why);
+    }
+
+    /// Requests accepted and not yet admitted or cancelled. A client that leaves while its request waits
+    /// gives its place back within a round (the engine thread drops the request), not only when a slot
+    /// comes free and the request reaches the head of the queue.
+    pub fn waiting(&self) -> usize {
+        Places(self.2.load(Ordering::Acquire)).waiting()
+    }
+
+    /// Takes a place for a request if it would wait behind at most `queue` others (`--queue`): fewer
+    /// than `queue` plus the free slots are accepted and not yet admitted. The count and the free slots
+    /// change together, in one word, so no request slips in between an admission's two updates.
+    pub fn enqueue(&self, queue: usize) -> bool {
+        self.2
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+                let p = Places(p);
+                (p.waiting() < queue + p.free()).then(|| Places::of(p.free(), p.waiting() + 1).0)
+            })
+            .is_ok()
+    }
+
+    /// Gives a place back: its request was cancelled, or could not be queued.
+    pub fn unqueue(&self) {
+        self.places(|free, waiting| (free, waiting - 1));
+    }
+
+    /// A request takes a free slot: one fewer waiting, one fewer free.
+    fn admitted(&self) {
+        self.places(|free, waiting| (free.saturating_sub(1), waiting - 1));
+    }
+
+    /// The free slots, as the engine thread counts them once a round.
+    fn set_free(&self, free: usize) {
+        self.places(|_, waiting| (free, waiting));
+    }
+
+    fn places(&self, f: impl Fn(usize, usize) -> (usize, usize)) {
+        let _ = self.2.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+            let (free, waiting) = f(Places(p).free(), Places(p).waiting());
+            Some(Places::of(free, waiting).0)
+        });
+    }
+}
+
+/// The engine's free slots (high half) and the requests accepted but not yet admitted (low half), in
+/// one word.
+#[derive(Clone, Copy)]
+struct Places(usize);
+
+impl Places {
+    const HALF: u32 = usize::BITS / 2;
+
+    fn of(free: usize, waiting: usize) -> Self {
+        Places((free << Self::HALF) | waiting)
+    }
+
+    fn free(self) -> usize {
+        self.0 >> Self::HALF
+    }
+
+    fn waiting(self) -> usize {
+        self.0 & ((1 << Self::HALF) - 1)
     }
 }
 
@@ -191,6 +253,7 @@ pub fn spawn(
         state.0.store(EngineState::SERVING, Ordering::Release);
         (std::mem::replace(&mut loaded.on_ready, Box::new(|| {})))();
         let mut scheduler = Scheduler {
+            state: &state,
             loaded: &mut loaded,
             pool: &mut pool,
             remote: Remote::together(&remotes),
@@ -233,6 +296,8 @@ impl Admitting {
 /// producer: only when nothing is live does the thread block, on new requests and replies at once. Each
 /// sequence computes exactly what it would alone, whatever else is live.
 struct Scheduler<'a, 't> {
+    /// Where the queue's count lives.
+    state: &'a EngineState,
     loaded: &'a mut Loaded,
     pool: &'a mut super::prefill::Pool,
     /// Each producer, by index, as far as it is known (what it said at its last reply).
@@ -259,13 +324,27 @@ impl<'t> Scheduler<'_, 't> {
                 }
                 return;
             }
+            // Everything queued comes here (at most `--queue`: the server counts them), and a request
+            // whose client has left gives its place back now, not when it would reach a slot.
+            arrived.extend(queue.try_iter());
+            arrived.retain(|job| {
+                let left = job.events.is_closed();
+                if left {
+                    self.state.unqueue();
+                    tracing::info!(id = job.id, "cancelled while queued");
+                    self.metrics.requests.with_label_values(&["cancelled"]).inc();
+                }
+                !left
+            });
             // Admit while a slot is free.
             while live.len() + admitting.len() < self.loaded.slots {
-                let Some(job) = arrived.pop_front().or_else(|| queue.try_recv().ok()) else { break };
+                let Some(job) = arrived.pop_front() else { break };
+                self.state.admitted();
                 if let Some(a) = self.admit(job) {
                     admitting.push(a);
                 }
             }
+            self.state.set_free(self.loaded.slots - live.len() - admitting.len());
             while let Ok(reply) = self.pool.replies().try_recv() {
                 self.reply(&mut admitting, reply);
             }
@@ -292,11 +371,9 @@ impl<'t> Scheduler<'_, 't> {
             if !queue_open && admitting.is_empty() && arrived.is_empty() {
                 return;
             }
-            // Nothing to compute: wait for a request or a reply, looking at `stop` now and then. A request
-            // is taken off the bounded queue only for a free slot: taken early, it would count as
-            // neither waiting nor running, and the queue would take more than `--queue` behind it.
-            let free = live.len() + admitting.len() < self.loaded.slots;
-            let requests = if queue_open && free { queue.clone() } else { crossbeam_channel::never() };
+            // Nothing to compute: wait for a request or a reply, looking at `stop` now and then (and at
+            // the queued requests' clients: one that left is dropped on the next pass).
+            let requests = if queue_open { queue.clone() } else { crossbeam_channel::never() };
             crossbeam_channel::select! {
                 recv(requests) -> job => match job {
                     Ok(job) => arrived.push_back(job),
