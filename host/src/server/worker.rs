@@ -250,6 +250,8 @@ pub fn spawn(
             }
         };
         metrics.kv_usage(&loaded.engine.kv.usage());
+        // Every slot is free before the first request is let in.
+        state.set_free(loaded.slots);
         state.0.store(EngineState::SERVING, Ordering::Release);
         (std::mem::replace(&mut loaded.on_ready, Box::new(|| {})))();
         let mut scheduler = Scheduler {
