@@ -316,11 +316,8 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
 #[test]
 fn the_queue_refuses_past_its_size_and_a_client_that_leaves_cancels_its_request() {
     let s = serve(&["--producer", "local", "--slots", "1", "--queue", "1"]);
-    // A long stream holds the engine; read its first chunk so it is surely running.
-    let long = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "stream": true});
-    let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&long).unwrap();
-    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
-    assert!(lines.next().unwrap().unwrap().starts_with("data: "));
+    // A long stream holds the engine.
+    let lines = a_long_stream(&s);
     // Two more: one waits in the queue's one place, the other is refused with Retry-After.
     let send = |s: &Served| {
         let url = format!("{}/v1/completions", s.url);
@@ -361,10 +358,7 @@ fn the_queue_refuses_past_its_size_and_a_client_that_leaves_cancels_its_request(
 fn a_queued_client_that_leaves_gives_its_place_back() {
     let s = serve(&["--producer", "local", "--slots", "1", "--queue", "1"]);
     let url = format!("{}/v1/completions", s.url);
-    let long = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "stream": true});
-    let r = agent().post(&url).send_json(&long).unwrap();
-    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
-    assert!(lines.next().unwrap().unwrap().starts_with("data: "));
+    let lines = a_long_stream(&s);
     let queued = agent().post(&url).send_json(json!({"prompt": "Hi", "max_tokens": 5, "stream": true})).unwrap();
     assert_eq!(queued.status().as_u16(), 200);
     assert_eq!(metric(&s, "pdhost_requests_waiting"), Some(1.0));
@@ -455,10 +449,7 @@ fn a_stream_whose_client_leaves_while_queued_never_runs() {
         assert_eq!(metric(&s, &format!("pdhost_requests_total{{outcome=\"{outcome}\"}}")), Some(0.0), "{outcome}");
     }
     let url = format!("{}/v1/completions", s.url);
-    let long = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "stream": true});
-    let r = agent().post(&url).send_json(&long).unwrap();
-    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
-    assert!(lines.next().unwrap().unwrap().starts_with("data: "));
+    let lines = a_long_stream(&s);
     let queued = agent().post(&url).send_json(json!({"prompt": "Hi", "max_tokens": 5, "stream": true})).unwrap();
     assert_eq!(queued.status().as_u16(), 200);
     drop(queued);
@@ -492,6 +483,16 @@ fn cpu_seconds(pid: u32) -> f64 {
     let ticks: u64 = fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap();
     // SAFETY: sysconf reads a constant.
     ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
+}
+
+/// A 900-token stream, its first chunk read so that it surely holds a slot; its client leaves when the
+/// lines are dropped.
+fn a_long_stream(s: &Served) -> impl Iterator<Item = std::io::Result<String>> {
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "stream": true});
+    let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&long).unwrap();
+    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
+    assert!(lines.next().unwrap().unwrap().starts_with("data: "));
+    lines
 }
 
 fn producers_of(pid: u32) -> Vec<u32> {
