@@ -279,11 +279,16 @@ fn killed(me: u64) -> Result<BTreeMap<i64, Vec<SeccompRule>>, String> {
     rules.insert(libc::SYS_prctl, vec![rule(0, SeccompCmpOp::Eq, libc::PR_SET_PDEATHSIG as u64)?]);
     // A descriptor owned by another process signals it on every write by the other end (the host's,
     // on the control socket), with the signal `F_SETSIG` chose. `F_SETOWN`'s owner is an argument
-    // (itself is allowed); `F_SETOWN_EX`'s and the ioctls' are behind pointers the filter cannot read.
+    // (itself, or none, is allowed); `F_SETOWN_EX`'s and the ioctls' are behind pointers the filter
+    // cannot read.
     rules.insert(
         libc::SYS_fcntl,
         vec![
-            and(vec![cond(1, SeccompCmpOp::Eq, libc::F_SETOWN as u64)?, cond(2, SeccompCmpOp::Ne, me)?])?,
+            and(vec![
+                cond(1, SeccompCmpOp::Eq, libc::F_SETOWN as u64)?,
+                cond(2, SeccompCmpOp::Ne, me)?,
+                cond(2, SeccompCmpOp::Ne, 0)?,
+            ])?,
             rule(1, SeccompCmpOp::Eq, F_SETOWN_EX as u64)?,
         ],
     );
