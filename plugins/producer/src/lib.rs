@@ -382,18 +382,15 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(),
     fds.push(socket.as_raw_fd());
     let mut ring = RingWriter::open(ring_fds).map_err(|e| fatal("ring")(e.to_string()))?;
     if args.sandbox {
-        // From here on nothing starts a process; what the backend started while it opened (a helper, a
-        // daemon) ends here, and the descriptors it could have pointed at another process are ours again.
-        sandbox::forbid_processes().map_err(fatal("sandbox"))?;
-        sandbox::disown(&fds).map_err(fatal("sandbox"))?;
-        let ended = sandbox::end_descendants().map_err(fatal("sandbox"))?;
+        // What the backend started while it opened (a helper, a daemon) ends here, the descriptors it
+        // could have pointed at another process are ours again, and from here on it can start nothing.
+        let ended = sandbox::confine_backend(&fds).map_err(fatal("sandbox"))?;
         if ended > 0 {
             eprintln!(
                 "pdhost-producer: the backend left {ended} process(es) running after open: killed (a backend \
                  that needs helper processes runs with --sandbox off)"
             );
         }
-        sandbox::confine_backend().map_err(fatal("sandbox"))?;
     }
     protocol::send(socket, &FromProducer::Ready(described)).map_err(|e| fatal("socket")(e.to_string()))?;
 
@@ -438,16 +435,6 @@ fn open<'l>(loaded: &'l Loaded, config: &str) -> Result<Instance<'l>, Fatal> {
     Ok(Instance { loaded, handle })
 }
 
-/// The identity text a backend described: at most 4 KiB up to its NUL, or `None` for a null pointer.
-///
-/// # Safety
-///
-/// `ptr` is null or points to a NUL-terminated string, valid until the backend is closed.
-unsafe fn identity_text(ptr: *const c_char) -> Option<String> {
-    // SAFETY: forwarded.
-    unsafe { c_text(ptr, 4096) }
-}
-
 /// The text of a NUL-terminated string a backend handed out, up to its NUL or `max` bytes, whichever
 /// comes first (a string without its NUL is cut, not read past); `None` for null.
 ///
@@ -488,8 +475,9 @@ fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
         return Err(backend_fatal("describe", code, &err));
     }
     // A backend of an older minor version wrote only the fields it knows; the rest are as set above.
-    // SAFETY: null, or a NUL-terminated string valid until close (the ABI's promise).
-    let identity = unsafe { identity_text(d.identity) };
+    // SAFETY: null, or a NUL-terminated string valid until close (the ABI's promise); at most 4 KiB of
+    // it are read.
+    let identity = unsafe { c_text(d.identity, 4096) };
     let capabilities = capabilities(instance)?;
     if d.num_layers == 0 || d.layers.is_null() || d.num_layers > 1 << 16 {
         return Err(bad(format!("layers: expected 1..=65536 described layers, found {}", d.num_layers)));

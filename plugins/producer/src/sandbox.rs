@@ -30,7 +30,7 @@
 //! Starting a process is forbidden first, before the producer ends whatever the backend started while
 //! it opened ([`end_descendants`]), so that nothing forks between the two; the rest follows. The
 //! producer also takes back its own descriptors' ownership ([`disown`]), which the backend could have
-//! set while it opened.
+//! set while it opened. [`confine_backend`] does all of it, in that order.
 //!
 //! Everything else is allowed: memory, threads, futexes, time, and the descriptors the producer already
 //! holds. Scheduling calls on another process (`setpriority`, `sched_setaffinity`) are allowed too: a
@@ -106,19 +106,33 @@ pub fn end_descendants() -> Result<usize, String> {
     Err(format!("the backend's processes kept forking: {ended} killed and more still running"))
 }
 
-/// Installs, on every thread of this process, the filter that kills it when it starts a process
-/// (`fork`, `vfork`, `execve`, a `clone` without `CLONE_THREAD`; `clone3` answers `ENOSYS`). The first
-/// step of confining a backend: after it, [`end_descendants`] ends what the backend started while it
-/// opened, and nothing can start more in between.
-pub fn forbid_processes() -> Result<(), String> {
+/// Confines the backend this process has opened, in an order that leaves no gap: first the filter that
+/// kills it when it starts a process (`fork`, `vfork`, `execve`, a `clone` without `CLONE_THREAD`;
+/// `clone3` answers `ENOSYS`); then [`disown`] of `fds`, the producer's own descriptors; then
+/// [`end_descendants`] of what the backend started while it opened, which can start no more; then the
+/// rest of the filters above, on every thread. Returns how many processes it ended. From here on a
+/// forbidden call kills the process or fails, as listed in the module's documentation.
+pub fn confine_backend(fds: &[std::os::fd::RawFd]) -> Result<usize, String> {
     let arch = arch()?;
-    let mut rules = unconditional(&[libc::SYS_fork, libc::SYS_vfork, libc::SYS_execve, libc::SYS_execveat]);
-    rules.insert(libc::SYS_clone, vec![rule(0, SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64), 0)?]);
-    let programs = [
-        filter(rules, SeccompAction::KillProcess, arch)?,
+    let mut processes = unconditional(&[libc::SYS_fork, libc::SYS_vfork, libc::SYS_execve, libc::SYS_execveat]);
+    processes.insert(libc::SYS_clone, vec![rule(0, SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64), 0)?]);
+    apply(&[
+        filter(processes, SeccompAction::KillProcess, arch)?,
         filter(unconditional(&[libc::SYS_clone3]), SeccompAction::Errno(libc::ENOSYS as u32), arch)?,
-    ];
-    for program in &programs {
+    ])?;
+    disown(fds)?;
+    let ended = end_descendants()?;
+    let me = std::process::id() as u64;
+    apply(&[
+        filter(killed(me)?, SeccompAction::KillProcess, arch)?,
+        filter(refused()?, SeccompAction::Errno(libc::EACCES as u32), arch)?,
+    ])?;
+    Ok(ended)
+}
+
+/// Installs `programs` on every thread of this process.
+fn apply(programs: &[BpfProgram]) -> Result<(), String> {
+    for program in programs {
         apply_filter_all_threads(program).map_err(|e| format!("seccomp: {e}"))?;
     }
     Ok(())
@@ -127,7 +141,7 @@ pub fn forbid_processes() -> Result<(), String> {
 /// Takes back the ownership of each of `fds` (no process is sent `SIGIO` for it, and `O_ASYNC` is
 /// off): the producer's control socket and doorbell, whose owner a backend could have set to another
 /// process while it opened, before the filters.
-pub fn disown(fds: &[std::os::fd::RawFd]) -> Result<(), String> {
+fn disown(fds: &[std::os::fd::RawFd]) -> Result<(), String> {
     for &fd in fds {
         // SAFETY: fcntl with integer arguments on a descriptor this process holds.
         let ok = unsafe {
@@ -144,31 +158,13 @@ pub fn disown(fds: &[std::os::fd::RawFd]) -> Result<(), String> {
     Ok(())
 }
 
-/// Installs the rest of the filters above on every thread of this process (after [`forbid_processes`]).
-/// From here on, a forbidden call kills the process or fails, as listed in the module's documentation.
-pub fn confine_backend() -> Result<(), String> {
-    let arch = arch()?;
-    let me = std::process::id() as u64;
-    let programs = [
-        filter(killed(me)?, SeccompAction::KillProcess, arch)?,
-        filter(refused()?, SeccompAction::Errno(libc::EACCES as u32), arch)?,
-    ];
-    for program in &programs {
-        apply_filter_all_threads(program).map_err(|e| format!("seccomp: {e}"))?;
-    }
-    Ok(())
-}
-
 fn arch() -> Result<TargetArch, String> {
     TargetArch::try_from(std::env::consts::ARCH).map_err(|e| format!("seccomp: {e}"))
 }
 
-/// System calls that stop the producer outright.
+/// System calls that stop the producer outright (besides starting a process, which the first filter of
+/// [`confine_backend`] stops).
 const KILLED: &[i64] = &[
-    libc::SYS_fork,
-    libc::SYS_vfork,
-    libc::SYS_execve,
-    libc::SYS_execveat,
     libc::SYS_tkill,
     libc::SYS_pidfd_send_signal,
     libc::SYS_pidfd_getfd,
@@ -268,10 +264,9 @@ fn refused() -> Result<BTreeMap<i64, Vec<SeccompRule>>, String> {
     Ok(rules)
 }
 
-/// [`KILLED`], plus a `clone` that does not create a thread and a signal sent to another process.
+/// [`KILLED`], plus a signal sent to another process, directly or through a descriptor's owner.
 fn killed(me: u64) -> Result<BTreeMap<i64, Vec<SeccompRule>>, String> {
     let mut rules = unconditional(KILLED);
-    rules.insert(libc::SYS_clone, vec![rule(0, SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64), 0)?]);
     for call in [libc::SYS_kill, libc::SYS_tgkill, libc::SYS_rt_sigqueueinfo, libc::SYS_rt_tgsigqueueinfo] {
         rules.insert(call, vec![rule(0, SeccompCmpOp::Ne, me)?]);
     }
