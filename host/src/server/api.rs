@@ -58,6 +58,11 @@ impl ApiError {
     pub fn new(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
         ApiError { status, message: message.into(), kind, param: None, code: Some(code), retry_after: None }
     }
+
+    /// The error object: the body of a response, or the data of a stream's last event.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}})
+    }
 }
 
 impl From<Invalid> for ApiError {
@@ -75,9 +80,7 @@ impl From<Invalid> for ApiError {
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body =
-            json!({"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}});
-        let mut response = (self.status, axum::Json(body)).into_response();
+        let mut response = (self.status, axum::Json(self.body())).into_response();
         if let Some(s) = self.retry_after {
             response.headers_mut().insert("retry-after", HeaderValue::from(s));
         }

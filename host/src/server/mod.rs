@@ -662,7 +662,7 @@ fn usage(prompt: usize, completion: usize) -> Value {
 }
 
 /// An SSE event carrying an OpenAI-style server error, for a stream that cannot go on.
-fn error_event(code: &str, message: &str) -> SseEvent {
-    let e = json!({"error": {"message": message, "type": "server_error", "param": null, "code": code}});
-    SseEvent::default().data(e.to_string())
+fn error_event(code: &'static str, message: &str) -> SseEvent {
+    let e = ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", code, message);
+    SseEvent::default().data(e.body().to_string())
 }
