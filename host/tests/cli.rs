@@ -109,6 +109,27 @@ fn usage_errors_exit_2_with_one_line_naming_the_problem() {
 }
 
 #[test]
+fn a_bad_producer_is_refused_before_the_model_is_fetched() {
+    // An empty model cache: a check that ran after the model was opened would fetch it first.
+    let home = tempfile::tempdir().unwrap();
+    let cases: [(&[&str], &str); 4] = [
+        (&["generate", "--prompt", "hi", "--producer", "rngdd"], "--producer: expected local, rngd"),
+        (&["generate", "--prompt", "hi", "--producer-memory", "10"], "--producer-memory: expected 64 to"),
+        (&["serve", "--producer", "rngd,./nope.so"], "--producer: expected a backend library file, found ./nope.so"),
+        (&["check-backend", "py:a-b:C"], "BACKEND: expected py:MODULE:CLASS"),
+    ];
+    for (args, want) in cases {
+        let out =
+            Command::new(PDHOST).args(args).env("PDHOST_HOME", home.path()).stdin(Stdio::null()).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.starts_with(&format!("error: {want}")) && err.lines().count() == 1, "{args:?}: {err}");
+        let fetched: Vec<_> = std::fs::read_dir(home.path()).unwrap().collect();
+        assert!(fetched.is_empty(), "{args:?} wrote {fetched:?} into the model cache");
+    }
+}
+
+#[test]
 fn help_explains_the_commands() {
     let out = pdhost(&["--help"]);
     assert_eq!(out.status.code(), Some(0));

@@ -268,8 +268,10 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     let (status, v) = get(&s, "/v1/embeddings");
     assert_eq!(status, 404, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().ends_with("found /v1/embeddings"), "{v}");
-    let (status, v) = get(&s, "/v1/completions");
-    assert_eq!(status, 405, "{v}");
+    let mut r = agent().get(&format!("{}/v1/completions", s.url)).call().unwrap();
+    assert_eq!(r.status().as_u16(), 405);
+    assert_eq!(r.headers().get("allow").and_then(|v| v.to_str().ok()), Some("POST"), "RFC 9110's Allow");
+    let v: Value = r.body_mut().read_json().unwrap();
     assert_eq!(v["error"]["message"], "method: expected POST for /v1/completions, found GET");
 
     // A body over the limit: refused from its Content-Length alone, before it is read (sent by hand, so
@@ -311,6 +313,14 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     let (status, v) = post(&s, "/v1/chat/completions", &chat(1024 - overhead as usize));
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
     assert_eq!(v["error"]["message"].as_str().unwrap(), format!("{refused} 1024 tokens"), "{v}");
+
+    // A limit past the context is named by the field the client sent.
+    let over = json!({"messages": [{"role": "user", "content": "hello"}], "max_completion_tokens": 5000}).to_string();
+    let (status, v) = post(&s, "/v1/chat/completions", &over);
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("max_completion_tokens")), "{v}");
+    // An empty model name is no name (as vLLM takes it), not an unknown model.
+    let (status, v) = post(&s, "/v1/completions", r#"{"prompt":"hi","model":"","max_tokens":1}"#);
+    assert_eq!(status, 200, "{v}");
 }
 
 #[test]
@@ -744,8 +754,8 @@ fn logprobs_are_those_of_generate_streamed_or_not_in_either_api() {
     let tokens: Vec<String> = values("tokens", lp).iter().map(|t| t.as_str().unwrap().to_string()).collect();
     assert_eq!(tokens.concat(), whole["choices"][0]["text"].as_str().unwrap(), "the tokens spell the text");
     for (top, t) in values("top_logprobs", lp).iter().zip(&want) {
-        let mut got: Vec<f64> = top.as_object().unwrap().values().map(|v| v.as_f64().unwrap()).collect();
-        got.sort_by(|a, b| b.total_cmp(a));
+        // The likeliest first, as OpenAI and vLLM list them (the body's order: this client keeps it).
+        let got: Vec<f64> = top.as_object().unwrap().values().map(|v| v.as_f64().unwrap()).collect();
         let expected: Vec<f64> = t["top"].as_array().unwrap().iter().map(|p| p[1].as_f64().unwrap()).collect();
         assert_eq!(got, expected, "{top}");
     }
@@ -1011,7 +1021,11 @@ fn the_drain_timeout_ends_a_stream_that_outlives_it() {
         if let Some(status) = s.child.try_wait().unwrap() {
             break status;
         }
-        assert!(Instant::now() < deadline, "still up 30 s after SIGTERM with a 6 s drain timeout");
+        assert!(
+            Instant::now() < deadline,
+            "still up 30 s after SIGTERM with a 6 s drain timeout; its log: {}",
+            s.log.lock().unwrap()
+        );
         std::thread::sleep(Duration::from_millis(10));
     };
     assert_eq!(status.code(), Some(0), "{}", s.log.lock().unwrap());

@@ -382,7 +382,7 @@ fn every_reported_case_is_refused_or_handled() {
             .refused(2, &["--presence-penalty: expected a number from -2 to 2, found 3"]),
         g("frequency-penalty NaN", &["--frequency-penalty", "NaN"]).refused(2, &["--frequency-penalty", "found NaN"]),
         g("repetition-penalty 0", &["--repetition-penalty", "0"])
-            .refused(2, &["--repetition-penalty: expected a number above 0 and at most 10 (1: off), found 0"]),
+            .refused(2, &["--repetition-penalty: expected a number from 0.01 to 10 (1: off), found 0"]),
         g("logit-bias twice", &["--logit-bias", "5:1,5:-2"]).refused(2, &["--logit-bias: expected each token once"]),
         g("logit-bias out of the vocabulary", &["--logit-bias", "4294967296:1"])
             .refused(2, &["--logit-bias: expected token ids below", "found 4294967296"]),
@@ -407,7 +407,7 @@ fn every_reported_case_is_refused_or_handled() {
         case("empty prompt file", &["generate", "--prompt-file", &empty])
             .refused(2, &["--prompt-file: expected a non-empty prompt"]),
         g("local with backend-config", &["--producer", "local", "--backend-config", "{}"])
-            .refused(2, &["--backend-config: expected no backend config with --producer local"]),
+            .refused(2, &["--backend-config: expected no backend config with the local producer"]),
         // Flags that only set up producers do nothing with local prefill: refused, not ignored; their
         // defaults are no choice of the user's.
         g("local with sandbox", &["--producer", "local", "--sandbox", "off"]).refused(
@@ -839,7 +839,7 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
             .refused(2, &[r#"--backend-config: expected "dtype" one of f32, bf16, f16, found "dtype": 5"#]),
         case("check-backend: unknown backend", &["check-backend", "tpu"]).refused(
             2,
-            &["BACKEND: expected a backend (rngd, gpu, faulty, torch, py:MODULE:CLASS or a PATH.so), found \"tpu\""],
+            &["BACKEND: expected a backend (rngd, gpu, faulty, torch, py:MODULE:CLASS, a PATH.so or nixl://HOST:PORT/NAME), found \"tpu\""],
         ),
         case("check-backend: local", &["check-backend", "local"]).refused(2, &["BACKEND: expected a backend", "found \"local\""]),
         tiny_gen("producer: bad dtype in config", &["--producer", "rngd", "--backend-config", r#"{"dtype":"f64"}"#])

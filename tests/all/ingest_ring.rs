@@ -30,7 +30,9 @@ fn spans_go_from_the_ring_into_pages_and_a_bad_checksum_changes_nothing_visible(
     assert!(first.payload_len() > 2 * shm_ring::COPY_CHUNK as u64);
     let p1 = pattern(first.payload_len(), 1);
     writer.write_span(&first, soon(), |p| p.copy_from_slice(&p1)).unwrap();
-    ring.take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1), end: 700 }).unwrap().expect("committed");
+    ring.take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1), end: 700, dtype: Dtype::Bf16 })
+        .unwrap()
+        .expect("committed");
     assert_eq!(kv.seq_len(SeqId(1)), Some(700));
 
     let full = kv.read(SeqId(1), 2).unwrap().to_bytes();
@@ -47,7 +49,8 @@ fn spans_go_from_the_ring_into_pages_and_a_bad_checksum_changes_nothing_visible(
     *frame.last_mut().unwrap() ^= 0x40;
     slot.frame_mut()[..frame.len()].copy_from_slice(&frame);
     slot.commit();
-    let err = ring.take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1), end: 760 }).unwrap_err();
+    let err =
+        ring.take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1), end: 760, dtype: Dtype::Bf16 }).unwrap_err();
     assert!(
         matches!(&err, TakeError::Ring(RingError::Span { source, .. }) if source.kind() == "checksum_mismatch"),
         "{err}"
@@ -70,9 +73,19 @@ fn a_span_the_cache_refuses_is_skipped_and_the_ring_goes_on() {
         writer.write_span(m, soon(), |p| p.fill(9)).unwrap();
     }
     let before = kv.state_hash();
-    let err = ring.take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1), end: 10 }).unwrap_err();
+    fn into(kv: &mut PagedKv, dtype: Dtype) -> IntoSequence<'_> {
+        IntoSequence { kv, seq: SeqId(1), end: 10, dtype }
+    }
+    let err = ring.take_into(&mut into(&mut kv, Dtype::Bf16)).unwrap_err();
     assert!(matches!(&err, TakeError::Sink(e) if e.kind() == "request_mismatch"), "{err}");
     assert_eq!(kv.state_hash(), before);
-    ring.take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1), end: 10 }).unwrap().expect("next frame");
+    // A span in another dtype than its producer declared: one the cache could store, but whose K/V went
+    // through another rounding than the one the prefix cache keys them by.
+    let err = ring.take_into(&mut into(&mut kv, Dtype::F32)).unwrap_err();
+    assert!(matches!(&err, TakeError::Sink(e) if e.kind() == "dtype_mismatch"), "{err}");
+    assert!(err.to_string().contains("expected f32 (the wire dtype its producer declared), found bf16"), "{err}");
+    assert_eq!(kv.state_hash(), before);
+    writer.write_span(&right, soon(), |p| p.fill(9)).unwrap();
+    ring.take_into(&mut into(&mut kv, Dtype::Bf16)).unwrap().expect("next frame");
     assert_eq!(kv.seq_len(SeqId(1)), Some(10));
 }

@@ -66,7 +66,7 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
     if !named {
         return Err(Invalid::new(
             Field::CheckedBackend,
-            "a backend (rngd, gpu, faulty, torch, py:MODULE:CLASS or a PATH.so)",
+            "a backend (rngd, gpu, faulty, torch, py:MODULE:CLASS, a PATH.so or nixl://HOST:PORT/NAME)",
             format_args!("{:?}", args.backend),
         )
         .into());
@@ -82,13 +82,6 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
     let tie_margin = positive(Field::TieMargin, args.tie_margin)?;
     let decode = request::check_count(Field::DecodeTokens, args.decode_tokens, 1, 256)? as usize;
     let source = request::input::model_source(&args.model)?;
-    let opened = Opened::open(&source, args.json)?;
-    let mut model = opened.load(args.json)?;
-    model.configure(args.precision.precision(), threads);
-    let dtype = args.kv_dtype.dtype();
-    let vocab = model.config.vocab;
-    let prompts = prompts(vocab);
-    let longest = PROMPT_LENS.iter().max().copied().unwrap_or(1);
     let choice = super::producer::Choice {
         field: Field::CheckedBackend,
         producer: &args.backend,
@@ -100,22 +93,32 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
         memory_limit: super::producer::memory_limit(None)?,
         restart: Default::default(),
     };
-    let mut producer = choice
-        .producer(&opened.path, &model.config, &model.identity, dtype, longest)?
-        .context("expected a backend to check")?;
+    let backend = choice.backend()?.context("expected a backend to check")?;
+    let opened = Opened::open(&source, args.json)?;
+    let longest = PROMPT_LENS.iter().max().copied().unwrap_or(1);
+    let max_len = (longest + decode + 1) as u64;
+    if opened.config.context < max_len as usize {
+        return Err(Invalid::new(
+            Field::Model,
+            format!(
+                "a model whose context holds {max_len} positions (the {longest}-token prompt and --decode-tokens \
+                 {decode})"
+            ),
+            format_args!("{} of {}", opened.name, opened.config.context),
+        )
+        .into());
+    }
+    let mut model = opened.load(args.json)?;
+    model.configure(args.precision.precision(), threads);
+    let dtype = args.kv_dtype.dtype();
+    let vocab = model.config.vocab;
+    let prompts = prompts(vocab);
+    let mut producer = choice.producer(&backend, &opened.path, &model.config, &model.identity, dtype, longest)?;
     producer.set_restart_policy(RestartPolicy {
         initial_backoff: Duration::ZERO,
         max_backoff: Duration::ZERO,
         ..RestartPolicy::default()
     });
-    let max_len = (longest + decode + 1) as u64;
-    if model.config.context < max_len as usize {
-        anyhow::bail!(
-            "--model: expected a model whose context holds {max_len} positions (the {longest}-token prompt and \
-             --decode-tokens {decode}), found one of {}",
-            model.config.context
-        );
-    }
     let mut engine = Engine::new(model, dtype, 16, max_len, 4)?;
     let bar = super::bench::progress(6, args.json);
     let mut checks = Vec::new();

@@ -105,6 +105,18 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     request::check_sampling(args.temperature, Some(args.top_p), args.seed)?;
     let source = input::model_source(&args.model)?;
     let text = prompt_text(args)?;
+    let choice = super::producer::Choice {
+        field: Field::Producer,
+        producer: &args.producer,
+        backend_config,
+        precision: args.precision,
+        threads,
+        timeout,
+        sandbox: args.sandbox == Switch::On,
+        memory_limit: super::producer::memory_limit(args.producer_memory)?,
+        restart: Default::default(),
+    };
+    let backend = choice.backend()?;
 
     // The model's metadata: its limits, then the request checked against them.
     let opened = Opened::open(&source, args.json)?;
@@ -155,18 +167,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let tokenizer = opened.tokenizer;
     let model_name = opened.name;
     let chunk_tokens = if request.prefill_chunk == 0 { prompt.len() } else { request.prefill_chunk.min(prompt.len()) };
-    let choice = super::producer::Choice {
-        field: Field::Producer,
-        producer: &args.producer,
-        backend_config,
-        precision: args.precision,
-        threads,
-        timeout,
-        sandbox: args.sandbox == Switch::On,
-        memory_limit: super::producer::memory_limit(args.producer_memory)?,
-        restart: Default::default(),
-    };
-    let mut producer = choice.producer(&opened.path, &opened.config, &model.identity, dtype, chunk_tokens)?;
+    let mut producer = backend
+        .map(|b| choice.producer(&b, &opened.path, &opened.config, &model.identity, dtype, chunk_tokens))
+        .transpose()?;
     let mut engine = Engine::new(model, dtype, page_size, max_len, 1)?;
     if let Some(p) = producer.as_mut() {
         // Start the producer (load its model) before the clock of the request starts; a start-up failure

@@ -49,7 +49,7 @@ pub fn memory_limit(mib: Option<u64>) -> Result<u64, Invalid> {
 }
 
 /// `py:MODULE:CLASS` split into a dotted module path and a class name, both Python identifiers.
-fn python_class(producer: &str) -> Result<(String, String), Invalid> {
+fn python_class(producer: &str, field: Field) -> Result<(String, String), Invalid> {
     let identifier = |s: &str| {
         s.chars().next().is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
             && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
@@ -60,7 +60,7 @@ fn python_class(producer: &str) -> Result<(String, String), Invalid> {
             Ok((module.to_string(), class.to_string()))
         }
         _ => Err(Invalid::new(
-            Field::Producer,
+            field,
             "py:MODULE:CLASS (a Python module path and a class in it)",
             format_args!("{producer:?}"),
         )),
@@ -95,28 +95,34 @@ pub fn library(path: &str, field: Field) -> anyhow::Result<(String, PathBuf)> {
     Ok((name, std::path::absolute(p)?))
 }
 
+/// The backend a [`Choice`] names, found before the model is opened, so that a misspelled name, a missing
+/// library or a build without NIXL is refused before anything slow runs: how its producer is run.
+#[derive(Debug, Clone)]
+pub struct Backend {
+    /// The producer's name (logs, metrics, a response's `pdhost.producer`).
+    name: String,
+    /// The library its producer loads.
+    library: PathBuf,
+    /// What the pdhost executable is run with to be that producer (or its relay).
+    program_args: Vec<std::ffi::OsString>,
+    /// A Python backend's module, class and paths, for its config.
+    python_keys: serde_json::Map<String, serde_json::Value>,
+}
+
 impl Choice<'_> {
-    /// The producer these flags name (not started yet) for the model at `model_path` with configuration
-    /// `model`, or `None` for `local`. Its spans carry `dtype` (the cache's, so remote prefill stays
-    /// bit-identical to local) unless the backend config says otherwise, and hold up to `chunk_tokens`
-    /// tokens. A backend that reports another model identity than `identity` is refused at its handshake.
-    pub fn producer(
-        &self,
-        model_path: &Path,
-        model: &model::arch::Config,
-        identity: &ModelIdentity,
-        dtype: Dtype,
-        chunk_tokens: usize,
-    ) -> anyhow::Result<Option<Producer>> {
+    /// The backend these flags name, or `None` for `local`; refused (naming [`Choice::field`]) unless it is
+    /// one: a built-in, `py:MODULE:CLASS`, an ELF library, or `nixl://` in a build with NIXL. `torch`'s
+    /// Python environment is made here on first use, and NIXL's runtime fetched.
+    pub fn backend(&self) -> anyhow::Result<Option<Backend>> {
         let mut python_keys = serde_json::Map::new();
         let mut program_args = vec![crate::PRODUCER_ARG.into()];
-        let (name, backend) = match self.producer {
+        let (name, library) = match self.producer {
             "local" => return Ok(None),
             url if url.starts_with("nixl://") => {
                 let node = pdhost::remote::NodeUrl::parse(url).ok_or_else(|| {
                     Invalid::new(self.field, pdhost::remote::NodeUrl::EXPECTED, format_args!("{url:?}"))
                 })?;
-                relay(&node)?;
+                relay(&node, self.field)?;
                 program_args = vec![crate::RELAY_ARG.into(), "--node".into(), node.addr.clone().into()];
                 (format!("{}@{}", node.backend, node.addr), PathBuf::from(&node.backend))
             }
@@ -132,7 +138,7 @@ impl Choice<'_> {
                 ("torch".to_string(), supervisor::builtin_backend("python")?)
             }
             python if python.starts_with("py:") => {
-                let (module, class) = python_class(python)?;
+                let (module, class) = python_class(python, self.field)?;
                 python_keys.insert("python_module".into(), module.into());
                 python_keys.insert("python_class".into(), class.into());
                 (python.to_string(), supervisor::builtin_backend("python")?)
@@ -147,6 +153,22 @@ impl Choice<'_> {
                 .into())
             }
         };
+        Ok(Some(Backend { name, library, program_args, python_keys }))
+    }
+
+    /// The producer (not started yet) of `backend` ([`Choice::backend`]) for the model at `model_path`
+    /// with configuration `model`. Its spans carry `dtype` (the cache's, so remote prefill stays
+    /// bit-identical to local) unless the backend config says otherwise, and hold up to `chunk_tokens`
+    /// tokens. A backend that reports another model identity than `identity` is refused at its handshake.
+    pub fn producer(
+        &self,
+        backend: &Backend,
+        model_path: &Path,
+        model: &model::arch::Config,
+        identity: &ModelIdentity,
+        dtype: Dtype,
+        chunk_tokens: usize,
+    ) -> anyhow::Result<Producer> {
         let geometry = &model.kv_geometry();
         let mut config = serde_json::json!({
             "model": model_path,
@@ -159,14 +181,14 @@ impl Choice<'_> {
             },
             "threads": self.threads,
         });
-        config.as_object_mut().expect("an object").extend(python_keys);
+        config.as_object_mut().expect("an object").extend(backend.python_keys.clone());
         config.as_object_mut().expect("an object").extend(self.backend_config.clone());
         let timeout = self.timeout;
         let spec = ProducerSpec {
-            name,
+            name: backend.name.clone(),
             program: std::env::current_exe().context("locating the pdhost executable to run the producer")?,
-            program_args,
-            backend,
+            program_args: backend.program_args.clone(),
+            backend: backend.library.clone(),
             config: config.to_string(),
             slots: 2,
             // The widest wire dtype: a backend may send f32 whatever the cache holds.
@@ -180,21 +202,21 @@ impl Choice<'_> {
             memory_limit: Some(self.memory_limit),
             identity: Some(identity.to_string()),
         };
-        Ok(Some(Producer::new(spec, geometry.clone())))
+        Ok(Producer::new(spec, geometry.clone()))
     }
 }
 
 /// A producer on another machine needs this build to run its relay: NIXL's runtime, fetched now (as a
 /// model is) so that the relay's start does not wait for it.
 #[cfg(feature = "nixl")]
-fn relay(_: &pdhost::remote::NodeUrl) -> anyhow::Result<()> {
+fn relay(_: &pdhost::remote::NodeUrl, _: Field) -> anyhow::Result<()> {
     pdhost_nixl::Runtime::fetch(&model::registry::home()).context("fetching NIXL's runtime for the relay")?;
     Ok(())
 }
 
 #[cfg(not(feature = "nixl"))]
-fn relay(_: &pdhost::remote::NodeUrl) -> anyhow::Result<()> {
-    Err(without_nixl(Field::Producer).into())
+fn relay(_: &pdhost::remote::NodeUrl, field: Field) -> anyhow::Result<()> {
+    Err(without_nixl(field).into())
 }
 
 /// What a build without the `nixl` feature says to a flag that needs it.

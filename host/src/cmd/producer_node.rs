@@ -51,7 +51,7 @@ fn serve(
         fault: args.fault,
         protocols: protocols.map(std::sync::Arc::new),
     };
-    println!("listening on {addr} (backend {name}; hosts use --producer nixl://{addr}/{name})");
+    super::outln!("listening on {addr} (backend {name}; hosts use --producer nixl://{addr}/{name})")?;
     use std::io::Write;
     std::io::stdout().flush()?;
     pdhost::remote::node::serve(listener, config)?;

@@ -60,6 +60,25 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         .into());
     }
     let source = input::model_source(&args.model)?;
+    let choice = super::producer::Choice {
+        field: Field::Producer,
+        producer: backends[0],
+        backend_config,
+        precision: args.precision,
+        threads,
+        timeout,
+        sandbox: args.sandbox == Switch::On,
+        memory_limit: super::producer::memory_limit(args.producer_memory)?,
+        restart: RestartPolicy { max_restarts, ..RestartPolicy::default() },
+    };
+    // Each backend found once, before the model is fetched.
+    let chosen = backends
+        .iter()
+        .map(|&producer| {
+            let choice = super::producer::Choice { producer, ..choice.clone() };
+            choice.backend().map(|backend| (choice, backend))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
 
     let mut opened = Opened::open(&source, true)?;
     let context = args.context.unwrap_or(DEFAULT_CONTEXT.min(opened.config.context as u64));
@@ -88,25 +107,16 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         }
         None => (DEFAULT_PREFILL_CHUNK.min(max_len) as usize, DEFAULT_LOCAL_PIECE.min(max_len) as usize),
     };
-    let choice = super::producer::Choice {
-        field: Field::Producer,
-        producer: backends[0],
-        backend_config,
-        precision: args.precision,
-        threads,
-        timeout,
-        sandbox: args.sandbox == Switch::On,
-        memory_limit: super::producer::memory_limit(args.producer_memory)?,
-        restart: RestartPolicy { max_restarts, ..RestartPolicy::default() },
-    };
     let chunk_tokens = if prefill_chunk == 0 { max_len as usize } else { prefill_chunk };
     let mut producers = Vec::new();
-    let identity = if choice.producer == "local" { None } else { Some(opened.identity()?) };
+    let identity = if backends == ["local"] { None } else { Some(opened.identity()?) };
     for i in 0..count as usize {
         let Some(identity) = &identity else { break };
         // The backends take the processes in turn.
-        let choice = super::producer::Choice { producer: backends[i % backends.len()], ..choice.clone() };
-        producers.extend(choice.producer(&opened.path, &opened.config, identity, dtype, chunk_tokens)?);
+        let (choice, backend) = &chosen[i % chosen.len()];
+        if let Some(backend) = backend {
+            producers.push(choice.producer(backend, &opened.path, &opened.config, identity, dtype, chunk_tokens)?);
+        }
     }
     let on_failure = args.on_producer_failure.policy();
     let chat = match opened.chat_template() {
@@ -204,6 +214,13 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
 /// The backends of `--producer`: one name, or several separated by commas (`local` only alone).
 fn backends(producer: &str) -> Result<Vec<&str>, request::Invalid> {
     let names: Vec<&str> = producer.split(',').map(str::trim).collect();
+    if names.len() as u64 > MAX_PRODUCERS {
+        return Err(request::Invalid::new(
+            Field::Producer,
+            format!("at most {MAX_PRODUCERS} backends (one producer process each at least)"),
+            format_args!("{} in {producer:?}", names.len()),
+        ));
+    }
     if names.len() > 1 && names.iter().any(|n| n.is_empty() || *n == "local") {
         return Err(request::Invalid::new(
             Field::Producer,

@@ -135,6 +135,15 @@ pub enum IngestError {
         /// The span's shape.
         found: Vec<u64>,
     },
+    /// A producer's span in another dtype than the one it declared at its handshake (which names the
+    /// rounding its K/V went through, the prefix cache's key).
+    #[error("dtype: expected {expected} (the wire dtype its producer declared), found {found}")]
+    DtypeMismatch {
+        /// The declared one.
+        expected: &'static str,
+        /// The span's.
+        found: &'static str,
+    },
     /// The cache may not store this dtype.
     #[error("dtype: expected {to} or a type that widens to it, found {from} (lossy conversion is disabled)")]
     DtypeNotConvertible {
@@ -177,6 +186,7 @@ impl IngestError {
             IngestError::MissingLayer { .. } => "missing_layer",
             IngestError::HeadGeometryMismatch { .. } => "head_geometry_mismatch",
             IngestError::StateSizeMismatch { .. } => "state_size_mismatch",
+            IngestError::DtypeMismatch { .. } => "dtype_mismatch",
             IngestError::DtypeNotConvertible { .. } => "dtype_not_convertible",
             IngestError::CapacityExhausted { .. } => "capacity_exhausted",
         }
@@ -224,14 +234,21 @@ impl PagedKv {
         self.stage(seq, manifest, None)
     }
 
-    /// [`PagedKv::prepare`] of a span that must also end at position `end`: what the host asked a
-    /// producer for (a span that stops short would leave the prompt's tail unfilled).
-    pub fn prepare_ending(&mut self, seq: SeqId, manifest: &Manifest, end: u64) -> Result<Staged, IngestError> {
-        self.stage(seq, manifest, Some(end))
+    /// [`PagedKv::prepare`] of a producer's span, which must also end at position `end`, what the host
+    /// asked it for (a span that stops short would leave the prompt's tail unfilled), and carry `dtype`,
+    /// the wire dtype it declared at its handshake.
+    pub fn prepare_ending(
+        &mut self,
+        seq: SeqId,
+        manifest: &Manifest,
+        end: u64,
+        dtype: Dtype,
+    ) -> Result<Staged, IngestError> {
+        self.stage(seq, manifest, Some((end, dtype)))
     }
 
-    fn stage(&mut self, seq: SeqId, manifest: &Manifest, end: Option<u64>) -> Result<Staged, IngestError> {
-        let (needed, keep_from) = self.validate(seq, manifest, end)?;
+    fn stage(&mut self, seq: SeqId, manifest: &Manifest, asked: Option<(u64, Dtype)>) -> Result<Staged, IngestError> {
+        let (needed, keep_from) = self.validate(seq, manifest, asked)?;
         // Every check passed: from here on nothing can fail.
         let mut groups = Vec::with_capacity(self.groups.len());
         for (gi, &(first_new, count)) in needed.iter().enumerate() {
@@ -276,7 +293,12 @@ impl PagedKv {
     /// Every check, in order; returns per group `(first new logical page, pages needed)` and the first
     /// position each group keeps.
     #[allow(clippy::type_complexity)]
-    fn validate(&self, seq: SeqId, m: &Manifest, end: Option<u64>) -> Result<(Vec<(u64, u32)>, Vec<u64>), IngestError> {
+    fn validate(
+        &self,
+        seq: SeqId,
+        m: &Manifest,
+        asked: Option<(u64, Dtype)>,
+    ) -> Result<(Vec<(u64, u32)>, Vec<u64>), IngestError> {
         let s = self.seqs.get(&seq).ok_or(IngestError::UnknownSequence { seq })?;
         if m.fingerprint != self.fingerprint {
             return Err(IngestError::FingerprintMismatch { expected: self.fingerprint, found: m.fingerprint });
@@ -287,7 +309,7 @@ impl PagedKv {
         if m.token_start != s.len {
             return Err(IngestError::TokenOffsetMismatch { expected: s.len, found: m.token_start });
         }
-        if let Some(expected) = end.filter(|&e| e != m.token_end) {
+        if let Some(expected) = asked.map(|(end, _)| end).filter(|&e| e != m.token_end) {
             return Err(IngestError::TokenEndMismatch { expected, found: m.token_end });
         }
 
@@ -352,6 +374,9 @@ impl PagedKv {
             }
         }
 
+        if let Some(expected) = asked.map(|(_, dtype)| dtype).filter(|&d| d != m.dtype) {
+            return Err(IngestError::DtypeMismatch { expected: expected.name(), found: m.dtype.name() });
+        }
         if !convertible(m.dtype, self.dtype, self.allow_lossy) {
             return Err(IngestError::DtypeNotConvertible { from: m.dtype.name(), to: self.dtype.name() });
         }
@@ -486,6 +511,8 @@ pub struct IntoSequence<'a> {
     pub seq: SeqId,
     /// Where the span must end: the end of the chunk its producer was asked for.
     pub end: u64,
+    /// The dtype its producer declared at its handshake.
+    pub dtype: Dtype,
 }
 
 impl SpanSink for IntoSequence<'_> {
@@ -493,7 +520,7 @@ impl SpanSink for IntoSequence<'_> {
     type Error = IngestError;
 
     fn prepare(&mut self, _: &shm_format::HeaderInfo, manifest: &Manifest) -> Result<Staged, IngestError> {
-        self.kv.prepare_ending(self.seq, manifest, self.end)
+        self.kv.prepare_ending(self.seq, manifest, self.end, self.dtype)
     }
     fn write(&mut self, staged: &mut Staged, offset: u64, bytes: &[u8]) {
         self.kv.write_staged(staged, offset, bytes)

@@ -90,6 +90,18 @@ pub enum ConfigError {
         /// Its heads.
         found: (u32, u32),
     },
+    /// Recurrent layers of one group with different state sizes.
+    #[error("group {group}: expected every recurrent layer with a state of {expected} elements, found layer {layer} with {found}")]
+    MixedStates {
+        /// Group.
+        group: usize,
+        /// The first layer's.
+        expected: u64,
+        /// The differing layer.
+        layer: u32,
+        /// Its state size.
+        found: u64,
+    },
     /// The budget does not cover the bounded groups plus one page of each unbounded group.
     #[error(
         "memory budget: expected at least {needed} bytes for this geometry and {max_seqs} sequences, found {budget}"
@@ -269,7 +281,10 @@ impl PagedKv {
                         if n == 0 {
                             return Err(ConfigError::Zero { what: "recurrent state size" });
                         }
-                        state_elems = state_elems.max(n);
+                        if state_elems != 0 && n != state_elems {
+                            return Err(ConfigError::MixedStates { group: gi, expected: state_elems, layer, found: n });
+                        }
+                        state_elems = n;
                     }
                     kv => {
                         let h = kv.heads().expect("attention layer");
@@ -307,12 +322,19 @@ impl PagedKv {
         // Bounded groups first, then the rest of the budget to the full groups.
         let mut bounded = 0u64;
         for g in &mut groups {
-            g.pages = match g.kind {
-                GroupKind::Sliding { window } => max_seqs * 2 * (window.div_ceil(page_size) + 1),
-                GroupKind::Recurrent => max_seqs * 2,
-                GroupKind::Full => 0,
+            // A sequence's window and a page either side of it (one reserved before the oldest is freed),
+            // twice over; checked, as `request::kv_budget` computes the same.
+            let (pages, tokens) = match g.kind {
+                GroupKind::Sliding { window } => (2 * (u64::from(window.div_ceil(page_size)) + 1), u64::from(window)),
+                GroupKind::Recurrent => (2, 1),
+                GroupKind::Full => (0, 0),
             };
-            bounded += u64::from(g.pages) * g.page_bytes as u64;
+            let too_large = ConfigError::TooLarge { max_tokens: tokens, max_seqs };
+            g.pages = u32::try_from(pages * u64::from(max_seqs)).map_err(|_| too_large.clone())?;
+            bounded = u64::from(g.pages)
+                .checked_mul(g.page_bytes as u64)
+                .and_then(|b| b.checked_add(bounded))
+                .ok_or(too_large)?;
         }
         let full_page_bytes: u64 =
             groups.iter().filter(|g| g.kind == GroupKind::Full).map(|g| g.page_bytes as u64).sum();
@@ -513,6 +535,9 @@ impl PagedKv {
                 h.write_u64(tick);
                 h.write_u32(p);
             }
+            for &tick in &g.cached_at {
+                h.write_u64(tick);
+            }
             h.write_u8(0xFF);
         }
         if let Some(index) = &self.prefix {
@@ -524,6 +549,7 @@ impl PagedKv {
             h.write_u64(s.len);
             for t in &s.tables {
                 h.write_u64(t.first);
+                h.write_u64(t.valid_from);
                 for &p in &t.pages {
                     h.write_u32(p);
                 }

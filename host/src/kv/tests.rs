@@ -254,6 +254,21 @@ fn receiver_mismatches_read_as_words() {
     };
     let err = PagedKv::new(KvConfig::new(mixed, Dtype::F32, 1 << 20)).unwrap_err().to_string();
     assert_eq!(err, "group 0: expected every layer with 1 KV head of size 8, found layer 1 with 2 KV heads of size 8");
+
+    // A recurrent group's page holds one state a layer: the layers' sizes must agree (with the largest
+    // for all, a span of the right sizes was refused and pages were oversized).
+    let states =
+        KvGeometry { layers: vec![LayerKv::Recurrent { state_elems: 6 }, LayerKv::Recurrent { state_elems: 9 }] };
+    let err = PagedKv::new(KvConfig::new(states, Dtype::F32, 1 << 20)).unwrap_err().to_string();
+    assert_eq!(err, "group 0: expected every recurrent layer with a state of 6 elements, found layer 1 with 9");
+
+    // A window of pages past 32 bits for the sequences asked: refused, not wrapped to a smaller pool.
+    let wide = KvGeometry { layers: vec![LayerKv::Sliding { window: u32::MAX, kv_heads: 1, head_dim: 8 }] };
+    let mut config = KvConfig::new(wide, Dtype::F32, u64::MAX);
+    config.page_size = 1;
+    config.max_seqs = 64;
+    let err = PagedKv::new(config).unwrap_err();
+    assert!(matches!(err, ConfigError::TooLarge { max_tokens: 4_294_967_295, max_seqs: 64 }), "{err}");
 }
 
 #[test]

@@ -213,7 +213,7 @@ pub fn check_backend_config(
     if producer == "local" {
         return Err(Invalid::new(
             field,
-            "no backend config with --producer local (the host has no backend)",
+            "no backend config with the local producer (the host has no backend)",
             shorten(text),
         ));
     }

@@ -41,6 +41,8 @@ pub enum Field {
     PromptIds,
     /// Tokens to generate.
     MaxTokens,
+    /// Tokens to generate, by the chat API's newer name.
+    MaxCompletionTokens,
     /// Sampling temperature.
     Temperature,
     /// Nucleus mass.
@@ -149,7 +151,7 @@ impl Field {
             Field::Prompt => "--prompt",
             Field::PromptFile => "--prompt-file",
             Field::PromptIds => "--prompt-ids",
-            Field::MaxTokens => "--max-tokens",
+            Field::MaxTokens | Field::MaxCompletionTokens => "--max-tokens",
             Field::Temperature => "--temperature",
             Field::TopP => "--top-p",
             Field::PresencePenalty => "--presence-penalty",
@@ -207,6 +209,7 @@ impl Field {
         match self {
             Field::Prompt | Field::PromptFile | Field::PromptIds => "prompt",
             Field::MaxTokens => "max_tokens",
+            Field::MaxCompletionTokens => "max_completion_tokens",
             Field::TopP => "top_p",
             Field::PresencePenalty => "presence_penalty",
             Field::FrequencyPenalty => "frequency_penalty",
@@ -422,11 +425,15 @@ pub fn check_request(raw: &RawRequest, limits: &Limits) -> Result<engine::Reques
     })
 }
 
+/// The least repetition penalty. A positive logit is divided by it: 1e-300 became 0 as an f32, and
+/// every repeated token's logit infinite (transformers and vLLM only ask for a number above 0).
+pub const MIN_REPETITION_PENALTY: f64 = 0.01;
+
 /// The most tokens `logit_bias` may name (OpenAI's limit).
 pub const MAX_LOGIT_BIAS: usize = 300;
 
-/// Presence and frequency penalties from -2 to 2 (OpenAI's range), a repetition penalty above 0 and at
-/// most 10, and up to [`MAX_LOGIT_BIAS`] biases from -100 to 100 on distinct tokens inside the vocabulary.
+/// Presence and frequency penalties from -2 to 2 (OpenAI's range), a repetition penalty from
+/// [`MIN_REPETITION_PENALTY`] to 10, and up to [`MAX_LOGIT_BIAS`] biases from -100 to 100 on distinct tokens inside the vocabulary.
 pub fn check_penalties(raw: &RawRequest, limits: &Limits) -> Result<engine::Penalties, Invalid> {
     let within = |field: Field, v: Option<f64>, default: f64| match v {
         None => Ok(default as f32),
@@ -437,9 +444,13 @@ pub fn check_penalties(raw: &RawRequest, limits: &Limits) -> Result<engine::Pena
     let frequency = within(Field::FrequencyPenalty, raw.frequency_penalty, 0.0)?;
     let repetition = match raw.repetition_penalty {
         None => 1.0,
-        Some(r) if r.is_finite() && r > 0.0 && r <= 10.0 => r as f32,
+        Some(r) if (MIN_REPETITION_PENALTY..=10.0).contains(&r) => r as f32,
         Some(r) => {
-            return Err(Invalid::new(Field::RepetitionPenalty, "a number above 0 and at most 10 (1: off)", number(r)))
+            return Err(Invalid::new(
+                Field::RepetitionPenalty,
+                format!("a number from {MIN_REPETITION_PENALTY} to 10 (1: off)"),
+                number(r),
+            ))
         }
     };
     if raw.logit_bias.len() > MAX_LOGIT_BIAS {

@@ -208,7 +208,7 @@ fn model_argument_says_what_it_found() {
 #[test]
 fn backend_config_is_bounded_never_echoed_and_refused_for_local() {
     assert!(check_backend_config(None, "local").unwrap().is_empty());
-    assert!(check_backend_config(Some("{}"), "local").unwrap_err().to_string().contains("--producer local"));
+    assert!(check_backend_config(Some("{}"), "local").unwrap_err().to_string().contains("with the local producer"));
     let deep = format!("{}{}", "[".repeat(20_000), "]".repeat(20_000));
     let e = check_backend_config(Some(&deep), "rngd").unwrap_err().to_string();
     assert!(e.len() < 200 && e.contains("nesting 20000 deep"), "{e}");

@@ -108,7 +108,7 @@ fn kind(v: &Value) -> String {
 /// field's "off" value, or its absence or `null`, is accepted, as OpenAI's clients send them.
 const UNSUPPORTED: &[Unsupported] = &[
     Unsupported { field: "echo", off: |v| v == &Value::Bool(false), expected: "false (the prompt is not echoed)" },
-    Unsupported { field: "best_of", off: |v| v.as_u64() == Some(1), expected: "1 (one completion per request)" },
+    Unsupported { field: "best_of", off: |v| whole(v) == Some(1), expected: "1 (one completion per request)" },
     Unsupported {
         field: "suffix",
         off: |v| v.as_str() == Some(""),
@@ -233,6 +233,9 @@ pub struct Completion {
     /// OpenAI's chat API, vLLM and llama-server do (`raw.max_tokens` is set once the prompt is
     /// tokenized). Completions default to 16, as OpenAI's.
     pub to_context: bool,
+    /// Which parameter gave `max_tokens`, for errors: `max_completion_tokens` where a chat request used
+    /// that name.
+    pub limit_field: Field,
     /// Server-sent events instead of one body.
     pub stream: bool,
     /// With `stream`: a last chunk carrying `usage`.
@@ -264,15 +267,22 @@ fn obj(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
 fn opt_u64(m: &Map<String, Value>, key: &'static str) -> Result<Option<u64>, ApiError> {
     match m.get(key) {
         None | Some(Value::Null) => Ok(None),
-        Some(Value::Number(n)) if n.as_u64().is_some() => Ok(n.as_u64()),
-        Some(Value::Number(n)) if n.as_i64().is_some() => Err(ApiError::invalid(key, "a positive integer", n)),
-        // A whole number written as a float (`16.0`, as some languages' JSON writers put it), as vLLM
-        // takes it.
-        Some(Value::Number(n)) if n.as_f64().is_some_and(|f| f >= 0.0 && f.fract() == 0.0 && f < 2f64.powi(53)) => {
-            Ok(n.as_f64().map(|f| f as u64))
-        }
-        Some(v) => Err(ApiError::invalid(key, "an integer", kind(v))),
+        Some(v) => match (whole(v), v) {
+            (Some(i), _) if i >= 0 => Ok(Some(i as u64)),
+            (Some(_), Value::Number(n)) => Err(ApiError::invalid(key, "a positive integer", n)),
+            _ => Err(ApiError::invalid(key, "an integer", kind(v))),
+        },
     }
+}
+
+/// A JSON integer, or a whole number written as a float (`16.0`, as some languages' JSON writers put
+/// it, which vLLM takes) below 2^53 in magnitude, where a float still holds every integer.
+fn whole(v: &Value) -> Option<i128> {
+    let Value::Number(n) = v else { return None };
+    n.as_u64()
+        .map(i128::from)
+        .or_else(|| n.as_i64().map(i128::from))
+        .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 2f64.powi(53)).map(|f| f as i128))
 }
 
 fn opt_f64(m: &Map<String, Value>, key: &'static str) -> Result<Option<f64>, ApiError> {
@@ -383,14 +393,18 @@ impl Completion {
             return Err(ApiError::invalid("prompt", "no prompt in a chat request (messages carry it)", "one"));
         }
         // `max_completion_tokens` is the newer name of `max_tokens`, and wins where both are set (as in
-        // vLLM): a client that sends every field leaves the deprecated one `null`.
-        match m.remove("max_completion_tokens") {
-            None | Some(Value::Null) => {}
-            Some(v) => {
-                m.insert("max_tokens".into(), v);
-            }
+        // vLLM): a client that sends every field leaves the deprecated one `null`. Refusals name the one
+        // given.
+        let newer = opt_u64(&m, "max_completion_tokens")?;
+        m.remove("max_completion_tokens");
+        if let Some(n) = newer {
+            m.insert("max_tokens".into(), n.into());
         }
-        Completion::from_map(m, Some(Prompt::Messages(messages)))
+        let mut c = Completion::from_map(m, Some(Prompt::Messages(messages)))?;
+        if newer.is_some() {
+            c.limit_field = Field::MaxCompletionTokens;
+        }
+        Ok(c)
     }
 
     /// Reads a completion body. Unknown fields are ignored, as OpenAI's clients send extras; known ones
@@ -460,8 +474,8 @@ impl Completion {
             // sampled reply to the same prompt was the same), which the `pdhost` object reports.
             seed: match m.get("seed") {
                 None | Some(Value::Null) => random_seed(),
-                Some(Value::Number(n)) if n.as_i64().is_some() => n.as_i64().unwrap_or(0) as u64,
-                Some(Value::Number(n)) if n.as_u64().is_some() => n.as_u64().unwrap_or(0),
+                // Negative seeds as their 64 bits (`-1` is `2^64 - 1`), as vLLM's do.
+                Some(v) if whole(v).is_some() => whole(v).unwrap_or(0) as u64,
                 Some(v) => return Err(ApiError::invalid("seed", "an integer", kind(v))),
             },
             prefill_chunk: 0,
@@ -472,7 +486,7 @@ impl Completion {
             logprobs,
             ignore_eos: opt_bool(&m, "ignore_eos")?,
         };
-        Ok(Completion { model, prompt, raw, stop, stream, include_usage, to_context })
+        Ok(Completion { model, prompt, raw, stop, limit_field: Field::MaxTokens, stream, include_usage, to_context })
     }
 
     fn prompt(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
@@ -492,7 +506,7 @@ impl Completion {
                     .iter()
                     .enumerate()
                     .map(|(i, v)| {
-                        v.as_u64().and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
+                        whole(v).and_then(|id| u32::try_from(id).ok()).ok_or_else(|| {
                             ApiError::invalid(
                                 "prompt",
                                 "token ids from 0 to 4294967295",
@@ -595,6 +609,15 @@ mod tests {
         // A whole number written as a float is that number; a fraction is not.
         assert_eq!(Completion::parse(br#"{"prompt":"x","max_tokens":16.0}"#).unwrap().raw.max_tokens, 16);
         assert_eq!(err(r#"{"prompt":"x","max_tokens":1.5}"#), "max_tokens: expected an integer, found the number 1.5");
+        // So in every integer field: a seed (negative ones too), token ids, `best_of`.
+        let seed = |b: &str| Completion::parse(b.as_bytes()).unwrap().raw.seed;
+        assert_eq!(seed(r#"{"prompt":"x","seed":42.0}"#), 42);
+        assert_eq!(seed(r#"{"prompt":"x","seed":-1}"#), u64::MAX);
+        assert_eq!(seed(r#"{"prompt":"x","seed":-2.0}"#), u64::MAX - 1);
+        assert_eq!(err(r#"{"prompt":"x","seed":0.5}"#), "seed: expected an integer, found the number 0.5");
+        let Prompt::Ids(ids) = Completion::parse(br#"{"prompt":[1.0,2]}"#).unwrap().prompt else { panic!("ids") };
+        assert_eq!(ids, [1, 2]);
+        assert!(Completion::parse(br#"{"prompt":"x","best_of":1.0}"#).is_ok());
         // The older function calling and the audio outputs are refused, not ignored.
         for (field, value) in
             [("functions", r#"[{"name":"f"}]"#), ("function_call", r#"{"name":"f"}"#), ("audio", "{}")]
@@ -621,6 +644,11 @@ mod tests {
             let c = Completion::parse_chat(format!("{{{user},{both}}}").as_bytes()).unwrap();
             assert_eq!((c.raw.max_tokens, c.to_context), (5, false), "{both}");
         }
+        // A refusal names the field the client sent.
+        let bad = Completion::parse_chat(format!(r#"{{{user},"max_completion_tokens":-1}}"#).as_bytes()).unwrap_err();
+        assert_eq!(bad.message, "max_completion_tokens: expected a positive integer, found -1");
+        let c = Completion::parse_chat(format!(r#"{{{user},"max_completion_tokens":7}}"#).as_bytes()).unwrap();
+        assert_eq!(c.limit_field, Field::MaxCompletionTokens);
         // No limit given: a chat reply runs to the context (set once the prompt is tokenized), not to the
         // legacy completions' 16.
         for none in ["", r#","max_tokens":null"#, r#","max_completion_tokens":null"#] {

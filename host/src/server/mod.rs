@@ -106,7 +106,7 @@ impl App {
             .and_then(|v| v.split_once(' '))
             .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
             .map(|(_, key)| key);
-        if given == Some(key.as_str()) {
+        if given.is_some_and(|given| same_key(given.as_bytes(), key.as_bytes())) {
             return Ok(());
         }
         Err(ApiError::new(
@@ -273,16 +273,28 @@ async fn no_route(uri: axum::http::Uri) -> Response {
     .into_response()
 }
 
-/// A route asked with a method it does not take: 405, in an error object.
+/// Whether a client's key is the server's, in a time that depends on their lengths alone: a comparison
+/// that stopped at the first differing byte would tell a client, by its timing, how much of a guess was
+/// right.
+fn same_key(given: &[u8], key: &[u8]) -> bool {
+    let differ = given.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b));
+    // The fold is data-independent; keep the compiler from turning it back into an early exit.
+    std::hint::black_box(differ) == 0 && given.len() == key.len()
+}
+
+/// A route asked with a method it does not take: 405, in an error object, with the `Allow` header
+/// RFC 9110 asks for.
 async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> Response {
     let expected = if uri.path().starts_with("/v1/") && uri.path().contains("completions") { "POST" } else { "GET" };
-    ApiError::new(
+    let mut response = ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         "invalid_request_error",
         "method_not_allowed",
         format!("method: expected {expected} for {}, found {method}", uri.path()),
     )
-    .into_response()
+    .into_response();
+    response.headers_mut().insert(axum::http::header::ALLOW, axum::http::HeaderValue::from_static(expected));
+    response
 }
 
 async fn health(State(app): State<Arc<App>>) -> Response {
@@ -486,7 +498,8 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         }
         (_, chat) => chat.clone(),
     };
-    if let Some(m) = &c.model {
+    // An empty name is no name, as vLLM takes it.
+    if let Some(m) = c.model.as_ref().filter(|m| !m.is_empty()) {
         if *m != app.config.model {
             let mut e = ApiError::invalid("model", format_args!("{:?}", app.config.model), format_args!("{m:?}"));
             e.status = StatusCode::NOT_FOUND;
@@ -529,7 +542,12 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         }
         c.raw.max_tokens = room;
     }
-    let checked = request::check_request(&c.raw, &app.config.limits)?;
+    let checked = request::check_request(&c.raw, &app.config.limits).map_err(|mut e| {
+        if e.field == crate::request::Field::MaxTokens {
+            e.field = c.limit_field;
+        }
+        e
+    })?;
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
     let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let prompt_tokens = checked.prompt.len();

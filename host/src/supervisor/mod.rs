@@ -747,7 +747,8 @@ impl Producer {
         }
         let t = Instant::now();
         let before = kv.seq_len(seq).unwrap_or(0);
-        let taken = running.ring.take_into(&mut IntoSequence { kv, seq, end: pending.end });
+        let wire = running.described.wire_dtype().expect("checked at the handshake");
+        let taken = running.ring.take_into(&mut IntoSequence { kv, seq, end: pending.end, dtype: wire });
         let take = t.elapsed();
         match taken {
             Ok(Some(())) => {}
@@ -761,7 +762,6 @@ impl Producer {
             Err(TakeError::Ring(source)) => return Err(ProducerError::Ring { name, source }),
             Err(TakeError::Sink(source)) => return Err(ProducerError::Rejected { name, source }),
         }
-        let wire = running.described.wire_dtype().expect("checked at the handshake");
         let bytes = span_bytes(&self.geometry, wire, kv.seq_len(seq).unwrap_or(0) - before);
         Ok(SpanTimes {
             backend: Duration::from_nanos(pending.backend_ns),
@@ -858,8 +858,8 @@ impl Drop for Producer {
 /// A built-in backend's library was not found.
 #[derive(Debug, thiserror::Error)]
 #[error(
-    "backend {name}: expected {file} in {}, found none (build it with `cargo build --release --workspace`, or \
-     set PDHOST_PLUGIN_DIR)",
+    "backend {name}: expected {file} in {}, found none (build the workspace with the profile that built \
+     pdhost, `cargo build --release --workspace`, or set PDHOST_PLUGIN_DIR to the directory that holds it)",
     .looked.iter().map(|d| d.display().to_string()).collect::<Vec<_>>().join(", ")
 )]
 pub struct MissingBackend {

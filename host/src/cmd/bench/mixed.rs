@@ -82,6 +82,15 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         let expected = format!("more than {STREAM_PROMPT} tokens with --mixed (each stream's prompt)");
         return Err(request::Invalid::new(Field::Context, expected, context).into());
     }
+    // The servers would refuse a cache too large for memory, but only once started.
+    let slots = streams + n_long;
+    let budget = request::kv_budget(&config.kv_geometry(), args.kv_dtype.dtype(), 64, context, slots as u32)
+        .context("the KV cache's size does not fit in 64 bits")?;
+    request::check_memory(
+        Field::Context,
+        &format!("the KV cache for {slots} slots (--streams and --long-prompts) x {context} tokens"),
+        budget,
+    )?;
     let why = format!(" (the {context}-token context less the one token each long prompt asks for)");
     let long = count(Field::LongPrompt, args.long_prompt, 1, context - 1, &why)? as usize;
     let tok = Tokenizer::from_gguf(&gguf)?;
@@ -111,7 +120,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         cmd.args(["serve", "--model", &name, "--host", "127.0.0.1", "--port", "0", "--producer", producer])
             .args(["--context", &context.to_string(), "--kv-dtype", kv_dtype.get_name()])
             .args(["--precision", precision.get_name(), "--prefix-cache", prefix_cache])
-            .args(["--slots", &(streams + n_long).to_string(), "--queue", "16"]);
+            .args(["--slots", &slots.to_string(), "--queue", "16"]);
         let split = if producer == "local" {
             let chunk = LOCAL_CHUNK.min(context);
             cmd.args(["--threads", &threads.to_string(), "--prefill-chunk", &chunk.to_string()]);

@@ -355,7 +355,12 @@ fn ingest(args: &IngestBenchArgs) -> anyhow::Result<ExitCode> {
 
                         let t = Instant::now();
                         b.reader
-                            .take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1), end: manifest.token_end })
+                            .take_into(&mut IntoSequence {
+                                kv: &mut kv,
+                                seq: SeqId(1),
+                                end: manifest.token_end,
+                                dtype: manifest.dtype,
+                            })
                             .map_err(|e| anyhow::anyhow!("{e}"))?
                             .context("span committed")?;
                         ingest_t.push(t.elapsed());

@@ -84,6 +84,29 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     let iters = request::check_count(Field::Iters, args.iters, 1, 1000)?;
     let decode = request::check_count(Field::DecodeTokens, args.decode_tokens, 1, super::model_bench::MAX_DECODE)?;
     let threads = request::check_threads(args.threads)?;
+    let choice = Choice {
+        field: Field::Producer,
+        producer: &args.producer,
+        backend_config: serde_json::Map::new(),
+        precision: PrecisionArg::Exact,
+        threads,
+        timeout: Duration::from_secs(600),
+        sandbox: true,
+        memory_limit: super::super::producer::memory_limit(None)?,
+        restart: Default::default(),
+    };
+    let backend =
+        choice.backend()?.context("--producer: expected a remote producer to compare with local, found local")?;
+    // A producer on another machine runs beside the same backend over the memfd ring.
+    let node = pdhost::remote::NodeUrl::parse(&args.producer);
+    let ring = match &node {
+        Some(node) => {
+            let choice = Choice { producer: &node.backend, ..choice.clone() };
+            let backend = choice.backend()?.context("the ring producer")?;
+            Some((choice, backend))
+        }
+        None => None,
+    };
     let path = super::fetched(&args.model, args.json)?;
     let gguf = Gguf::open(&path)?;
     let limits = Limits::new(&args.model, &Config::from_gguf(&gguf)?, None)?;
@@ -106,29 +129,12 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     let mut model = Model::from_gguf(&gguf).context("loading the weights")?;
     model.configure(Precision::Exact, threads);
     let dtype = args.kv_dtype.dtype();
-    let choice = Choice {
-        field: Field::Producer,
-        producer: &args.producer,
-        backend_config: serde_json::Map::new(),
-        precision: PrecisionArg::Exact,
-        threads,
-        timeout: Duration::from_secs(600),
-        sandbox: true,
-        memory_limit: super::super::producer::memory_limit(None)?,
-        restart: Default::default(),
-    };
     let absolute = std::path::absolute(&path)?;
-    let mut producer = choice
-        .producer(&absolute, &model.config, &model.identity, dtype, longest)?
-        .context("--producer: expected a remote producer to compare with local, found local")?;
-    // A producer on another machine runs beside the same backend over the memfd ring.
-    let node = pdhost::remote::NodeUrl::parse(&args.producer);
-    let mut ring = match &node {
-        Some(node) => Some(
-            Choice { producer: &node.backend, ..choice.clone() }
-                .producer(&absolute, &model.config, &model.identity, dtype, longest)?
-                .context("the ring producer")?,
-        ),
+    let mut producer = choice.producer(&backend, &absolute, &model.config, &model.identity, dtype, longest)?;
+    let mut ring = match ring {
+        Some((choice, backend)) => {
+            Some(choice.producer(&backend, &absolute, &model.config, &model.identity, dtype, longest)?)
+        }
         None => None,
     };
     // Two sequences: the per-layer error compares a remote and a local prefill side by side.

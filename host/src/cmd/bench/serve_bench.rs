@@ -171,13 +171,16 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     counts(Field::Inputs, &args.inputs, 1, context - longest_output, &why)?;
     let dtype = args.kv_dtype.dtype();
     let max_concurrency = *args.concurrency.iter().max().expect("checked non-empty");
+    // A slot for every request of the widest batch (as `--peer`'s llama-server gets), so a batch decodes
+    // together.
+    let slots = max_concurrency.max(4);
     if args.url.is_none() {
         // The server would refuse it too, but only after it had started.
-        let budget = request::kv_budget(&config.kv_geometry(), dtype, 64, context, 1)
+        let budget = request::kv_budget(&config.kv_geometry(), dtype, 64, context, slots as u32)
             .context("the KV cache's size does not fit in 64 bits")?;
         request::check_memory(
-            Field::Context,
-            &format!("the KV cache for {context} tokens in {}", dtype.name()),
+            Field::Concurrency,
+            &format!("the KV cache for {slots} slots x {context} tokens in {}", dtype.name()),
             budget,
         )?;
     }
@@ -201,9 +204,8 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                 .args(["--context", &context.to_string(), "--kv-dtype", kv_dtype.get_name()])
                 .args(["--precision", precision.get_name()])
                 .args(["--prefix-cache", if args.prefix_cache == crate::cli::Switch::On { "on" } else { "off" }])
-                // A slot for every request of the widest batch (as `--peer`'s llama-server gets), so a
-                // batch decodes together; and every batch waits in the queue, not in a 503.
-                .args(["--slots", &max_concurrency.max(4).to_string()])
+                // Every batch waits in the queue, not in a 503.
+                .args(["--slots", &slots.to_string()])
                 .args(["--queue", &max_concurrency.max(16).to_string()]);
             if let Some(t) = args.threads {
                 cmd.args(["--threads", &t.to_string()]);
@@ -295,7 +297,6 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     let mut peer_cells = Vec::new();
     if args.peer && died.is_none() {
         let bin = super::peer::llama_server(args.json)?;
-        let slots = max_concurrency.max(4);
         let peer = super::peer::Peer::start(&bin, &path, slots, context, threads)?;
         let bar = super::progress(cells.len() as u64, args.json);
         for c in &cells {
