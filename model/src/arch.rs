@@ -309,7 +309,7 @@ impl Config {
             rope_adjacent: arch == Arch::Llama,
             query_scale,
             context: g.get_u64(&key("context_length")).map(|v| v as usize).unwrap_or(DEFAULT_CONTEXT),
-            bos: g.get_u64("tokenizer.ggml.bos_token_id").ok().map(|v| v as u32),
+            bos: g.get_u64("tokenizer.ggml.bos_token_id").ok().map(saturate_id),
             eos: gguf_eos(g, arch),
         };
         config.checked(g.path())
@@ -380,8 +380,8 @@ impl Config {
         };
         let ids = |v: &serde_json::Value| -> Vec<u32> {
             match v {
-                serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32).collect(),
-                v => v.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+                serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64()).map(saturate_id).collect(),
+                v => v.as_u64().map(|x| vec![saturate_id(x)]).unwrap_or_default(),
             }
         };
         let config = Config {
@@ -399,7 +399,7 @@ impl Config {
             rope_adjacent: false,
             query_scale,
             context: c["max_position_embeddings"].as_u64().map_or(DEFAULT_CONTEXT, |v| v as usize),
-            bos: c["bos_token_id"].as_u64().map(|v| v as u32),
+            bos: c["bos_token_id"].as_u64().map(saturate_id),
             eos: ids(&c["eos_token_id"]),
         };
         config.checked(&config_path)
@@ -441,24 +441,53 @@ impl Config {
                 return Err(bad(what, &format!("at most {max}"), size.to_string()));
             }
         }
+        // Floats a forward pass divides by, takes roots or powers of: a NaN, zero or negative one gives NaN
+        // logits, not an error.
+        let floats = [
+            ("norm epsilon", self.eps),
+            ("rope base", self.rope_global),
+            ("local rope base", self.rope_local),
+            ("attention scale", self.query_scale),
+        ];
+        for (what, v) in floats {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(bad(what, "a finite number above 0", v.to_string()));
+            }
+        }
+        // Token ids the engine feeds or watches for.
+        let ids = self.bos.iter().chain(&self.eos);
+        if let Some(id) = ids.copied().find(|&id| id as usize >= self.vocab) {
+            return Err(bad(
+                "special token",
+                &format!("an id below the vocabulary size {}", self.vocab),
+                id.to_string(),
+            ));
+        }
         if self.layers.contains(&Attention::Sliding(0)) {
             return Err(bad("sliding window", "at least one position", "0".into()));
         }
-        if self.layers.is_empty() || self.vocab == 0 || self.hidden == 0 || self.context == 0 {
+        if self.layers.is_empty() || self.vocab == 0 || self.hidden == 0 || self.ffn == 0 || self.context == 0 {
             return Err(bad(
                 "model size",
-                "at least one layer, token, hidden unit and context position",
+                "at least one layer, token, hidden unit, feed-forward unit and context position",
                 format!(
-                    "{} layers, vocabulary {}, width {}, context {}",
+                    "{} layers, vocabulary {}, width {}, feed-forward width {}, context {}",
                     self.layers.len(),
                     self.vocab,
                     self.hidden,
+                    self.ffn,
                     self.context
                 ),
             ));
         }
         Ok(self)
     }
+}
+
+/// A token id from a file as a `u32`: one past `u32::MAX` becomes `u32::MAX`, which the vocabulary check
+/// refuses, rather than wrapping to a real token.
+fn saturate_id(id: u64) -> u32 {
+    u32::try_from(id).unwrap_or(u32::MAX)
 }
 
 impl Model {

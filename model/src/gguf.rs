@@ -509,6 +509,19 @@ impl Gguf {
                 return Err(invalid("a unique name".into(), "a duplicate".into()));
             }
         }
+        // Every tensor its own bytes: tensors that shared one region would let a small file ask the
+        // loader for their f32 copies many times over (thousands of norms on one block of data).
+        let mut spans: Vec<(u64, u64, &String)> =
+            tensors.iter().map(|(n, t)| (t.offset - data_start, t.offset - data_start + t.len, n)).collect();
+        spans.sort_unstable();
+        if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+            return Err(GgufError::Invalid {
+                path: path.into(),
+                what: format!("tensor {:?}", w[1].2),
+                expected: format!("data after tensor {:?}'s, which ends at data offset {}", w[0].2, w[0].1),
+                found: format!("data from data offset {}", w[1].0),
+            });
+        }
         Ok(Gguf { path: path.into(), map: std::sync::Arc::new(map), version, metadata, tensors })
     }
 
@@ -692,6 +705,33 @@ mod tests {
             open("short", &short).starts_with("FILE: truncated reading metadata \"words\""),
             "{}",
             open("short", &short)
+        );
+    }
+
+    /// A version-3 file with no metadata and F32 tensors of 8 values at the given data offsets.
+    fn file_with_tensors(offsets: &[u64]) -> Vec<u8> {
+        let mut file = b"GGUF".to_vec();
+        file.extend(3u32.to_le_bytes());
+        file.extend((offsets.len() as u64).to_le_bytes());
+        file.extend(0u64.to_le_bytes());
+        for (i, &at) in offsets.iter().enumerate() {
+            file.extend(gguf_string(&format!("t{i}")));
+            file.extend(1u32.to_le_bytes());
+            file.extend(8u64.to_le_bytes());
+            file.extend(0u32.to_le_bytes());
+            file.extend(at.to_le_bytes());
+        }
+        file.resize(file.len().next_multiple_of(32) + 128, 0);
+        file
+    }
+
+    #[test]
+    fn tensors_that_share_bytes_are_refused() {
+        assert_eq!(open_result("apart", &file_with_tensors(&[0, 32, 64])).unwrap().tensors.len(), 3);
+        assert_eq!(
+            open("shared", &file_with_tensors(&[0, 64, 32, 64])),
+            "FILE: tensor \"t3\": expected data after tensor \"t1\"'s, which ends at data offset 96, found data \
+             from data offset 64"
         );
     }
 

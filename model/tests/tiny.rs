@@ -76,3 +76,24 @@ fn a_checkpoint_whose_tensors_do_not_fit_its_config_is_refused_by_name() {
     assert!(err.contains("layer 0 gate projection: expected 1536 values for this config, found 2048"), "{err}");
     std::fs::remove_dir_all(&tmp).unwrap();
 }
+
+#[test]
+fn a_config_that_would_panic_or_give_nan_is_refused_by_name() {
+    let base = std::fs::read_to_string(dir("tiny_llama_4l").join("config.json")).unwrap();
+    for (from, to, says) in [
+        ("\"intermediate_size\": 64", "\"intermediate_size\": 0", "feed-forward width 0"),
+        ("\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": -1e-06", "norm epsilon: expected a finite number above 0"),
+        ("\"rope_theta\": 10000.0", "\"rope_theta\": 0.0", "rope base: expected a finite number above 0, found 0"),
+        ("\"eos_token_id\": 2", "\"eos_token_id\": 256", "special token: expected an id below the vocabulary size 256"),
+        ("\"bos_token_id\": 1", "\"bos_token_id\": 4294967297", "found 4294967295"),
+    ] {
+        let tmp = std::env::temp_dir().join(format!("pdhost-bad-config-{}-{}", std::process::id(), to.len()));
+        std::fs::create_dir_all(&tmp).unwrap();
+        std::fs::copy(dir("tiny_llama_4l").join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
+        assert!(base.contains(from), "{from}");
+        std::fs::write(tmp.join("config.json"), base.replace(from, to)).unwrap();
+        let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
+        assert!(err.contains(says), "{to}: {err}");
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
+}
