@@ -4,7 +4,11 @@ Each reads the model's shape from the config the host passes, so it works on any
 stand-in (a fixed function of layer, K or V, token, position, head and dim), not the model's.
 """
 
+import ctypes
 import struct
+# Imported whole now: a backend runs confined after `open`, and `concurrent.futures` loads its executors
+# lazily, from files the confined process may no longer open.
+from concurrent.futures import ThreadPoolExecutor
 
 
 def _shape(config):
@@ -56,6 +60,13 @@ class Raises(StandIn):
         raise ValueError("the device is not there")
 
 
+class RaisesAfterWriting(StandIn):
+    def prefill(self, request, tokens, start, writer):
+        region = writer.region(0)
+        region[:4] = bytes(4)
+        raise ValueError("failed after writing")
+
+
 class Hangs(StandIn):
     def prefill(self, request, tokens, start, writer):
         while True:
@@ -86,6 +97,34 @@ class KeepsAView(StandIn):
             struct.pack_into("<%df" % len(values), region, 0, *values)
             if entry == 0:
                 self.kept = region.cast("f")
+
+
+class KeepsAnAddress(StandIn):
+    """Takes a region's address and keeps the memoryview, releasing the export at once, as
+    `torch.frombuffer` does: refused, since the address still reaches the slot after the call."""
+
+    def prefill(self, request, tokens, start, writer):
+        for entry in range(writer.entries):
+            region = writer.region(entry)
+            values = self.values(entry, tokens, start)
+            struct.pack_into("<%df" % len(values), region, 0, *values)
+            if entry == 0:
+                self.address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+                self.kept = region
+
+
+class FillsFromThreads(StandIn):
+    """Fills the regions from a pool of threads, as the ABI allows: the same bytes as `StandIn`."""
+
+    def prefill(self, request, tokens, start, writer):
+        def fill(entry):
+            region = writer.region(entry)
+            values = self.values(entry, tokens, start)
+            struct.pack_into("<%df" % len(values), region, 0, *values)
+            region.release()
+
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            list(pool.map(fill, range(writer.entries)))
 
 
 class KeepsTheRegion(StandIn):

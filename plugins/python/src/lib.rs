@@ -27,6 +27,9 @@ use pdhost_plugin_abi::{
     BackendError, Capabilities, Description, PdhostDtype, PdhostLayer, PdhostLayerKind, PdhostLayout, PdhostStatus,
     Prefill, Writer,
 };
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::Mutex;
+
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -90,7 +93,9 @@ fn initialize(libpython: &Path) -> Result<(), BackendError> {
     if unsafe { pyo3::ffi::Py_IsInitialized() } != 0 {
         return Ok(());
     }
-    let home = if std::env::var_os("PYTHONHOME").is_some() { None } else { stdlib_home(libpython) };
+    // An empty PYTHONHOME is no PYTHONHOME to CPython.
+    let set = std::env::var_os("PYTHONHOME").is_some_and(|h| !h.is_empty());
+    let home = if set { None } else { stdlib_home(libpython) };
     let home = home.map(|h| std::ffi::CString::new(h.into_os_string().into_vec())).transpose();
     let home = home.map_err(|_| bad_config("libpython: its home has a NUL byte"))?;
     let failed = |what: &str, status: pyo3::ffi::PyStatus| {
@@ -209,7 +214,12 @@ fn description(d: &Bound<'_, PyAny>) -> Result<(Description, u64), String> {
     }
     let identity = match d.get_item("identity") {
         Ok(v) if !v.is_none() => {
-            Some(v.extract::<String>().map_err(|_| "describe()[\"identity\"]: expected a string")?)
+            let text = v.extract::<String>().map_err(|_| "describe()[\"identity\"]: expected a string")?;
+            // The ABI carries it as a C string: one with a NUL would be cut, or dropped as none.
+            if text.contains('\0') {
+                return Err("describe()[\"identity\"]: expected a string without NUL characters".into());
+            }
+            Some(text)
         }
         _ => None,
     };
@@ -223,13 +233,13 @@ fn description(d: &Bound<'_, PyAny>) -> Result<(Description, u64), String> {
 /// One region's bytes, exported through the buffer protocol so that every view of it (a memoryview, a
 /// cast of one, a numpy array over one) is counted: after `prefill` returns, a count above zero means
 /// Python still reaches the ring slot. The region itself (a view's `.obj`) may outlive the call; it
-/// exports nothing after it.
-#[pyclass(unsendable)]
+/// exports nothing after it. Any thread may view it (the ABI lets a backend's own threads fill regions).
+#[pyclass]
 struct Region {
     /// The slot's bytes; null once the call has returned.
-    ptr: std::cell::Cell<*mut u8>,
+    ptr: AtomicPtr<u8>,
     len: usize,
-    exports: std::cell::Cell<usize>,
+    exports: AtomicUsize,
 }
 
 #[pymethods]
@@ -245,8 +255,12 @@ impl Region {
         flags: std::os::raw::c_int,
     ) -> PyResult<()> {
         let this = slf.borrow();
-        let ptr = this.ptr.get();
+        // Counted before the pointer is read: `finish` nulls the pointer, then reads the count, so a view
+        // made as the call returns is either refused here or seen there.
+        this.exports.fetch_add(1, Ordering::SeqCst);
+        let ptr = this.ptr.load(Ordering::SeqCst);
         if ptr.is_null() {
+            this.exports.fetch_sub(1, Ordering::SeqCst);
             return Err(pyo3::exceptions::PyBufferError::new_err(
                 "a region is only valid during the prefill call that handed it out",
             ));
@@ -258,9 +272,9 @@ impl Region {
             pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr.cast(), this.len as pyo3::ffi::Py_ssize_t, 0, flags)
         };
         if status != 0 {
+            this.exports.fetch_sub(1, Ordering::SeqCst);
             return Err(PyErr::fetch(slf.py()));
         }
-        this.exports.set(this.exports.get() + 1);
         Ok(())
     }
 
@@ -270,44 +284,65 @@ impl Region {
     ///
     /// Called by the interpreter for a buffer `__getbuffer__` filled.
     unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {
-        self.exports.set(self.exports.get().saturating_sub(1));
+        let _ = self.exports.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
     }
 }
 
 /// The writer a Python `prefill` gets: `region(i)` hands out entry `i` once, as a writable memoryview
 /// over the ring slot. Valid only during the call: afterwards every view is released, and `region`
-/// refuses.
-#[pyclass(unsendable)]
+/// refuses. Any thread may call it.
+#[pyclass]
 struct PyWriter {
-    /// The producer's writer, for the duration of one `prefill` call; null after it.
-    writer: *mut Writer<'static>,
-    /// The views handed out, released when the call returns, and the regions under them.
-    views: Vec<(u32, Py<PyAny>, Py<Region>)>,
+    state: Mutex<WriterState>,
     #[pyo3(get)]
     entries: u32,
 }
 
+/// What [`PyWriter`] guards.
+struct WriterState {
+    /// The producer's writer, for the duration of one `prefill` call; null after it.
+    writer: *mut Writer<'static>,
+    /// The views handed out, released when the call returns, and the regions under them.
+    views: Vec<(u32, Py<PyAny>, Py<Region>)>,
+}
+
+// SAFETY: `writer` is only dereferenced under the mutex, during the `prefill` call that set it (`finish`
+// nulls it, under the mutex, before that call returns); the producer's `Writer` hands each region out
+// once and may be used from any thread (docs/plugin-abi.md, "Threading").
+unsafe impl Send for WriterState {}
+
 #[pymethods]
 impl PyWriter {
     /// Entry `entry`'s destination as a writable memoryview of bytes.
-    fn region(&mut self, py: Python<'_>, entry: u32) -> PyResult<Py<PyAny>> {
-        if self.writer.is_null() {
-            return Err(PyValueError::new_err("the writer is only valid during prefill"));
-        }
+    fn region(&self, py: Python<'_>, entry: u32) -> PyResult<Py<PyAny>> {
         if entry >= self.entries {
             return Err(PyIndexError::new_err(format!("region {entry}: expected an entry below {}", self.entries)));
         }
-        // SAFETY: `writer` points to the `Writer` of the `prefill` call in progress (it is nulled before
-        // that call returns), used from the thread that made the call.
-        let writer = unsafe { &mut *self.writer };
-        let region =
-            writer.region(entry).map_err(|e| PyValueError::new_err(format!("region {entry}: {}", e.message)))?;
+        // The lock is held only around Rust: a thread holding it never waits for the interpreter.
+        let (ptr, len) = {
+            let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if state.writer.is_null() {
+                return Err(PyValueError::new_err("the writer is only valid during prefill"));
+            }
+            let state = &*state;
+            // SAFETY: `writer` points to the `Writer` of the `prefill` call in progress (see `WriterState`).
+            let writer = unsafe { &mut *state.writer };
+            let region =
+                writer.region(entry).map_err(|e| PyValueError::new_err(format!("region {entry}: {}", e.message)))?;
+            (region.as_mut_ptr(), region.len())
+        };
         // The region is `len` writable bytes of the ring slot, valid until `prefill` returns; `finish`
         // checks that no view of it is left by then.
-        let region = Region { ptr: region.as_mut_ptr().into(), len: region.len(), exports: Default::default() };
-        let exported = Bound::new(py, region)?;
+        let exported = Bound::new(py, Region { ptr: AtomicPtr::new(ptr), len, exports: AtomicUsize::new(0) })?;
         let view = py.import("builtins")?.getattr("memoryview")?.call1((exported.clone(),))?;
-        self.views.push((entry, view.clone().unbind(), exported.unbind()));
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if state.writer.is_null() {
+            // The call returned meanwhile (a thread of the backend's still at work): the view never leaves.
+            exported.borrow().ptr.store(std::ptr::null_mut(), Ordering::SeqCst);
+            let _ = view.call_method0("release");
+            return Err(PyValueError::new_err("the writer is only valid during prefill"));
+        }
+        state.views.push((entry, view.clone().unbind(), exported.unbind()));
         Ok(view.unbind())
     }
 }
@@ -315,20 +350,40 @@ impl PyWriter {
 impl PyWriter {
     /// Ends the call: no more regions, and every view handed out released. A view the backend kept (a
     /// cast, a slice, a numpy array over a region) would still reach the ring slot after the host took
-    /// it, and it cannot be revoked: the call then fails as a `PANIC`, so that the host kills this
-    /// process, and the view with it.
-    fn finish(&mut self, py: Python<'_>) -> Result<(), BackendError> {
-        self.writer = std::ptr::null_mut();
-        let mut kept = Vec::new();
-        for (entry, view, region) in self.views.drain(..) {
+    /// it, and it cannot be revoked; nor can a pointer taken from one whose export was then released,
+    /// which `torch.frombuffer` does (it keeps the memoryview object itself, which is how that shows).
+    /// Either fails the call as a `PANIC`, so that the host kills this process, and the view with it.
+    fn finish(&self, py: Python<'_>) -> Result<(), BackendError> {
+        let views = {
+            let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            state.writer = std::ptr::null_mut();
+            std::mem::take(&mut state.views)
+        };
+        for (_, view, region) in &views {
             let _ = view.bind(py).call_method0("release");
-            drop(view);
-            let region = region.borrow(py);
             // Kept (as a view's `.obj`), the region gives no new view of the slot.
-            region.ptr.set(std::ptr::null_mut());
-            if region.exports.get() > 0 {
-                kept.push(entry.to_string());
+            region.borrow(py).ptr.store(std::ptr::null_mut(), Ordering::SeqCst);
+        }
+        // Another reference to a memoryview than this list's: the backend kept the view object, or
+        // something that took the slot's address from it. An exception's traceback or a reference
+        // cycle may hold one for a while: the cycles are collected once before it counts.
+        let held = |views: &[(u32, Py<PyAny>, Py<Region>)]| -> Vec<String> {
+            views
+                .iter()
+                .filter(|(_, view, region)| {
+                    // SAFETY: a live object (this list holds a reference), read with the interpreter held.
+                    let refs = unsafe { pyo3::ffi::Py_REFCNT(view.as_ptr()) };
+                    refs > 1 || region.borrow(py).exports.load(Ordering::SeqCst) > 0
+                })
+                .map(|(entry, ..)| entry.to_string())
+                .collect()
+        };
+        let mut kept = held(&views);
+        if !kept.is_empty() {
+            if let Ok(gc) = py.import("gc") {
+                let _ = gc.call_method0("collect");
             }
+            kept = held(&views);
         }
         if kept.is_empty() {
             return Ok(());
@@ -336,8 +391,8 @@ impl PyWriter {
         Err(BackendError::new(
             PdhostStatus::Panic,
             format!(
-                "prefill returned with a view of region(s) {} still alive (a cast, slice or array of the \
-                 memoryview kept past the call): it would reach a slot the host owns",
+                "prefill returned with a view of region(s) {} still alive (the memoryview, or a cast, slice \
+                 or array of it, kept past the call): it would reach a slot the host owns",
                 kept.join(", ")
             ),
         ))
@@ -362,6 +417,9 @@ impl pdhost_plugin_abi::Backend for PyBackend {
         let libpython = promote_libpython()?;
         initialize(&libpython)?;
         Python::attach(|py| {
+            // Before `python_path` goes in front: a `json.py` of the backend's must not stand in for it.
+            let loads =
+                py.import("json").and_then(|j| j.getattr("loads")).map_err(|e| backend_error(py, "json", &e))?;
             let sys = py.import("sys").map_err(|e| backend_error(py, "import sys", &e))?;
             let sys_path = sys.getattr("path").and_then(|p| p.cast_into::<PyList>().map_err(Into::into));
             let sys_path = sys_path.map_err(|e| backend_error(py, "sys.path", &e))?;
@@ -376,8 +434,6 @@ impl pdhost_plugin_abi::Backend for PyBackend {
                 .getattr(class.as_str())
                 .map_err(|_| bad_config(format!("{module}: expected a class {class}, found none")))?;
             let instance = cls.call0().map_err(|e| backend_error(py, &format!("{module}.{class}()"), &e))?;
-            let loads =
-                py.import("json").and_then(|j| j.getattr("loads")).map_err(|e| backend_error(py, "json", &e))?;
             let config_obj = loads.call1((config,)).map_err(|e| backend_error(py, "config", &e))?;
             let config_dict = config_obj.cast::<PyDict>().map_err(|_| bad_config("config: expected a JSON object"))?;
             instance.call_method1("open", (config_dict,)).map_err(|e| backend_error(py, "open", &e))?;
@@ -418,24 +474,34 @@ impl pdhost_plugin_abi::Backend for PyBackend {
             // SAFETY (of the cast): the pointer is used only by `PyWriter::region` during this call, and
             // `finish` nulls it before the call returns, whatever Python did.
             let raw = (writer as *mut Writer<'_>).cast::<Writer<'static>>();
-            let py_writer = Bound::new(py, PyWriter { writer: raw, views: Vec::new(), entries })
-                .map_err(|e| backend_error(py, "writer", &e))?;
+            let state = Mutex::new(WriterState { writer: raw, views: Vec::new() });
+            let py_writer = Bound::new(py, PyWriter { state, entries }).map_err(|e| backend_error(py, "writer", &e))?;
             let args = (request.request_id, tokens, request.start_pos, py_writer.clone());
             let instance = self.instance.bind(py);
-            let called = match context {
-                None => instance.call_method1("prefill", args),
+            let kwargs = match context {
+                None => None,
                 Some(context) => {
                     let kwargs = PyDict::new(py);
                     kwargs.set_item("context", context).map_err(|e| backend_error(py, "context", &e))?;
-                    instance.call_method("prefill", args, Some(&kwargs))
+                    Some(kwargs)
                 }
             };
-            let finished = py_writer.borrow_mut().finish(py);
+            // A Rust panic inside the call (one that came back through Python as a `PanicException` is
+            // resumed) must not skip `finish`: the writer would point into a stack frame that is gone.
+            let called = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                // The exception becomes text here, and its traceback (whose frames may hold views) is
+                // dropped before `finish` counts what still holds one.
+                instance
+                    .call_method("prefill", args, kwargs.as_ref())
+                    .map(drop)
+                    .map_err(|e| backend_error(py, "prefill", &e))
+            }));
+            let finished = py_writer.borrow().finish(py);
+            let called = called.unwrap_or_else(|panic| std::panic::resume_unwind(panic));
             // A view of the slot still held outlives the call, whatever Python raised: `finish`'s error
             // (which has the producer replaced) comes first.
             finished?;
-            called.map_err(|e| backend_error(py, "prefill", &e))?;
-            Ok(())
+            called
         })
     }
 
