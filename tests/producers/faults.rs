@@ -217,9 +217,10 @@ fault_tests!(
 );
 
 /// A backend that makes the host the owner of the control socket inside `open`, before any filter
-/// exists, with `SIGKILL` as its signal and `O_ASYNC` on: the kernel would kill the host whenever its
-/// write found the producer not waiting in a read. The producer takes its descriptors back before it
-/// reports ready: none of its sockets is asynchronous any more, and requests run remotely.
+/// exists, with `SIGKILL` as its signal and `O_ASYNC` on, and so of its stdout, stderr and new
+/// descriptions of its doorbells: the kernel would kill the host whenever its write found the producer
+/// not waiting in a read, or its read of the producer's output made room. The producer takes every
+/// descriptor back before it reports ready: none is asynchronous any more, and requests run remotely.
 #[test]
 fn a_socket_owner_set_in_open_signals_no_one() {
     let _serial = serial();
@@ -234,18 +235,20 @@ fn a_socket_owner_set_in_open_signals_no_one() {
         .unwrap_or_else(|err| panic!("the request runs remotely: {err}"));
     assert!(gen.report.remote && gen.output == reference, "remote and equal to local");
     let pid = p.pid().expect("a running producer");
-    let mut sockets = 0;
+    let (mut sockets, mut pipes) = (0, 0);
     for fd in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().flatten() {
-        if !std::fs::read_link(fd.path()).is_ok_and(|t| t.to_string_lossy().starts_with("socket:")) {
-            continue;
-        }
+        let target = std::fs::read_link(fd.path()).map(|t| t.to_string_lossy().into_owned()).unwrap_or_default();
         let info = std::fs::read_to_string(format!("/proc/{pid}/fdinfo/{}", fd.file_name().to_string_lossy()));
         let flags = info.iter().flat_map(|i| i.lines()).find_map(|l| l.strip_prefix("flags:"));
-        let flags = u32::from_str_radix(flags.expect("fdinfo has flags").trim(), 8).unwrap();
-        assert_eq!(flags & libc::O_ASYNC as u32, 0, "the producer's socket {fd:?} signals its owner");
-        sockets += 1;
+        let Some(flags) = flags else { continue };
+        let flags = u32::from_str_radix(flags.trim(), 8).unwrap();
+        // Every descriptor: the sockets, stdout and stderr (pipes the host reads), and the doorbells'
+        // descriptions the backend opened anew.
+        assert_eq!(flags & libc::O_ASYNC as u32, 0, "the producer's {target} ({fd:?}) signals its owner");
+        sockets += usize::from(target.starts_with("socket:"));
+        pipes += usize::from(target.starts_with("pipe:"));
     }
-    assert!(sockets > 0, "the producer has its control socket");
+    assert!(sockets > 0 && pipes >= 6, "the control socket, stdout, stderr, two doorbells and their copies");
     drop(p);
     assert_eq!(snapshot(), before, "leak");
 }

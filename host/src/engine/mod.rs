@@ -15,7 +15,7 @@ use shm_format::{Dtype, EntryKind, Manifest};
 use zerocopy::FromBytes;
 
 use crate::kv::convert::convert;
-use crate::kv::{IngestError, KvConfig, PagedKv, SeqId};
+use crate::kv::{IngestError, KvConfig, PagedKv, Rounding, SeqId};
 use crate::supervisor::{PrefillCall, Producer, ProducerError, SpanTimes};
 pub use logprobs::{TokenLogprob, MAX_TOP_LOGPROBS};
 pub use sampler::Penalties;
@@ -77,15 +77,15 @@ struct Prefilled {
     report: PrefillReport,
 }
 
-/// Who will prefill a request: the producers' name, and the wire dtype of their spans when their
-/// backend can start a request past position 0 (ABI 1.1), so that a prefix-cache hit may go remote.
+/// Who will prefill a request: the producers' name, and how their K/V come to be (their backend and wire
+/// dtype) when it can start a request past position 0 (ABI 1.1), so that a prefix-cache hit may go remote.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Remote {
     /// The producers' name.
     pub name: String,
-    /// `Some(wire dtype)` when prefix-cache hits may be prefilled remotely; `None` when the backend is
-    /// not known yet or cannot take a request's context (then remote requests never hit).
-    pub hits: Option<Dtype>,
+    /// `Some(the backend's rounding)` when prefix-cache hits may be prefilled remotely; `None` when the
+    /// backend is not known yet or cannot take a request's context (then remote requests never hit).
+    pub hits: Option<Rounding>,
     /// The most tokens the backend takes in one call (its capabilities), when it says: remote prefills
     /// are chunked to it.
     pub max_tokens: Option<u64>,
@@ -94,14 +94,17 @@ pub struct Remote {
 impl Remote {
     /// What `producer` is, as far as it is known now.
     pub fn of(producer: &Producer) -> Self {
-        let hits = producer.wire_dtype().filter(|_| producer.takes_context() == Some(true));
+        let hits = producer
+            .wire_dtype()
+            .filter(|_| producer.takes_context() == Some(true))
+            .map(|dtype| Rounding::backend(producer.name(), dtype));
         Remote { name: producer.name().to_string(), hits, max_tokens: producer.max_tokens() }
     }
 
     /// What producers that may each take any request are together (`--producer A,B`): hits only when
-    /// every one of them takes a request's context with the same wire dtype (a hit's K/V are keyed by
-    /// their rounding, and the rest of the prompt must be rounded the same way, by whichever producer
-    /// takes it), chunks no longer than the smallest `max_tokens`, and their distinct names joined by
+    /// every one of them takes a request's context and is one backend with one wire dtype (a hit's K/V
+    /// are keyed by who computed them and how they were rounded, and the rest of the prompt must come to
+    /// be the same way, whichever producer takes it), chunks no longer than the smallest `max_tokens`, and their distinct names joined by
     /// commas. `None` when there are none.
     pub fn together(each: &[Remote]) -> Option<Remote> {
         let first = each.first()?;
@@ -130,9 +133,9 @@ pub struct Prefilling {
     done: usize,
     /// Tokens shared from the prefix cache (the first chunk starts there).
     hit: usize,
-    /// The dtype the K/V of this prompt are rounded through (the wire's, or the cache's when local): how
-    /// the prefix cache keys its blocks. `None`: not looked up, not registered.
-    rounding: Option<Dtype>,
+    /// How the K/V of this prompt come to be (the backend's and its wire dtype, or the host's and the
+    /// cache's when local): how the prefix cache keys its blocks. `None`: not looked up, not registered.
+    rounding: Option<Rounding>,
     /// Whether the chunks so far came from the producer.
     remote: bool,
     prefilled: Prefilled,
@@ -619,7 +622,7 @@ impl Engine {
         let mut p = Prefilling::new(seq, request_id, head.len(), chunk, remote.map(|r| r.name.as_str()));
         p.rounding = match remote {
             Some(r) => r.hits,
-            None => Some(self.kv.dtype()),
+            None => Some(Rounding::host(self.kv.dtype())),
         };
         self.attach_prefix(&mut p, head);
         p
@@ -639,11 +642,11 @@ impl Engine {
     }
 
     /// Registers the full pages of a complete prefill's prompt in the prefix cache, when every one of
-    /// them went through the rounding its blocks are keyed by.
+    /// them came to be as its blocks are keyed: a producer's spans under its own rounding (none for a
+    /// backend that takes no hit: its blocks would never be looked up), the host's under the cache's.
     fn register_prefix(&mut self, p: &Prefilling, head: &[u32]) {
-        let cache = self.kv.dtype();
         let report = &p.prefilled.report;
-        let rounding = if report.remote { report.wire_dtype.or(p.rounding) } else { Some(cache) };
+        let rounding = if report.remote { p.rounding } else { Some(Rounding::host(self.kv.dtype())) };
         if p.hit > 0 && rounding != p.rounding {
             return;
         }
@@ -679,7 +682,7 @@ impl Engine {
         p.prefilled = Prefilled::default();
         p.prefilled.report.producer = producer;
         p.prefilled.report.fallback = Some(error);
-        p.rounding = Some(self.kv.dtype());
+        p.rounding = Some(Rounding::host(self.kv.dtype()));
         self.attach_prefix(p, head);
     }
 
@@ -1064,7 +1067,11 @@ mod tests {
 
     #[test]
     fn producers_together_promise_only_what_each_of_them_does() {
-        let r = |name: &str, hits, max_tokens| Remote { name: name.into(), hits, max_tokens };
+        let r = |name: &str, hits: Option<Dtype>, max_tokens| Remote {
+            name: name.into(),
+            hits: hits.map(|d| Rounding::backend(name, d)),
+            max_tokens,
+        };
         assert_eq!(Remote::together(&[]), None);
         let one = r("rngd", Some(Dtype::Bf16), Some(512));
         assert_eq!(Remote::together(std::slice::from_ref(&one)), Some(one.clone()));
@@ -1078,8 +1085,9 @@ mod tests {
             assert_eq!(both.max_tokens, Some(other.max_tokens.unwrap_or(512).min(512)), "{other:?}");
             assert_eq!(both.name, format!("rngd,{}", other.name));
         }
-        let same = Remote::together(&[one.clone(), r("gpu", Some(Dtype::Bf16), None)]).expect("two producers");
-        assert_eq!((same.hits, same.max_tokens), (Some(Dtype::Bf16), Some(512)));
+        // Another backend, even at the same wire dtype, computes other K/V: no hits either.
+        let other = Remote::together(&[one.clone(), r("gpu", Some(Dtype::Bf16), None)]).expect("two producers");
+        assert_eq!((other.hits, other.max_tokens), (None, Some(512)));
     }
 
     /// A sequence made live by `go_live` runs its last prompt token in its first step, batched with

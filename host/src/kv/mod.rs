@@ -16,6 +16,7 @@
 pub mod convert;
 pub mod ingest;
 pub mod prefix;
+pub use prefix::Rounding;
 #[cfg(test)]
 mod tests;
 

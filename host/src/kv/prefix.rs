@@ -1,10 +1,10 @@
 //! The prefix cache: full pages of prompts, shared by content between sequences.
 //!
-//! A prompt is cut into page-sized blocks of tokens. Block `b`'s key hashes the key of block `b - 1`, the
-//! dtype its K/V were rounded through on the way in (a producer's wire dtype, or the cache's own for local
-//! prefill: the same tokens through another rounding are other bytes) and its tokens, so a key stands for
-//! the whole prefix up to the block's end. A lookup also compares each block's tokens and parent key, so a
-//! hash collision is a miss, never someone else's K/V.
+//! A prompt is cut into page-sized blocks of tokens. Block `b`'s key hashes the key of block `b - 1`, how
+//! its K/V came to be ([`Rounding`]: who computed them, the host or a named backend, and the dtype they
+//! were rounded through on the way in; the same tokens another way are other bytes) and its tokens, so a
+//! key stands for the whole prefix up to the block's end. A lookup also compares each block's tokens,
+//! parent key and rounding, so a hash collision is a miss, never someone else's K/V.
 //!
 //! When a sequence's prefill is complete, [`PagedKv::register_prefix`] records, for each full block of
 //! its prompt, the page each group holds it in. Pages are refcounted by the block tables that hold them; a
@@ -30,10 +30,35 @@ use shm_format::{Dtype, GroupKind};
 
 use super::{BlockTable, PagedKv, SeqId};
 
+/// How a block's K/V came to be: who computed them and the dtype they were rounded through on the way
+/// into the cache. Blocks of the same tokens hold the same bytes only where both agree: a backend with
+/// its own arithmetic (torch's, a vendor's) computes other K/V than the host at any dtype, so its blocks
+/// are never handed to a prefill of the host's, nor the host's to it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rounding {
+    /// The dtype.
+    pub dtype: Dtype,
+    /// 0 for the host's own forward pass; else a hash of the backend's name.
+    by: u64,
+}
+
+impl Rounding {
+    /// K/V the host computed, rounded to `dtype` (the cache's).
+    pub fn host(dtype: Dtype) -> Self {
+        Rounding { dtype, by: 0 }
+    }
+
+    /// K/V the backend named `name` computed and sent in `dtype`.
+    pub fn backend(name: &str, dtype: Dtype) -> Self {
+        Rounding { dtype, by: twox_hash::XxHash3_64::oneshot(name.as_bytes()) | 1 }
+    }
+}
+
 /// What the cache knows of one block of a prompt.
 #[derive(Debug)]
 struct Block {
     parent: u64,
+    rounding: Rounding,
     tokens: Box<[u32]>,
     /// Per group: the page holding the block, and the first position in it whose bytes are there.
     pages: Vec<Option<(u32, u64)>>,
@@ -48,11 +73,12 @@ pub(crate) struct PrefixIndex {
     tick: u64,
 }
 
-/// The key of the block after `parent` holding `tokens`, rounded through `dtype`.
-fn key(parent: u64, dtype: Dtype, tokens: &[u32]) -> u64 {
+/// The key of the block after `parent` holding `tokens`, computed and rounded as `rounding` says.
+fn key(parent: u64, rounding: Rounding, tokens: &[u32]) -> u64 {
     let mut h = twox_hash::XxHash3_64::with_seed(0x7072_6566_6978);
     h.write_u64(parent);
-    h.write_u8(dtype as u8);
+    h.write_u8(rounding.dtype as u8);
+    h.write_u64(rounding.by);
     for &t in tokens {
         h.write_u32(t);
     }
@@ -92,6 +118,8 @@ impl PrefixIndex {
             let b = &self.blocks[k];
             h.write_u64(*k);
             h.write_u64(b.parent);
+            h.write_u8(b.rounding.dtype as u8);
+            h.write_u64(b.rounding.by);
             b.tokens.iter().for_each(|&t| h.write_u32(t));
             for page in &b.pages {
                 match page {
@@ -115,13 +143,13 @@ impl PrefixIndex {
     }
 
     /// The registered blocks of `tokens`' full pages from the start, as far as they go.
-    fn chain<'a>(&'a self, tokens: &[u32], page: usize, dtype: Dtype) -> Vec<&'a Block> {
+    fn chain<'a>(&'a self, tokens: &[u32], page: usize, rounding: Rounding) -> Vec<&'a Block> {
         let mut found = Vec::new();
         let mut parent = 0;
         for block_tokens in tokens.chunks_exact(page) {
-            let k = key(parent, dtype, block_tokens);
+            let k = key(parent, rounding, block_tokens);
             match self.blocks.get(&k) {
-                Some(b) if b.parent == parent && *b.tokens == *block_tokens => found.push(b),
+                Some(b) if b.parent == parent && b.rounding == rounding && *b.tokens == *block_tokens => found.push(b),
                 _ => break,
             }
             parent = k;
@@ -149,17 +177,17 @@ impl PagedKv {
         self.prefix.is_some()
     }
 
-    /// Shares with the empty sequence `seq` the longest registered prefix of `tokens` (rounded through
-    /// `dtype`) that every group can use, in whole pages: afterwards `seq` holds positions
+    /// Shares with the empty sequence `seq` the longest registered prefix of `tokens` (computed and
+    /// rounded as `rounding` says) that every group can use, in whole pages: afterwards `seq` holds positions
     /// `0..hit.tokens`, and its next span starts there. No hit (the cache off, nothing registered, a
     /// sequence that is not empty) leaves everything as it was.
-    pub fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32], dtype: Dtype) -> PrefixHit {
+    pub fn attach_prefix(&mut self, seq: SeqId, tokens: &[u32], rounding: Rounding) -> PrefixHit {
         let Some(index) = &self.prefix else { return PrefixHit::default() };
         if self.seqs.get(&seq).is_none_or(|s| s.len != 0) || self.groups.iter().any(|g| !g.is_attention()) {
             return PrefixHit::default();
         }
         let p = u64::from(self.page_size);
-        let blocks = index.chain(tokens, p as usize, dtype);
+        let blocks = index.chain(tokens, p as usize, rounding);
         // The longest hit every group can serve: the full groups' pages must all be there, so it is at
         // most the run of blocks with full pages; then the sliding windows decide.
         let usable = |n: usize| -> bool {
@@ -203,17 +231,17 @@ impl PagedKv {
         PrefixHit { tokens: h }
     }
 
-    /// Registers the full pages of `seq`'s prompt `tokens` (whose K/V were rounded through `dtype`) so
-    /// later sequences can share them. Blocks already registered keep their pages (a group that had
+    /// Registers the full pages of `seq`'s prompt `tokens` (whose K/V were computed and rounded as
+    /// `rounding` says) so later sequences can share them. Blocks already registered keep their pages (a group that had
     /// none takes this sequence's). Does nothing with the cache off.
-    pub fn register_prefix(&mut self, seq: SeqId, tokens: &[u32], dtype: Dtype) {
+    pub fn register_prefix(&mut self, seq: SeqId, tokens: &[u32], rounding: Rounding) {
         let Some(index) = &mut self.prefix else { return };
         let Some(s) = self.seqs.get(&seq) else { return };
         let p = u64::from(self.page_size);
         let held = tokens.len().min(s.len as usize);
         let mut parent = 0;
         for (b, block_tokens) in tokens[..held].chunks_exact(p as usize).enumerate() {
-            let k = key(parent, dtype, block_tokens);
+            let k = key(parent, rounding, block_tokens);
             let b = b as u64;
             let pages: Vec<Option<(u32, u64)>> = self
                 .groups
@@ -226,7 +254,11 @@ impl PagedKv {
                 })
                 .collect();
             match index.blocks.get_mut(&k) {
-                Some(block) if block.parent != parent || *block.tokens != *block_tokens => return,
+                Some(block)
+                    if block.parent != parent || block.rounding != rounding || *block.tokens != *block_tokens =>
+                {
+                    return
+                }
                 Some(block) => {
                     for (gi, (mine, theirs)) in pages.iter().zip(&mut block.pages).enumerate() {
                         if let (Some((page, _)), None) = (mine, &theirs) {
@@ -253,7 +285,7 @@ impl PagedKv {
                             index.owner[gi].insert(*page, k);
                         }
                     }
-                    index.blocks.insert(k, Block { parent, tokens: block_tokens.into(), pages });
+                    index.blocks.insert(k, Block { parent, rounding, tokens: block_tokens.into(), pages });
                 }
             }
             parent = k;

@@ -393,7 +393,7 @@ fn a_prefix_hit_shares_whole_pages_and_reads_back_the_first_sequences_bytes() {
     kv.add_sequence(SeqId(1), 1).unwrap();
     ingest_chunks(&mut kv, SeqId(1), 1, 0..19, 4, 1);
     let unregistered = kv.state_hash();
-    kv.register_prefix(SeqId(1), &a, Dtype::F32);
+    kv.register_prefix(SeqId(1), &a, Rounding::host(Dtype::F32));
     assert_ne!(kv.state_hash(), unregistered, "the state's hash covers the prefix index");
 
     // Misses change nothing: other tokens in the first page, another rounding.
@@ -401,15 +401,17 @@ fn a_prefix_hit_shares_whole_pages_and_reads_back_the_first_sequences_bytes() {
     let before = kv.state_hash();
     let mut other = a.clone();
     other[1] = 99;
-    assert_eq!(kv.attach_prefix(SeqId(2), &other, Dtype::F32).tokens, 0);
-    assert_eq!(kv.attach_prefix(SeqId(2), &a, Dtype::Bf16).tokens, 0);
+    assert_eq!(kv.attach_prefix(SeqId(2), &other, Rounding::host(Dtype::F32)).tokens, 0);
+    assert_eq!(kv.attach_prefix(SeqId(2), &a, Rounding::host(Dtype::Bf16)).tokens, 0);
+    // The same tokens and dtype computed by a backend are other bytes than the host's: a miss.
+    assert_eq!(kv.attach_prefix(SeqId(2), &a, Rounding::backend("torch", Dtype::F32)).tokens, 0);
     assert_eq!(kv.state_hash(), before);
 
     // Sixteen tokens agree: four whole pages. The sliding layer needs positions 8..16 of them, which
     // sequence 1 still holds.
     let mut b: Vec<u32> = a[..16].to_vec();
     b.extend([100, 101, 102, 103]);
-    assert_eq!(kv.attach_prefix(SeqId(2), &b, Dtype::F32).tokens, 16);
+    assert_eq!(kv.attach_prefix(SeqId(2), &b, Rounding::host(Dtype::F32)).tokens, 16);
     assert_eq!(kv.seq_len(SeqId(2)), Some(16));
     let (positions, k, v) = layer_bytes(&kv, SeqId(2), 1);
     assert_eq!(positions, 0..16);
@@ -437,7 +439,7 @@ fn a_prefix_hit_shares_whole_pages_and_reads_back_the_first_sequences_bytes() {
     assert_eq!((usage[1].used, usage[1].cached, usage[1].free), (0, 4, 4));
     assert_eq!((usage[0].used, usage[0].cached), (0, 2));
     kv.add_sequence(SeqId(3), 3).unwrap();
-    assert_eq!(kv.attach_prefix(SeqId(3), &b, Dtype::F32).tokens, 16);
+    assert_eq!(kv.attach_prefix(SeqId(3), &b, Rounding::host(Dtype::F32)).tokens, 16);
     assert_eq!(layer_bytes(&kv, SeqId(3), 1).1, seq1.1 .1[..16 * 8]);
     kv.remove_sequence(SeqId(3)).unwrap();
 
@@ -448,7 +450,7 @@ fn a_prefix_hit_shares_whole_pages_and_reads_back_the_first_sequences_bytes() {
     assert_eq!((kv.usage()[1].used, kv.usage()[1].cached, kv.usage()[1].free), (8, 0, 0));
     kv.remove_sequence(SeqId(4)).unwrap();
     kv.add_sequence(SeqId(5), 5).unwrap();
-    assert_eq!(kv.attach_prefix(SeqId(5), &b, Dtype::F32).tokens, 0);
+    assert_eq!(kv.attach_prefix(SeqId(5), &b, Rounding::host(Dtype::F32)).tokens, 0);
     let usage = kv.usage();
     assert!(usage.iter().all(|u| u.used == 0 && u.free + u.cached == u.total), "{usage:?}");
 }
@@ -462,12 +464,12 @@ fn a_sliding_window_that_no_longer_holds_a_prefix_limits_the_hit() {
     // positions 12..22 (whole pages from 22 - 8 = 14 down).
     kv.add_sequence(SeqId(1), 1).unwrap();
     ingest_chunks(&mut kv, SeqId(1), 1, 0..22, 22, 1);
-    kv.register_prefix(SeqId(1), &a, Dtype::F32);
+    kv.register_prefix(SeqId(1), &a, Rounding::host(Dtype::F32));
     kv.add_sequence(SeqId(2), 2).unwrap();
     // 16 tokens would need positions 8..16 in the sliding layer, which were never written: no hit.
-    assert_eq!(kv.attach_prefix(SeqId(2), &a[..16], Dtype::F32).tokens, 0);
+    assert_eq!(kv.attach_prefix(SeqId(2), &a[..16], Rounding::host(Dtype::F32)).tokens, 0);
     // 20 tokens need 12..20: held.
-    assert_eq!(kv.attach_prefix(SeqId(2), &a, Dtype::F32).tokens, 20);
+    assert_eq!(kv.attach_prefix(SeqId(2), &a, Rounding::host(Dtype::F32)).tokens, 20);
     let (positions, k, _) = layer_bytes(&kv, SeqId(2), 0);
     assert_eq!(positions, 12..20);
     let (positions1, k1, _) = layer_bytes(&kv, SeqId(1), 0);
@@ -493,11 +495,11 @@ fn a_window_that_pages_do_not_divide_still_holds_the_whole_pages_prefix() {
     let a: Vec<u32> = (0..23).collect();
     kv.add_sequence(SeqId(1), 1).unwrap();
     ingest_chunks(&mut kv, SeqId(1), 1, 0..23, 5, 1);
-    kv.register_prefix(SeqId(1), &a, Dtype::F32);
+    kv.register_prefix(SeqId(1), &a, Rounding::host(Dtype::F32));
     assert_eq!(layer_bytes(&kv, SeqId(1), 0).0, 17..23, "the window as the sequence sees it");
     kv.add_sequence(SeqId(2), 2).unwrap();
     // A hit of 20 needs positions 14..20 of the sliding layer: held.
-    assert_eq!(kv.attach_prefix(SeqId(2), &a, Dtype::F32).tokens, 20);
+    assert_eq!(kv.attach_prefix(SeqId(2), &a, Rounding::host(Dtype::F32)).tokens, 20);
     let (positions, k, _) = layer_bytes(&kv, SeqId(2), 0);
     assert_eq!(positions, 14..20);
     let written: Vec<u8> = (0..23u64)
@@ -525,9 +527,9 @@ fn models_with_recurrent_state_never_hit() {
     let a: Vec<u32> = (0..8).collect();
     kv.add_sequence(SeqId(1), 1).unwrap();
     ingest_chunks(&mut kv, SeqId(1), 1, 0..8, 8, 1);
-    kv.register_prefix(SeqId(1), &a, Dtype::F32);
+    kv.register_prefix(SeqId(1), &a, Rounding::host(Dtype::F32));
     kv.add_sequence(SeqId(2), 2).unwrap();
-    assert_eq!(kv.attach_prefix(SeqId(2), &a, Dtype::F32).tokens, 0);
+    assert_eq!(kv.attach_prefix(SeqId(2), &a, Rounding::host(Dtype::F32)).tokens, 0);
 }
 
 fn arb_geometry() -> impl Strategy<Value = KvGeometry> {

@@ -16,7 +16,7 @@ use super::metrics::Metrics;
 use crate::engine::{
     Engine, EngineError, Finish, Live, OnFailure, Prefilling, Remote, Request, Sampling, TokenLogprob,
 };
-use crate::supervisor::Producer;
+use crate::supervisor::{Producer, ProducerError};
 use crate::text::TextStream;
 
 /// What the engine thread builds before it serves: the slow part (weights, producer start), so it runs
@@ -360,6 +360,10 @@ impl<'t> Scheduler<'_, 't> {
                 self.loaded.engine.model.exec.set_awake(!shared);
                 self.round(&mut live);
             }
+            // Slots freed this round (a sequence ended, a prefill failed) are free now: published before
+            // the thread may block below, or for up to its wait (100 ms) the queue would refuse requests
+            // beside empty slots.
+            self.state.set_free(self.loaded.slots - live.len() - admitting.len());
             self.metrics.running.set((live.len() + admitting.len()) as i64);
             self.metrics.kv_usage(&self.loaded.engine.kv.usage());
             if !live.is_empty() {
@@ -438,9 +442,14 @@ impl<'t> Scheduler<'_, 't> {
                 let next = a.prefill.next_call(a.head()).filter(|_| !a.job.events.is_closed());
                 if let Some(call) = next {
                     let work = super::prefill::Work { seq, call };
+                    let name = producer.name().to_string();
                     if self.pool.resubmit(index, producer, work).is_ok() {
                         return;
                     }
+                    // Its waiter is gone (the pool is stopping): the rest is prefilled here, not by another
+                    // producer, which has none of the request's K/V.
+                    let source = std::io::Error::other("its producer's waiter thread is gone");
+                    self.fall_back(a, ProducerError::Io { name, op: "prefill", source });
                 } else {
                     // The request's last call to this producer (or it was cancelled).
                     producer.release(a.prefill.request_id());
@@ -450,16 +459,22 @@ impl<'t> Scheduler<'_, 't> {
             Err(e) => {
                 producer.release(a.prefill.request_id());
                 self.pool.rest(index, producer);
-                let head = &a.job.request.prompt[..a.job.request.prompt.len() - 1];
-                self.loaded.engine.fall_back(&mut a.prefill, head, e);
-                a.prefill.in_pieces_of(self.loaded.local_piece);
-                if self.loaded.on_failure == OnFailure::Fail {
-                    let e = a.prefill.take_fallback().expect("just set");
-                    a.failed = Some(EngineError::from(e).to_string());
-                }
+                self.fall_back(a, e);
             }
         }
         a.in_flight = false;
+    }
+
+    /// `a`'s remote prefill failed with `e`: it goes on locally, in pieces, or fails (`--on-producer-failure
+    /// fail`).
+    fn fall_back(&mut self, a: &mut Admitting, e: ProducerError) {
+        let head = &a.job.request.prompt[..a.job.request.prompt.len() - 1];
+        self.loaded.engine.fall_back(&mut a.prefill, head, e);
+        a.prefill.in_pieces_of(self.loaded.local_piece);
+        if self.loaded.on_failure == OnFailure::Fail {
+            let e = a.prefill.take_fallback().expect("just set");
+            a.failed = Some(EngineError::from(e).to_string());
+        }
     }
 
     /// Gives the first chunk of waiting remote prefills to producers at rest, in admission order.

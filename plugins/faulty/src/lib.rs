@@ -616,13 +616,27 @@ fn open_fds() -> Vec<(i32, String)> {
         .collect()
 }
 
-/// Makes the host the owner of this process's control sockets, with `SIGKILL` for their signal: each
-/// write by the host would then kill it (the kernel signals a descriptor's owner when the descriptor
-/// becomes readable).
+/// Makes the host the owner of this process's control sockets, its stdout and stderr, and of a new open
+/// file description of each pipe it holds (the doorbells, through `/proc/self/fd`), with `SIGKILL` for
+/// their signal: the host's write to a socket, or its read of a pipe this process writes, would then kill
+/// it (the kernel signals a descriptor's owner when the descriptor becomes ready). The new descriptions
+/// stay open.
 fn sigio_host() {
     /// Linux's `F_SETSIG` (x86-64 and arm64), which the `libc` crate does not export for glibc.
     const F_SETSIG: libc::c_int = 10;
-    for fd in control_sockets() {
+    let mut fds = control_sockets();
+    fds.extend([1, 2]);
+    for (fd, target) in open_fds() {
+        if target.starts_with("pipe:") {
+            let path = std::ffi::CString::new(format!("/proc/self/fd/{fd}")).expect("no NUL");
+            // SAFETY: open of a NUL-terminated path; the descriptor is kept (leaked) on purpose.
+            let again = unsafe { libc::open(path.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC) };
+            if again >= 0 {
+                fds.push(again);
+            }
+        }
+    }
+    for fd in fds {
         // SAFETY: fcntl with integer arguments on a descriptor this process holds.
         unsafe {
             libc::fcntl(fd, F_SETSIG, libc::SIGKILL);

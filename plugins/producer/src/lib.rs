@@ -15,7 +15,7 @@ pub mod protocol;
 pub mod sandbox;
 
 use std::ffi::{c_char, c_void, OsString};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -378,13 +378,11 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(),
     let loaded = load(&args.backend).map_err(|e| fatal("load")(format!("{}: {e}", args.backend.display())))?;
     let instance = open(&loaded, &args.config)?;
     let (framing, described) = describe(&instance)?;
-    let mut fds: Vec<RawFd> = ring_fds.iter().map(AsRawFd::as_raw_fd).collect();
-    fds.push(socket.as_raw_fd());
     let mut ring = RingWriter::open(ring_fds).map_err(|e| fatal("ring")(e.to_string()))?;
     if args.sandbox {
         // What the backend started while it opened (a helper, a daemon) ends here, the descriptors it
         // could have pointed at another process are ours again, and from here on it can start nothing.
-        let ended = sandbox::confine_backend(&fds).map_err(fatal("sandbox"))?;
+        let ended = sandbox::confine_backend().map_err(fatal("sandbox"))?;
         if ended > 0 {
             eprintln!(
                 "pdhost-producer: the backend left {ended} process(es) running after open: killed (a backend \

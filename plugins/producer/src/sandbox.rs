@@ -108,11 +108,11 @@ pub fn end_descendants() -> Result<usize, String> {
 
 /// Confines the backend this process has opened, in an order that leaves no gap: first the filter that
 /// kills it when it starts a process (`fork`, `vfork`, `execve`, a `clone` without `CLONE_THREAD`;
-/// `clone3` answers `ENOSYS`); then [`disown`] of `fds`, the producer's own descriptors; then
-/// [`end_descendants`] of what the backend started while it opened, which can start no more; then the
-/// rest of the filters above, on every thread. Returns how many processes it ended. From here on a
-/// forbidden call kills the process or fails, as listed in the module's documentation.
-pub fn confine_backend(fds: &[std::os::fd::RawFd]) -> Result<usize, String> {
+/// `clone3` answers `ENOSYS`); then [`disown`] of every descriptor; then [`end_descendants`] of what the
+/// backend started while it opened, which can start no more; then the rest of the filters above, on
+/// every thread. Returns how many processes it ended. From here on a forbidden call kills the process or
+/// fails, as listed in the module's documentation.
+pub fn confine_backend() -> Result<usize, String> {
     let arch = arch()?;
     let mut processes = unconditional(&[libc::SYS_fork, libc::SYS_vfork, libc::SYS_execve, libc::SYS_execveat]);
     processes.insert(libc::SYS_clone, vec![rule(0, SeccompCmpOp::MaskedEq(libc::CLONE_THREAD as u64), 0)?]);
@@ -120,7 +120,7 @@ pub fn confine_backend(fds: &[std::os::fd::RawFd]) -> Result<usize, String> {
         filter(processes, SeccompAction::KillProcess, arch)?,
         filter(unconditional(&[libc::SYS_clone3]), SeccompAction::Errno(libc::ENOSYS as u32), arch)?,
     ])?;
-    disown(fds)?;
+    disown()?;
     let ended = end_descendants()?;
     let me = std::process::id() as u64;
     apply(&[
@@ -138,16 +138,24 @@ fn apply(programs: &[BpfProgram]) -> Result<(), String> {
     Ok(())
 }
 
-/// Takes back the ownership of each of `fds` (no process is sent `SIGIO` for it, and `O_ASYNC` is
-/// off): the producer's control socket and doorbell, whose owner a backend could have set to another
-/// process while it opened, before the filters.
-fn disown(fds: &[std::os::fd::RawFd]) -> Result<(), String> {
-    for &fd in fds {
-        // SAFETY: fcntl with integer arguments on a descriptor this process holds.
+/// Takes back the ownership of every descriptor this process holds (no process is sent `SIGIO` for it,
+/// and `O_ASYNC` is off). A backend could have pointed any of them at the host while it opened, before
+/// the filters: the control socket and doorbell, but also stdout and stderr, whose pipes the host reads
+/// (each read signals the writer's owner), or a description it opened anew on one of them
+/// (`/proc/self/fd/N`). Fails closed: a descriptor list it cannot read is an error.
+fn disown() -> Result<(), String> {
+    let listed = std::fs::read_dir("/proc/self/fd").map_err(|e| format!("/proc/self/fd: {e}"))?;
+    // Collected first: the listing's own descriptor is among them, and gone once it is dropped.
+    let fds: Vec<std::os::fd::RawFd> = listed.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect();
+    for fd in fds {
+        // SAFETY: fcntl with integer arguments; a descriptor closed since the listing fails with EBADF.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        if flags < 0 {
+            continue;
+        }
+        // SAFETY: as above, on a descriptor this process holds.
         let ok = unsafe {
-            let flags = libc::fcntl(fd, libc::F_GETFL);
-            flags >= 0
-                && libc::fcntl(fd, libc::F_SETOWN, 0) == 0
+            libc::fcntl(fd, libc::F_SETOWN, 0) == 0
                 && libc::fcntl(fd, F_SETSIG, 0) == 0
                 && libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_ASYNC) == 0
         };
