@@ -540,7 +540,7 @@ impl Producer {
         }
         // The deadline holds for the whole message, however it is dribbled.
         match protocol::recv::<FromProducer>(Until::new(&running.socket, deadline), protocol::MAX_FROM_PRODUCER) {
-            Ok(Some(m)) => Ok(m),
+            Ok(Some(m)) => Ok(tamed(m)),
             Ok(None) => Err(self.exited(running, during)),
             Err(RecvError::Io(e)) if Until::ran_out(&e) => {
                 Err(ProducerError::Timeout { name, waited: started.elapsed(), during })
@@ -592,9 +592,31 @@ impl Producer {
 
     /// Kills (if needed) and reaps a process, and drops its ring.
     fn reap(&self, mut running: Running) {
-        // SIGKILL, then wait: no zombie, and the ring (dropped with `running`) is unmapped and closed.
+        // SIGKILL, then wait: no zombie, and the ring (dropped with `running`) is unmapped and closed. A
+        // process in an uninterruptible sleep (inside a driver, reading a hung network mount) dies only
+        // when it wakes: it is waited for a while, then left to a thread of its own to reap, rather than
+        // hold every request behind it.
         let _ = running.child.kill();
-        let _ = running.child.wait();
+        let mut fds = [PollFd::from_borrowed_fd(running.pidfd.as_fd(), PollFlags::IN)];
+        let ts = rustix::event::Timespec { tv_sec: REAP_WAIT.as_secs() as i64, tv_nsec: 0 };
+        if matches!(rustix::event::poll(&mut fds, Some(&ts)), Ok(n) if n > 0) {
+            let _ = running.child.wait();
+        } else {
+            tracing::warn!(
+                producer = %self.spec.name,
+                "killed, and not gone after {} s (an uninterruptible sleep?): reaped when it goes",
+                REAP_WAIT.as_secs()
+            );
+            let Running { mut child, logging, .. } = running;
+            let reaper = std::thread::Builder::new().name("pdhost-reaper".into()).spawn(move || {
+                let _ = child.wait();
+                drop(logging);
+            });
+            if reaper.is_err() {
+                tracing::warn!(producer = %self.spec.name, "no thread to reap it: it stays a zombie");
+            }
+            return;
+        }
         // Its pipes are closed now, unless a process it started holds them: wait a little for the
         // logging threads to read the last lines and close the host's ends.
         let _ = running.logging.recv_timeout(Duration::from_secs(1));
@@ -846,6 +868,44 @@ impl Producer {
             }
             self.reap(running);
         }
+    }
+}
+
+/// How long a killed producer is waited for before a thread of its own is left to reap it.
+const REAP_WAIT: Duration = Duration::from_secs(5);
+
+/// The most characters of a producer's text (an error message, a stage, a name) that reach the host's
+/// errors.
+const MAX_PRODUCER_TEXT: usize = 1024;
+
+/// `message` with the text a producer chose made fit for a one-line error: control characters (a
+/// newline, a carriage return, a terminal escape) as spaces, and at most [`MAX_PRODUCER_TEXT`]
+/// characters, its length said where cut. The producer's own cleaning runs in the process the
+/// host does not trust.
+fn tamed(message: FromProducer) -> FromProducer {
+    let line = |text: String| -> String {
+        let text: String = text.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
+        crate::request::shorten_to(&text, MAX_PRODUCER_TEXT)
+    };
+    match message {
+        FromProducer::Ready(mut d) => {
+            d.backend = line(d.backend);
+            d.transport = d.transport.map(line);
+            FromProducer::Ready(d)
+        }
+        FromProducer::StartFailed { stage, status, message } => {
+            FromProducer::StartFailed { stage: line(stage), status, message: line(message) }
+        }
+        FromProducer::Unwritten { request_id, message } => {
+            FromProducer::Unwritten { request_id, message: line(message) }
+        }
+        FromProducer::Failed { request_id, status, message } => {
+            FromProducer::Failed { request_id, status, message: line(message) }
+        }
+        FromProducer::Remote { request_id, failure, message } => {
+            FromProducer::Remote { request_id, failure, message: line(message) }
+        }
+        done @ FromProducer::Done { .. } => done,
     }
 }
 

@@ -152,3 +152,14 @@ fn waits_and_unexpected_replies_read_as_words() {
          request 6 (frame 0)"
     );
 }
+
+#[test]
+fn a_producers_text_reaches_errors_as_one_bounded_line() {
+    let message = format!("line one\nline two\r\u{1b}[31mred{}", "x".repeat(5000));
+    let FromProducer::Failed { message, .. } = tamed(FromProducer::Failed { request_id: 1, status: 4, message }) else {
+        panic!("the same reply");
+    };
+    assert!(message.starts_with("line one line two  [31mred"), "{message}");
+    assert!(!message.chars().any(char::is_control) && message.ends_with("... (5026 bytes)"), "{message}");
+    assert!(message.chars().count() < MAX_PRODUCER_TEXT + 20);
+}
