@@ -289,3 +289,35 @@ fn serve_reconnects_to_a_node_that_comes_back() {
     let _ = server.kill();
     let _ = server.wait();
 }
+
+/// A peer that is not a relay holds nothing for long: a hello longer than a hello may be is refused at
+/// once, and one dribbled a byte at a time is cut off when the hello's time is up (a read timeout alone
+/// was renewed by every byte, and the whole claimed length was allocated up front: sixteen such peers
+/// held every session and a GiB).
+#[test]
+fn a_peer_that_never_finishes_its_hello_is_dropped() {
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+    let node = Node::start("rngd", &[]);
+    let mut huge = std::net::TcpStream::connect(&node.addr).unwrap();
+    huge.write_all(&(64u32 << 20).to_le_bytes()).unwrap();
+    huge.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut answer = Vec::new();
+    let _ = huge.read_to_end(&mut answer);
+    assert!(String::from_utf8_lossy(&answer).contains("1048576"), "refused, naming the limit: {answer:?}");
+
+    let mut slow = std::net::TcpStream::connect(&node.addr).unwrap();
+    slow.write_all(&(1u32 << 20).to_le_bytes()).unwrap();
+    let started = Instant::now();
+    let cut = loop {
+        std::thread::sleep(Duration::from_millis(500));
+        if slow.write_all(&[0]).is_err() {
+            break started.elapsed();
+        }
+        assert!(started.elapsed() < Duration::from_secs(30), "still connected after 30 s of a dribbled hello");
+    };
+    // The hello's 10 s, a write or two into the closed connection before it fails, and a slow machine.
+    assert!(cut >= Duration::from_secs(9), "cut after {cut:?}");
+    let (_, threads, children) = node.settled();
+    assert_eq!((threads, children), (node.idle_threads, 0), "its session is over");
+}

@@ -136,6 +136,24 @@ enum SessionError {
     Refused(String),
 }
 
+/// `stream` read until `deadline` for everything, however its bytes are paced (a read timeout alone is
+/// renewed by every byte).
+struct ReadBy<'a> {
+    stream: &'a TcpStream,
+    deadline: Instant,
+}
+
+impl std::io::Read for ReadBy<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let left = self.deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        self.stream.set_read_timeout(Some(left))?;
+        std::io::Read::read(&mut &*self.stream, buf)
+    }
+}
+
 /// Refuses a session at start: the relay passes the `StartFailed` to its host.
 fn refuse(stream: &TcpStream, stage: &str, status: u32, message: String) -> SessionError {
     let _ =
@@ -145,9 +163,16 @@ fn refuse(stream: &TcpStream, stage: &str, status: u32, message: String) -> Sess
 
 fn run_session(stream: &TcpStream, config: &NodeConfig, session: u64) -> Result<(), SessionError> {
     let _ = stream.set_nodelay(true);
-    // The hello within HELLO_WAIT; after it, a relay may rightly be idle between requests for long.
-    stream.set_read_timeout(Some(HELLO_WAIT))?;
-    let hello = protocol::recv::<ToNode>(stream, protocol::MAX_TO_NODE);
+    // A relay whose machine vanished sends no FIN: keepalive probes (after a minute idle, 3 of them 10 s
+    // apart) and a bound on unacknowledged data end the session, its producer and its slot.
+    let _ = rustix::net::sockopt::set_socket_keepalive(stream, true);
+    let _ = rustix::net::sockopt::set_tcp_keepidle(stream, Duration::from_secs(60));
+    let _ = rustix::net::sockopt::set_tcp_keepintvl(stream, Duration::from_secs(10));
+    let _ = rustix::net::sockopt::set_tcp_keepcnt(stream, 3);
+    let _ = rustix::net::sockopt::set_tcp_user_timeout(stream, 90_000);
+    // The whole hello within HELLO_WAIT, however slowly it comes; after it, a relay may rightly be idle
+    // between requests for long.
+    let hello = protocol::recv::<ToNode>(ReadBy { stream, deadline: Instant::now() + HELLO_WAIT }, protocol::MAX_HELLO);
     stream.set_read_timeout(None)?;
     let hello = match hello {
         Ok(Some(ToNode::Hello(h))) => h,

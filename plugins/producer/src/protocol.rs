@@ -298,6 +298,9 @@ pub const MAX_FROM_NODE: u32 = MAX_FROM_PRODUCER;
 /// The largest relay-to-node message: a prefill request, or a hello with the relay's transfer-engine
 /// metadata.
 pub const MAX_TO_NODE: u32 = MAX_TO_PRODUCER;
+/// The largest hello a node reads: what a relay says before anything else, from a peer not yet known
+/// (a backend config is at most 64 KiB, the transfer engine's metadata a few KiB).
+pub const MAX_HELLO: u32 = 1 << 20;
 
 /// A relay to a producer node on another machine, over TCP, framed as the local control messages are.
 /// The node answers with [`FromProducer`] messages.
@@ -517,8 +520,13 @@ pub fn recv<T: Message>(mut from: impl Read, max: u32) -> Result<Option<T>, Recv
     if len > max {
         return Err(RecvError::Message(MessageError::TooLarge { len, max }));
     }
-    let mut bytes = vec![0u8; len as usize];
-    from.read_exact(&mut bytes)?;
+    // Grown as the bytes arrive, not allocated from the length the peer claims: a peer that names the
+    // largest length and sends one byte holds one byte's worth of memory, not `max`.
+    let mut bytes = Vec::new();
+    from.by_ref().take(u64::from(len)).read_to_end(&mut bytes)?;
+    if bytes.len() < len as usize {
+        return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+    }
     decode(&bytes).map(Some).map_err(RecvError::Message)
 }
 
