@@ -79,8 +79,8 @@ pub fn serve(listener: TcpListener, config: NodeConfig) -> std::io::Result<()> {
             let _ = refuse(&stream, "link", 0, message);
             continue;
         }
-        let live = std::sync::Arc::clone(&live);
-        std::thread::Builder::new().name(format!("session-{session}")).spawn(move || {
+        let counted = std::sync::Arc::clone(&live);
+        let spawned = std::thread::Builder::new().name(format!("session-{session}")).spawn(move || {
             // Counts the session out however it ends.
             struct Out(std::sync::Arc<std::sync::atomic::AtomicUsize>);
             impl Drop for Out {
@@ -88,13 +88,19 @@ pub fn serve(listener: TcpListener, config: NodeConfig) -> std::io::Result<()> {
                     self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
                 }
             }
-            let _out = Out(live);
+            let _out = Out(counted);
             tracing::info!(session, %peer, "relay connected");
             match run_session(&stream, &config, session) {
                 Ok(()) => tracing::info!(session, %peer, "session over"),
                 Err(e) => tracing::warn!(session, %peer, "session ended: {e}"),
             }
-        })?;
+        });
+        // No thread for it now (the process at its thread limit): this connection closes, and the node
+        // goes on serving the others.
+        if let Err(e) = spawned {
+            live.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            tracing::warn!(session, "refused: no thread for the session: {e}");
+        }
     }
     Ok(())
 }

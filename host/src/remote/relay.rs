@@ -110,7 +110,14 @@ pub fn main(args: Vec<OsString>) -> ExitCode {
         Stop::Request(request_id, failure, message) => FromProducer::Remote { request_id, failure, message },
     };
     if protocol::send(&socket, &reply).is_err() {
-        eprintln!("pdhost relay: {reply:?}");
+        // The host is gone: the reason goes to stderr, in words.
+        match &reply {
+            FromProducer::StartFailed { stage, message, .. } => eprintln!("pdhost relay: {stage}: {message}"),
+            FromProducer::Remote { request_id, message, .. } => {
+                eprintln!("pdhost relay: request {request_id}: {message}")
+            }
+            other => eprintln!("pdhost relay: {}", other.summary()),
+        }
     }
     ExitCode::from(3)
 }
