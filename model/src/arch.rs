@@ -840,7 +840,15 @@ fn load_safetensors(dir: &Path) -> Result<HashMap<String, Vec<f32>>, LoadError> 
                     })
                 }
             };
-            out.insert(name, values);
+            // Shards each hold their own tensors: a second copy of one would silently replace the first.
+            if out.insert(name.clone(), values).is_some() {
+                return Err(LoadError::Checkpoint {
+                    path: path.clone(),
+                    what: format!("tensor {name}"),
+                    expected: "one safetensors file of the directory holding it".into(),
+                    found: "it in an earlier file too".into(),
+                });
+            }
         }
     }
     Ok(out)

@@ -97,3 +97,19 @@ fn a_config_that_would_panic_or_give_nan_is_refused_by_name() {
         std::fs::remove_dir_all(&tmp).unwrap();
     }
 }
+
+#[test]
+fn a_tensor_in_two_shards_is_refused_by_name() {
+    let tmp = std::env::temp_dir().join(format!("pdhost-two-shards-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    for shard in ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"] {
+        std::fs::copy(dir("tiny_llama_4l").join("model.safetensors"), tmp.join(shard)).unwrap();
+    }
+    std::fs::copy(dir("tiny_llama_4l").join("config.json"), tmp.join("config.json")).unwrap();
+    let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
+    assert!(
+        err.contains("model-00002-of-00002.safetensors") && err.contains("found it in an earlier file too"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&tmp).unwrap();
+}

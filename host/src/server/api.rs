@@ -475,8 +475,10 @@ impl Completion {
             seed: match m.get("seed") {
                 None | Some(Value::Null) => random_seed(),
                 // Negative seeds as their 64 bits (`-1` is `2^64 - 1`), as vLLM's do.
-                Some(v) if whole(v).is_some() => whole(v).unwrap_or(0) as u64,
-                Some(v) => return Err(ApiError::invalid("seed", "an integer", kind(v))),
+                Some(v) => match whole(v) {
+                    Some(seed) => seed as u64,
+                    None => return Err(ApiError::invalid("seed", "an integer", kind(v))),
+                },
             },
             prefill_chunk: 0,
             presence_penalty: opt_f64(&m, "presence_penalty")?,
