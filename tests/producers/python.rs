@@ -132,4 +132,11 @@ fn a_missing_python_class_is_a_config_error_that_is_not_retried() {
     let again = e.prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail });
     assert!(matches!(again, Err(EngineError::Producer(ref e)) if e.kind() == "start_failed"));
     assert_eq!(p.metrics().starts, 1);
+    // So is a config the class cannot use: its `open` raises `KeyError`, as it would on every start.
+    let mut p = python(&e, "NeedsAKey", Duration::from_secs(30));
+    let err = p.start().expect_err("no such key");
+    assert!(err.to_string().contains("bad_config: open: KeyError: 'device_index'"), "{err}");
+    let again = e.prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail });
+    assert!(matches!(again, Err(EngineError::Producer(ref e)) if e.kind() == "start_failed"), "not retried");
+    assert_eq!(p.metrics().starts, 1);
 }

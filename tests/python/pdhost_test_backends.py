@@ -55,6 +55,14 @@ class StandIn:
         self.released.append(request)
 
 
+class NeedsAKey(StandIn):
+    """Reads a config key the host never sends: a config this class cannot use, the same on every start."""
+
+    def open(self, config):
+        super().open(config)
+        self.device = config["device_index"]
+
+
 class Raises(StandIn):
     def prefill(self, request, tokens, start, writer):
         raise ValueError("the device is not there")

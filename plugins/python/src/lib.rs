@@ -156,6 +156,22 @@ fn backend_error(py: Python<'_>, what: &str, err: &PyErr) -> BackendError {
     BackendError::new(PdhostStatus::BackendError, format!("{what}: {}", exception_text(py, err)))
 }
 
+/// An exception while the backend starts (importing its module, making and opening its class), by what
+/// it says: a module that is not there or does not parse (`ImportError`, `SyntaxError`), or a config the
+/// class cannot use (`ValueError`, `KeyError`, `TypeError` from its constructor or `open`), is the same on
+/// the next start, so `BAD_CONFIG` (never retried); anything else (a device busy, a file not there yet)
+/// may pass, so `BACKEND_ERROR` (retried with backoff).
+fn start_error(py: Python<'_>, what: &str, err: &PyErr) -> BackendError {
+    use pyo3::exceptions::{PyImportError, PyKeyError, PySyntaxError, PyTypeError};
+    let for_good = err.is_instance_of::<PyImportError>(py)
+        || err.is_instance_of::<PySyntaxError>(py)
+        || err.is_instance_of::<PyValueError>(py)
+        || err.is_instance_of::<PyKeyError>(py)
+        || err.is_instance_of::<PyTypeError>(py);
+    let status = if for_good { PdhostStatus::BadConfig } else { PdhostStatus::BackendError };
+    BackendError::new(status, format!("{what}: {}", exception_text(py, err)))
+}
+
 /// What `describe()` returned, checked.
 fn description(d: &Bound<'_, PyAny>) -> Result<(Description, u64), String> {
     let get = |key: &str| d.get_item(key).map_err(|_| format!("describe(): expected a {key:?} key, found none"));
@@ -425,17 +441,15 @@ impl pdhost_plugin_abi::Backend for PyBackend {
             for dir in path.iter().rev() {
                 sys_path.insert(0, dir).map_err(|e| backend_error(py, "sys.path", &e))?;
             }
-            // A module or class that is not there is not there on the next start either: BAD_CONFIG.
-            let module_obj = py
-                .import(module.as_str())
-                .map_err(|e| bad_config(format!("importing {module}: {}", exception_text(py, &e))))?;
+            let module_obj =
+                py.import(module.as_str()).map_err(|e| start_error(py, &format!("importing {module}"), &e))?;
             let cls = module_obj
                 .getattr(class.as_str())
                 .map_err(|_| bad_config(format!("{module}: expected a class {class}, found none")))?;
-            let instance = cls.call0().map_err(|e| backend_error(py, &format!("{module}.{class}()"), &e))?;
+            let instance = cls.call0().map_err(|e| start_error(py, &format!("{module}.{class}()"), &e))?;
             let config_obj = loads.call1((config,)).map_err(|e| backend_error(py, "config", &e))?;
             let config_dict = config_obj.cast::<PyDict>().map_err(|_| bad_config("config: expected a JSON object"))?;
-            instance.call_method1("open", (config_dict,)).map_err(|e| backend_error(py, "open", &e))?;
+            instance.call_method1("open", (config_dict,)).map_err(|e| start_error(py, "open", &e))?;
             let described = instance.call_method0("describe").map_err(|e| backend_error(py, "describe", &e))?;
             let (description, max_tokens) = description(&described).map_err(bad_config)?;
             let takes_context = instance.getattr("takes_context").and_then(|v| v.is_truthy()).unwrap_or(false);
