@@ -104,8 +104,8 @@ impl Remote {
     /// What producers that may each take any request are together (`--producer A,B`): hits only when
     /// every one of them takes a request's context and is one backend with one wire dtype (a hit's K/V
     /// are keyed by who computed them and how they were rounded, and the rest of the prompt must come to
-    /// be the same way, whichever producer takes it), chunks no longer than the smallest `max_tokens`, and their distinct names joined by
-    /// commas. `None` when there are none.
+    /// be the same way, whichever producer takes it), chunks no longer than the smallest `max_tokens`,
+    /// and their distinct names joined by commas. `None` when there are none.
     pub fn together(each: &[Remote]) -> Option<Remote> {
         let first = each.first()?;
         let hits = first.hits.filter(|&d| each.iter().all(|r| r.hits == Some(d)));

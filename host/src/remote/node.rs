@@ -24,7 +24,7 @@ use shm_ring::segment::memfd::MemfdSegment;
 use shm_ring::segment::Segment;
 
 use super::Fault;
-use crate::supervisor::{Producer, ProducerError, ProducerSpec, RestartPolicy};
+use crate::supervisor::{Producer, ProducerError, ProducerSpec, RestartPolicy, Until};
 
 /// How a node serves its sessions.
 #[derive(Clone, Debug)]
@@ -142,24 +142,6 @@ enum SessionError {
     Refused(String),
 }
 
-/// `stream` read until `deadline` for everything, however its bytes are paced (a read timeout alone is
-/// renewed by every byte).
-struct ReadBy<'a> {
-    stream: &'a TcpStream,
-    deadline: Instant,
-}
-
-impl std::io::Read for ReadBy<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        self.stream.set_read_timeout(Some(left))?;
-        std::io::Read::read(&mut &*self.stream, buf)
-    }
-}
-
 /// Refuses a session at start: the relay passes the `StartFailed` to its host.
 fn refuse(stream: &TcpStream, stage: &str, status: u32, message: String) -> SessionError {
     let _ =
@@ -178,7 +160,7 @@ fn run_session(stream: &TcpStream, config: &NodeConfig, session: u64) -> Result<
     let _ = rustix::net::sockopt::set_tcp_user_timeout(stream, 90_000);
     // The whole hello within HELLO_WAIT, however slowly it comes; after it, a relay may rightly be idle
     // between requests for long.
-    let hello = protocol::recv::<ToNode>(ReadBy { stream, deadline: Instant::now() + HELLO_WAIT }, protocol::MAX_HELLO);
+    let hello = protocol::recv::<ToNode>(Until::new(stream, Instant::now() + HELLO_WAIT), protocol::MAX_HELLO);
     stream.set_read_timeout(None)?;
     let hello = match hello {
         Ok(Some(ToNode::Hello(h))) => h,

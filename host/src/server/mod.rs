@@ -543,7 +543,7 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         c.raw.max_tokens = room;
     }
     let checked = request::check_request(&c.raw, &app.config.limits).map_err(|mut e| {
-        if e.field == crate::request::Field::MaxTokens {
+        if e.field == request::Field::MaxTokens {
             e.field = c.limit_field;
         }
         e

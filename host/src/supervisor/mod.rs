@@ -12,6 +12,7 @@ mod process;
 mod restarts;
 #[cfg(test)]
 mod tests;
+mod until;
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -38,6 +39,7 @@ use self::process::{
 };
 pub use self::restarts::RestartPolicy;
 use self::restarts::{Refused, Restarts};
+pub(crate) use self::until::Until;
 use crate::kv::{IngestError, IntoSequence, PagedKv, SeqId};
 
 /// Everything needed to start a producer.
@@ -298,7 +300,7 @@ impl Producer {
         let message = ToProducer::Release { request_id };
         match protocol::send(Until::new(&running.socket, Instant::now() + SEND_WAIT), &message) {
             // One that stopped reading its socket goes, as one that stopped answering does.
-            Err(e) if Until::ran_out(&e) => {
+            Err(e) if until::ran_out(&e) => {
                 let _ = self.fail(ProducerError::Timeout {
                     name: self.spec.name.clone(),
                     waited: SEND_WAIT,
@@ -542,7 +544,7 @@ impl Producer {
         match protocol::recv::<FromProducer>(Until::new(&running.socket, deadline), protocol::MAX_FROM_PRODUCER) {
             Ok(Some(m)) => Ok(tamed(m)),
             Ok(None) => Err(self.exited(running, during)),
-            Err(RecvError::Io(e)) if Until::ran_out(&e) => {
+            Err(RecvError::Io(e)) if until::ran_out(&e) => {
                 Err(ProducerError::Timeout { name, waited: started.elapsed(), during })
             }
             Err(RecvError::Message(e)) => {
@@ -713,7 +715,7 @@ impl Producer {
             let request = ToProducer::Prefill(call.clone());
             match protocol::send(Until::new(&running.socket, deadline), &request) {
                 Ok(()) => {}
-                Err(e) if Until::ran_out(&e) => {
+                Err(e) if until::ran_out(&e) => {
                     let waited = started.elapsed();
                     return Err(ProducerError::Timeout { name: name.clone(), waited, during: "sending a request" });
                 }
@@ -960,49 +962,3 @@ struct Sent(String);
 /// How long a message the host sends without waiting for an answer (a release, a shutdown) may take to
 /// go out: a producer that stopped reading its socket has that long before it counts as hung.
 const SEND_WAIT: Duration = Duration::from_secs(1);
-
-/// The control socket with one deadline over a whole message: each read or write waits at most what is
-/// left of it, so a producer that dribbles a reply a byte at a time, or stops reading what it is sent,
-/// runs out of time as a silent one does (a socket timeout alone bounds each call, not the message).
-struct Until<'a> {
-    socket: &'a UnixStream,
-    deadline: Instant,
-}
-
-impl<'a> Until<'a> {
-    fn new(socket: &'a UnixStream, deadline: Instant) -> Self {
-        Until { socket, deadline }
-    }
-
-    /// Whether `e` says the deadline passed.
-    fn ran_out(e: &std::io::Error) -> bool {
-        matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)
-    }
-
-    /// What is left of the deadline, or the error that says it passed.
-    fn left(&self) -> std::io::Result<Duration> {
-        let left = self.deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(std::io::ErrorKind::TimedOut.into());
-        }
-        Ok(left)
-    }
-}
-
-impl std::io::Read for Until<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        self.socket.set_read_timeout(Some(self.left()?))?;
-        (&mut &*self.socket).read(buf)
-    }
-}
-
-impl std::io::Write for Until<'_> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.socket.set_write_timeout(Some(self.left()?))?;
-        (&mut &*self.socket).write(buf)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
