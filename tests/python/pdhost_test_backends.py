@@ -45,11 +45,16 @@ class StandIn:
         return [_value(layer, kind, t, start + i, h, d)
                 for i, t in enumerate(tokens) for h in range(self.kv_heads) for d in range(self.head_dim)]
 
+    def fill(self, writer, entry, tokens, start):
+        """Writes entry `entry`'s values into its region, and returns the region."""
+        region = writer.region(entry)
+        values = self.values(entry, tokens, start)
+        struct.pack_into("<%df" % len(values), region, 0, *values)
+        return region
+
     def prefill(self, request, tokens, start, writer):
         for entry in range(writer.entries):
-            region = writer.region(entry)
-            values = self.values(entry, tokens, start)
-            struct.pack_into("<%df" % len(values), region, 0, *values)
+            self.fill(writer, entry, tokens, start)
 
     def release(self, request):
         self.released.append(request)
@@ -98,41 +103,31 @@ class ShortWrite(StandIn):
 class KeepsAView(StandIn):
     """Keeps a view into a region past prefill: refused, since it would reach a slot the host owns."""
 
-    def prefill(self, request, tokens, start, writer):
-        for entry in range(writer.entries):
-            region = writer.region(entry)
-            values = self.values(entry, tokens, start)
-            struct.pack_into("<%df" % len(values), region, 0, *values)
-            if entry == 0:
-                self.kept = region.cast("f")
+    def fill(self, writer, entry, tokens, start):
+        region = super().fill(writer, entry, tokens, start)
+        if entry == 0:
+            self.kept = region.cast("f")
+        return region
 
 
 class KeepsAnAddress(StandIn):
     """Takes a region's address and keeps the memoryview, releasing the export at once, as
     `torch.frombuffer` does: refused, since the address still reaches the slot after the call."""
 
-    def prefill(self, request, tokens, start, writer):
-        for entry in range(writer.entries):
-            region = writer.region(entry)
-            values = self.values(entry, tokens, start)
-            struct.pack_into("<%df" % len(values), region, 0, *values)
-            if entry == 0:
-                self.address = ctypes.addressof(ctypes.c_char.from_buffer(region))
-                self.kept = region
+    def fill(self, writer, entry, tokens, start):
+        region = super().fill(writer, entry, tokens, start)
+        if entry == 0:
+            self.address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+            self.kept = region
+        return region
 
 
 class FillsFromThreads(StandIn):
     """Fills the regions from a pool of threads, as the ABI allows: the same bytes as `StandIn`."""
 
     def prefill(self, request, tokens, start, writer):
-        def fill(entry):
-            region = writer.region(entry)
-            values = self.values(entry, tokens, start)
-            struct.pack_into("<%df" % len(values), region, 0, *values)
-            region.release()
-
         with ThreadPoolExecutor(max_workers=3) as pool:
-            list(pool.map(fill, range(writer.entries)))
+            list(pool.map(lambda entry: self.fill(writer, entry, tokens, start).release(), range(writer.entries)))
 
 
 class KeepsTheRegion(StandIn):
@@ -142,9 +137,10 @@ class KeepsTheRegion(StandIn):
     def prefill(self, request, tokens, start, writer):
         if hasattr(self, "kept"):
             memoryview(self.kept)[:4] = bytes(4)
-        for entry in range(writer.entries):
-            region = writer.region(entry)
-            values = self.values(entry, tokens, start)
-            struct.pack_into("<%df" % len(values), region, 0, *values)
-            if entry == 0:
-                self.kept = region.obj
+        super().prefill(request, tokens, start, writer)
+
+    def fill(self, writer, entry, tokens, start):
+        region = super().fill(writer, entry, tokens, start)
+        if entry == 0:
+            self.kept = region.obj
+        return region
