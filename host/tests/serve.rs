@@ -31,10 +31,13 @@ fn fetched(name: &str) {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
 }
 
+/// `pdhost serve` on SmolLM2 with a 1024-token `--context` unless `extra` names its own.
 fn serve(extra: &[&str]) -> Served {
     fetched(MODEL);
+    let context = if extra.contains(&"--context") { &[][..] } else { &["--context", "1024"][..] };
     let mut child = Command::new(PDHOST)
-        .args(["serve", "--model", MODEL, "--port", "0", "--context", "1024", "--threads", "2"])
+        .args(["serve", "--model", MODEL, "--port", "0", "--threads", "2"])
+        .args(context)
         .args(extra)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -997,8 +1000,13 @@ fn slots_interleave_streams_and_each_equals_generate_alone_sampled_or_greedy() {
 /// open when the drain timeout passes does not keep the server up: it exits 0, its producer gone with it.
 #[test]
 fn the_drain_timeout_ends_a_stream_that_outlives_it() {
-    let mut s = serve(&["--producer", "rngd", "--drain-timeout", "6"]);
-    let long = json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true});
+    // One slot of 4096 tokens: the stream below (4,000 tokens, never ended by EOS) outlasts the 6 s drain
+    // timeout on any machine this runs on. With 1,000 tokens it once finished first: SmolLM2 decodes
+    // more than 150 tokens a second here.
+    let mut s = serve(&["--producer", "rngd", "--drain-timeout", "6", "--context", "4096", "--slots", "1"]);
+    let long = json!({
+        "prompt": "Once upon a time", "max_tokens": 4000, "temperature": 0, "stream": true, "ignore_eos": true
+    });
     let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&long).unwrap();
     let mut lines = BufReader::new(r.into_body().into_reader()).lines();
     assert!(lines.next().unwrap().unwrap().starts_with("data: "));
@@ -1006,8 +1014,7 @@ fn the_drain_timeout_ends_a_stream_that_outlives_it() {
     let kids = producers_of(pid);
     // SAFETY: signals the child this test started.
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-    // The drain timeout (6 s) leaves a slow machine time to see the drain before the server exits, and
-    // is shorter than the stream (1,000 tokens at no more than about 100 a second).
+    // The drain timeout (6 s) leaves a slow machine time to see the drain before the server exits.
     let deadline = Instant::now() + Duration::from_secs(5);
     while get(&s, "/health").0 != 503 {
         assert!(Instant::now() < deadline, "still healthy 5 s after SIGTERM");
