@@ -22,6 +22,16 @@ fn tiny(name: &str) -> String {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../fixtures/reference").join(name).display().to_string()
 }
 
+/// A child process killed and reaped when dropped.
+struct KilledOnDrop(Child);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// A producer node on a free port; killed when dropped.
 struct Node {
     child: Child,
@@ -78,9 +88,10 @@ impl Node {
         maps.lines().filter(|l| l.contains("memfd:pdhost-")).count()
     }
 
-    /// Waits until the node's sessions are over: back to its idle threads, and no children left.
+    /// Waits (up to 15 s, for a loaded machine) until the node's sessions are over: back to its idle
+    /// threads, and no children left.
     fn settled(&self) -> (usize, usize, usize) {
-        for _ in 0..200 {
+        for _ in 0..600 {
             let f = self.footprint();
             if f.1 == self.idle_threads && f.2 == 0 {
                 return f;
@@ -244,15 +255,17 @@ fn serve_reconnects_to_a_node_that_comes_back() {
     assert!(fetched.status.success(), "{}", String::from_utf8_lossy(&fetched.stderr));
     let node = Node::start("rngd", &[]);
     let addr = node.addr.clone();
-    let mut server = ucx(Command::new(PDHOST).args(["serve", "--model", model, "--port", "0", "--context", "256"]))
+    let server = ucx(Command::new(PDHOST).args(["serve", "--model", model, "--port", "0", "--context", "256"]))
         .args(["--producer", &node.url("rngd"), "--slots", "2"])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    // Killed however the test ends, so that no server outlives it.
+    let mut server = KilledOnDrop(server);
     let mut line = String::new();
-    BufReader::new(server.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    BufReader::new(server.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
     let url = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("{line:?}")).to_string();
     let agent: ureq::Agent = ureq::Agent::config_builder().http_status_as_error(false).build().into();
     let complete = || -> serde_json::Value {
@@ -286,8 +299,7 @@ fn serve_reconnects_to_a_node_that_comes_back() {
     }
     assert_eq!(again["prefill"], "remote", "{again}");
     assert_eq!(again["logits_xxh3"], local["logits_xxh3"]);
-    let _ = server.kill();
-    let _ = server.wait();
+    drop(server);
 }
 
 /// A peer that is not a relay holds nothing for long: a hello longer than a hello may be is refused at

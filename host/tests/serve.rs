@@ -498,10 +498,11 @@ fn cpu_seconds(pid: u32) -> f64 {
     ticks as f64 / unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64
 }
 
-/// A 900-token stream, its first chunk read so that it surely holds a slot; its client leaves when the
+/// A 1000-token stream (never ended by EOS), its first chunk read so that it surely holds a slot; its client leaves when the
 /// lines are dropped.
 fn a_long_stream(s: &Served) -> impl Iterator<Item = std::io::Result<String>> {
-    let long = json!({"prompt": "Once upon a time", "max_tokens": 900, "temperature": 0, "stream": true});
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 1000, "temperature": 0, "stream": true,
+                      "ignore_eos": true});
     let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&long).unwrap();
     let mut lines = BufReader::new(r.into_body().into_reader()).lines();
     assert!(lines.next().unwrap().unwrap().starts_with("data: "));
@@ -534,6 +535,12 @@ fn an_api_key_is_required_when_set_and_sigterm_drains_leaving_nothing() {
     let pid = s.child.id();
     let kids = producers_of(pid);
     assert_eq!(kids.len(), 1, "one producer while serving");
+    // The rings are memfds, held only by the server and its producer (so they go with them), and never
+    // named in /dev/shm, checked after the exit below.
+    for holder in [pid, kids[0]] {
+        let maps = std::fs::read_to_string(format!("/proc/{holder}/maps")).unwrap();
+        assert!(maps.contains("memfd:pdhost-"), "process {holder} maps no ring: {maps}");
+    }
     // SAFETY: signals the child this test started.
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     let deadline = Instant::now() + Duration::from_secs(40);
@@ -592,7 +599,17 @@ fn sigterm_while_the_server_starts_exits_zero() {
     assert_eq!(r.status().as_u16(), 503, "a request while loading");
     assert_eq!(r.headers().get("retry-after").map(|v| v.to_str().unwrap()), Some("1"));
     let pid = child.id();
-    let kids = producers_of(pid);
+    // The producer is spawned once the model has loaded, and then takes 60 s to open its backend: the
+    // signal comes while it opens, so that the check below has a producer to look for.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let kids = loop {
+        let kids = producers_of(pid);
+        if !kids.is_empty() {
+            break kids;
+        }
+        assert!(Instant::now() < deadline, "no producer spawned in 30 s");
+        std::thread::sleep(Duration::from_millis(10));
+    };
     // SAFETY: signals the child this test started.
     unsafe { libc::kill(pid as i32, libc::SIGTERM) };
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -925,6 +942,11 @@ print(json.dumps(out))
 fn slots_interleave_streams_and_each_equals_generate_alone_sampled_or_greedy() {
     // Spans of two tokens: the short prompt's prefill comes in pieces between the long stream's rounds.
     let s = serve(&["--producer", "rngd", "--slots", "2", "--prefill-chunk", "2"]);
+    // The short request below samples, with penalties and a bias against the token it would draw first
+    // without them: its seed gives the same draws in a batch as alone. That first token comes from a
+    // `generate` run now, before the long stream starts: run while it is live, the stream could end first.
+    let sampled = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "5"];
+    let unbiased = generate("The three primary colours are", 3, &sampled)["output_ids"][0].as_u64().unwrap();
     let long = json!({"prompt": "Once upon a time", "max_tokens": 120, "temperature": 0, "stream": true});
     let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&long).unwrap();
     let mut lines = BufReader::new(r.into_body().into_reader()).lines();
@@ -936,10 +958,6 @@ fn slots_interleave_streams_and_each_equals_generate_alone_sampled_or_greedy() {
             long_chunks.push(data.to_string());
         }
     }
-    // The short one samples, with penalties and a bias against the token it would draw first without
-    // them: its seed gives the same draws in a batch as alone.
-    let sampled = ["--temperature", "0.8", "--top-p", "0.9", "--seed", "5"];
-    let unbiased = generate("The three primary colours are", 3, &sampled)["output_ids"][0].as_u64().unwrap();
     let (status, v) = post(
         &s,
         "/v1/completions",
@@ -1010,6 +1028,10 @@ fn the_drain_timeout_ends_a_stream_that_outlives_it() {
     let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&long).unwrap();
     let mut lines = BufReader::new(r.into_body().into_reader()).lines();
     assert!(lines.next().unwrap().unwrap().starts_with("data: "));
+    // The stream is read as it comes, so that no socket buffer fills and holds back its last events.
+    let reader = std::thread::spawn(move || {
+        lines.map_while(Result::ok).filter(|l| l.starts_with("data: ")).collect::<Vec<String>>()
+    });
     let pid = s.child.id();
     let kids = producers_of(pid);
     // SAFETY: signals the child this test started.
@@ -1046,7 +1068,7 @@ fn the_drain_timeout_ends_a_stream_that_outlives_it() {
         assert!(!std::path::Path::new(&format!("/proc/{kid}")).exists(), "producer {kid} outlived the server");
     }
     // The stream does not end as if it were complete: an error event, then `[DONE]`.
-    let rest: Vec<String> = lines.map_while(Result::ok).filter(|l| l.starts_with("data: ")).collect();
+    let rest = reader.join().unwrap();
     let n = rest.len();
     assert!(n >= 2 && rest[n - 1] == "data: [DONE]", "the stream's end: {:?}", &rest[n.saturating_sub(3)..]);
     assert!(rest[n - 2].contains(r#""code":"engine_stopped""#), "the stream's end: {:?}", &rest[n - 2..]);
@@ -1098,15 +1120,16 @@ fn a_live_stream_keeps_decoding_while_another_prompt_prefills_in_a_producer() {
 
 /// A producer killed halfway through writing one request's span (request 2, the `faulty` backend's
 /// `kill_mid`) costs that request its remote prefill and nothing else: with `fallback` it is prefilled
-/// locally, in pieces of 256 tokens between the live stream's decode rounds (its remote prefill was one
-/// span), and still equals `generate`; with `fail` it gets a 500 error object. A stream live meanwhile,
-/// and the request after (on a restarted producer), are remote and equal `generate`.
+/// locally, in pieces of 256 tokens (its remote prefill was one span), and still equals `generate`; with
+/// `fail` it gets a 500 error object. A stream still live when that answer comes (asserted), and the
+/// request after (on a restarted producer), are remote and equal `generate`.
 #[test]
 fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_else_anything() {
     let stream_prompt = "1, 2, 3, 4, 5, 6, 7, 8,";
     let prompt = format!("{}The three primary colours are", "Red, yellow and blue are colours. ".repeat(40));
     let prompt = prompt.as_str();
-    let stream_reference = generate(stream_prompt, 40, &[]);
+    // Long enough (and never ended by EOS) to outlast the crashed request's two prefills.
+    let stream_reference = generate(stream_prompt, 900, &["--ignore-eos"]);
     let reference = generate(prompt, 8, &[]);
     let prompt_tokens = reference["prompt_ids"].as_array().unwrap().len() as u64;
     assert!(prompt_tokens > 257, "a prompt of more than one local piece: {prompt_tokens} tokens");
@@ -1117,7 +1140,8 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
         let streamer = {
             let (url, chunks) = (s.url.clone(), Arc::clone(&chunks));
             std::thread::spawn(move || {
-                let body = json!({"prompt": stream_prompt, "max_tokens": 40, "temperature": 0, "stream": true});
+                let body = json!({"prompt": stream_prompt, "max_tokens": 900, "temperature": 0, "stream": true,
+                                  "ignore_eos": true});
                 let r = agent().post(&format!("{url}/v1/completions")).send_json(&body).unwrap();
                 for line in BufReader::new(r.into_body().into_reader()).lines() {
                     let line = line.unwrap();
@@ -1136,6 +1160,8 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
         }
         let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}).to_string();
         let (status, crashed) = post(&s, "/v1/completions", &body);
+        let live = chunks.lock().unwrap().iter().all(|c| c["pdhost"].is_null());
+        assert!(live, "{policy}: the stream ended before the crashed request was answered");
         if policy == "fallback" {
             assert_eq!(status, 200, "{crashed}");
             assert_eq!(crashed["pdhost"]["prefill"], "local", "{crashed}");

@@ -81,16 +81,16 @@ static uint32_t example_open(const uint8_t *config, size_t config_len, PdhostBac
         set_error(err, err_cap, "out of memory");
         return PDHOST_STATUS_BACKEND_ERROR;
     }
-    long kv_heads = number_or(json, config_len, "kv_heads", 1);
-    long head_dim = number_or(json, config_len, "head_dim", 16);
-    long window = number_or(json, config_len, "window", 8);
+    /* The host leaves out the shape keys for a model whose layers differ (or that has several windows):
+       a missing key is refused here rather than guessed, which would only fail later as describe_mismatch. */
+    long kv_heads = number_or(json, config_len, "kv_heads", -1);
+    long head_dim = number_or(json, config_len, "head_dim", -1);
+    long window = number_or(json, config_len, "window", -1);
     const char *layers = find_value(json, config_len, "layers");
     /* Each is narrowed to a uint32_t below: bounded first, so 4294967297 is refused rather than read as 1. */
-    if (layers == NULL || *layers != '"' || kv_heads < 1 || head_dim < 1 || window < 1 || kv_heads > 65536 ||
-        head_dim > 65536 || window > (long)UINT32_MAX) {
+    if (layers == NULL || *layers != '"' || kv_heads < 1 || head_dim < 1 || kv_heads > 65536 || head_dim > 65536) {
         set_error(err, err_cap,
-                  "config: expected \"layers\" (a string of S and F), kv_heads and head_dim from 1 to 65536, "
-                  "and a positive window");
+                  "config: expected \"layers\" (a string of S and F), and kv_heads and head_dim from 1 to 65536");
         free(json);
         free(b);
         return PDHOST_STATUS_BAD_CONFIG;
@@ -98,6 +98,12 @@ static uint32_t example_open(const uint8_t *config, size_t config_len, PdhostBac
     for (const char *p = layers + 1; *p != '"' && *p != '\0'; p++) {
         if (b->num_layers == MAX_LAYERS || (*p != 'S' && *p != 'F')) {
             set_error(err, err_cap, "config layers: expected at most 256 letters S or F");
+            free(json);
+            free(b);
+            return PDHOST_STATUS_BAD_CONFIG;
+        }
+        if (*p == 'S' && (window < 1 || (uint64_t)window > UINT32_MAX)) {
+            set_error(err, err_cap, "config: expected a window from 1 to 4294967295 for the S layers");
             free(json);
             free(b);
             return PDHOST_STATUS_BAD_CONFIG;
@@ -150,6 +156,11 @@ static float kv_value(uint32_t layer, uint32_t kind, uint32_t token, uint64_t po
     return (float)(h >> 40) / (float)(1u << 23) - 1.0f;
 }
 
+/* A call may start past 0 with the request's earlier tokens in `context_ids` (a prefix-cache hit; this table
+   leaves `capabilities` NULL, which tells the host it takes such calls). The stand-in's K/V depends on each
+   token and its position alone, so it needs nothing from the context. A real backend must attend to it:
+   compute or look up the context's K/V, or set PDHOST_CAP_NO_CONTEXT from a `capabilities` function so
+   that the host never sends such a call. */
 static uint32_t example_prefill(PdhostBackend *b, const PdhostPrefill *request, const PdhostWriter *writer,
                                 char *err, size_t err_cap) {
     if (b == NULL || request == NULL || writer == NULL || request->token_ids == NULL || request->n_tokens == 0) {

@@ -8,7 +8,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::SpanError;
 
-/// Bounds on manifest contents, checked before anything is allocated from them.
+/// Most entries a manifest may hold. These bounds are checked once postcard has decoded the manifest,
+/// and what it allocated meanwhile is bounded by the manifest's own length (at most
+/// [`crate::MAX_MANIFEST_LEN`] bytes, each decoding to a few dozen bytes of `Vec`s at most); nothing is
+/// allocated from the declared counts beyond that.
 pub const MAX_ENTRIES: usize = 1 << 16;
 /// Most groups a grouped layout may declare.
 pub const MAX_GROUPS: usize = 1 << 10;

@@ -32,8 +32,9 @@ pub enum RingError {
         /// Its slot.
         slot: u32,
     },
-    /// The watched descriptor (the producer's pidfd) signalled while waiting.
-    #[error("producer exited while the host awaited frame {sequence}")]
+    /// The watched descriptor (the producer's pidfd) signalled while waiting, or the producer's end of
+    /// the doorbell closed.
+    #[error("the producer exited (or closed its end of the ring's doorbell) while the host awaited frame {sequence}")]
     PeerExited {
         /// The frame awaited.
         sequence: u64,
@@ -398,6 +399,10 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
 
     /// The re-checks after the copy: the header unchanged, the commit word still the granted generation.
     fn recheck(&self, slot: u32, header: &[u8; HEADER_LEN]) -> Result<(), RingError> {
+        // The copy's loads complete before the re-check's (a seqlock's read side): without the fence a
+        // weakly ordered CPU (aarch64) could read the header and commit word again before the last of
+        // the payload, and pass a frame rewritten during the copy. x86-64 keeps loads in order anyway.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
         let generation = self.granted[slot as usize];
         let mut again = [0u8; HEADER_LEN];
         self.data.copy_out(self.geometry.frame_offset(slot) as usize, &mut again);
@@ -501,8 +506,24 @@ impl<C: Segment, D: Segment> RingReader<C, D> {
         C: AsFdSegment,
         D: AsFdSegment,
     {
-        let [rings, waits] = self.peer_bells.as_ref().expect("a ring made by create_ring");
+        let [rings, waits] =
+            self.peer_bells.as_ref().expect("a ring made by create_ring, its doorbells not handed over");
         [self.control.segment_fd(), self.data.segment_fd(), rings.fd(), waits.fd()]
+    }
+
+    /// Closes this process's copies of the producer's doorbell ends, once the producer holds its own:
+    /// then a producer that exits closes the last end it rang, and [`RingReader::take`] hears it.
+    /// [`RingReader::peer_fds`] panics after this.
+    pub fn handed_over(&mut self) {
+        self.peer_bells = None;
+    }
+
+    /// The data segment's descriptor (a read-only mapping of it for a relay).
+    pub fn data_fd(&self) -> BorrowedFd<'_>
+    where
+        D: AsFdSegment,
+    {
+        self.data.segment_fd()
     }
 }
 

@@ -61,10 +61,20 @@ impl RingWriter<MemfdSegment, MemfdSegment> {
         let [control_fd, data_fd, to_host, from_host] = fds;
         let control_len = rustix::fs::fstat(&control_fd).map_err(std::io::Error::from)?.st_size as u64;
         let control = MemfdSegment::open("control", control_fd, control_len, false)?;
+        // The segment must hold what its header says it holds: a typed error here, not a panic at the
+        // first slot past its end.
+        let too_short =
+            |expected: u64| SegmentError::SizeMismatch { name: "control".into(), expected, found: control_len };
         let mut header = [0u8; 64];
+        if control_len < header.len() as u64 {
+            return Err(too_short(header.len() as u64).into());
+        }
         control.copy_out(0, &mut header);
         let header = ControlHeader::read_from_bytes(&header).expect("64 bytes");
         let (geometry, epoch) = RingGeometry::from_control(&header)?;
+        if control_len < geometry.control_len() {
+            return Err(too_short(geometry.control_len()).into());
+        }
         let data = MemfdSegment::open("data", data_fd, geometry.data_len(), true)?;
         Ok(Self::new(control, data, geometry, epoch, Doorbell::from_fd(to_host)?, Doorbell::from_fd(from_host)?))
     }
@@ -180,10 +190,12 @@ impl<C: Segment, D: Segment> SlotWriter<'_, C, D> {
         let len = self.ring.geometry.frame_capacity() as usize;
         assert!(offset + len <= self.ring.data.len());
         // SAFETY: in bounds of the writable data mapping (checked above; `RingWriter::new` asserted it is
-        // writable). Only this process can write the data segment: the host maps it read-only and the
-        // memfd is sealed against resizing, so nothing changes these bytes behind the slice (the host's
-        // concurrent reads are volatile loads in another process and change nothing). The slot is this
-        // producer's until it commits, and the `&mut self` borrow makes the slice unique in this process.
+        // writable). Only this process writes a producer's data segment: the host maps it read-only and
+        // the memfd is sealed against resizing, so nothing changes these bytes behind the slice (the
+        // host's concurrent reads are volatile loads in another process and change nothing). A relay's
+        // data segment is written by the network transport instead: a relay must never call this (nor
+        // `write_span`), and reads its frames with `read_frame`. The slot is this producer's until it
+        // commits, and the `&mut self` borrow makes the slice unique in this process.
         unsafe { std::slice::from_raw_parts_mut(self.ring.data.base().as_ptr().add(offset), len) }
     }
 

@@ -11,8 +11,11 @@ use super::*;
 
 const PROMPT: [u32; 10] = [2, 100, 20, 30, 40, 7, 8, 9, 10, 11];
 const OTHER: [u32; 6] = [2, 61, 62, 63, 64, 65];
-/// Deadline per request: `hang` and `slow` (2 s) must time out.
-const TIMEOUT: Duration = Duration::from_millis(1000);
+/// Deadline per request (and for a producer's start): `hang` and `slow` must time out, and nothing
+/// healthy may, even on a loaded 2-core machine (1 s left too little room).
+const TIMEOUT: Duration = Duration::from_millis(3000);
+/// How long `slow` sleeps: far past [`TIMEOUT`].
+const SLOW_MS: u64 = 10_000;
 
 /// The deadline of a request that `mode` breaks: [`TIMEOUT`], but `eat_memory` must reach its cap
 /// before its deadline, and touching 512 MiB of fresh pages takes 0.2 s on an idle VM and, now and
@@ -86,7 +89,7 @@ fn check(mode: &str) {
             config(
                 &gemma(),
                 dtype,
-                serde_json::json!({"fault": mode, "layout": layout, "on_requests": [first], "delay_ms": 2000}),
+                serde_json::json!({"fault": mode, "layout": layout, "on_requests": [first], "delay_ms": SLOW_MS}),
             )
         };
 

@@ -21,8 +21,9 @@ fn soak_200_requests_with_random_faults() {
     let mut e = engine(&gemma(), dtype);
     let before = snapshot();
     let faulty =
-        config(&gemma(), dtype, serde_json::json!({"fault": "random", "seed": 7, "rate": 0.25, "delay_ms": 2000}));
-    let mut p = producer(&e, builtin("faulty"), faulty, Duration::from_millis(1000));
+        config(&gemma(), dtype, serde_json::json!({"fault": "random", "seed": 7, "rate": 0.25, "delay_ms": 10_000}));
+    // A deadline that `slow` (10 s) and `hang` pass, and that a healthy request on a loaded machine does not.
+    let mut p = producer(&e, builtin("faulty"), faulty, Duration::from_millis(3000));
     let (mut remote, mut fallbacks) = (0, 0);
     let (mut fds_warm, mut rss_warm) = (0, 0);
     for (i, request) in requests.iter().enumerate() {

@@ -333,8 +333,8 @@ impl<'t> Scheduler<'_, 't> {
                 let left = job.events.is_closed();
                 if left {
                     self.state.unqueue();
-                    tracing::info!(id = job.id, "cancelled while queued");
                     self.metrics.requests.with_label_values(&["cancelled"]).inc();
+                    tracing::info!(id = job.id, "cancelled while queued");
                 }
                 !left
             });
@@ -398,8 +398,8 @@ impl<'t> Scheduler<'_, 't> {
     /// Opens a sequence for a request (or answers it: cancelled while queued, or refused by the cache).
     fn admit(&mut self, job: Job) -> Option<Admitting> {
         if job.events.is_closed() {
-            tracing::info!(id = job.id, "cancelled while queued");
             self.metrics.requests.with_label_values(&["cancelled"]).inc();
+            tracing::info!(id = job.id, "cancelled while queued");
             return None;
         }
         let admitted = Instant::now();
@@ -528,8 +528,8 @@ impl<'t> Scheduler<'_, 't> {
                 self.metrics.kv_bytes.inc_by(prefill.bytes());
             }
             if cancelled {
-                tracing::info!(id = job.id, "cancelled during prefill");
                 self.metrics.requests.with_label_values(&["cancelled"]).inc();
+                tracing::info!(id = job.id, "cancelled during prefill");
                 self.loaded.engine.abandon(prefill);
             } else if let Some(e) = failed {
                 tracing::warn!(id = job.id, "failed: {e}");
@@ -671,13 +671,14 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
         return;
     }
     if cancelled {
+        // Counted before it is logged, so that whoever reads the log line finds it counted.
+        metrics.requests.with_label_values(&["cancelled"]).inc();
         tracing::info!(
             id = job.id,
             prompt = job.request.prompt.len(),
             output = gen.output.len(),
             "cancelled by its client"
         );
-        metrics.requests.with_label_values(&["cancelled"]).inc();
         return;
     }
     // What is left once nothing can grow into a stop string any more, and the log-probabilities of
@@ -701,20 +702,6 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
     // From acceptance to admission: the wait for a slot, which `ttft` (from admission, as in `generate`)
     // leaves out and the TTFT histogram counts.
     let queued = admitted.saturating_duration_since(job.accepted);
-    tracing::info!(
-        id = job.id,
-        prompt = job.request.prompt.len(),
-        output = gen.output.len(),
-        prefill = where_,
-        prefix_hit = report.prefix_hit,
-        queue_ms = format_args!("{:.1}", queued.as_secs_f64() * 1e3),
-        ttft_ms = format_args!("{:.1}", gen.ttft.as_secs_f64() * 1e3),
-        tok_s = format_args!("{decode_tps:.1}"),
-        finish,
-        total_ms = format_args!("{:.1}", job.accepted.elapsed().as_secs_f64() * 1e3),
-        fallback = report.fallback.as_ref().map_or("-", |e| e.kind()),
-        "request"
-    );
     let pdhost = json!({
         "prefill": where_,
         "producer": report.producer.as_deref().unwrap_or("local"),
@@ -735,13 +722,28 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
             Sampling::Greedy => None,
         },
     });
-    // The metrics first: a client that reads `/metrics` once it has its answer sees the request counted.
+    // The metrics first: a client that reads `/metrics` once it has its answer, or once the request is
+    // logged, sees it counted.
     metrics.requests.with_label_values(&["ok"]).inc();
     let how = if report.fallback.is_some() { "fallback" } else { where_ };
     metrics.prefills.with_label_values(&[how, report.producer.as_deref().unwrap_or("local")]).inc();
     metrics.prefix_hit_tokens.inc_by(report.prefix_hit);
     metrics.ttft.observe((queued + gen.ttft).as_secs_f64());
     metrics.e2e.observe(job.accepted.elapsed().as_secs_f64());
+    tracing::info!(
+        id = job.id,
+        prompt = job.request.prompt.len(),
+        output = gen.output.len(),
+        prefill = where_,
+        prefix_hit = report.prefix_hit,
+        queue_ms = format_args!("{:.1}", queued.as_secs_f64() * 1e3),
+        ttft_ms = format_args!("{:.1}", gen.ttft.as_secs_f64() * 1e3),
+        tok_s = format_args!("{decode_tps:.1}"),
+        finish,
+        total_ms = format_args!("{:.1}", job.accepted.elapsed().as_secs_f64() * 1e3),
+        fallback = report.fallback.as_ref().map_or("-", |e| e.kind()),
+        "request"
+    );
     let _ = events.send(Event::Done(Done { finish, completion_tokens: gen.output.len(), pdhost }));
 }
 

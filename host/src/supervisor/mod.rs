@@ -351,10 +351,8 @@ impl Producer {
             op: "ring geometry",
             source: std::io::Error::new(std::io::ErrorKind::InvalidInput, e),
         })?;
-        let ring = create_ring(&format!("pdhost-{name}-e{epoch}"), geometry, epoch).map_err(|e| ProducerError::Io {
-            name: name.clone(),
-            op: "creating the ring",
-            source: std::io::Error::other(e),
+        let mut ring = create_ring(&format!("pdhost-{name}-e{epoch}"), geometry, epoch).map_err(|e| {
+            ProducerError::Io { name: name.clone(), op: "creating the ring", source: std::io::Error::other(e) }
         })?;
         let (socket, child_socket) = UnixStream::pair().map_err(self.io("socketpair"))?;
         let [control, data, to_host, from_host] = ring.peer_fds();
@@ -383,6 +381,7 @@ impl Producer {
         let spawned = cmd.spawn();
         drop(passed);
         drop(child_socket);
+        ring.handed_over();
         let mut child = spawned.map_err(|source| ProducerError::Spawn {
             name: name.clone(),
             program: self.spec.program.display().to_string(),
@@ -393,9 +392,14 @@ impl Producer {
         let pidfd = match rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()) {
             Ok(fd) => fd,
             Err(e) => {
+                // With no pidfd to wait on with a deadline, the killed child is reaped by a thread of
+                // its own, as `reap` does with one that will not die.
                 let mut child = child;
                 let _ = child.kill();
-                let _ = child.wait();
+                let reaper = std::thread::Builder::new().name("pdhost-reaper".into()).spawn(move || child.wait());
+                if reaper.is_err() {
+                    tracing::warn!(producer = %name, "no thread to reap it: it stays a zombie");
+                }
                 return Err(self.io("pidfd_open")(e.into()));
             }
         };
@@ -805,8 +809,7 @@ impl Producer {
             expected: "a running process".into(),
             found: "none".into(),
         })?;
-        let [_, data, ..] = running.ring.peer_fds();
-        let fd = data.try_clone_to_owned().map_err(self.io("duplicating the ring's data segment"))?;
+        let fd = running.ring.data_fd().try_clone_to_owned().map_err(self.io("duplicating the ring's data segment"))?;
         let len = running.ring.geometry().data_len();
         MemfdSegment::open(&format!("pdhost-{}.data", self.spec.name), fd, len, false).map_err(|e| ProducerError::Io {
             name: self.spec.name.clone(),

@@ -546,6 +546,9 @@ pub struct Handle<B> {
     described: Vec<Box<[PdhostLayer]>>,
     /// Likewise every identity string.
     identities: Vec<std::ffi::CString>,
+    /// What a panic in `release` said: the backend's state is unknown from then on, so every later
+    /// `prefill` is refused as `PANIC` (and the host restarts the producer) instead of run on it.
+    poisoned: Option<String>,
 }
 
 impl<B> Handle<B> {
@@ -635,7 +638,7 @@ pub unsafe fn open_impl<B: Backend>(
             let text = std::str::from_utf8(bytes)
                 .map_err(|e| BackendError::new(PdhostStatus::BadConfig, format!("config is not UTF-8: {e}")))?;
             let backend = B::open(text)?;
-            let handle = Box::new(Handle { backend, described: Vec::new(), identities: Vec::new() });
+            let handle = Box::new(Handle { backend, described: Vec::new(), identities: Vec::new(), poisoned: None });
             *out = Box::into_raw(handle).cast();
             Ok(())
         })
@@ -700,6 +703,12 @@ pub unsafe fn prefill_impl<B: Backend>(
                 return Err(BackendError::new(PdhostStatus::InvalidArgument, "null pointer"));
             }
             let handle = &mut *backend.cast::<Handle<B>>();
+            if let Some(why) = &handle.poisoned {
+                return Err(BackendError::new(
+                    PdhostStatus::Panic,
+                    format!("an earlier release panicked ({why}): the backend's state is unknown"),
+                ));
+            }
             // A producer of an older minor version passes a shorter struct: copy only the bytes it
             // has (its `struct_size`, read first) over zeros, so that no field past them is read.
             let size = (request.cast::<u32>().read_unaligned() as usize).min(size_of::<PdhostPrefill>());
@@ -739,8 +748,9 @@ pub unsafe fn prefill_impl<B: Backend>(
     }
 }
 
-/// The `release` trampoline of [`export_backend!`]. A panic is caught and dropped: the request is over
-/// either way.
+/// The `release` trampoline of [`export_backend!`]. A panic is caught (it must not unwind into C) and
+/// poisons the handle: the next `prefill` returns `PANIC` with its text, so the host restarts the
+/// producer rather than run a backend whose state a panic left half-changed.
 ///
 /// # Safety
 ///
@@ -751,7 +761,9 @@ pub unsafe fn release_impl<B: Backend>(backend: *mut PdhostBackend, request_id: 
     }
     // SAFETY: the handle is a `Handle<B>` by the caller's promise.
     let handle = unsafe { &mut *backend.cast::<Handle<B>>() };
-    let _ = catch_unwind(AssertUnwindSafe(|| handle.backend.release(request_id)));
+    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| handle.backend.release(request_id))) {
+        handle.poisoned.get_or_insert_with(|| format!("request {request_id}: {}", panic_text(payload)));
+    }
 }
 
 /// The `capabilities` trampoline of [`export_backend!`].
@@ -920,6 +932,34 @@ mod tests {
             self.context.set(Some(p.context.len()));
             Ok(())
         }
+        fn release(&mut self, request_id: u64) {
+            assert!(request_id != 13, "thirteen is unlucky");
+        }
+    }
+
+    /// A writer whose every region and frame is refused (the toy writes nothing).
+    fn refusing_writer() -> PdhostWriter {
+        unsafe extern "C" fn region(_: *mut c_void, _: u32, _: *mut *mut u8, _: *mut u64) -> u32 {
+            PdhostStatus::InvalidArgument as u32
+        }
+        unsafe extern "C" fn frame(_: *mut c_void, _: *mut PdhostFrame) -> u32 {
+            PdhostStatus::InvalidArgument as u32
+        }
+        PdhostWriter {
+            struct_size: size_of::<PdhostWriter>() as u32,
+            num_entries: 0,
+            ctx: std::ptr::null_mut(),
+            region,
+            frame,
+        }
+    }
+
+    fn open_toy() -> *mut PdhostBackend {
+        let mut backend = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; an empty config.
+        let code = unsafe { open_impl::<Toy>(std::ptr::null(), 0, &mut backend, std::ptr::null_mut(), 0) };
+        assert_eq!(code, PdhostStatus::Ok as u32);
+        backend
     }
 
     fn describe(backend: *mut PdhostBackend) -> PdhostDescription {
@@ -947,10 +987,7 @@ mod tests {
     /// `describe` may be called again; every array it handed out stays valid until `close`.
     #[test]
     fn described_layers_stay_valid_until_close() {
-        let mut backend = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer; an empty config.
-        let code = unsafe { open_impl::<Toy>(std::ptr::null(), 0, &mut backend, std::ptr::null_mut(), 0) };
-        assert_eq!(code, PdhostStatus::Ok as u32);
+        let backend = open_toy();
         let first = describe(backend);
         let again = describe(backend);
         assert_eq!(again.layers, first.layers, "the same layers are handed out as the same array");
@@ -969,23 +1006,8 @@ mod tests {
     /// read as the 1.1 fields; a struct too short for the 1.0 fields is refused.
     #[test]
     fn a_shorter_prefill_struct_is_read_only_as_far_as_it_goes() {
-        unsafe extern "C" fn region(_: *mut c_void, _: u32, _: *mut *mut u8, _: *mut u64) -> u32 {
-            PdhostStatus::InvalidArgument as u32
-        }
-        unsafe extern "C" fn frame(_: *mut c_void, _: *mut PdhostFrame) -> u32 {
-            PdhostStatus::InvalidArgument as u32
-        }
-        let writer = PdhostWriter {
-            struct_size: size_of::<PdhostWriter>() as u32,
-            num_entries: 0,
-            ctx: std::ptr::null_mut(),
-            region,
-            frame,
-        };
-        let mut backend = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer; an empty config.
-        let code = unsafe { open_impl::<Toy>(std::ptr::null(), 0, &mut backend, std::ptr::null_mut(), 0) };
-        assert_eq!(code, PdhostStatus::Ok as u32);
+        let writer = refusing_writer();
+        let backend = open_toy();
         let tokens = [1u32, 2, 3];
         // The 1.1 fields hold what a longer struct would mean as a context of 5 tokens at position 5.
         let full = PdhostPrefill {
@@ -1008,6 +1030,41 @@ mod tests {
         // SAFETY: as above.
         let toy = unsafe { &*backend.cast::<Handle<Toy>>() };
         assert_eq!(toy.backend.context.get(), Some(0), "no context read past a 1.0 struct");
+        // SAFETY: the handle came from `open_impl::<Toy>` and is not used again.
+        unsafe { close_impl::<Toy>(backend) };
+    }
+
+    /// A panic in `release` does not unwind into C, and leaves the handle refusing every later `prefill`
+    /// as `PANIC`, naming the request and the panic; a release that returns leaves it serving.
+    #[test]
+    fn a_panic_in_release_poisons_the_handle() {
+        let writer = refusing_writer();
+        let backend = open_toy();
+        let tokens = [1u32, 2];
+        let request = PdhostPrefill {
+            struct_size: size_of::<PdhostPrefill>() as u32,
+            reserved: 0,
+            request_id: 14,
+            start_pos: 0,
+            n_tokens: 2,
+            token_ids: tokens.as_ptr(),
+            n_context: 0,
+            context_ids: std::ptr::null(),
+        };
+        let mut buf = [0 as c_char; 256];
+        let prefill = |buf: &mut [c_char]| {
+            // SAFETY: an open handle, a request whose pointers are valid, a writer, an error buffer.
+            unsafe { prefill_impl::<Toy>(backend, &request, &writer, buf.as_mut_ptr(), buf.len()) }
+        };
+        // SAFETY: an open handle.
+        unsafe { release_impl::<Toy>(backend, 12) };
+        assert_eq!(prefill(&mut buf), PdhostStatus::Ok as u32, "a release that returned");
+        // SAFETY: an open handle; the panic is caught inside.
+        unsafe { release_impl::<Toy>(backend, 13) };
+        assert_eq!(prefill(&mut buf), PdhostStatus::Panic as u32);
+        // SAFETY: `prefill_impl` wrote a NUL-terminated text into the buffer.
+        let text = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
+        assert!(text.contains("request 13") && text.contains("thirteen is unlucky"), "{text}");
         // SAFETY: the handle came from `open_impl::<Toy>` and is not used again.
         unsafe { close_impl::<Toy>(backend) };
     }

@@ -176,22 +176,42 @@ pub fn adopt_fds(fds: [i32; 5]) -> Result<[OwnedFd; 5], String> {
     for fd in &fds {
         let _ = rustix::io::fcntl_setfd(fd, rustix::io::FdFlags::CLOEXEC);
     }
-    close_others(&fds.each_ref().map(|fd| fd.as_raw_fd()));
+    close_others(&fds.each_ref().map(|fd| fd.as_raw_fd()))?;
     Ok(fds)
 }
 
 /// Closes every descriptor above stderr but `keep`: whatever else this process inherited was not meant
 /// for it (say, another producer's ring, made inheritable by the host for a spawn at the same moment).
-/// Runs before any backend code, while this is the process's only thread.
-fn close_others(keep: &[i32]) {
-    // The listing's own descriptor is among the numbers, and closed already when they are used.
-    let Ok(listing) = std::fs::read_dir("/proc/self/fd") else { return };
+/// Runs before any backend code, while this is the process's only thread. Fails closed: a process that
+/// can neither close ranges nor list its descriptors does not run a backend.
+fn close_others(keep: &[i32]) -> Result<(), String> {
+    let mut kept: Vec<u32> = keep.iter().map(|&fd| fd as u32).collect();
+    kept.sort_unstable();
+    // Every gap between the kept descriptors, above stderr, in one `close_range` each (Linux 5.9).
+    let mut from = 3u32;
+    let mut ranged = true;
+    for next in kept.iter().copied().chain([u32::MAX]) {
+        if next > from {
+            let last = if next == u32::MAX { u32::MAX } else { next - 1 };
+            // SAFETY: closes descriptors no Rust object in this process owns: the only ones adopted are
+            // `keep`, outside every range, and nothing else has been opened yet (the caller's promise).
+            ranged &= unsafe { libc::syscall(libc::SYS_close_range, from, last, 0u32) } == 0;
+        }
+        from = from.max(next.saturating_add(1));
+    }
+    if ranged {
+        return Ok(());
+    }
+    // An older kernel: what /proc lists. The listing's own descriptor is among the numbers, and closed
+    // already when they are used.
+    let listing = std::fs::read_dir("/proc/self/fd")
+        .map_err(|e| format!("closing inherited descriptors: close_range failed and /proc/self/fd: {e}"))?;
     let open: Vec<i32> = listing.flatten().filter_map(|e| e.file_name().to_str()?.parse().ok()).collect();
     for fd in open.into_iter().filter(|fd| *fd > 2 && !keep.contains(fd)) {
-        // SAFETY: closes a descriptor no Rust object in this process owns: the only ones adopted are
-        // `keep`, and nothing else has been opened yet (the caller's promise).
+        // SAFETY: as above.
         unsafe { libc::close(fd) };
     }
+    Ok(())
 }
 
 /// Before any backend code runs: `PR_SET_NO_NEW_PRIVS` (no exec of this process or its children can gain

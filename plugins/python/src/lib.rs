@@ -450,7 +450,7 @@ impl pdhost_plugin_abi::Backend for PyBackend {
             let config_obj = loads.call1((config,)).map_err(|e| backend_error(py, "config", &e))?;
             let config_dict = config_obj.cast::<PyDict>().map_err(|_| bad_config("config: expected a JSON object"))?;
             instance.call_method1("open", (config_dict,)).map_err(|e| start_error(py, "open", &e))?;
-            let described = instance.call_method0("describe").map_err(|e| backend_error(py, "describe", &e))?;
+            let described = instance.call_method0("describe").map_err(|e| start_error(py, "describe", &e))?;
             let (description, max_tokens) = description(&described).map_err(bad_config)?;
             let takes_context = instance.getattr("takes_context").and_then(|v| v.is_truthy()).unwrap_or(false);
             Ok(PyBackend { instance: instance.unbind(), description, max_tokens, takes_context })

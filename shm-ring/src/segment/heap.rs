@@ -12,9 +12,10 @@ pub struct HeapSegment {
     writable: bool,
 }
 
-// SAFETY: the region is only accessed through `Segment`'s methods, which use raw-pointer copies and atomic
+// SAFETY: the region is accessed through `Segment`'s methods, which use raw-pointer copies and atomic
 // words (`load_acquire` below, `store_release`), never references; sharing the pointer between threads
-// is the point of a segment.
+// is the point of a segment. The one exception is a writer's `SlotWriter::frame_mut`, a `&mut [u8]` over
+// its reserved slot: a test that takes it must not read that slot from another thread meanwhile.
 unsafe impl Send for HeapSegment {}
 // SAFETY: as above.
 unsafe impl Sync for HeapSegment {}

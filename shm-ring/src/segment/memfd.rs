@@ -120,16 +120,17 @@ impl MemfdSegment {
         Ok(MemfdSegment { name: name.into(), file, map, writable })
     }
 
-    /// Peer side: maps a received segment, checking its size and base seals first.
+    /// Peer side: maps a received segment, checking its base seals, then its size. In that order: once
+    /// sealed its size cannot change, so the size checked is the size mapped (no SIGBUS past a shrink).
     pub fn open(name: &str, fd: OwnedFd, expected_len: u64, writable: bool) -> Result<Self, SegmentError> {
         let os = |op| move |e: rustix::io::Errno| SegmentError::Os { op, name: name.to_string(), source: e.into() };
-        let found = rustix::fs::fstat(&fd).map_err(os("fstat"))?.st_size as u64;
-        if found != expected_len {
-            return Err(SegmentError::SizeMismatch { name: name.into(), expected: expected_len, found });
-        }
         let seals = rustix::fs::fcntl_get_seals(&fd).map_err(os("F_GET_SEALS"))?;
         if !seals.contains(BASE_SEALS) {
             return Err(SegmentError::MissingSeals { name: name.into(), expected: BASE_SEALS, found: seals });
+        }
+        let found = rustix::fs::fstat(&fd).map_err(os("fstat"))?.st_size as u64;
+        if found != expected_len {
+            return Err(SegmentError::SizeMismatch { name: name.into(), expected: expected_len, found });
         }
         let file = File::from(fd);
         let map = map(&file, expected_len as usize, writable).map_err(|e| SegmentError::Os {
