@@ -578,8 +578,9 @@ pub enum Bench {
     Kernels(KernelsBenchArgs),
     /// Time to first token with prefill in a warm producer subprocess against prefill in the host, on
     /// the same model and prompts in the same run: the PD overhead in ms and %, where it goes (request
-    /// IPC, span write, transfer and ingest), and decode tokens/s after each. Checks that both give the
-    /// same output and logits.
+    /// IPC, span write, transfer and ingest), and decode tokens/s after each. Says whether both give the
+    /// same output and logits bits, and prints where they differ (a report, not a failure: a backend on
+    /// another numerical stack may part from the host at a near-tie).
     Pd(PdBenchArgs),
     /// The HTTP matrix: prompt lengths x output lengths x concurrency x streamed or not, against a `pdhost
     /// serve` this command starts (or `--url`), every response checked token for token against a lone

@@ -44,7 +44,7 @@ impl Evict {
 }
 
 /// The largest cache of CPU 0 as Linux describes it (`/sys/devices/system/cpu/cpu0/cache`), in bytes.
-fn last_level_cache() -> Option<usize> {
+pub(super) fn last_level_cache() -> Option<usize> {
     let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
     dir.filter_map(|e| {
         let size = std::fs::read_to_string(e.ok()?.path().join("size")).ok()?;
@@ -185,11 +185,14 @@ fn time_memcpy(products: &[Product<'_>], precision: Precision, threads: usize, r
     let mut best = Duration::MAX;
     for rep in 0..=reps {
         evict.run();
-        let start = Instant::now();
+        // The clock starts once every thread is up (the passes run on a pool that is already up).
+        let ready = std::sync::Barrier::new(threads + 1);
+        let mut start = Instant::now();
         std::thread::scope(|s| {
             for (t, dest) in dests.iter_mut().enumerate() {
-                let sources = &sources;
+                let (sources, ready) = (&sources, &ready);
                 s.spawn(move || {
+                    ready.wait();
                     for src in sources {
                         let share = src.len().div_ceil(threads);
                         let part = &src[(t * share).min(src.len())..((t + 1) * share).min(src.len())];
@@ -198,6 +201,8 @@ fn time_memcpy(products: &[Product<'_>], precision: Precision, threads: usize, r
                     }
                 });
             }
+            ready.wait();
+            start = Instant::now();
         });
         if rep > 0 {
             best = best.min(start.elapsed());

@@ -131,10 +131,14 @@ fn run_batch(engine: &mut Engine, req: &Request, batch: usize) -> anyhow::Result
         }
         lives.push(live);
     }
-    // The first token of each comes from its prefill; what follows is decode.
-    let mut refs: Vec<&mut pdhost::engine::Live> = lives.iter_mut().collect();
-    for r in engine.step_many(&mut refs) {
-        r?;
+    // The first token of each comes from its prefill; what follows is decode. Its first step, the first
+    // forward pass of this batch's shape, is not timed, as llama.cpp's is not (`llama_cpp.py`): both
+    // sides time `decode_tokens` steps.
+    for _ in 0..2 {
+        let mut refs: Vec<&mut pdhost::engine::Live> = lives.iter_mut().collect();
+        for r in engine.step_many(&mut refs) {
+            r?;
+        }
     }
     let t = std::time::Instant::now();
     let mut decoded = 0usize;
@@ -176,7 +180,7 @@ fn cases(args: &ModelBenchArgs) -> anyhow::Result<Vec<Case>> {
         let gguf = Gguf::open(&path)?;
         let config = Config::from_gguf(&gguf)?;
         let limits = Limits::new(name, &config, None)?;
-        let max_prompt = limits.context as u64 - decode - 1;
+        let max_prompt = limits.context as u64 - decode - 2;
         let tok = Tokenizer::from_gguf(&gguf)?;
         let mut requests = Vec::new();
         for &tokens in &args.prompt_tokens {
@@ -188,7 +192,10 @@ fn cases(args: &ModelBenchArgs) -> anyhow::Result<Vec<Case>> {
             let raw = RawRequest {
                 prompt,
                 prompt_field: Some(Field::PromptTokens),
-                max_tokens: decode + 1,
+                // The first token from the prefill, one untimed step, then `decode` timed ones, never
+                // cut short by an end-of-sequence token (llama.cpp's side decodes them all too).
+                max_tokens: decode + 2,
+                ignore_eos: true,
                 ..RawRequest::default()
             };
             requests.push(request::check_request(&raw, &limits)?);

@@ -31,6 +31,8 @@ struct Row {
     frame: f64,
     take: f64,
     ipc: f64,
+    /// IPC and take together: the median of each run's sum (not the sum of their medians).
+    transfer: f64,
     span_mib: f64,
     last_local: f64,
     last_pd: f64,
@@ -39,9 +41,9 @@ struct Row {
     /// Whether every PD run decoded the local run's ids, and with bit-identical logits.
     same_ids: bool,
     same_logits: bool,
-    /// The same backend over the memfd ring, beside a producer on another machine: its TTFT, IPC and
-    /// take.
-    ring: Option<(f64, f64, f64)>,
+    /// The same backend over the memfd ring, beside a producer on another machine: its TTFT, and its
+    /// IPC and take together.
+    ring: Option<(f64, f64)>,
     /// A memcpy of the span's bytes between two warm buffers.
     memcpy: f64,
 }
@@ -71,9 +73,15 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
+/// The median: the middle value, or the mean of the middle two.
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+    let n = v.len();
+    if n.is_multiple_of(2) {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    } else {
+        v[n / 2]
+    }
 }
 
 fn decode_rate(g: &Generation) -> f64 {
@@ -200,6 +208,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
             frame: m(&|r| ms(r.1.report.remote_times.frame)),
             take: m(&|r| ms(r.1.report.remote_times.take)),
             ipc: m(&|r| ms(r.1.report.remote_times.ipc())),
+            transfer: m(&|r| ms(r.1.report.remote_times.ipc() + r.1.report.remote_times.take)),
             span_mib: runs[0].1.bytes as f64 / (1 << 20) as f64,
             last_local: m(&|r| ms(r.0.last_token)),
             last_pd: m(&|r| ms(r.1.last_token)),
@@ -209,7 +218,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
             same_logits,
             ring: (!ring_runs.is_empty()).then(|| {
                 let m = |f: &dyn Fn(&Generation) -> f64| median(ring_runs.iter().map(f).collect());
-                (m(&|g| ms(g.ttft)), m(&|g| ms(g.report.remote_times.ipc())), m(&|g| ms(g.report.remote_times.take)))
+                (m(&|g| ms(g.ttft)), m(&|g| ms(g.report.remote_times.ipc() + g.report.remote_times.take)))
             }),
             memcpy: memcpy_ms(runs[0].1.bytes as usize),
         });
@@ -234,9 +243,9 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         (None, _) => "shared memory".to_string(),
     };
     let transfer = |r: &Row| {
-        json!({"pd_gb_s": gbs(r.span_mib, r.ipc + r.take), "pd_ms": r.ipc + r.take,
-               "ring_gb_s": r.ring.map(|(_, ipc, take)| gbs(r.span_mib, ipc + take)),
-               "ring_ms": r.ring.map(|(_, ipc, take)| ipc + take),
+        json!({"pd_gb_s": gbs(r.span_mib, r.transfer), "pd_ms": r.transfer,
+               "ring_gb_s": r.ring.map(|(_, transfer)| gbs(r.span_mib, transfer)),
+               "ring_ms": r.ring.map(|(_, transfer)| transfer),
                "ring_ttft_ms": r.ring.map(|(ttft, ..)| ttft),
                "ring_overhead_ms": r.ring.map(|(ttft, ..)| ttft - r.ttft_local),
                "memcpy_gb_s": gbs(r.span_mib, r.memcpy), "memcpy_ms": r.memcpy})
@@ -318,11 +327,11 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         rows.iter().map(|r| format!("{:.2}ms", r.local_ingest)).collect::<Vec<_>>().join(", ")
     )?;
     for r in &rows {
-        let ring = r.ring.map_or_else(String::new, |(ttft, ipc, take)| {
+        let ring = r.ring.map_or_else(String::new, |(ttft, transfer)| {
             format!(
                 ", the memfd ring {:.2} ms ({:.2} GB/s; its TTFT {ttft:.1} ms, overhead {:.2} ms)",
-                ipc + take,
-                gbs(r.span_mib, ipc + take),
+                transfer,
+                gbs(r.span_mib, transfer),
                 ttft - r.ttft_local
             )
         });
@@ -330,8 +339,8 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
             "{} tokens, {:.2} MiB span: IPC+xfer+ingest {:.2} ms ({:.2} GB/s){ring}, memcpy {:.2} ms ({:.2} GB/s)",
             r.tokens,
             r.span_mib,
-            r.ipc + r.take,
-            gbs(r.span_mib, r.ipc + r.take),
+            r.transfer,
+            gbs(r.span_mib, r.transfer),
             r.memcpy,
             gbs(r.span_mib, r.memcpy)
         )?;

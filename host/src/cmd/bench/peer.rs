@@ -137,24 +137,25 @@ impl Drop for Peer {
 #[derive(Debug, Default)]
 pub struct PeerResponse {
     pub text: String,
-    /// Output tokens: `usage.completion_tokens`, or (streamed) the chunks with text.
+    /// Output tokens: `usage.completion_tokens` (streamed: of the last event; without one, the chunks
+    /// with text).
     pub tokens: u64,
     /// Streamed: the client's time to the first chunk with text; whole: the server's `timings.prompt_ms`.
     pub ttft_ms: Option<f64>,
 }
 
-/// One greedy completion of token ids at the peer's OpenAI endpoint.
+/// One greedy completion of token ids at the peer's OpenAI endpoint. `cache_prompt`: whether it may
+/// reuse a slot's cached prompt, as pdhost's `--prefix-cache` says of pdhost (llama-server's default is
+/// to reuse it; pdhost's is off).
 pub fn send(
     agent: &ureq::Agent,
     url: &str,
     prompt: &[u32],
-    max_tokens: u64,
-    stream: bool,
+    (max_tokens, stream, cache_prompt): (u64, bool, bool),
 ) -> Result<PeerResponse, String> {
-    // llama-server reuses a slot's cached prompt by default; pdhost's prefix cache is off by default, so
-    // both compute every prompt.
-    let body =
-        json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream, "cache_prompt": false});
+    // Streamed, the usage comes in the last event: a token whose chunk carries no text still counts.
+    let body = json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": stream,
+                      "stream_options": {"include_usage": true}, "cache_prompt": cache_prompt});
     let t = Instant::now();
     let mut r = agent.post(&format!("{url}/v1/completions")).send_json(&body).map_err(|e| e.to_string())?;
     let status = r.status().as_u16();
@@ -164,6 +165,7 @@ pub fn send(
     }
     let mut out = PeerResponse::default();
     if stream {
+        let mut usage = None;
         for line in BufReader::new(r.into_body().into_reader()).lines() {
             let line = line.map_err(|e| format!("reading the stream: {e}"))?;
             let Some(data) = line.strip_prefix("data:").map(str::trim_start) else { continue };
@@ -176,7 +178,12 @@ pub fn send(
                 out.text.push_str(text);
                 out.tokens += 1;
             }
+            if let Some(used) = v["usage"]["completion_tokens"].as_u64() {
+                usage = Some(used);
+            }
         }
+        // The chunks with text, where a peer sends no usage.
+        out.tokens = usage.unwrap_or(out.tokens);
     } else {
         let v: Value = r.body_mut().read_json().map_err(|e| format!("reading the response: {e}"))?;
         out.text = v["choices"][0]["text"].as_str().unwrap_or_default().to_string();
@@ -213,13 +220,15 @@ impl PeerCell {
         (input, output, concurrency, stream): (u64, u64, u64, bool),
         repeats: u64,
         reference_text: &str,
+        cache_prompt: bool,
     ) -> Self {
         let mut cell = PeerCell { input, output, concurrency, stream, ..PeerCell::default() };
         for _ in 0..repeats {
             let t = Instant::now();
             let results: Vec<Result<PeerResponse, String>> = std::thread::scope(|s| {
-                let handles: Vec<_> =
-                    (0..concurrency).map(|_| s.spawn(|| send(agent, url, prompt, output, stream))).collect();
+                let handles: Vec<_> = (0..concurrency)
+                    .map(|_| s.spawn(|| send(agent, url, prompt, (output, stream, cache_prompt))))
+                    .collect();
                 handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err("panicked".into()))).collect()
             });
             cell.wall += t.elapsed();

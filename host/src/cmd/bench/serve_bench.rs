@@ -299,17 +299,26 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         let bin = super::peer::llama_server(args.json)?;
         let peer = super::peer::Peer::start(&bin, &path, slots, context, threads)?;
         let bar = super::progress(cells.len() as u64, args.json);
+        let cache_prompt = args.prefix_cache == crate::cli::Switch::On;
+        let mut warmed = Vec::new();
         for c in &cells {
             bar.set_message(format!("llama-server: {}", c.name()));
             let reference = references.iter().find(|(k, _)| *k == (c.input, c.output)).map_or("", |(_, t)| t.as_str());
+            let prompt = &text_ids[..c.input as usize];
+            // One untimed request per prompt and output length first, as pdhost's reference is.
+            if !warmed.contains(&(c.input, c.output)) {
+                let _ = super::peer::send(&agent, &peer.url, prompt, (c.output, false, cache_prompt));
+                warmed.push((c.input, c.output));
+            }
             let key = (c.input, c.output, c.concurrency, c.stream);
             peer_cells.push(super::peer::PeerCell::run(
                 &agent,
                 &peer.url,
-                &text_ids[..c.input as usize],
+                prompt,
                 key,
                 repeats,
                 reference,
+                cache_prompt,
             ));
             bar.inc(1);
         }

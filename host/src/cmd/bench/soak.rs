@@ -542,7 +542,8 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
                 round += 1;
             }
         });
-        work(requests, false);
+        // `--requests` of them, past those of the warm-up and of the settling.
+        work(next.load(Ordering::Relaxed) + requests, false);
         done.store(true, Ordering::Relaxed);
     });
     let wall = t.elapsed();
