@@ -42,6 +42,8 @@ fn the_built_in_backends_pass_every_check() {
             .into_iter()
             .map(|(n, ok, d)| {
                 assert!(ok, "{backend}: {n}: {d}");
+                // Both take a request's context, and were sent one.
+                assert!(n != "spans" || d.contains("as a context"), "{backend}: {d}");
                 n
             })
             .collect();
@@ -105,6 +107,23 @@ fn the_c_example_conforms_but_is_no_model() {
         )
     );
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A backend that takes a prefix-cache hit's call but attends to the wrong context writes spans the host
+/// accepts (nothing in a span can show which past its K/V attended to), and the `kv` check finds them
+/// wrong.
+#[test]
+fn a_backend_that_forgets_its_context_fails_the_kv_check() {
+    let model = tiny("tiny_gemma3_8l");
+    let config = r#"{"forget_context":true}"#;
+    let (out, report) = check(&["faulty", "--model", model.to_str().unwrap(), "--backend-config", config]);
+    assert_eq!(out.status.code(), Some(1), "{report}");
+    let checks = checks(&report);
+    let find = |name: &str| checks.iter().find(|(n, ..)| n == name).unwrap_or_else(|| panic!("{name}: {report}"));
+    let (_, ok, detail) = find("spans");
+    assert!(*ok && detail.contains("as a context"), "{detail}");
+    let (_, ok, detail) = find("kv");
+    assert!(!*ok && detail.contains("relative L2 error against local prefill"), "{detail}");
 }
 
 #[test]

@@ -1,6 +1,7 @@
 //! `pdhost check-backend`: the conformance kit for backend authors. It runs a backend through a real
 //! producer against the host's own local prefill on the same model, and says, check by check, whether it
-//! holds: start and handshake, spans accepted whole and chunked, per-layer K/V error within a tolerance,
+//! holds: start and handshake, spans accepted whole, chunked and after a context (a prefix-cache hit),
+//! per-layer K/V error within a tolerance,
 //! greedy agreement up to near-ties, behaviour at a deadline, and timings.
 
 use std::process::ExitCode;
@@ -198,7 +199,8 @@ fn described(p: &Producer) -> String {
 }
 
 /// Every prompt prefilled remotely whole and in chunks of [`CHUNK`], each compared layer by layer with the
-/// host's local prefill at the same chunking.
+/// host's local prefill at the same chunking; then, for a backend that takes a request's context (ABI
+/// 1.1), each prompt's second half as a prefix-cache hit would send it ([`context_call`]).
 fn spans_and_errors(
     engine: &mut Engine,
     producer: &mut Producer,
@@ -222,12 +224,60 @@ fn spans_and_errors(
             engine.release(local);
         }
     }
+    let takes_context = producer.takes_context() == Some(true);
+    if takes_context {
+        for prompt in prompts {
+            if let Err(detail) = context_call(engine, producer, prompt, &mut sums) {
+                return (Check { name: "spans", ok: false, detail }, None);
+            }
+        }
+    }
     let spans = producer.metrics().spans_accepted - before;
     let detail = format!(
-        "{spans} spans accepted: prompts of {} tokens, whole and in chunks of {CHUNK}",
-        PROMPT_LENS.map(|l| l.to_string()).join(", ")
+        "{spans} spans accepted: prompts of {} tokens, whole, in chunks of {CHUNK}, and {}",
+        PROMPT_LENS.map(|l| l.to_string()).join(", "),
+        if takes_context {
+            "their second halves after the first as a context (a prefix-cache hit)"
+        } else {
+            "no call with a context (the backend refuses them: no prefix-cache hit goes to it)"
+        }
     );
     (Check { name: "spans", ok: true, detail }, Some(sums))
+}
+
+/// What a prefix-cache hit sends a backend: a new request that starts at the middle of `prompt`, with the
+/// tokens before it as its context. The host holds those positions (its own prefill of the first half);
+/// the backend must attend to them and write only the second half. Its K/V are compared with the host's
+/// whole prefill of `prompt`.
+fn context_call(
+    engine: &mut Engine,
+    producer: &mut Producer,
+    prompt: &[u32],
+    sums: &mut [ErrorSum],
+) -> Result<(), String> {
+    let start = prompt.len() / 2;
+    let (seq, _) = engine.prefill(&prompt[..start], 0, PrefillBy::Local).expect("local prefill");
+    // The sequence's id, which no call has carried to the producer (its prefill was local).
+    let call = pdhost_producer::protocol::PrefillCall {
+        request_id: seq.0,
+        start_pos: start as u64,
+        tokens: prompt[start..].to_vec(),
+        context: prompt[..start].to_vec(),
+    };
+    let taken = producer.prefill(&mut engine.kv, seq, &call);
+    producer.release(seq.0);
+    if let Err(e) = taken {
+        engine.release(seq);
+        return Err(format!(
+            "a {}-token prompt from position {start}, the {start} before it as its context: {e}",
+            prompt.len()
+        ));
+    }
+    let (local, _) = engine.prefill(prompt, 0, PrefillBy::Local).expect("local prefill");
+    kv_error::accumulate(sums, engine, local, seq);
+    engine.release(seq);
+    engine.release(local);
+    Ok(())
 }
 
 fn kv_check(layers: &[LayerError], tolerance: f64) -> Check {

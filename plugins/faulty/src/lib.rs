@@ -14,7 +14,9 @@
 //! `daemon_in_open: "PATH"` double-forks a daemon inside `open`, before any filter exists (as a vendor
 //! SDK starting a helper would), and writes its pid to `PATH`. `sigio_in_open: true` does there what
 //! the mode `sigio_host` does in `prefill`. `open_delay_ms: N` makes `open` take N ms more (a backend
-//! slow to load its device).
+//! slow to load its device). `forget_context: true` takes a request that starts past 0 with a context (a
+//! prefix-cache hit) but attends to that context's tokens in reverse order: a span right in every way the
+//! host can check, whose K/V are plausible and wrong (what `check-backend`'s `kv` check is for).
 //!
 //! Everything a misbehaving vendor library could do from inside the producer process is fair: crash in
 //! three ways at three points, panic, leave a region unwritten or half-written, try what the sandbox
@@ -104,6 +106,8 @@ pub struct Faulty {
     call_limit: u64,
     /// The thread that rewrites the last `double_fetch` frame's header, while it may still run.
     toggler: Option<Toggler>,
+    /// `forget_context`: a context call attends to the wrong past.
+    forget_context: bool,
 }
 
 fn splitmix(mut z: u64) -> u64 {
@@ -169,6 +173,8 @@ impl Backend for Faulty {
             config_key(&json, "sigio_in_open", "true or false", serde_json::Value::as_bool)?.unwrap_or(false);
         let open_delay_ms =
             config_key(&json, "open_delay_ms", "an integer from 0", serde_json::Value::as_u64)?.unwrap_or(0);
+        let forget_context =
+            config_key(&json, "forget_context", "true or false", serde_json::Value::as_bool)?.unwrap_or(false);
         let inner = ModelBackend::open(config, layout, Dtype::Bf16)?;
         std::thread::sleep(Duration::from_millis(open_delay_ms));
         if sigio_in_open {
@@ -188,6 +194,7 @@ impl Backend for Faulty {
             delay: Duration::from_millis(delay_ms),
             call_limit,
             toggler: None,
+            forget_context,
         })
     }
 
@@ -214,6 +221,13 @@ impl Backend for Faulty {
                 format!("expected at most {} tokens per call, found {}", self.call_limit, request.tokens.len()),
             ));
         }
+        let reversed: Vec<u32>;
+        let request = if self.forget_context && !request.context.is_empty() {
+            reversed = request.context.iter().rev().copied().collect();
+            &Prefill { context: &reversed, ..*request }
+        } else {
+            request
+        };
         let Some(mode) = self.mode_for(request.request_id).map(str::to_string) else {
             return self.behave(request, writer);
         };
