@@ -1,10 +1,12 @@
 //! A GGUF reader: the file is memory-mapped, every length is bounded before use, and every tensor is
 //! checked to lie inside the file, aligned, and made of whole quantization blocks.
 //!
-//! The mapping is of a model file in pdhost's own cache, opened read-only; pdhost never writes it in place.
-//! (A file truncated underneath a mapping would fault on access; model files are written once, atomically
-//! renamed into place, and never modified: a re-fetch renames a new file over the name, and the old
-//! mapping keeps the old inode.) Another process of the same user could still write it: a producer's
+//! The mapping is shared and read-only; pdhost never writes the file. A file truncated underneath a
+//! mapping faults on access (SIGBUS), and one rewritten in place changes the weights under the identity
+//! taken at load. Model files in pdhost's cache are written once, atomically renamed into place, and
+//! never modified: a re-fetch renames a new file over the name, and the old mapping keeps the old inode.
+//! A file the user names (`--model PATH.gguf`) is the user's to leave alone while pdhost runs: replace it
+//! by renaming a new one over it, as the cache does, never by copying over it. Another process of the same user could still write it: a producer's
 //! backend can only in its `open`, before its sandbox goes on (docs/plugin-abi.md, "The sandbox around
 //! you"), where it holds the user's rights whatever the host maps. A model's weights keep the mapping alive ([`Gguf::tensor_shared`]) for as long as the
 //! model lives, so the same holds for its whole life, not only while it loads.
@@ -419,8 +421,11 @@ impl Gguf {
     pub fn open(path: &Path) -> Result<Self, GgufError> {
         let io = |source| GgufError::Io { path: path.into(), source };
         let file = std::fs::File::open(path).map_err(io)?;
-        // SAFETY: the file is a model in pdhost's cache, opened read-only and never modified in place (see
-        // the module docs); the mapping is private to this process and read-only.
+        // SAFETY: a shared, read-only mapping of the file. Its bytes are only as stable as the file: a
+        // model in pdhost's cache is written once and renamed into place, never changed after; a file the
+        // user names (`--model PATH`, a backend config's `model`) must not be changed or truncated while
+        // pdhost runs (truncated, a read of it is SIGBUS; rewritten, the weights change under the
+        // identity taken at load). The module docs and the README's `--model` say so.
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
         let mut c = Cursor { path, bytes: &map, at: 0 };
         let magic = c.take(4, &|| "magic".into())?;
@@ -607,7 +612,7 @@ impl Gguf {
         let t = self.tensor(name)?;
         // Bounds checked in `open`.
         let range = t.offset as usize..(t.offset + t.len) as usize;
-        Ok(crate::kernels::BlockBytes::Mapped { map: self.map.clone(), range })
+        Ok(crate::kernels::BlockBytes::Mapped { map: crate::kernels::FileMap::of_file(self.map.clone()), range })
     }
 
     /// A tensor dequantized to f32, in GGML order (innermost dimension fastest).

@@ -15,8 +15,22 @@ pub fn decode(data: &[u8]) {
     }
     if let Some(prefix) = data.first_chunk::<HEADER_LEN>() {
         if let Ok(info) = HeaderInfo::parse(prefix) {
-            let expect = RingExpectation { producer_epoch: 1, slot_generation: 1, sequence: 0, slot_capacity: 1 << 20 };
-            let _ = expect.check(&info);
+            // The ring's check against coordinates taken from the header itself passes exactly when the
+            // frame fits the slot, and fails for any other epoch, generation or sequence.
+            let expect = RingExpectation {
+                producer_epoch: info.producer_epoch,
+                slot_generation: info.slot_generation,
+                sequence: info.sequence,
+                slot_capacity: 1 << 20,
+            };
+            assert_eq!(expect.check(&info).is_ok(), info.frame_len <= expect.slot_capacity);
+            for other in [
+                RingExpectation { producer_epoch: info.producer_epoch.wrapping_add(1), ..expect },
+                RingExpectation { slot_generation: info.slot_generation.wrapping_add(1), ..expect },
+                RingExpectation { sequence: info.sequence.wrapping_add(1), ..expect },
+            ] {
+                assert!(other.check(&info).is_err(), "other ring coordinates must not pass");
+            }
         }
     }
 }

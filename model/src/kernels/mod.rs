@@ -17,7 +17,7 @@ pub use act::{gated_into, softmax, sum_exp, Gate};
 pub use dot::{dot, Dot, Elem};
 pub use q8::Q8;
 use weight::GROUP;
-pub use weight::{BlockBytes, Interleaved, Weight};
+pub use weight::{BlockBytes, FileMap, Interleaved, Weight};
 
 /// How the forward pass computes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

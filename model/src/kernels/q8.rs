@@ -80,8 +80,11 @@ impl Q8 {
         let (scales, sums) = (&mut self.scales[b0..b1], &mut self.sums[b0..b1]);
         let task = |(((w, q), scales), sums): Task<'_>| {
             #[cfg(target_arch = "x86_64")]
-            if std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw") {
-                // SAFETY: AVX-512F and BW are present.
+            if super::dot::simd()
+                && std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512bw")
+            {
+                // SAFETY: AVX2, FMA, AVX-512F and BW are present.
                 unsafe { quantize_avx512(w, q, scales, sums) };
                 return;
             }
@@ -399,7 +402,9 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn quantize_avx512_equals_the_portable_quantizer() {
-        let avx512 = std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bw");
+        let avx512 = crate::kernels::dot::simd()
+            && std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw");
         let mut next = crate::testing::xorshift32(0x9E37_79B9);
         // Whole groups and a tail (13 blocks), values of every size, with NaN, infinities, zeros,
         // negative zero and a block of subnormal values among them.

@@ -23,10 +23,30 @@ pub enum BlockBytes {
     /// `range` of `map`.
     Mapped {
         /// The mapping.
-        map: Arc<memmap2::Mmap>,
+        map: FileMap,
         /// The tensor's bytes in it.
         range: Range<usize>,
     },
+}
+
+/// A GGUF file's shared read-only mapping, made only by [`crate::gguf::Gguf`]: what
+/// [`BlockBytes::release`] drops pages of must read back the same bytes from the file, which an
+/// anonymous or copy-on-write mapping would not, so no code outside this crate can make one.
+#[derive(Clone, Debug)]
+pub struct FileMap(Arc<memmap2::Mmap>);
+
+impl FileMap {
+    /// `map` must be a shared read-only mapping of a file (`memmap2::Mmap::map`).
+    pub(crate) fn of_file(map: Arc<memmap2::Mmap>) -> Self {
+        FileMap(map)
+    }
+}
+
+impl std::ops::Deref for FileMap {
+    type Target = memmap2::Mmap;
+    fn deref(&self) -> &memmap2::Mmap {
+        &self.0
+    }
 }
 
 impl BlockBytes {
@@ -36,7 +56,8 @@ impl BlockBytes {
     fn release(&self, part: Range<usize>) {
         if let BlockBytes::Mapped { map, range } = self {
             assert!(part.end <= range.len(), "a part of the bytes");
-            // SAFETY: the mapping is read-only and never written through, so a page dropped here maps
+            // SAFETY: the mapping is a file's, shared and read-only ([`FileMap`]: no anonymous or
+            // copy-on-write one can be here), and never written through, so a page dropped here maps
             // again from the page cache with the same bytes on its next access, and every slice over it
             // reads what it read before (a file changed underneath would break every read of the mapping
             // alike; dropping pages adds no such case).

@@ -14,9 +14,12 @@ pub(super) fn vnni() -> bool {
     std::arch::is_x86_feature_detected!("avxvnni")
 }
 
-/// Whether this CPU has AVX512-VNNI with VL (`vpdpbusd` on 256-bit vectors, EVEX-encoded).
+/// Whether this CPU has AVX512-VNNI with VL (`vpdpbusd` on 256-bit vectors, EVEX-encoded), and the
+/// AVX-512F those kernels are compiled for (each CPUID bit is reported on its own: a VM may mask one).
 pub(super) fn vnni_vl() -> bool {
-    std::arch::is_x86_feature_detected!("avx512vnni") && std::arch::is_x86_feature_detected!("avx512vl")
+    std::arch::is_x86_feature_detected!("avx512vnni")
+        && std::arch::is_x86_feature_detected!("avx512vl")
+        && std::arch::is_x86_feature_detected!("avx512f")
 }
 
 /// [`super::rows_portable`] with AVX2, the same bits.

@@ -547,7 +547,7 @@ pub(crate) fn dots(x: &Acts<'_>, ty: GgmlType, w: &[u8], rows: std::ops::Range<u
                         // SAFETY: as above, and AVX-VNNI is present.
                         #[cfg(target_arch = "x86_64")]
                         Kernel::Vnni => unsafe { avx2::rows_vnni::<$r>(ty, acts, x.group(r0), w, n, res) },
-                        // SAFETY: as above, and AVX512-VNNI and VL are present.
+                        // SAFETY: as above, and AVX-512F, AVX512-VNNI and VL are present.
                         #[cfg(target_arch = "x86_64")]
                         Kernel::VnniVl => unsafe { avx2::rows_vnni_vl::<$r>(ty, acts, x.group(r0), w, n, res) },
                         #[cfg(target_arch = "x86_64")]
