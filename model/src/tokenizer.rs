@@ -28,7 +28,7 @@ enum Algorithm {
     /// Score per token.
     Spm { scores: Vec<f32> },
     /// Merge rank per (left, right) pair, and the GPT-2 pre-tokenizer.
-    Gpt2 { ranks: HashMap<(u32, u32), u32>, pretokenizer: Box<fancy_regex::Regex> },
+    Gpt2 { ranks: HashMap<(u32, u32), u32>, pretokenizer: Box<regex::Regex> },
 }
 
 /// A tokenizer: built from GGUF metadata, or loaded from a Hugging Face `tokenizer.json`.
@@ -191,8 +191,32 @@ pub struct GgufTokenizer {
     unknown: Option<u32>,
 }
 
-/// GPT-2's pre-tokenizer pattern.
-const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+/// GPT-2's pre-tokenizer pattern, `'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`,
+/// less its look-ahead alternative `\s+(?!\S)`, which [`gpt2_words`] does by hand: a backtracking engine
+/// (fancy-regex) ran out of stack on a long run of spaces, and the client sends the text.
+const GPT2_PATTERN: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+";
+
+/// The words of GPT-2's pre-tokenizer in `text`, in order, each handed to `word`. The full pattern's
+/// `\s+(?!\S)` takes a run of whitespace less its last character when something follows the run (which
+/// then starts the next word: ` word`, or a lone `\n`), and the whole run at the end. Here `\s+` matches
+/// the whole run (the alternatives before it cannot match whitespace alone), and a run of two or more
+/// characters that something follows gives its last character back. Linear in `text`, in a regex engine
+/// without backtracking.
+fn gpt2_words(pattern: &regex::Regex, text: &str, mut word: impl FnMut(&str)) {
+    let mut at = 0;
+    while let Some(m) = pattern.find_at(text, at) {
+        let mut end = m.end();
+        let found = m.as_str();
+        if end < text.len() && found.chars().all(char::is_whitespace) {
+            let last = found.chars().next_back().map_or(0, char::len_utf8);
+            if found.len() > last {
+                end -= last;
+            }
+        }
+        word(&text[m.start()..end]);
+        at = end;
+    }
+}
 
 impl GgufTokenizer {
     /// Builds the tokenizer a GGUF file describes.
@@ -284,7 +308,7 @@ impl GgufTokenizer {
                         ranks.insert((l, r), rank as u32);
                     }
                 }
-                let pretokenizer = Box::new(fancy_regex::Regex::new(GPT2_PATTERN).expect("valid pattern"));
+                let pretokenizer = Box::new(regex::Regex::new(GPT2_PATTERN).expect("valid pattern"));
                 Algorithm::Gpt2 { ranks, pretokenizer }
             }
             other => return Err(bad("tokenizer.ggml.model", "\"llama\" or \"gpt2\"", other.into())),
@@ -351,10 +375,7 @@ impl GgufTokenizer {
                 }
                 pieces.push(&text[start..]);
                 for piece in pieces.into_iter().filter(|p| !p.is_empty()) {
-                    for m in pretokenizer.find_iter(piece) {
-                        let word = m.expect("the GPT-2 pattern cannot fail").as_str();
-                        self.gpt2_word(word, ranks, out);
-                    }
+                    gpt2_words(pretokenizer, piece, |word| self.gpt2_word(word, ranks, out));
                 }
             }
         }
@@ -539,6 +560,54 @@ fn char_to_byte(c: char) -> Option<u8> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The pre-tokenizer's words are those of GPT-2's whole pattern, look-ahead and all, run by a
+    /// backtracking engine: on runs of spaces, tabs and newlines before and after every kind of
+    /// character, and on text drawn at random from those pieces.
+    #[test]
+    fn gpt2_words_are_those_of_the_pattern_with_its_look_ahead() {
+        let full =
+            fancy_regex::Regex::new(r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+")
+                .unwrap();
+        let ours = regex::Regex::new(GPT2_PATTERN).unwrap();
+        let words = |text: &str| {
+            let mut v = Vec::new();
+            gpt2_words(&ours, text, |w| v.push(w.to_string()));
+            v
+        };
+        let expected =
+            |text: &str| -> Vec<String> { full.find_iter(text).map(|m| m.unwrap().as_str().to_string()).collect() };
+        let bits = [
+            " ", "  ", "   ", "\n", "\n\n", " \n", "\n ", "\t", "\u{a0}", "\u{3000}", "a", "word", "Été", "日本", "42",
+            "٣", "!", "...", "'s", "'ll", "'", "🦀", "-", "x\n",
+        ];
+        let mut cases: Vec<String> = Vec::new();
+        for a in bits {
+            for b in bits {
+                cases.push(format!("{a}{b}"));
+                for c in [" ", "  ", "\n", "x", " y", "!"] {
+                    cases.push(format!("{a}{b}{c}"));
+                }
+            }
+        }
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        for _ in 0..2000 {
+            let mut text = String::new();
+            for _ in 0..12 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                text.push_str(bits[(state % bits.len() as u64) as usize]);
+            }
+            cases.push(text);
+        }
+        for text in &cases {
+            assert_eq!(words(text), expected(text), "{text:?}");
+        }
+        // Where the backtracking engine failed (its stack), every character is still in a word.
+        let spaces = " ".repeat(1 << 20) + "x";
+        assert_eq!(words(&spaces), [" ".repeat((1 << 20) - 1), " x".to_string()]);
+    }
 
     #[test]
     fn the_vocabulary_finds_every_text_and_of_equal_texts_the_last() {
