@@ -172,7 +172,7 @@ fn serve_with_torch_equals_generate_with_torch() {
     };
     let alone: Vec<Value> = prompts.iter().map(|p| torch_alone(p)).collect();
 
-    let mut child = Command::new(PDHOST)
+    let child = Command::new(PDHOST)
         .args(["serve", "--model", model, "--port", "0", "--producer", "torch", "--threads", "2", "--slots", "2"])
         .args(["--prefix-cache", "on", "--page-size", "16"])
         .stdin(Stdio::null())
@@ -181,8 +181,10 @@ fn serve_with_torch_equals_generate_with_torch() {
         .spawn()
         .unwrap();
     let mut line = String::new();
-    BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    let mut stderr = child.stderr.take().unwrap();
+    // Killed however the test ends, so that no server outlives it.
+    let mut child = KilledOnDrop(child);
+    BufReader::new(child.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let mut stderr = child.0.stderr.take().unwrap();
     let Some(url) = line.trim().strip_prefix("listening on ").map(str::to_string) else {
         let mut log = String::new();
         let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
@@ -239,8 +241,7 @@ fn serve_with_torch_equals_generate_with_torch() {
     };
     let prompt: Vec<u64> = std::iter::once(1).chain(1000..1042).collect();
     let (cold, hit) = (complete(&prompt), complete(&prompt));
-    let _ = child.kill();
-    let _ = child.wait();
+    drop(child);
     assert_eq!((&cold["prefix_hit_tokens"], &cold["prefill"]), (&0.into(), &"remote".into()), "{cold}");
     let what = (&hit["prefix_hit_tokens"], &hit["prefill"], &hit["producer"]);
     assert_eq!(what, (&32.into(), &"remote".into(), &"torch".into()), "{hit}");
@@ -251,5 +252,15 @@ fn serve_with_torch_equals_generate_with_torch() {
             assert_eq!(got["logits_xxh3"], reference["logits_xxh3"], "logits bit-identical to generate: {got}");
             assert_eq!((&got["prefill"], &got["producer"]), (&"remote".into(), &"torch".into()), "{got}");
         }
+    }
+}
+
+/// A child process killed and reaped when dropped.
+struct KilledOnDrop(std::process::Child);
+
+impl Drop for KilledOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
     }
 }
