@@ -257,14 +257,24 @@ fn context_call(
 ) -> Result<(), String> {
     let start = prompt.len() / 2;
     let (seq, _) = engine.prefill(&prompt[..start], 0, PrefillBy::Local).expect("local prefill");
-    // The sequence's id, which no call has carried to the producer (its prefill was local).
-    let call = pdhost_producer::protocol::PrefillCall {
-        request_id: seq.0,
-        start_pos: start as u64,
-        tokens: prompt[start..].to_vec(),
-        context: prompt[..start].to_vec(),
-    };
-    let taken = producer.prefill(&mut engine.kv, seq, &call);
+    // The sequence's id, which no call has carried to the producer (its prefill was local). The second
+    // half goes in calls of at most the backend's `max_tokens`, the first carrying the context and the
+    // rest continuing the request, as the engine chunks a hit's prefill.
+    let per_call = producer.max_tokens().map_or(usize::MAX, |m| usize::try_from(m).unwrap_or(usize::MAX).max(1));
+    let mut taken = Ok(());
+    for (i, part) in prompt[start..].chunks(per_call.min(prompt.len())).enumerate() {
+        let at = start + i * per_call;
+        let call = pdhost_producer::protocol::PrefillCall {
+            request_id: seq.0,
+            start_pos: at as u64,
+            tokens: part.to_vec(),
+            context: if i == 0 { prompt[..start].to_vec() } else { Vec::new() },
+        };
+        taken = producer.prefill(&mut engine.kv, seq, &call).map(|_| ());
+        if taken.is_err() {
+            break;
+        }
+    }
     producer.release(seq.0);
     if let Err(e) = taken {
         engine.release(seq);
