@@ -262,18 +262,19 @@ fn context_call(
     // rest continuing the request, as the engine chunks a hit's prefill.
     let per_call = producer.max_tokens().map_or(usize::MAX, |m| usize::try_from(m).unwrap_or(usize::MAX).max(1));
     let mut taken = Ok(());
-    for (i, part) in prompt[start..].chunks(per_call.min(prompt.len())).enumerate() {
-        let at = start + i * per_call;
+    let mut at = start;
+    for part in prompt[start..].chunks(per_call) {
         let call = pdhost_producer::protocol::PrefillCall {
             request_id: seq.0,
             start_pos: at as u64,
             tokens: part.to_vec(),
-            context: if i == 0 { prompt[..start].to_vec() } else { Vec::new() },
+            context: if at == start { prompt[..start].to_vec() } else { Vec::new() },
         };
         taken = producer.prefill(&mut engine.kv, seq, &call).map(|_| ());
         if taken.is_err() {
             break;
         }
+        at += part.len();
     }
     producer.release(seq.0);
     if let Err(e) = taken {

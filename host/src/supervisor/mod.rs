@@ -10,6 +10,7 @@
 mod error;
 mod process;
 mod restarts;
+
 #[cfg(test)]
 mod tests;
 mod until;
@@ -396,10 +397,7 @@ impl Producer {
                 // its own, as `reap` does with one that will not die.
                 let mut child = child;
                 let _ = child.kill();
-                let reaper = std::thread::Builder::new().name("pdhost-reaper".into()).spawn(move || child.wait());
-                if reaper.is_err() {
-                    tracing::warn!(producer = %name, "no thread to reap it: it stays a zombie");
-                }
+                reap_later(&name, child, logging);
                 return Err(self.io("pidfd_open")(e.into()));
             }
         };
@@ -613,14 +611,8 @@ impl Producer {
                 "killed, and not gone after {} s (an uninterruptible sleep?): reaped when it goes",
                 REAP_WAIT.as_secs()
             );
-            let Running { mut child, logging, .. } = running;
-            let reaper = std::thread::Builder::new().name("pdhost-reaper".into()).spawn(move || {
-                let _ = child.wait();
-                drop(logging);
-            });
-            if reaper.is_err() {
-                tracing::warn!(producer = %self.spec.name, "no thread to reap it: it stays a zombie");
-            }
+            let Running { child, logging, .. } = running;
+            reap_later(&self.spec.name, child, logging);
             return;
         }
         // Its pipes are closed now, unless a process it started holds them: wait a little for the
@@ -873,6 +865,18 @@ impl Producer {
             }
             self.reap(running);
         }
+    }
+}
+
+/// Waits for the killed `child` on a thread of its own (then drops `keep`: its logging threads' signal),
+/// where waiting here could block without a deadline.
+fn reap_later<K: Send + 'static>(name: &str, mut child: std::process::Child, keep: K) {
+    let reaper = std::thread::Builder::new().name("pdhost-reaper".into()).spawn(move || {
+        let _ = child.wait();
+        drop(keep);
+    });
+    if reaper.is_err() {
+        tracing::warn!(producer = %name, "no thread to reap it: it stays a zombie");
     }
 }
 

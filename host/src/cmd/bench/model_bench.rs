@@ -96,8 +96,8 @@ fn generate_memory_mib(
     Ok((mib("peak_rss_bytes")?, mib("kv_pool_bytes")?))
 }
 
-/// The median of `xs` (the mean of the middle two of an even count).
-fn median(mut xs: Vec<f64>) -> f64 {
+/// The median of `xs` (the mean of the middle two of an even count; NaN of none). `bench pd` uses it too.
+pub(super) fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     let n = xs.len();
     if n == 0 {

@@ -14,6 +14,7 @@ use pdhost::engine::{Engine, Generation, OnFailure, PrefillBy};
 use pdhost::request::{self, Field, Invalid, Limits, RawRequest};
 use serde_json::json;
 
+use super::model_bench::median;
 use crate::cli::{PdBenchArgs, PrecisionArg};
 use crate::cmd::producer::Choice;
 use crate::cmd::{kv_error, outln};
@@ -71,17 +72,6 @@ fn gbs(mib: f64, ms: f64) -> f64 {
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
-}
-
-/// The median: the middle value, or the mean of the middle two.
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    let n = v.len();
-    if n.is_multiple_of(2) {
-        (v[n / 2 - 1] + v[n / 2]) / 2.0
-    } else {
-        v[n / 2]
-    }
 }
 
 fn decode_rate(g: &Generation) -> f64 {
