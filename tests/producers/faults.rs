@@ -284,3 +284,38 @@ fn a_daemon_forked_in_open_does_not_outlive_its_producer() {
         assert_eq!(snapshot(), before, "sandbox {sandbox}: leak");
     }
 }
+
+/// A backend that takes at most 4 tokens a call is asked for at most 4, though no process has said so
+/// when the request's prefill is planned: not on the first request, before the producer starts, and not
+/// on the request after a crash, before it restarts. Its calls are cut to the limit the new process
+/// describes; neither request falls back.
+#[test]
+fn calls_planned_before_a_start_keep_to_the_backends_limit() {
+    let _serial = serial();
+    let dtype = Dtype::Bf16;
+    let whole = Request::greedy(PROMPT.to_vec(), 6, 0);
+    let reference = engine(&gemma(), dtype).generate(&whole, |_| {}).expect("local generation").output;
+    let mut e = engine(&gemma(), dtype);
+    // Request ids 0 and 2 run; 1, on the restarted producer, is killed before it writes.
+    let first = e.next_request_id();
+    let c = config(
+        &gemma(),
+        dtype,
+        serde_json::json!({"call_limit": 4, "fault": "kill_before", "on_requests": [first + 1]}),
+    );
+    let mut p = producer(&e, builtin("faulty"), c, TIMEOUT);
+    let run = |e: &mut Engine, p: &mut Producer| {
+        e.generate_with(&whole, PrefillBy::Remote { producer: p, on_failure: OnFailure::Fallback }, |_| {})
+            .expect("the request completes")
+    };
+    // 9 tokens (the prompt less its last, which the host runs) in calls of 4, 4 and 1.
+    let gen = run(&mut e, &mut p);
+    assert_eq!((gen.report.remote, gen.report.fallback.as_ref().map(|f| f.kind()), gen.spans), (true, None, 3));
+    assert_eq!(gen.output, reference);
+    let crashed = run(&mut e, &mut p);
+    assert_eq!(crashed.report.fallback.as_ref().map(|f| f.kind()), Some("producer_exited"));
+    assert_eq!(crashed.output, reference);
+    let gen = run(&mut e, &mut p);
+    assert_eq!((gen.report.remote, gen.report.fallback.as_ref().map(|f| f.kind()), gen.spans), (true, None, 3));
+    assert_eq!(gen.output, reference);
+}

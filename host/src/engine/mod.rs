@@ -207,9 +207,13 @@ impl Prefilling {
         }
     }
 
-    /// A remote chunk landed in the cache, costing `times`.
+    /// A remote chunk landed in the cache, costing `times`. A span shorter than the chunk asked for (the
+    /// backend's `max_tokens`, learnt when its process started) makes the rest's chunks as short.
     pub fn remote_done(&mut self, times: SpanTimes) {
-        let span = self.chunk.min(self.len - self.done);
+        let span = usize::try_from(times.tokens).unwrap_or(usize::MAX).min(self.len - self.done);
+        if span < self.chunk && self.done + span < self.len {
+            self.chunk = span.max(1);
+        }
         self.done += span;
         let t = &mut self.prefilled.report.remote_times;
         t.backend += times.backend;

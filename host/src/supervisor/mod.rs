@@ -127,6 +127,9 @@ pub struct SpanTimes {
     pub round_trip: Duration,
     /// Payload bytes.
     pub bytes: u64,
+    /// Prompt tokens the span carries: the call's, or the first `max_tokens` of them when the call asked
+    /// the backend for more than it takes at once.
+    pub tokens: u64,
 }
 
 impl SpanTimes {
@@ -142,8 +145,10 @@ impl SpanTimes {
 pub struct Pending {
     /// The request it answers.
     pub request_id: u64,
-    /// Where its span must end: the asked chunk's start and its tokens.
+    /// Where its span must end: the asked chunk's start and the tokens sent.
     end: u64,
+    /// Tokens sent: the call's, at most the backend's `max_tokens`.
+    tokens: u64,
     sequence: u64,
     backend_ns: u64,
     frame_ns: u64,
@@ -702,13 +707,21 @@ impl Producer {
 
     fn request(&mut self, call: &PrefillCall, started: Instant) -> Result<Pending, ProducerError> {
         let request_id = call.request_id;
-        let end = call.start_pos + call.tokens.len() as u64;
         let name = self.spec.name.clone();
         let deadline = started + self.spec.request_timeout;
         let mut running = self.running.take().expect("ensured");
         running.open_requests.insert(request_id);
+        // A call planned before this process said its limit (a restart, or a first start) is cut to it;
+        // the caller continues from the span's end.
+        let mut sent = call.clone();
+        let max = running.described.capabilities.max_tokens;
+        if max > 0 && sent.tokens.len() as u64 > max {
+            sent.tokens.truncate(usize::try_from(max).expect("shorter than a Vec's length"));
+        }
+        let tokens = sent.tokens.len() as u64;
+        let end = call.start_pos + tokens;
         let result = (|| {
-            let request = ToProducer::Prefill(call.clone());
+            let request = ToProducer::Prefill(sent);
             match protocol::send(Until::new(&running.socket, deadline), &request) {
                 Ok(()) => {}
                 Err(e) if until::ran_out(&e) => {
@@ -720,7 +733,7 @@ impl Producer {
             let reply = self.receive(&mut running, deadline, "awaiting a prefill")?;
             match reply {
                 FromProducer::Done { request_id: r, sequence, backend_ns, frame_ns } if r == request_id => {
-                    Ok(Pending { request_id, end, sequence, backend_ns, frame_ns, started })
+                    Ok(Pending { request_id, end, tokens, sequence, backend_ns, frame_ns, started })
                 }
                 FromProducer::Unwritten { request_id: r, message } if r == request_id => {
                     Err(ProducerError::Unwritten { name: name.clone(), message })
@@ -789,6 +802,7 @@ impl Producer {
             take,
             round_trip: pending.started.elapsed(),
             bytes,
+            tokens: pending.tokens,
         })
     }
 
