@@ -6,10 +6,12 @@
 //! - [`arch`]: configuration and f32 weights from GGUF or HF checkpoints; [`forward`]: the forward pass.
 //! - [`tokenizer`]: Gemma (score-merged BPE) and GPT-2 BPE tokenizers from GGUF metadata.
 //! - [`chat`]: chat templates (the GGUF's own, or a built-in one per architecture) rendered as transformers does.
+//! - [`fuzzing`]: what the fuzz targets in `fuzz/` run against a model's parts.
 
 pub mod arch;
 pub mod chat;
 pub mod forward;
+pub mod fuzzing;
 pub mod gguf;
 pub mod identity;
 pub mod kernels;

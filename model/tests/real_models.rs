@@ -115,6 +115,31 @@ fn tokenizers_match_hugging_face_ids() {
     }
 }
 
+/// Text no reference covers (what the `tokenize` fuzz target starts from): control characters, lone
+/// combining marks, special tokens' own text, long runs of spaces, newlines and digits, characters past
+/// the vocabulary. Every one comes back from its tokens, byte for byte, but for SmolLM2's few bytes
+/// without a token.
+#[test]
+fn any_text_comes_back_from_its_tokens() {
+    let seeds = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/seeds/tokenize")).unwrap();
+    let mut texts: Vec<String> =
+        seeds.map(|e| String::from_utf8(std::fs::read(e.unwrap().path()).unwrap()).unwrap()).collect();
+    assert!(texts.len() >= 8, "the seeds: {}", texts.len());
+    texts.extend([" ".repeat(5000), "\n".repeat(3000), "9".repeat(2000), "\u{0301}".repeat(100)]);
+    for name in ["gemma3-270m", "smollm2-135m"] {
+        let tok = model::tokenizer::Tokenizer::from_gguf(&Gguf::open(&fetched(name)).unwrap()).unwrap();
+        for text in &texts {
+            model::fuzzing::tokenize(&tok, text);
+        }
+        // SmolLM2's vocabulary has no token for byte 0x16, and no unknown token: the byte is dropped, as
+        // Hugging Face's tokenizer drops it. Gemma 3's byte fallback keeps it.
+        let ids = tok.encode("a\u{16}b", false);
+        let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id)).collect();
+        let kept: &[u8] = if name == "gemma3-270m" { b"a\x16b" } else { b"ab" };
+        assert_eq!(bytes, kept, "{name}");
+    }
+}
+
 /// The long reference prompts (past the sliding window) tokenize exactly as Hugging Face fed them.
 #[test]
 fn reference_prompts_tokenize_to_the_reference_prompt_ids() {

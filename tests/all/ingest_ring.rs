@@ -41,6 +41,7 @@ fn spans_go_from_the_ring_into_pages_and_a_bad_checksum_changes_nothing_visible(
     let sliding = kv.read(SeqId(1), 0).unwrap();
     assert_eq!(sliding.positions, 660..700);
     let usage = kv.usage();
+    let before = kv.state_hash();
 
     // A frame whose payload is corrupted after sealing: the sink is prepared, sees the bytes, then aborts.
     let second = Manifest::grouped(&g, 3, 700..760, Dtype::Bf16);
@@ -58,6 +59,7 @@ fn spans_go_from_the_ring_into_pages_and_a_bad_checksum_changes_nothing_visible(
     assert_eq!(kv.seq_len(SeqId(1)), Some(700));
     assert_eq!(kv.usage(), usage, "the reservation was returned");
     assert_eq!(kv.read(SeqId(1), 2).unwrap().to_bytes(), full);
+    assert_eq!(kv.state_hash(), before, "all the cache holds is as it was");
 }
 
 #[test]

@@ -477,7 +477,8 @@ impl PagedKv {
 
     /// Returns a staged span's pages to the free lists. Without a prefix cache the free lists are restored
     /// exactly; a cached page the span took stays free (its bytes may be overwritten). The bytes already
-    /// written into reserved pages (never linked, never readable) stay.
+    /// written stay where no read reaches them: in the reserved pages (never linked) and past the
+    /// sequence's end in its last page (until a later span overwrites them).
     pub fn abort(&mut self, staged: Staged) {
         for (g, plan) in self.groups.iter_mut().zip(staged.groups) {
             g.free.extend(plan.new_pages.into_iter().rev());

@@ -519,13 +519,18 @@ impl PagedKv {
         }))
     }
 
-    /// A hash of the whole cache: every pool byte, free list, page's holders, cached page (and when it
-    /// was released), block table and sequence, and the prefix index. Equal before and after a rejected
-    /// span, byte for byte.
+    /// A hash of all the cache holds: what every sequence's every layer reads (its visible K/V, or its
+    /// state), the bytes of the pages the prefix cache keeps for later requests, the free lists, each
+    /// page's holders, the cached pages (and when they were released), the block tables and sequences,
+    /// and the prefix index. Equal before and after a rejected span. (Bytes no read reaches are left
+    /// out: a span refused after its first bytes were copied leaves them in the pages it had reserved
+    /// and past the end of a sequence's last page, `PagedKv::abort`.)
     pub fn state_hash(&self) -> u64 {
         let mut h = twox_hash::XxHash3_64::with_seed(0);
         for g in &self.groups {
-            h.write(&g.pool);
+            for &p in g.cached.values() {
+                h.write(&g.pool[p as usize * g.page_bytes..][..g.page_bytes]);
+            }
             for &p in &g.free {
                 h.write_u32(p);
             }
@@ -555,6 +560,17 @@ impl PagedKv {
                     h.write_u32(p);
                 }
                 h.write_u8(0xFE);
+            }
+            for layer in 0..self.places.len() as u32 {
+                if let Ok(read) = self.read(*id, layer) {
+                    for run in read.runs() {
+                        h.write(run.k);
+                        h.write(run.v);
+                    }
+                }
+                if let Ok(Some(state)) = self.read_state(*id, layer) {
+                    h.write(state);
+                }
             }
         }
         h.finish()

@@ -56,6 +56,30 @@ fn rejected(kv: &mut PagedKv, seq: SeqId, m: &Manifest, payload: &[u8]) -> &'sta
     err.kind()
 }
 
+/// The state's hash covers every byte a read reaches and none that it does not: a span's bytes staged
+/// and aborted (past the sequence's end in its last page, and in pages it had reserved) change nothing,
+/// one readable byte changes it.
+#[test]
+fn the_state_hash_covers_what_reads_reach() {
+    let g = gemma3_1b();
+    let mut kv = cache(g.clone(), Dtype::Bf16, 64, 64 << 20);
+    kv.add_sequence(SeqId(1), 7).unwrap();
+    let m = Manifest::grouped(&g, 7, 0..100, Dtype::Bf16);
+    ingest(&mut kv, SeqId(1), &m, &payload_for(&m, 1)).unwrap();
+    let before = kv.state_hash();
+    let next = Manifest::grouped(&g, 7, 100..200, Dtype::Bf16);
+    let mut staged = kv.prepare(SeqId(1), &next).unwrap();
+    kv.write_staged(&mut staged, 0, &payload_for(&next, 2));
+    kv.abort(staged);
+    assert_eq!(kv.state_hash(), before, "bytes no read reaches");
+
+    let (group, slot) = (kv.places[5].group, kv.places[5].slot);
+    let page = kv.seqs[&SeqId(1)].tables[group].pages[0];
+    let at = kv.groups[group].row_offset(page, slot, true, 3, 64);
+    kv.groups[group].pool[at] ^= 1;
+    assert_ne!(kv.state_hash(), before, "a byte of layer 5's V at position 3");
+}
+
 #[test]
 fn a_dense_26_layer_span_lands_each_layer_in_its_own_group_and_slot() {
     let g = gemma3_1b();
