@@ -60,8 +60,8 @@ fn cache_holding_a_prefix() -> PagedKv {
 /// Arbitrary bytes as the frame in a real memfd ring slot, taken into a cache that holds a sequence's
 /// first positions, the host asking for the next ones. The input's first byte picks how the rest is
 /// read: as a whole frame, or as `(offset, byte)` patches (three bytes each) to one of [`ingest_seeds`];
-/// and whether the ring coordinates of the slot are written into the header and the checksum resealed,
-/// which lets mutations reach the manifest and the cache's own checks.
+/// whether the ring coordinates of the slot are written into the header; and then whether the checksum
+/// is resealed, which lets mutations reach the manifest and the cache's own checks.
 ///
 /// Must hold: the take commits exactly what the same bytes, decoded in private memory and checked
 /// against the same ring coordinates, geometry, request and range, commit into a second such cache; or it
@@ -91,7 +91,9 @@ pub fn ingest(data: &[u8]) -> bool {
         for (i, word) in [coords.epoch, coords.generation, coords.sequence].into_iter().enumerate() {
             frame[COORDS + 8 * i..COORDS + 8 * (i + 1)].copy_from_slice(&word.to_le_bytes());
         }
-        seal_frame(&mut frame);
+        if mode & 8 == 0 {
+            seal_frame(&mut frame);
+        }
     }
     let dest = slot.frame_mut();
     let n = frame.len().min(dest.len());
@@ -158,6 +160,10 @@ mod tests {
                 let [lo, hi] = at.to_le_bytes();
                 assert!(!ingest(&[1 | (i as u8) << 1, lo, hi, 0xA5]), "patched at {at}");
                 ingest(&[5 | (i as u8) << 1, lo, hi, 0xA5]);
+                // Not resealed: the checksum fails, whatever byte changed (the first of the payload
+                // only after its copy began).
+                let changed = ingest_seeds()[i][usize::from(at)] != 0xA5;
+                assert!(!changed || !ingest(&[13 | (i as u8) << 1, lo, hi, 0xA5]), "patched at {at}");
             }
         }
         assert!(!ingest(&[]));
