@@ -12,6 +12,8 @@ use shm_format::{
 use shm_ring::{create_ring, RingWriter};
 
 use crate::kv::{IntoSequence, KvConfig, PagedKv, SeqId};
+use crate::supervisor::{tamed, Producer, ProducerSpec, RestartPolicy};
+use pdhost_producer::protocol::{recv, FromProducer, ToProducer, MAX_FROM_PRODUCER};
 
 /// The request the spans must belong to.
 const REQUEST: u64 = 7;
@@ -142,6 +144,140 @@ pub fn ingest(data: &[u8]) -> bool {
     }
 }
 
+/// The model identity the host holds in [`control_message`]'s handshake check.
+const IDENTITY: &str = "weights:0123456789abcdef;tokenizer:fedcba9876543210;rope:1000000/10000";
+
+/// Arbitrary bytes on the control socket, read as the host reads a producer's messages (a length prefix,
+/// a bound, one postcard message) and as a producer reads the host's. A message from a producer is made
+/// fit for the host's errors (`tamed`): its words are one line and bounded. A `Ready` goes through the
+/// whole handshake check against the host's geometry and model identity: it passes only for exactly that
+/// geometry and its fingerprint, and otherwise says why in one bounded line. Returns whether a `Ready`
+/// passed (`None`: no `Ready`).
+pub fn control_message(data: &[u8]) -> Option<bool> {
+    let _ = recv::<ToProducer>(data, MAX_FROM_PRODUCER);
+    let Ok(Some(message)) = recv::<FromProducer>(data, MAX_FROM_PRODUCER) else { return None };
+    let message = tamed(message);
+    let summary = message.summary();
+    assert!(!summary.contains('\n') && summary.len() <= 4096, "summary of {} bytes: {summary:?}", summary.len());
+    let FromProducer::Ready(described) = message else { return None };
+    let spec = ProducerSpec {
+        name: "fuzz".into(),
+        program: "/nonexistent".into(),
+        program_args: Vec::new(),
+        backend: "/nonexistent.so".into(),
+        config: "{}".into(),
+        slots: 2,
+        slot_capacity: 1 << 20,
+        start_timeout: Duration::from_secs(1),
+        request_timeout: Duration::from_secs(1),
+        restart: RestartPolicy::default(),
+        sandbox: true,
+        memory_limit: None,
+        identity: Some(IDENTITY.into()),
+    };
+    let ours = geometry();
+    match Producer::new(spec, ours.clone()).check_described(&described) {
+        Ok(()) => {
+            assert_eq!(described.geometry().ok(), Some(ours.clone()), "a Ready of another geometry passed");
+            assert_eq!(described.fingerprint, ours.fingerprint().0);
+            Some(true)
+        }
+        Err(e) => {
+            let text = e.to_string();
+            assert!(!text.contains('\n') && text.len() <= 8192, "an error of {} bytes: {text:?}", text.len());
+            Some(false)
+        }
+    }
+}
+
+/// One of each message, as the control socket carries them (`fuzz/seeds/control_message/`, named by
+/// kind): a `Ready` of [`geometry`] that passes the handshake check, each reply, each of the host's
+/// messages.
+pub fn control_seeds() -> Vec<(&'static str, Vec<u8>)> {
+    use pdhost_producer::protocol::{send, PrefillCall, RemoteFailure};
+    let framed = |m: &dyn Fn(&mut Vec<u8>) -> std::io::Result<()>| {
+        let mut bytes = Vec::new();
+        m(&mut bytes).expect("into memory");
+        bytes
+    };
+    let text = "backend prefill: out of device memory".to_string();
+    vec![
+        ("ready", ready_message()),
+        (
+            "start-failed",
+            framed(&|b| send(b, &FromProducer::StartFailed { stage: "open".into(), status: 3, message: text.clone() })),
+        ),
+        (
+            "done",
+            framed(&|b| {
+                send(b, &FromProducer::Done { request_id: 7, sequence: 3, backend_ns: 1_500_000, frame_ns: 20_000 })
+            }),
+        ),
+        ("unwritten", framed(&|b| send(b, &FromProducer::Unwritten { request_id: 7, message: text.clone() }))),
+        ("failed", framed(&|b| send(b, &FromProducer::Failed { request_id: 7, status: 4, message: text.clone() }))),
+        (
+            "remote",
+            framed(&|b| {
+                send(
+                    b,
+                    &FromProducer::Remote { request_id: 7, failure: RemoteFailure::WrongSlot, message: text.clone() },
+                )
+            }),
+        ),
+        (
+            "prefill",
+            framed(&|b| {
+                send(
+                    b,
+                    &ToProducer::Prefill(PrefillCall {
+                        request_id: 7,
+                        start_pos: 12,
+                        tokens: vec![2, 100, 20, 30],
+                        context: (0..12).collect(),
+                    }),
+                )
+            }),
+        ),
+        ("release", framed(&|b| send(b, &ToProducer::Release { request_id: 7 }))),
+        ("shutdown", framed(&|b| send(b, &ToProducer::Shutdown))),
+    ]
+}
+
+/// What a producer of [`geometry`] says when it is ready.
+pub fn ready_message() -> Vec<u8> {
+    use pdhost_producer::protocol::LayerDesc;
+    use shm_format::LayerKv;
+    let g = geometry();
+    let layers = g
+        .layers
+        .iter()
+        .map(|l| match *l {
+            LayerKv::Full { kv_heads, head_dim } => {
+                LayerDesc { kind: 0, kv_heads, head_dim, window: 0, state_elems: 0 }
+            }
+            LayerKv::Sliding { window, kv_heads, head_dim } => {
+                LayerDesc { kind: 1, kv_heads, head_dim, window, state_elems: 0 }
+            }
+            LayerKv::Recurrent { state_elems } => {
+                LayerDesc { kind: 2, kv_heads: 0, head_dim: 0, window: 0, state_elems }
+            }
+        })
+        .collect();
+    let described = pdhost_producer::protocol::Described {
+        backend: "rngd".into(),
+        abi_minor: 2,
+        layout: 1,
+        dtype: 2,
+        fingerprint: g.fingerprint().0,
+        layers,
+        identity: Some(IDENTITY.into()),
+        ..Default::default()
+    };
+    let mut bytes = Vec::new();
+    pdhost_producer::protocol::send(&mut bytes, &FromProducer::Ready(described)).expect("into memory");
+    bytes
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -168,5 +304,42 @@ mod tests {
         }
         assert!(!ingest(&[]));
         assert!(!ingest(&[4, 1, 2, 3]));
+    }
+
+    #[test]
+    fn a_ready_message_passes_the_handshake_check_and_its_mutations_say_why_not() {
+        let ready = ready_message();
+        let Ok(Some(FromProducer::Ready(d))) = recv::<FromProducer>(ready.as_slice(), MAX_FROM_PRODUCER) else {
+            panic!("a Ready message")
+        };
+        assert_eq!(d.geometry().ok(), Some(geometry()));
+        assert_eq!(control_message(&ready), Some(true));
+        let mut refused = 0;
+        for at in 4..ready.len() {
+            for flip in [1u8, 0x80] {
+                let mut bytes = ready.clone();
+                bytes[at] ^= flip;
+                refused += usize::from(control_message(&bytes) == Some(false));
+            }
+        }
+        assert!(refused > ready.len() / 2, "most mutations of a Ready are refused: {refused}");
+    }
+
+    /// The checked-in seeds are this protocol's messages (`PDHOST_WRITE_SEEDS=1` writes them anew).
+    #[test]
+    fn the_control_message_seeds_are_todays_messages() {
+        let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/seeds/control_message"));
+        for (name, bytes) in control_seeds() {
+            let path = dir.join(name);
+            if std::env::var_os("PDHOST_WRITE_SEEDS").is_some() {
+                std::fs::write(&path, &bytes).unwrap();
+            }
+            let decodes = recv::<FromProducer>(bytes.as_slice(), MAX_FROM_PRODUCER).is_ok_and(|m| m.is_some())
+                || recv::<ToProducer>(bytes.as_slice(), MAX_FROM_PRODUCER).is_ok_and(|m| m.is_some());
+            assert!(decodes, "{name}");
+            let checked_in = std::fs::read(&path).unwrap_or_default();
+            assert!(checked_in == bytes, "{}: not today's message (PDHOST_WRITE_SEEDS=1 writes it)", path.display());
+        }
+        assert_eq!(control_message(&std::fs::read(dir.join("ready")).unwrap()), Some(true));
     }
 }

@@ -472,7 +472,7 @@ impl Producer {
     /// The backend must describe exactly the model the host's cache holds. A mismatch names the first thing
     /// that differs in words: the layer and both its shapes, or both whole geometries when the layer counts
     /// differ.
-    fn check_described(&self, d: &Described) -> Result<(), ProducerError> {
+    pub(crate) fn check_described(&self, d: &Described) -> Result<(), ProducerError> {
         let mismatch = |what: String, expected: String, found: String| ProducerError::DescribeMismatch {
             name: self.spec.name.clone(),
             what,
@@ -905,7 +905,7 @@ const MAX_PRODUCER_TEXT: usize = 1024;
 /// newline, a carriage return, a terminal escape) as spaces, and at most [`MAX_PRODUCER_TEXT`]
 /// characters, its length said where cut. The producer's own cleaning runs in the process the
 /// host does not trust.
-fn tamed(message: FromProducer) -> FromProducer {
+pub(crate) fn tamed(message: FromProducer) -> FromProducer {
     let line = |text: String| -> String {
         let text: String = text.chars().map(|c| if c.is_control() { ' ' } else { c }).collect();
         crate::request::shorten_to(&text, MAX_PRODUCER_TEXT)
@@ -914,6 +914,9 @@ fn tamed(message: FromProducer) -> FromProducer {
         FromProducer::Ready(mut d) => {
             d.backend = line(d.backend);
             d.transport = d.transport.map(line);
+            // Compared with the host's own, and named when it differs (a real one is short and printable:
+            // one cut or cleaned here differed anyway).
+            d.identity = d.identity.map(line);
             FromProducer::Ready(d)
         }
         FromProducer::StartFailed { stage, status, message } => {

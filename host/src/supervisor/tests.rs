@@ -163,3 +163,17 @@ fn a_producers_text_reaches_errors_as_one_bounded_line() {
     assert!(!message.chars().any(char::is_control) && message.ends_with("... (5026 bytes)"), "{message}");
     assert!(message.chars().count() < MAX_PRODUCER_TEXT + 20);
 }
+
+/// A `Ready`'s model identity is the producer's text too: one that differs is named in one line.
+#[test]
+fn a_ready_identity_reaches_the_mismatch_as_one_line() {
+    let ours = gemma3_270m(256);
+    let mut spec_producer = producer(ours.clone());
+    spec_producer.spec.identity = Some("weights:0123456789abcdef;tokenizer:fedcba9876543210;rope:10000/10".into());
+    let mut d = described(&ours);
+    d.identity = Some(format!("weights:0123456789abcdef;tokenizer:fedcba9876543210;rope:10\n{}", "9".repeat(5000)));
+    let FromProducer::Ready(d) = tamed(FromProducer::Ready(d)) else { panic!("the same message") };
+    let err = spec_producer.check_described(&d).unwrap_err().to_string();
+    assert!(err.contains("identity"), "{err}");
+    assert!(!err.chars().any(char::is_control) && err.len() < MAX_PRODUCER_TEXT + 200, "{err}");
+}
