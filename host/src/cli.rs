@@ -96,7 +96,8 @@ pub struct ProducerNodeArgs {
     /// The producers' seccomp filters once their backend is open (see `generate --sandbox`).
     #[arg(long, value_enum, default_value_t = Switch::On)]
     pub sandbox: Switch,
-    /// Cap on each producer's private memory, in MiB (64 to this machine's memory, by default half of it).
+    /// Cap on each producer's private memory, in MiB (64 to this machine's memory, by default half of it),
+    /// and on the ring a host's hello may ask this node to allocate for its session.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MIB")]
     pub producer_memory: Option<u64>,
     /// Seconds a producer may take to start and to answer each prefill.

@@ -333,3 +333,39 @@ fn a_peer_that_never_finishes_its_hello_is_dropped() {
     let (_, threads, children) = node.settled();
     assert_eq!((threads, children), (node.idle_threads, 0), "its session is over");
 }
+
+/// A hello that asks for a ring past the producers' memory cap (1024 slots of 16 GiB) is refused, naming
+/// both sizes, before the node allocates any of it; the node serves the next relay.
+#[test]
+fn a_hello_asking_for_a_ring_past_the_memory_cap_is_refused() {
+    use pdhost_producer::protocol::{send, FromProducer, Hello, ToNode, LINK_VERSION, MAX_FROM_NODE};
+    use std::io::Read;
+    let node = Node::start("rngd", &["--producer-memory", "4096"]);
+    let ring = shm_format::ring::RingGeometry::new(1024, 16 << 30).unwrap();
+    let hello = Hello {
+        version: LINK_VERSION,
+        backend: "rngd".into(),
+        config: r#"{"layer_shapes": [["full", 1, 64]]}"#.into(),
+        epoch: 1,
+        slots: 1024,
+        slot_capacity: 16 << 30,
+        data_len: ring.data_len(),
+        ..Hello::default()
+    };
+    let mut peer = std::net::TcpStream::connect(&node.addr).unwrap();
+    send(&mut peer, &ToNode::Hello(hello)).unwrap();
+    peer.set_read_timeout(Some(std::time::Duration::from_secs(20))).unwrap();
+    let mut answer = Vec::new();
+    let _ = peer.read_to_end(&mut answer);
+    let Ok(Some(FromProducer::StartFailed { message, .. })) =
+        pdhost_producer::protocol::recv::<FromProducer>(answer.as_slice(), MAX_FROM_NODE)
+    else {
+        panic!("a refusal: {answer:?}")
+    };
+    let want = format!("expected at most {} data bytes", 4096u64 << 20);
+    assert!(message.contains(&want) && message.contains(&ring.data_len().to_string()), "{message}");
+    let (_, threads, children) = node.settled();
+    assert_eq!((threads, children), (node.idle_threads, 0), "its session is over");
+    let out = generate(&tiny("tiny_gemma3_8l"), &["--producer", &node.url("rngd")]);
+    assert_eq!(out["prefill"]["where"], "remote", "{out}");
+}

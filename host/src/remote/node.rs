@@ -187,6 +187,16 @@ fn run_session(stream: &TcpStream, config: &NodeConfig, session: u64) -> Result<
             format!("ring: expected {} data bytes for its geometry, found {}", ring.data_len(), hello.data_len);
         return Err(refuse(stream, "link", 0, message));
     }
+    // The node allocates and prefaults a session's ring itself, before its producer starts: a peer's hello
+    // may ask for 1024 slots of 16 GiB. A ring is held to what the node lets one producer have
+    // (`--producer-memory`, by default half of this machine's memory).
+    if let Some(cap) = config.memory_limit.filter(|&cap| ring.data_len() > cap) {
+        let message = format!(
+            "ring: expected at most {cap} data bytes (the node's --producer-memory), found {}",
+            ring.data_len()
+        );
+        return Err(refuse(stream, "link", 0, message));
+    }
     backend_config.extend(config.backend_config.clone());
     let spec = ProducerSpec {
         name: config.name.clone(),
