@@ -12,13 +12,14 @@ use shm_format::{
 use shm_ring::{create_ring, RingWriter};
 
 use crate::kv::{IntoSequence, KvConfig, PagedKv, SeqId};
-use crate::supervisor::{tamed, Producer, ProducerSpec, RestartPolicy};
+use crate::supervisor::{tamed, Producer, ProducerSpec, RestartPolicy, MAX_PRODUCER_TEXT};
 use pdhost_producer::protocol::{recv, FromProducer, ToProducer, MAX_FROM_PRODUCER};
 
 /// The request the spans must belong to.
 const REQUEST: u64 = 7;
-/// The sequence holds positions `0..HELD` before the fuzzed span arrives; the host asks for `HELD..END`.
-const HELD: u64 = 12;
+/// The sequence holds positions `0..HELD` before the fuzzed span arrives, its last page in part (pages of
+/// 4): the host asks for `HELD..END`.
+const HELD: u64 = 10;
 const END: u64 = 20;
 /// Ring slot capacity: room for every frame the host would ask for here, and for a mutated one a few
 /// times larger.
@@ -68,9 +69,9 @@ fn cache_holding_a_prefix() -> PagedKv {
 /// Must hold: the take commits exactly what the same bytes, decoded in private memory and checked
 /// against the same ring coordinates, geometry, request and range, commit into a second such cache; or it
 /// fails with an error and the cache is byte for byte as before (its state hash), as is the second one.
-/// Returns whether the span was taken.
-pub fn ingest(data: &[u8]) -> bool {
-    let Some((&mode, rest)) = data.split_first() else { return false };
+/// Returns the cache's state hash after a span was taken, `None` when it was refused.
+pub fn ingest(data: &[u8]) -> Option<u64> {
+    let (&mode, rest) = data.split_first()?;
     let mut frame = if mode & 1 == 0 {
         rest.to_vec()
     } else {
@@ -83,8 +84,8 @@ pub fn ingest(data: &[u8]) -> bool {
         frame
     };
 
-    let mut ring =
-        create_ring("fuzz-ingest", RingGeometry::new(1, SLOT).expect("a ring geometry"), 5).expect("a memfd ring");
+    let ring_geometry = RingGeometry::new(1, SLOT).expect("a ring geometry");
+    let mut ring = create_ring("fuzz-ingest", ring_geometry, 5).expect("a memfd ring");
     let fds = ring.peer_fds().map(|fd| fd.try_clone_to_owned().expect("a descriptor"));
     let mut writer = RingWriter::open(fds).expect("the producer's side");
     let mut slot = writer.reserve(Instant::now() + Duration::from_secs(1)).expect("a free slot");
@@ -112,7 +113,7 @@ pub fn ingest(data: &[u8]) -> bool {
         producer_epoch: coords.epoch,
         slot_generation: coords.generation,
         sequence: coords.sequence,
-        slot_capacity: SLOT,
+        slot_capacity: ring_geometry.frame_capacity(),
     };
     let committed = (|| {
         let prefix = frame.first_chunk::<HEADER_LEN>().ok_or("short")?;
@@ -130,14 +131,15 @@ pub fn ingest(data: &[u8]) -> bool {
     match (taken, committed) {
         (Ok(Some(())), Ok(())) => {
             assert_eq!(kv.seq_len(SeqId(1)), Some(END));
-            assert_eq!(kv.state_hash(), private.state_hash(), "the ring committed other bytes than the frame's");
-            true
+            let hash = kv.state_hash();
+            assert_eq!(hash, private.state_hash(), "the ring committed other bytes than the frame's");
+            Some(hash)
         }
         (Ok(None), _) => panic!("a committed slot was not seen"),
         (Err(e), Err(_)) => {
             assert_eq!(kv.state_hash(), before, "a rejected span ({e}) changed the cache");
             assert!(!e.to_string().contains('\n'), "one line: {e}");
-            false
+            None
         }
         (Ok(Some(())), Err(why)) => panic!("the ring took a frame that fails in private memory ({why})"),
         (Err(e), Ok(())) => panic!("the ring refused a frame that passes in private memory: {e}"),
@@ -157,8 +159,23 @@ pub fn control_message(data: &[u8]) -> Option<bool> {
     let _ = recv::<ToProducer>(data, MAX_FROM_PRODUCER);
     let Ok(Some(message)) = recv::<FromProducer>(data, MAX_FROM_PRODUCER) else { return None };
     let message = tamed(message);
-    let summary = message.summary();
-    assert!(!summary.contains('\n') && summary.len() <= 4096, "summary of {} bytes: {summary:?}", summary.len());
+    // Every word of the producer's own: one line, of a bounded length (the cut says how long it was).
+    let texts: Vec<&str> = match &message {
+        FromProducer::Ready(d) => [Some(&d.backend), d.transport.as_ref(), d.identity.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(String::as_str)
+            .collect(),
+        FromProducer::StartFailed { stage, message, .. } => vec![stage, message],
+        FromProducer::Unwritten { message, .. }
+        | FromProducer::Failed { message, .. }
+        | FromProducer::Remote { message, .. } => vec![message],
+        FromProducer::Done { .. } => Vec::new(),
+    };
+    for text in texts {
+        let fits = !text.chars().any(char::is_control) && text.chars().count() <= MAX_PRODUCER_TEXT + 32;
+        assert!(fits, "a producer's text of {} chars reaches the host: {text:?}", text.chars().count());
+    }
     let FromProducer::Ready(described) = message else { return None };
     let spec = ProducerSpec {
         name: "fuzz".into(),
@@ -245,24 +262,8 @@ pub fn control_seeds() -> Vec<(&'static str, Vec<u8>)> {
 
 /// What a producer of [`geometry`] says when it is ready.
 pub fn ready_message() -> Vec<u8> {
-    use pdhost_producer::protocol::LayerDesc;
-    use shm_format::LayerKv;
     let g = geometry();
-    let layers = g
-        .layers
-        .iter()
-        .map(|l| match *l {
-            LayerKv::Full { kv_heads, head_dim } => {
-                LayerDesc { kind: 0, kv_heads, head_dim, window: 0, state_elems: 0 }
-            }
-            LayerKv::Sliding { window, kv_heads, head_dim } => {
-                LayerDesc { kind: 1, kv_heads, head_dim, window, state_elems: 0 }
-            }
-            LayerKv::Recurrent { state_elems } => {
-                LayerDesc { kind: 2, kv_heads: 0, head_dim: 0, window: 0, state_elems }
-            }
-        })
-        .collect();
+    let layers = g.layers.iter().map(pdhost_producer::protocol::LayerDesc::of).collect();
     let described = pdhost_producer::protocol::Described {
         backend: "rngd".into(),
         abi_minor: 2,
@@ -285,25 +286,55 @@ mod tests {
     #[test]
     fn the_seeds_are_taken_and_their_mutations_refused_without_a_trace() {
         for (i, seed) in ingest_seeds().iter().enumerate() {
-            // As they are: other ring coordinates (all zero), refused.
-            assert!(!ingest(&[[0u8].as_slice(), seed].concat()));
-            // With the slot's coordinates: taken, as in private memory.
-            assert!(ingest(&[[4u8].as_slice(), seed].concat()));
-            assert!(ingest(&[5 | (i as u8) << 1]), "the seed unpatched");
-            // One byte of the header, the manifest or the payload changed: refused at other coordinates;
-            // at the slot's, resealed, the two paths must agree whatever it changed.
-            for at in [0u16, 9, 20, 41, 70, 100, 400, 1000] {
-                let [lo, hi] = at.to_le_bytes();
-                assert!(!ingest(&[1 | (i as u8) << 1, lo, hi, 0xA5]), "patched at {at}");
-                ingest(&[5 | (i as u8) << 1, lo, hi, 0xA5]);
-                // Not resealed: the checksum fails, whatever byte changed (the first of the payload
-                // only after its copy began).
-                let changed = ingest_seeds()[i][usize::from(at)] != 0xA5;
-                assert!(!changed || !ingest(&[13 | (i as u8) << 1, lo, hi, 0xA5]), "patched at {at}");
+            let patched = |mode: u8, at: usize, byte: u8| {
+                let [lo, hi] = u16::try_from(at).expect("a small frame").to_le_bytes();
+                ingest(&[mode | (i as u8) << 1, lo, hi, byte])
+            };
+            // As they are: at other ring coordinates (all zero), refused; at the slot's, taken, whole or
+            // patched with the byte already there.
+            assert_eq!(ingest(&[[0u8].as_slice(), seed].concat()), None);
+            let taken = ingest(&[[4u8].as_slice(), seed].concat()).expect("taken");
+            assert_eq!(ingest(&[5 | (i as u8) << 1]), Some(taken));
+            assert_eq!(patched(5, 0, seed[0]), Some(taken));
+            // The payload's last byte changed and resealed: taken, and the cache holds the change.
+            let last = seed.len() - 1;
+            let other = patched(5, last, !seed[last]).expect("a payload byte is the producer's to choose");
+            assert_ne!(other, taken);
+            // Not resealed: the checksum fails (the payload's after its copy began).
+            assert_eq!(patched(13, last, !seed[last]), None);
+            // Resealed, but the magic or the major version changed: refused.
+            assert_eq!(patched(5, 0, b'X'), None);
+            assert_eq!(patched(5, 8, 9), None);
+            // Anywhere else, the two paths agree (asserted inside).
+            for at in (0..seed.len()).step_by(7) {
+                patched(5, at, 0xA5);
             }
         }
-        assert!(!ingest(&[]));
-        assert!(!ingest(&[4, 1, 2, 3]));
+        assert_eq!(ingest(&[]), None);
+        assert_eq!(ingest(&[4, 1, 2, 3]), None);
+    }
+
+    /// The checked-in seeds are these (`PDHOST_WRITE_SEEDS=1` writes them anew): patches of nothing to
+    /// each frame, and each whole frame at the slot's coordinates.
+    #[test]
+    fn the_ingest_seeds_are_todays_frames() {
+        let dir = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../fuzz/seeds/ingest_ring"));
+        let frames = ingest_seeds();
+        let seeds = [
+            ("grouped", vec![5]),
+            ("dense", vec![7]),
+            ("grouped-frame", [[4u8].as_slice(), &frames[0]].concat()),
+            ("dense-frame", [[4u8].as_slice(), &frames[1]].concat()),
+        ];
+        for (name, bytes) in seeds {
+            let path = dir.join(name);
+            if std::env::var_os("PDHOST_WRITE_SEEDS").is_some() {
+                std::fs::write(&path, &bytes).unwrap();
+            }
+            assert!(ingest(&bytes).is_some(), "{name} is taken");
+            let checked_in = std::fs::read(&path).unwrap_or_default();
+            assert!(checked_in == bytes, "{}: not today's frame (PDHOST_WRITE_SEEDS=1 writes it)", path.display());
+        }
     }
 
     #[test]

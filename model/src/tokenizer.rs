@@ -105,6 +105,15 @@ impl Tokenizer {
         }
     }
 
+    /// Whether byte `b`, where it must stand alone, becomes no token ([`GgufTokenizer::drops_byte`];
+    /// never from a `tokenizer.json`, whose model is not looked into).
+    pub fn drops_byte(&self, b: u8) -> bool {
+        match self {
+            Tokenizer::Gguf(t) => t.drops_byte(b),
+            Tokenizer::Hf { .. } => false,
+        }
+    }
+
     /// The bytes token `id` stands for (special tokens' text included): a byte-fallback or byte-level
     /// token may hold part of a character, which [`Tokenizer::decode`] would replace. (From a
     /// `tokenizer.json`, the decoded text's bytes.)
@@ -327,6 +336,17 @@ impl GgufTokenizer {
             byte_ids,
             unknown,
         })
+    }
+
+    /// Whether byte `b`, where it must stand alone (a byte-level vocabulary's every byte; a byte
+    /// SentencePiece falls back to), becomes no token: the vocabulary has none for it, and no unknown
+    /// token. Hugging Face's tokenizers drop such a byte too.
+    pub fn drops_byte(&self, b: u8) -> bool {
+        let token = match self.algorithm {
+            Algorithm::Spm { .. } => self.byte_ids[usize::from(b)],
+            Algorithm::Gpt2 { .. } => self.vocab.id(byte_to_char(b).encode_utf8(&mut [0; 4])),
+        };
+        token.is_none() && self.unknown.is_none()
     }
 
     /// Vocabulary size.

@@ -258,23 +258,25 @@ fn context_call(
     let start = prompt.len() / 2;
     let (seq, _) = engine.prefill(&prompt[..start], 0, PrefillBy::Local).expect("local prefill");
     // The sequence's id, which no call has carried to the producer (its prefill was local). The second
-    // half goes in calls of at most the backend's `max_tokens`, the first carrying the context and the
-    // rest continuing the request, as the engine chunks a hit's prefill.
-    let per_call = producer.max_tokens().map_or(usize::MAX, |m| usize::try_from(m).unwrap_or(usize::MAX).max(1));
+    // half goes in calls the supervisor cuts to the backend's `max_tokens`, the first carrying the context
+    // and the rest continuing the request from where the last span ended, as the engine chunks a hit's
+    // prefill.
     let mut taken = Ok(());
     let mut at = start;
-    for part in prompt[start..].chunks(per_call) {
+    while at < prompt.len() {
         let call = pdhost_producer::protocol::PrefillCall {
             request_id: seq.0,
             start_pos: at as u64,
-            tokens: part.to_vec(),
+            tokens: prompt[at..].to_vec(),
             context: if at == start { prompt[..start].to_vec() } else { Vec::new() },
         };
-        taken = producer.prefill(&mut engine.kv, seq, &call).map(|_| ());
-        if taken.is_err() {
-            break;
+        match producer.prefill(&mut engine.kv, seq, &call) {
+            Ok(times) => at += usize::try_from(times.tokens).expect("at most the call's tokens"),
+            Err(e) => {
+                taken = Err(e);
+                break;
+            }
         }
-        at += part.len();
     }
     producer.release(seq.0);
     if let Err(e) = taken {

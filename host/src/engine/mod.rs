@@ -129,6 +129,8 @@ pub struct Prefilling {
     /// Tokens to prefill.
     len: usize,
     chunk: usize,
+    /// The chunk as planned, before a backend's `max_tokens` cut it: what a fallback prefills in.
+    planned: usize,
     /// Tokens prefilled, counting a prefix-cache hit.
     done: usize,
     /// Tokens shared from the prefix cache (the first chunk starts there).
@@ -155,6 +157,7 @@ impl Prefilling {
             request_id,
             len,
             chunk,
+            planned: chunk,
             done: 0,
             hit: 0,
             rounding: None,
@@ -204,6 +207,7 @@ impl Prefilling {
     pub fn in_pieces_of(&mut self, tokens: usize) {
         if tokens > 0 {
             self.chunk = self.chunk.min(tokens);
+            self.planned = self.planned.min(tokens);
         }
     }
 
@@ -221,6 +225,7 @@ impl Prefilling {
         t.take += times.take;
         t.round_trip += times.round_trip;
         t.bytes += times.bytes;
+        t.tokens += times.tokens;
         self.prefilled.spans += 1;
         if self.done == self.len {
             let t = *t;
@@ -681,6 +686,8 @@ impl Engine {
         self.kv.add_sequence(p.seq, p.request_id).expect("the slot just freed");
         (p.done, p.hit) = (0, 0);
         p.remote = false;
+        // In the pieces it was planned in, not a backend's `max_tokens`.
+        p.chunk = p.planned;
         // Nothing of the remote chunks counts any more: only who was asked, and why it failed.
         let producer = p.prefilled.report.producer.take();
         p.prefilled = Prefilled::default();

@@ -519,12 +519,13 @@ impl PagedKv {
         }))
     }
 
-    /// A hash of all the cache holds: what every sequence's every layer reads (its visible K/V, or its
-    /// state), the bytes of the pages the prefix cache keeps for later requests, the free lists, each
-    /// page's holders, the cached pages (and when they were released), the block tables and sequences,
-    /// and the prefix index. Equal before and after a rejected span. (Bytes no read reaches are left
-    /// out: a span refused after its first bytes were copied leaves them in the pages it had reserved
-    /// and past the end of a sequence's last page, `PagedKv::abort`.)
+    /// A hash of all the cache holds: every row a sequence's pages hold for its positions (from
+    /// `valid_from`: a prefix hit may read a sliding group's rows below the window too), every
+    /// recurrent state, the bytes of the pages the prefix cache keeps for later requests, the free lists,
+    /// each page's holders, the cached pages (and when they were released), the block tables and
+    /// sequences, and the prefix index. Equal before and after a rejected span. (Bytes no read reaches
+    /// are left out: a span refused after its first bytes were copied leaves them in the pages it had
+    /// reserved and past the end of a sequence's last page, `PagedKv::abort`.)
     pub fn state_hash(&self) -> u64 {
         let mut h = twox_hash::XxHash3_64::with_seed(0);
         for g in &self.groups {
@@ -561,15 +562,26 @@ impl PagedKv {
                 }
                 h.write_u8(0xFE);
             }
-            for layer in 0..self.places.len() as u32 {
-                if let Ok(read) = self.read(*id, layer) {
-                    for run in read.runs() {
-                        h.write(run.k);
-                        h.write(run.v);
+            let p = u64::from(self.page_size);
+            for (g, t) in self.groups.iter().zip(&s.tables) {
+                if !g.is_attention() {
+                    for &page in &t.pages {
+                        for slot in 0..g.layers.len() {
+                            let at = g.state_offset(page, slot);
+                            h.write(&g.pool[at..at + g.page_bytes / g.layers.len()]);
+                        }
                     }
+                    continue;
                 }
-                if let Ok(Some(state)) = self.read_state(*id, layer) {
-                    h.write(state);
+                let from = t.valid_from.max(t.first * p);
+                for (logical, &page) in (t.first..).zip(&t.pages) {
+                    let (lo, hi) = (from.max(logical * p), s.len.min((logical + 1) * p));
+                    for (slot, v) in (0..g.layers.len()).flat_map(|slot| [(slot, false), (slot, true)]) {
+                        if lo < hi {
+                            let at = g.row_offset(page, slot, v, (lo % p) as usize, p as usize);
+                            h.write(&g.pool[at..at + (hi - lo) as usize * g.row_bytes]);
+                        }
+                    }
                 }
             }
         }

@@ -78,6 +78,21 @@ fn the_state_hash_covers_what_reads_reach() {
     let at = kv.groups[group].row_offset(page, slot, true, 3, 64);
     kv.groups[group].pool[at] ^= 1;
     assert_ne!(kv.state_hash(), before, "a byte of layer 5's V at position 3");
+
+    // A sliding group keeps pages below its window (a prefix hit reads them): their rows count too.
+    let g = shm_format::testing::interleaved(4, 2, 8, 1, 8);
+    let mut kv = cache(g.clone(), Dtype::Bf16, 4, 1 << 20);
+    kv.add_sequence(SeqId(1), 7).unwrap();
+    let m = Manifest::grouped(&g, 7, 0..19, Dtype::Bf16);
+    ingest(&mut kv, SeqId(1), &m, &payload_for(&m, 1)).unwrap();
+    assert_eq!(kv.read(SeqId(1), 0).unwrap().positions, 11..19, "the window");
+    let table = &kv.seqs[&SeqId(1)].tables[kv.places[0].group];
+    assert_eq!(table.first, 2, "pages from position 8 are kept");
+    let before = kv.state_hash();
+    let (group, slot) = (kv.places[0].group, kv.places[0].slot);
+    let at = kv.groups[group].row_offset(table.pages[0], slot, false, 1, 4);
+    kv.groups[group].pool[at] ^= 1;
+    assert_ne!(kv.state_hash(), before, "a byte of layer 0's K at position 9, below the window");
 }
 
 #[test]

@@ -643,7 +643,8 @@ impl Producer {
     }
 
     /// Prefills `tokens` at `start_pos` of `request_id` in the producer and ingests the span into `seq`:
-    /// [`Producer::submit`], then [`Producer::take`].
+    /// [`Producer::submit`], then [`Producer::take`]. The span carries at most the backend's `max_tokens`
+    /// of them ([`SpanTimes::tokens`]); the caller continues from its end.
     ///
     /// On any failure the span is not in the cache (the cache is exactly as before), the reason is
     /// counted, and a producer that broke the protocol, crashed or timed out is killed; the next call
@@ -653,8 +654,9 @@ impl Producer {
         self.take(pending, kv, seq)
     }
 
-    /// Starts the producer if it is not running, sends it one prefill and waits (within the request
-    /// timeout, watching its pidfd) for its reply. The span then waits in the ring, untouched, for
+    /// Starts the producer if it is not running, sends it one prefill (cut to the first `max_tokens` of its
+    /// tokens when the backend takes fewer at once: a call planned before this process said its limit)
+    /// and waits (within the request timeout, watching its pidfd) for its reply. The span then waits in the ring, untouched, for
     /// [`Producer::take`]: this half touches no cache, so it may run on another thread than the one that
     /// owns the cache. Failures are counted and handled as in [`Producer::prefill`].
     pub fn submit(&mut self, call: &PrefillCall) -> Result<Pending, ProducerError> {
@@ -899,7 +901,7 @@ const REAP_WAIT: Duration = Duration::from_secs(5);
 
 /// The most characters of a producer's text (an error message, a stage, a name) that reach the host's
 /// errors.
-const MAX_PRODUCER_TEXT: usize = 1024;
+pub(crate) const MAX_PRODUCER_TEXT: usize = 1024;
 
 /// `message` with the text a producer chose made fit for a one-line error: control characters (a
 /// newline, a carriage return, a terminal escape) as spaces, and at most [`MAX_PRODUCER_TEXT`]

@@ -8,21 +8,7 @@ fn gemma3_270m(head_dim: u32) -> KvGeometry {
 
 /// What a backend describing `geometry` sends in its `Ready`.
 fn described(geometry: &KvGeometry) -> Described {
-    let layers = geometry
-        .layers
-        .iter()
-        .map(|l| match *l {
-            LayerKv::Full { kv_heads, head_dim } => {
-                LayerDesc { kind: 0, kv_heads, head_dim, window: 0, state_elems: 0 }
-            }
-            LayerKv::Sliding { window, kv_heads, head_dim } => {
-                LayerDesc { kind: 1, kv_heads, head_dim, window, state_elems: 0 }
-            }
-            LayerKv::Recurrent { state_elems } => {
-                LayerDesc { kind: 2, kv_heads: 0, head_dim: 0, window: 0, state_elems }
-            }
-        })
-        .collect();
+    let layers = geometry.layers.iter().map(LayerDesc::of).collect();
     Described { layout: 1, dtype: 0, fingerprint: geometry.fingerprint().0, layers, ..Described::default() }
 }
 

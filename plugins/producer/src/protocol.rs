@@ -57,6 +57,24 @@ pub struct LayerDesc {
     pub state_elems: u64,
 }
 
+impl LayerDesc {
+    /// How a backend describes `layer` (the inverse of [`Described::geometry`]'s reading of one layer).
+    pub fn of(layer: &LayerKv) -> Self {
+        let none = LayerDesc { kind: 0, kv_heads: 0, head_dim: 0, window: 0, state_elems: 0 };
+        match *layer {
+            LayerKv::Full { kv_heads, head_dim } => {
+                LayerDesc { kind: PdhostLayerKind::Full as u32, kv_heads, head_dim, ..none }
+            }
+            LayerKv::Sliding { window, kv_heads, head_dim } => {
+                LayerDesc { kind: PdhostLayerKind::Sliding as u32, kv_heads, head_dim, window, ..none }
+            }
+            LayerKv::Recurrent { state_elems } => {
+                LayerDesc { kind: PdhostLayerKind::Recurrent as u32, state_elems, ..none }
+            }
+        }
+    }
+}
+
 /// What the backend said it emits.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Described {
