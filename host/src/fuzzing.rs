@@ -12,7 +12,7 @@ use shm_format::{
 use shm_ring::{create_ring, RingWriter};
 
 use crate::kv::{IntoSequence, KvConfig, PagedKv, SeqId};
-use crate::supervisor::{tamed, Producer, ProducerSpec, RestartPolicy, MAX_PRODUCER_TEXT};
+use crate::supervisor::{tamed, Producer, ProducerSpec, MAX_PRODUCER_TEXT};
 use pdhost_producer::protocol::{recv, FromProducer, ToProducer, MAX_FROM_PRODUCER};
 
 /// The request the spans must belong to.
@@ -177,21 +177,7 @@ pub fn control_message(data: &[u8]) -> Option<bool> {
         assert!(fits, "a producer's text of {} chars reaches the host: {text:?}", text.chars().count());
     }
     let FromProducer::Ready(described) = message else { return None };
-    let spec = ProducerSpec {
-        name: "fuzz".into(),
-        program: "/nonexistent".into(),
-        program_args: Vec::new(),
-        backend: "/nonexistent.so".into(),
-        config: "{}".into(),
-        slots: 2,
-        slot_capacity: 1 << 20,
-        start_timeout: Duration::from_secs(1),
-        request_timeout: Duration::from_secs(1),
-        restart: RestartPolicy::default(),
-        sandbox: true,
-        memory_limit: None,
-        identity: Some(IDENTITY.into()),
-    };
+    let spec = ProducerSpec::unstarted("fuzz", Some(IDENTITY.into()));
     let ours = geometry();
     match Producer::new(spec, ours.clone()).check_described(&described) {
         Ok(()) => {

@@ -7,7 +7,8 @@ use crate::tokenizer::Tokenizer;
 /// are what each character alone encodes to, end to end; and that is the character's bytes, or its bytes
 /// less those the tokenizer drops ([`Tokenizer::drops_byte`]: a byte-level vocabulary without one of the
 /// 256 byte characters and without an unknown token, as SmolLM2's, drops that byte, as Hugging Face's BPE
-/// does), or, for SentencePiece's space mark U+2581, a space. Where the bytes are the text's, decoding the ids gives the text back. A prompt is BOS and then the same ids.
+/// does), or, for SentencePiece's space mark U+2581, a space. Where the bytes are the text's, decoding
+/// the ids gives the text back. A prompt is BOS and then the same ids.
 pub fn tokenize(tok: &Tokenizer, text: &str) {
     let bytes_of = |ids: &[u32]| ids.iter().flat_map(|&id| tok.token_bytes(id)).collect::<Vec<u8>>();
     let plain = tok.encode(text, false);

@@ -565,22 +565,21 @@ impl PagedKv {
             let p = u64::from(self.page_size);
             for (g, t) in self.groups.iter().zip(&s.tables) {
                 if !g.is_attention() {
+                    // A state page holds its layers' states whole (a span replaces the page).
                     for &page in &t.pages {
-                        for slot in 0..g.layers.len() {
-                            let at = g.state_offset(page, slot);
-                            h.write(&g.pool[at..at + g.page_bytes / g.layers.len()]);
-                        }
+                        h.write(&g.pool[page as usize * g.page_bytes..][..g.page_bytes]);
                     }
                     continue;
                 }
                 let from = t.valid_from.max(t.first * p);
                 for (logical, &page) in (t.first..).zip(&t.pages) {
                     let (lo, hi) = (from.max(logical * p), s.len.min((logical + 1) * p));
+                    if lo >= hi {
+                        continue;
+                    }
                     for (slot, v) in (0..g.layers.len()).flat_map(|slot| [(slot, false), (slot, true)]) {
-                        if lo < hi {
-                            let at = g.row_offset(page, slot, v, (lo % p) as usize, p as usize);
-                            h.write(&g.pool[at..at + (hi - lo) as usize * g.row_bytes]);
-                        }
+                        let at = g.row_offset(page, slot, v, (lo % p) as usize, p as usize);
+                        h.write(&g.pool[at..at + (hi - lo) as usize * g.row_bytes]);
                     }
                 }
             }

@@ -10,7 +10,6 @@
 mod error;
 mod process;
 mod restarts;
-
 #[cfg(test)]
 mod tests;
 mod until;
@@ -80,6 +79,26 @@ impl ProducerSpec {
     /// header and manifest.
     pub fn capacity_for(geometry: &KvGeometry, dtype: Dtype, tokens: u64) -> u64 {
         span_bytes(geometry, dtype, tokens.max(1)) + (256 << 10)
+    }
+
+    /// A spec no process is ever started from, for checking what a producer says against it (the
+    /// handshake's checks in tests and fuzzing): named `name`, expecting model `identity`.
+    pub(crate) fn unstarted(name: &str, identity: Option<String>) -> Self {
+        ProducerSpec {
+            name: name.into(),
+            program: "/nonexistent".into(),
+            program_args: Vec::new(),
+            backend: "/nonexistent.so".into(),
+            config: "{}".into(),
+            slots: 2,
+            slot_capacity: 1 << 20,
+            start_timeout: Duration::from_secs(1),
+            request_timeout: Duration::from_secs(1),
+            restart: RestartPolicy::default(),
+            sandbox: true,
+            memory_limit: None,
+            identity,
+        }
     }
 }
 
@@ -656,9 +675,9 @@ impl Producer {
 
     /// Starts the producer if it is not running, sends it one prefill (cut to the first `max_tokens` of its
     /// tokens when the backend takes fewer at once: a call planned before this process said its limit)
-    /// and waits (within the request timeout, watching its pidfd) for its reply. The span then waits in the ring, untouched, for
-    /// [`Producer::take`]: this half touches no cache, so it may run on another thread than the one that
-    /// owns the cache. Failures are counted and handled as in [`Producer::prefill`].
+    /// and waits (within the request timeout, watching its pidfd) for its reply. The span then waits in
+    /// the ring, untouched, for [`Producer::take`]: this half touches no cache, so it may run on another
+    /// thread than the one that owns the cache. Failures are counted and handled as in [`Producer::prefill`].
     pub fn submit(&mut self, call: &PrefillCall) -> Result<Pending, ProducerError> {
         let started = Instant::now();
         match self.ensure_running() {

@@ -13,22 +13,7 @@ fn described(geometry: &KvGeometry) -> Described {
 }
 
 fn producer(geometry: KvGeometry) -> Producer {
-    let spec = ProducerSpec {
-        name: "faulty".into(),
-        program: PathBuf::from("/nonexistent"),
-        program_args: Vec::new(),
-        backend: PathBuf::from("/nonexistent.so"),
-        config: "{}".into(),
-        slots: 2,
-        slot_capacity: 1 << 20,
-        start_timeout: Duration::from_secs(1),
-        request_timeout: Duration::from_secs(1),
-        restart: RestartPolicy::default(),
-        sandbox: true,
-        memory_limit: None,
-        identity: None,
-    };
-    Producer::new(spec, geometry)
+    Producer::new(ProducerSpec::unstarted("faulty", None), geometry)
 }
 
 fn mismatch(ours: KvGeometry, d: &Described) -> String {
