@@ -1118,6 +1118,47 @@ fn a_live_stream_keeps_decoding_while_another_prompt_prefills_in_a_producer() {
     assert!(during >= 3, "stream A got {during} tokens while B prefilled: {events:?}");
 }
 
+/// Requests that arrive while the one producer is busy (request 1 held there 2 s by the `faulty`
+/// backend's `slow` fault) go to it together, as one batch of chunks that its backend computes in one
+/// pass (`stage`): the metrics count a batch of more than one chunk, and every reply still equals
+/// `generate` alone, its logits bits included.
+#[test]
+fn requests_that_wait_for_a_busy_producer_prefill_as_one_batch_and_each_equals_generate() {
+    let config = r#"{"fault": "slow", "on_requests": [1], "delay_ms": 2000}"#;
+    let s = serve(&["--producer", "faulty", "--backend-config", config, "--slots", "4"]);
+    let prompts = ["The capital of France is", "Water boils at", "My favourite colour is", "Once upon a time"];
+    let replies: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, prompt)| {
+            let url = s.url.clone();
+            let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}).to_string();
+            // Request 1 first: the others arrive while it holds the producer.
+            std::thread::sleep(Duration::from_millis(if i == 1 { 300 } else { 0 }));
+            std::thread::spawn(move || {
+                let mut r = agent()
+                    .post(&format!("{url}/v1/completions"))
+                    .header("content-type", "application/json")
+                    .send(&body)
+                    .unwrap();
+                assert_eq!(r.status().as_u16(), 200);
+                r.body_mut().read_json::<Value>().unwrap()
+            })
+        })
+        .collect();
+    for (prompt, reply) in prompts.iter().zip(replies) {
+        let v = reply.join().unwrap();
+        assert_eq!(v["pdhost"]["prefill"], "remote", "{v}");
+        let alone = generate(prompt, 8, &[]);
+        assert_eq!(v["pdhost"]["output_ids"], alone["output_ids"], "{prompt}");
+        assert_eq!(v["pdhost"]["logits_xxh3"], alone["logits_xxh3"], "{prompt}: bit-identical in a batch");
+    }
+    let batches = metric(&s, "pdhost_prefill_batch_calls_count").unwrap();
+    let chunks = metric(&s, "pdhost_prefill_batch_calls_sum").unwrap();
+    assert_eq!(chunks, 4.0, "one chunk per prompt");
+    assert!(batches < chunks, "{batches} batches for {chunks} chunks: none held more than one");
+}
+
 /// A producer killed halfway through writing one request's span (request 2, the `faulty` backend's
 /// `kill_mid`) costs that request its remote prefill and nothing else: with `fallback` it is prefilled
 /// locally, in pieces of 256 tokens (its remote prefill was one span), and still equals `generate`; with

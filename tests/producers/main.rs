@@ -2,6 +2,7 @@
 //! a soak. Every test here holds [`serial`], because several compare this process's descriptors,
 //! mappings and children before and after.
 
+mod batch;
 mod conformance;
 mod faults;
 mod python;

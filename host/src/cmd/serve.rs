@@ -169,7 +169,15 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
                     super::outln!("listening on http://{addr}").ok();
                 }
             });
-            Ok(Loaded { engine, producers, on_failure, local_piece, slots: slots as usize, on_ready })
+            Ok(Loaded {
+                engine,
+                producers,
+                on_failure,
+                local_piece,
+                slots: slots as usize,
+                batch_tokens: chunk_tokens,
+                on_ready,
+            })
         });
         let server = Server::bind(addr, config, tokenizer, start)
             .await

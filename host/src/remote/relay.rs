@@ -196,8 +196,10 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Stop {
         return Stop::Start("connect", format!("sending the hello to producer node {}: {e}", args.node));
     }
     match link.recv("starting") {
-        Ok(ready @ FromProducer::Ready(_)) => {
-            if protocol::send(socket, &ready).is_err() {
+        Ok(FromProducer::Ready(mut described)) => {
+            // Calls reach the node one at a time: the host sends this relay no batches.
+            described.batches = false;
+            if protocol::send(socket, &FromProducer::Ready(described)).is_err() {
                 return Stop::Done;
             }
         }
@@ -219,7 +221,8 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Stop {
                 let _ = link.send(&ToNode::Release { request_id });
                 continue;
             }
-            Ok(Some(ToProducer::Shutdown)) | Ok(None) | Err(_) => {
+            // Never sent to a relay (its Ready says it takes none): the host broke the protocol.
+            Ok(Some(ToProducer::PrefillBatch(_))) | Ok(Some(ToProducer::Shutdown)) | Ok(None) | Err(_) => {
                 let _ = link.send(&ToNode::Shutdown);
                 return Stop::Done;
             }

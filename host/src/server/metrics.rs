@@ -39,6 +39,8 @@ pub struct Metrics {
     pub producer_starts: IntCounterVec,
     /// Tokens of prompts found in the prefix cache.
     pub prefix_hit_tokens: IntCounter,
+    /// Chunks per batch given to a producer.
+    pub prefill_batch: Histogram,
     /// Per producer: its counters as last seen.
     seen: std::sync::Arc<std::sync::Mutex<Vec<supervisor::Metrics>>>,
     /// Per KV group: its `used`, `free` and `cached` gauges, looked up once (every decode round sets
@@ -88,6 +90,14 @@ impl Metrics {
                 "Prompt tokens found in the prefix cache.",
             )
             .expect("valid"),
+            prefill_batch: Histogram::with_opts(
+                HistogramOpts::new(
+                    "pdhost_prefill_batch_calls",
+                    "Chunks (of different requests) per batch given to a producer.",
+                )
+                .buckets(vec![1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0]),
+            )
+            .expect("valid histogram"),
             seen: Default::default(),
             kv_gauges: Default::default(),
         };
@@ -98,7 +108,7 @@ impl Metrics {
         }
         let info = IntGauge::new("pdhost_info", "Always 1.").expect("valid");
         info.set(1);
-        let all: [Box<dyn prometheus::core::Collector>; 14] = [
+        let all: [Box<dyn prometheus::core::Collector>; 15] = [
             Box::new(m.requests.clone()),
             Box::new(m.prefills.clone()),
             Box::new(m.ttft.clone()),
@@ -112,6 +122,7 @@ impl Metrics {
             Box::new(m.spans_rejected.clone()),
             Box::new(m.producer_starts.clone()),
             Box::new(m.prefix_hit_tokens.clone()),
+            Box::new(m.prefill_batch.clone()),
             Box::new(info),
         ];
         for c in all {

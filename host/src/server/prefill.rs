@@ -1,8 +1,10 @@
 //! Prefill off the engine thread. Each producer has a long-lived waiter thread; the engine thread hands
-//! it the producer and one chunk, the waiter sends the request and waits (deadline, pidfd) for the
-//! producer's reply, and hands the producer back with it. The engine thread then takes the span out of
-//! the ring into its cache between decode rounds, so decode never waits for a producer, and N producers
-//! prefill N prompts at once. Ownership of each `Producer` moves with the messages: no locks.
+//! it the producer and a batch of chunks (of different requests), the waiter sends them and waits
+//! (deadline, pidfd) for the producer's reply to the first, and hands the producer back with it and the
+//! rest of the batch. The engine thread then takes the span out of the ring into its cache between decode
+//! rounds, so decode never waits for a producer, and hands the producer back to the waiter for the next
+//! reply of the batch, until none is left. N producers prefill N batches at once. Ownership of each
+//! `Producer` moves with the messages: no locks.
 
 use crossbeam_channel::{Receiver, Sender};
 
@@ -18,6 +20,15 @@ pub struct Work {
     pub call: PrefillCall,
 }
 
+/// What a waiter is handed with its producer.
+#[derive(Debug)]
+enum Order {
+    /// Send these chunks, as one batch where there are several, and wait for the first's reply.
+    Send(Vec<Work>),
+    /// Wait for the reply to the first of these, the rest of a batch sent before.
+    Await(Vec<Work>),
+}
+
 /// A waiter's answer: the producer back, and its reply for `seq`.
 #[derive(Debug)]
 pub struct Reply {
@@ -29,6 +40,9 @@ pub struct Reply {
     pub seq: SeqId,
     /// The reply: a span waiting in the ring, or why there is none.
     pub result: Result<Pending, ProducerError>,
+    /// The calls of its batch still to be answered, in order: for [`Pool::await_rest`] once the span is
+    /// taken.
+    pub rest: Vec<Work>,
 }
 
 /// The producers and their waiters.
@@ -36,7 +50,7 @@ pub struct Reply {
 pub struct Pool {
     /// Producers at rest, by index.
     idle: Vec<(usize, Producer)>,
-    waiters: Vec<Sender<(Producer, Work)>>,
+    waiters: Vec<Sender<(Producer, Order)>>,
     replies: Receiver<Reply>,
     /// Keeps `replies` connected with no waiter (`--producer local`): a disconnected channel is always
     /// ready, and the engine thread's idle wait on it would spin.
@@ -49,17 +63,27 @@ impl Pool {
         let (reply_tx, replies) = crossbeam_channel::unbounded();
         let mut waiters = Vec::new();
         for index in 0..producers.len() {
-            let (tx, rx) = crossbeam_channel::bounded::<(Producer, Work)>(1);
+            let (tx, rx) = crossbeam_channel::bounded::<(Producer, Order)>(1);
             let reply_tx = reply_tx.clone();
             // Long-lived: a producer this thread restarts gets its parent-death signal from it.
             std::thread::Builder::new().name(format!("pdhost-prefill-{index}")).spawn(move || {
-                for (mut producer, work) in rx {
+                for (mut producer, order) in rx {
+                    let (mut works, sent) = match order {
+                        Order::Send(works) => (works, true),
+                        Order::Await(works) => (works, false),
+                    };
+                    let calls: Vec<_> = if sent { works.iter().map(|w| w.call.clone()).collect() } else { Vec::new() };
+                    let first = works.remove(0);
                     // A panic here would lose the reply, and with it the request's slot and this
                     // producer for good: it becomes the request's failure instead, and the producer,
-                    // left mid-exchange, is stopped (the next request starts a new one).
-                    let submitted =
-                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| producer.submit(&work.call)));
-                    let result = submitted.unwrap_or_else(|_| {
+                    // left mid-exchange, is stopped (the next request starts a new one; the rest of
+                    // its batch then fails at once, as after any stop).
+                    let replied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match calls.len() {
+                        0 => producer.next(&first.call),
+                        1 => producer.submit(&first.call),
+                        _ => producer.submit_batch(&calls),
+                    }));
+                    let result = replied.unwrap_or_else(|_| {
                         producer.shutdown();
                         Err(ProducerError::Io {
                             name: producer.name().to_string(),
@@ -67,7 +91,7 @@ impl Pool {
                             source: std::io::Error::other("the host's side of the exchange panicked"),
                         })
                     });
-                    if reply_tx.send(Reply { index, producer, seq: work.seq, result }).is_err() {
+                    if reply_tx.send(Reply { index, producer, seq: first.seq, result, rest: works }).is_err() {
                         return;
                     }
                 }
@@ -77,32 +101,33 @@ impl Pool {
         Ok(Pool { idle: producers.into_iter().enumerate().collect(), waiters, replies, _replies_open: reply_tx })
     }
 
-    /// Gives `work` to a producer at rest; `Err(work)` when it should wait.
+    /// The producers at rest that should be given work now, by index, most wanted first.
     ///
-    /// The producer at rest that went idle last is taken, of those that would take a request now. One
-    /// that would refuse it without a process being asked (waiting out a restart's backoff, or unable to
-    /// start) is passed over: its refusal is not this request's failure, and it would come back at once,
-    /// first in line for every request after, while a healthy producer sat idle. The work waits while
-    /// another producer is busy or one is backing off; only when every producer refuses for good (its
-    /// start refused, its restarts at their limit) does it go to one of them, whose refusal the request
-    /// then falls back or fails on.
-    pub fn submit(&mut self, work: Work) -> Result<(), Work> {
+    /// Those that would take a request now, the one that went idle last first. One that would refuse
+    /// it without a process being asked (waiting out a restart's backoff, or unable to start) is passed
+    /// over: its refusal is not a request's failure, and it would come back at once, first in line for
+    /// every request after, while a healthy producer sat idle. Work waits while another producer is busy
+    /// or one is backing off; only when every producer refuses for good (its start refused, its restarts
+    /// at their limit) is one of them offered, whose refusal the requests then fall back or fail on.
+    pub fn ready(&self) -> Vec<usize> {
         let now = std::time::Instant::now();
-        let ready = self.idle.iter().rposition(|(_, p)| p.refusing(now).is_none());
-        let at = match ready {
-            Some(at) => at,
-            None if self.idle.len() < self.waiters.len() => return Err(work),
-            None if self.idle.iter().any(|(_, p)| matches!(p.refusing(now), Some(Some(_)))) => return Err(work),
-            None => self.idle.len() - 1,
-        };
-        let (index, producer) = self.idle.remove(at);
-        match self.waiters[index].send((producer, work)) {
-            Ok(()) => Ok(()),
-            Err(crossbeam_channel::SendError((producer, work))) => {
-                self.idle.insert(at, (index, producer));
-                Err(work)
-            }
+        let ready: Vec<usize> =
+            self.idle.iter().rev().filter(|(_, p)| p.refusing(now).is_none()).map(|&(i, _)| i).collect();
+        let waiting = self.idle.len() < self.waiters.len()
+            || self.idle.iter().any(|(_, p)| matches!(p.refusing(now), Some(Some(_))));
+        match self.idle.last() {
+            Some(&(last, _)) if ready.is_empty() && !waiting => vec![last],
+            _ => ready,
         }
+    }
+
+    /// Gives `works` (at least one; chunks of different requests) to producer `index`, at rest, as one
+    /// batch. On `Err` the producer is still at rest and nothing was sent.
+    pub fn submit(&mut self, index: usize, works: Vec<Work>) -> Result<(), Vec<Work>> {
+        assert!(!works.is_empty(), "a batch holds a chunk at least");
+        let Some(at) = self.idle.iter().position(|&(i, _)| i == index) else { return Err(works) };
+        let (_, producer) = self.idle.remove(at);
+        self.send(index, producer, Order::Send(works))
     }
 
     /// Where replies arrive.
@@ -115,13 +140,25 @@ impl Pool {
         self.idle.push((index, producer));
     }
 
-    /// Hands a producer back out for the next chunk of the prefill it is on (a backend keeps the K/V of
-    /// the request in progress, so every chunk of a request goes to the same producer). On `Err` the
-    /// producer is at rest again and the work was not sent.
-    pub fn resubmit(&mut self, index: usize, producer: Producer, work: Work) -> Result<(), Work> {
-        self.waiters[index].send((producer, work)).map_err(|crossbeam_channel::SendError((producer, work))| {
+    /// Hands a producer back out for a batch of its own (the next chunks of prefills it is on: a backend
+    /// keeps the K/V of its requests in progress, so every chunk of a request goes to the same producer),
+    /// straight from its reply. On `Err` the producer is at rest again and nothing was sent.
+    pub fn resubmit(&mut self, index: usize, producer: Producer, works: Vec<Work>) -> Result<(), Vec<Work>> {
+        self.send(index, producer, Order::Send(works))
+    }
+
+    /// Hands a producer back to its waiter for the reply to the first of `rest` (a batch's calls still
+    /// unanswered), once the span before it was taken. On `Err` the producer is at rest again.
+    pub fn await_rest(&mut self, index: usize, producer: Producer, rest: Vec<Work>) -> Result<(), Vec<Work>> {
+        self.send(index, producer, Order::Await(rest))
+    }
+
+    fn send(&mut self, index: usize, producer: Producer, order: Order) -> Result<(), Vec<Work>> {
+        self.waiters[index].send((producer, order)).map_err(|crossbeam_channel::SendError((producer, order))| {
             self.rest(index, producer);
-            work
+            match order {
+                Order::Send(works) | Order::Await(works) => works,
+            }
         })
     }
 }

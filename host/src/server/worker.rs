@@ -36,6 +36,9 @@ pub struct Loaded {
     pub local_piece: usize,
     /// Sequences live at once (the engine's cache holds this many).
     pub slots: usize,
+    /// Prompt tokens a producer is given at once: a batch of chunks of different requests, computed in
+    /// one pass where its backend stages batches, holds at most this many (and one chunk at least).
+    pub batch_tokens: usize,
     /// Called once everything is up (the CLI prints `listening on ...`).
     pub on_ready: Box<dyn FnOnce() + Send>,
 }
@@ -277,6 +280,8 @@ struct Admitting {
     admitted: Instant,
     /// A producer is working on its current chunk.
     in_flight: bool,
+    /// The producer its chunks so far went to, which keeps their K/V: its next chunk goes there too.
+    producer: Option<usize>,
     /// Its prefill failed and may not fall back (`--on-producer-failure fail`).
     failed: Option<String>,
 }
@@ -406,7 +411,7 @@ impl<'t> Scheduler<'_, 't> {
         match self.loaded.engine.begin(&job.request, self.remote.as_ref()) {
             Ok(prefill) => {
                 self.metrics.running.inc();
-                Some(Admitting { job, prefill, admitted, in_flight: false, failed: None })
+                Some(Admitting { job, prefill, admitted, in_flight: false, producer: None, failed: None })
             }
             Err(e) => {
                 tracing::warn!(id = job.id, "failed: {e}");
@@ -417,12 +422,14 @@ impl<'t> Scheduler<'_, 't> {
         }
     }
 
-    /// A producer's reply: its span taken into the cache, then the request's next chunk to the same
-    /// producer (the backend keeps the request's K/V), or the producer at rest. A failure falls back to
-    /// local prefill, or fails the request, as `--on-producer-failure` says.
+    /// A producer's reply: its span taken into the cache, then the producer handed back for the next
+    /// reply of its batch, or, its batch done, given the next batch of its own (the next chunks of its
+    /// requests, for it keeps their K/V, and new ones), or at rest. A failure falls back to local
+    /// prefill, or fails the request, as `--on-producer-failure` says.
     fn reply(&mut self, admitting: &mut [Admitting], reply: super::prefill::Reply) {
-        let super::prefill::Reply { index, mut producer, seq, result } = reply;
-        let a = admitting.iter_mut().find(|a| a.prefill.seq() == seq).expect("a prefill in flight stays admitted");
+        let super::prefill::Reply { index, mut producer, seq, result, rest } = reply;
+        let at = admitting.iter().position(|a| a.prefill.seq() == seq).expect("a prefill in flight stays admitted");
+        let a = &mut admitting[at];
         let taken = result.and_then(|pending| producer.take(pending, &mut self.loaded.engine.kv, seq));
         self.metrics.producer(index, producer.metrics());
         // A producer that did not run at start-up, or came back restarted, says now what it is.
@@ -433,36 +440,82 @@ impl<'t> Scheduler<'_, 't> {
             self.remote = Remote::together(&self.remotes);
         }
         a.prefill.asked(&producer);
+        a.in_flight = false;
         match taken {
             Ok(times) => {
                 a.prefill.remote_by(&producer);
                 a.prefill.remote_done(times);
+                a.producer = Some(index);
                 // A cancelled request's span was still taken, so the ring stays in step; it is dropped
                 // with the sequence.
-                let next = a.prefill.next_call(a.head()).filter(|_| !a.job.events.is_closed());
-                if let Some(call) = next {
-                    let work = super::prefill::Work { seq, call };
-                    let name = producer.name().to_string();
-                    if self.pool.resubmit(index, producer, work).is_ok() {
-                        return;
-                    }
-                    // Its waiter is gone (the pool is stopping): the rest is prefilled here, not by another
-                    // producer, which has none of the request's K/V.
-                    let source = std::io::Error::other("its producer's waiter thread is gone");
-                    self.fall_back(a, ProducerError::Io { name, op: "prefill", source });
-                } else {
+                if a.prefill.next_call(a.head()).is_none() || a.job.events.is_closed() {
                     // The request's last call to this producer (or it was cancelled).
                     producer.release(a.prefill.request_id());
-                    self.pool.rest(index, producer);
                 }
             }
             Err(e) => {
                 producer.release(a.prefill.request_id());
-                self.pool.rest(index, producer);
                 self.fall_back(a, e);
             }
         }
-        a.in_flight = false;
+        let works = if rest.is_empty() { self.gather(admitting, index) } else { Vec::new() };
+        let sent = match (rest.is_empty(), works.is_empty()) {
+            (false, _) => self.pool.await_rest(index, producer, rest),
+            (true, false) => self.mark(admitting, &works, true).and(self.pool.resubmit(index, producer, works)),
+            (true, true) => {
+                self.pool.rest(index, producer);
+                Ok(())
+            }
+        };
+        if let Err(lost) = sent {
+            // Its waiter is gone (the pool is stopping): the rest is prefilled here, not by another
+            // producer, which has none of the requests' K/V.
+            let name = self.remotes[index].name.clone();
+            for work in lost {
+                let Some(a) = admitting.iter_mut().find(|a| a.prefill.seq() == work.seq) else { continue };
+                a.in_flight = false;
+                let source = std::io::Error::other("its producer's waiter thread is gone");
+                self.fall_back(a, ProducerError::Io { name: name.clone(), op: "prefill", source });
+            }
+        }
+    }
+
+    /// The next batch for producer `index`: the next chunks of the prefills it is on (it keeps their
+    /// K/V), then the first chunks of waiting ones, in admission order, within [`Loaded::batch_tokens`]
+    /// (one chunk at least).
+    fn gather(&self, admitting: &[Admitting], index: usize) -> Vec<super::prefill::Work> {
+        let waiting =
+            |a: &&Admitting| !a.in_flight && a.failed.is_none() && a.prefill.is_remote() && !a.job.events.is_closed();
+        let own = admitting.iter().filter(waiting).filter(|a| a.producer == Some(index));
+        let new = admitting.iter().filter(waiting).filter(|a| a.producer.is_none());
+        let mut works = Vec::new();
+        let mut tokens = 0;
+        for a in own.chain(new) {
+            let Some(call) = a.prefill.next_call(a.head()) else { continue };
+            if !works.is_empty() && tokens + call.tokens.len() > self.loaded.batch_tokens {
+                break;
+            }
+            tokens += call.tokens.len();
+            works.push(super::prefill::Work { seq: a.prefill.seq(), call });
+        }
+        works
+    }
+
+    /// Marks the requests of `works` in flight (or not, when a batch could not be sent after all), and
+    /// counts the batch: always `Ok`, for chaining.
+    fn mark(
+        &self,
+        admitting: &mut [Admitting],
+        works: &[super::prefill::Work],
+        in_flight: bool,
+    ) -> Result<(), Vec<super::prefill::Work>> {
+        for a in admitting.iter_mut().filter(|a| works.iter().any(|w| w.seq == a.prefill.seq())) {
+            a.in_flight = in_flight;
+        }
+        if in_flight {
+            self.metrics.prefill_batch.observe(works.len() as f64);
+        }
+        Ok(())
     }
 
     /// `a`'s remote prefill failed with `e`: it goes on locally, in pieces, or fails (`--on-producer-failure
@@ -477,18 +530,18 @@ impl<'t> Scheduler<'_, 't> {
         }
     }
 
-    /// Gives the first chunk of waiting remote prefills to producers at rest, in admission order.
+    /// Gives each producer at rest that should take work its next batch ([`Scheduler::gather`]).
     fn dispatch(&mut self, admitting: &mut [Admitting]) {
-        for a in admitting.iter_mut().filter(|a| !a.in_flight && a.failed.is_none() && a.prefill.is_remote()) {
-            if a.job.events.is_closed() {
+        for index in self.pool.ready() {
+            let works = self.gather(admitting, index);
+            if works.is_empty() {
                 continue;
             }
-            let Some(call) = a.prefill.next_call(a.head()) else { continue };
-            let work = super::prefill::Work { seq: a.prefill.seq(), call };
-            if self.pool.submit(work).is_err() {
+            let _ = self.mark(admitting, &works, true);
+            if let Err(works) = self.pool.submit(index, works) {
+                let _ = self.mark(admitting, &works, false);
                 return;
             }
-            a.in_flight = true;
         }
     }
 

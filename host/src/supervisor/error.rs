@@ -184,6 +184,17 @@ pub enum ProducerError {
         #[source]
         source: IngestError,
     },
+    /// The process stopped, on a failure of an earlier call of the same batch, before it answered this
+    /// request's call.
+    #[error("producer {name}: stopped before answering request {request_id} of its batch: {reason}")]
+    BatchBroken {
+        /// Producer.
+        name: String,
+        /// The request whose call went unanswered.
+        request_id: u64,
+        /// The failure that stopped it, as reported for its own request.
+        reason: String,
+    },
     /// A control message that is not the protocol.
     #[error("producer {name}: control channel: expected {expected}, found {found}")]
     Protocol {
@@ -258,6 +269,7 @@ impl ProducerError {
             ProducerError::Remote { failure, .. } => failure.kind(),
             ProducerError::Ring { source, .. } => source.kind(),
             ProducerError::Rejected { source, .. } => source.kind(),
+            ProducerError::BatchBroken { .. } => "batch_broken",
             ProducerError::Protocol { .. } => "protocol",
             ProducerError::RestartLimit { .. } => "restart_limit",
             ProducerError::BackingOff { .. } => "backing_off",

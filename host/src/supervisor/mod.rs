@@ -202,6 +202,18 @@ pub struct Producer {
     restarts: Restarts,
     /// Set by a start failure that every start would repeat: its kind and text.
     start_refused: Option<(&'static str, String)>,
+    /// Why the process stopped while calls of its batch were still awaited: what each of them fails with.
+    broken: Option<String>,
+}
+
+/// What the reply to a call sent must say.
+#[derive(Debug)]
+pub(crate) struct Awaited {
+    request_id: u64,
+    /// Where its span must end: the call's start and the tokens sent.
+    end: u64,
+    /// Tokens sent: the call's, at most the backend's `max_tokens`.
+    tokens: u64,
 }
 
 impl Producer {
@@ -216,6 +228,7 @@ impl Producer {
             metrics: Metrics::default(),
             restarts: Restarts::default(),
             start_refused: None,
+            broken: None,
         }
     }
 
@@ -432,6 +445,7 @@ impl Producer {
             socket,
             described: Described::default(),
             open_requests: Default::default(),
+            awaiting: Default::default(),
             logging,
             last_lines,
         };
@@ -690,13 +704,8 @@ impl Producer {
             ) => return Err(self.refuse(e)),
             Err(e) => return Err(self.fail(e)),
         }
-        match self.request(call, started) {
-            Ok(pending) => Ok(pending),
-            // A backend that says it failed broke no rule: it keeps running. One that panicked may have
-            // left anything behind in its process, so that process goes (`Panicked` falls through).
-            Err(e @ (ProducerError::Backend { .. } | ProducerError::Unwritten { .. })) => Err(self.refuse(e)),
-            Err(e) => Err(self.fail(e)),
-        }
+        let result = self.request(call, started);
+        self.settle_reply(result)
     }
 
     /// Takes the span that `pending`'s reply announced out of the ring into `seq`: the header read once and
@@ -727,29 +736,82 @@ impl Producer {
     }
 
     fn request(&mut self, call: &PrefillCall, started: Instant) -> Result<Pending, ProducerError> {
+        self.send_calls(std::slice::from_ref(call), started)?;
+        self.await_reply(call, started)
+    }
+
+    /// Sends `calls` (of different requests): one [`ToProducer::PrefillBatch`] where the process takes
+    /// batches and there are several, one [`ToProducer::Prefill`] each otherwise (the process answers
+    /// them in turn all the same). A call planned before this process said its limit (a restart, or a
+    /// first start) is cut to it; the caller continues from the span's end. What each reply must answer
+    /// waits in `running.awaiting`, oldest first.
+    fn send_calls(&mut self, calls: &[PrefillCall], started: Instant) -> Result<(), ProducerError> {
+        let name = self.spec.name.clone();
+        let deadline = started + self.spec.request_timeout;
+        let mut running = self.running.take().expect("ensured");
+        let max = running.described.capabilities.max_tokens;
+        let sent: Vec<PrefillCall> = calls
+            .iter()
+            .map(|call| {
+                let mut sent = call.clone();
+                if max > 0 && sent.tokens.len() as u64 > max {
+                    sent.tokens.truncate(usize::try_from(max).expect("shorter than a Vec's length"));
+                }
+                running.open_requests.insert(call.request_id);
+                let tokens = sent.tokens.len() as u64;
+                running.awaiting.push_back(Awaited {
+                    request_id: call.request_id,
+                    end: call.start_pos + tokens,
+                    tokens,
+                });
+                sent
+            })
+            .collect();
+        let messages = if sent.len() > 1 && running.described.batches {
+            vec![ToProducer::PrefillBatch(sent)]
+        } else {
+            sent.into_iter().map(ToProducer::Prefill).collect()
+        };
+        let mut result = Ok(());
+        for message in &messages {
+            match protocol::send(Until::new(&running.socket, deadline), message) {
+                Ok(()) => {}
+                Err(e) if until::ran_out(&e) => {
+                    let waited = started.elapsed();
+                    result = Err(ProducerError::Timeout { name: name.clone(), waited, during: "sending a request" });
+                    break;
+                }
+                Err(_) => {
+                    result = Err(self.exited(&mut running, "sending a request"));
+                    break;
+                }
+            }
+        }
+        self.running = Some(running);
+        result
+    }
+
+    /// Waits (until `started` plus the request timeout, watching the pidfd) for the reply to the oldest
+    /// call sent, which must be `call`.
+    fn await_reply(&mut self, call: &PrefillCall, started: Instant) -> Result<Pending, ProducerError> {
         let request_id = call.request_id;
         let name = self.spec.name.clone();
         let deadline = started + self.spec.request_timeout;
         let mut running = self.running.take().expect("ensured");
-        running.open_requests.insert(request_id);
-        // A call planned before this process said its limit (a restart, or a first start) is cut to it;
-        // the caller continues from the span's end.
-        let mut sent = call.clone();
-        let max = running.described.capabilities.max_tokens;
-        if max > 0 && sent.tokens.len() as u64 > max {
-            sent.tokens.truncate(usize::try_from(max).expect("shorter than a Vec's length"));
-        }
-        let tokens = sent.tokens.len() as u64;
-        let end = call.start_pos + tokens;
         let result = (|| {
-            let request = ToProducer::Prefill(sent);
-            match protocol::send(Until::new(&running.socket, deadline), &request) {
-                Ok(()) => {}
-                Err(e) if until::ran_out(&e) => {
-                    let waited = started.elapsed();
-                    return Err(ProducerError::Timeout { name: name.clone(), waited, during: "sending a request" });
-                }
-                Err(_) => return Err(self.exited(&mut running, "sending a request")),
+            let Awaited { request_id: awaited, end, tokens } =
+                running.awaiting.pop_front().ok_or_else(|| ProducerError::Protocol {
+                    name: name.clone(),
+                    expected: format!("a reply awaited for request {request_id}"),
+                    found: "no call sent".into(),
+                })?;
+            if awaited != request_id {
+                // The host's own bookkeeping, not the producer's doing.
+                return Err(ProducerError::Protocol {
+                    name: name.clone(),
+                    expected: format!("the reply for request {request_id} next"),
+                    found: format!("request {awaited}'s"),
+                });
             }
             let reply = self.receive(&mut running, deadline, "awaiting a prefill")?;
             match reply {
@@ -780,6 +842,62 @@ impl Producer {
         })();
         self.running = Some(running);
         result
+    }
+
+    /// Sends the chunks of several requests (`calls`, each of another request) to the producer at once,
+    /// started if it is not running, and waits for the reply to the first, as [`Producer::submit`] does
+    /// for one; [`Producer::next`] then waits for each of the others, in order, after the span before it
+    /// was taken (the ring may hold fewer spans than the batch). A producer whose backend computes
+    /// batches (ABI 1.3 `stage`) computes them in one pass; another answers them one after another.
+    ///
+    /// A failure of one call that leaves the process running (its backend refused it) fails that call
+    /// alone. One that stops the process fails every later call of the batch too, each with
+    /// [`ProducerError::BatchBroken`] when [`Producer::next`] reaches it.
+    pub fn submit_batch(&mut self, calls: &[PrefillCall]) -> Result<Pending, ProducerError> {
+        let started = Instant::now();
+        self.broken = None;
+        match self.ensure_running() {
+            Ok(_) => {}
+            Err(
+                e @ (ProducerError::BackingOff { .. }
+                | ProducerError::RestartLimit { .. }
+                | ProducerError::StartRefused { .. }),
+            ) => return Err(self.refuse(e)),
+            Err(e) => return Err(self.fail(e)),
+        }
+        let result = self.send_calls(calls, started).and_then(|()| self.await_reply(&calls[0], started));
+        self.settle_reply(result)
+    }
+
+    /// Waits for the reply to `call`, the next call of the batch [`Producer::submit_batch`] sent, once
+    /// the span before it was taken. Failures are handled as in [`Producer::submit`].
+    pub fn next(&mut self, call: &PrefillCall) -> Result<Pending, ProducerError> {
+        let started = Instant::now();
+        let awaited = self.running.as_ref().and_then(|r| r.awaiting.front()).map(|a| a.request_id);
+        if awaited != Some(call.request_id) {
+            let name = self.spec.name.clone();
+            let reason = self.broken.clone().unwrap_or_else(|| "its batch was not sent".into());
+            return Err(self.refuse(ProducerError::BatchBroken { name, request_id: call.request_id, reason }));
+        }
+        let result = self.await_reply(call, started);
+        self.settle_reply(result)
+    }
+
+    /// Counts a reply's failure, stopping the process where the failure says it must go; one that stops
+    /// it while calls of its batch are still awaited is kept, for them.
+    fn settle_reply(&mut self, result: Result<Pending, ProducerError>) -> Result<Pending, ProducerError> {
+        match result {
+            Ok(pending) => Ok(pending),
+            // A backend that says it failed broke no rule: it keeps running. One that panicked may have
+            // left anything behind in its process, so that process goes (`Panicked` falls through).
+            Err(e @ (ProducerError::Backend { .. } | ProducerError::Unwritten { .. })) => Err(self.refuse(e)),
+            Err(e) => {
+                if self.running.as_ref().is_some_and(|r| !r.awaiting.is_empty()) {
+                    self.broken = Some(e.to_string());
+                }
+                Err(self.fail(e))
+            }
+        }
     }
 
     fn take_frame(&mut self, pending: Pending, kv: &mut PagedKv, seq: SeqId) -> Result<SpanTimes, ProducerError> {

@@ -24,6 +24,8 @@ pub(super) struct Running {
     pub(super) described: Described,
     /// Requests this process was asked to prefill and not yet told are over.
     pub(super) open_requests: std::collections::HashSet<u64>,
+    /// Calls sent whose replies are still to come, oldest first.
+    pub(super) awaiting: VecDeque<super::Awaited>,
     /// Disconnects when the threads logging the process's stdout and stderr are done.
     pub(super) logging: crossbeam_channel::Receiver<()>,
     /// The last lines of its stderr.

@@ -23,8 +23,9 @@
  * - 1.2: [`PdhostBackendV1::release`] (end of a request), [`PdhostBackendV1::capabilities`],
  *   [`PdhostBackendV1::set_log`] (a logging callback) and [`PdhostDescription::identity`] (the model's
  *   identity, checked at the handshake).
+ * - 1.3: [`PdhostBackendV1::stage`] (several requests' chunks computed in one pass).
  */
-#define PDHOST_ABI_MINOR 2
+#define PDHOST_ABI_MINOR 3
 
 /**
  * [`PdhostCapabilities::flags`]: the backend refuses a `prefill` that carries a context (the tokens
@@ -454,6 +455,20 @@ typedef struct PdhostBackendV1 {
    * writing to stdout or stderr (which the host also logs, untagged by level).
    */
   void (*set_log)(PdhostLogFn log, void *ctx);
+  /**
+   * (1.3, may be null) Computes the chunks of `n` requests (`requests[0 .. n]`, each as `prefill`
+   * would take it, at most one per request) in one pass, and keeps their K/V: what a device gains
+   * from a batch. The producer then calls `prefill` for each of them, in the same order and with the
+   * same arguments, and each of those only writes what was staged. Nothing is written here. A
+   * backend may compute only some (or none) and leave the rest to `prefill`; a `prefill` that differs
+   * from what was staged computes its own chunk. A status other than `OK` fails no request: each
+   * `prefill` then computes its chunk alone (and `PANIC` poisons the instance, as everywhere).
+   */
+  uint32_t (*stage)(struct PdhostBackend *backend,
+                    const struct PdhostPrefill *requests,
+                    size_t n,
+                    char *err,
+                    size_t err_cap);
 } PdhostBackendV1;
 
 /**

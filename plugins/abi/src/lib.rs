@@ -27,7 +27,8 @@ pub const PDHOST_ABI_MAJOR: u32 = 1;
 /// - 1.2: [`PdhostBackendV1::release`] (end of a request), [`PdhostBackendV1::capabilities`],
 ///   [`PdhostBackendV1::set_log`] (a logging callback) and [`PdhostDescription::identity`] (the model's
 ///   identity, checked at the handshake).
-pub const PDHOST_ABI_MINOR: u32 = 2;
+/// - 1.3: [`PdhostBackendV1::stage`] (several requests' chunks computed in one pass).
+pub const PDHOST_ABI_MINOR: u32 = 3;
 /// The one symbol a backend exports, NUL-terminated.
 pub const ENTRY_SYMBOL: &[u8] = b"pdhost_backend_v1\0";
 
@@ -328,6 +329,22 @@ pub struct PdhostBackendV1 {
     /// context. A backend that logs keeps both and calls `log(ctx, level, message, len)` instead of
     /// writing to stdout or stderr (which the host also logs, untagged by level).
     pub set_log: Option<unsafe extern "C" fn(log: PdhostLogFn, ctx: *mut c_void)>,
+    /// (1.3, may be null) Computes the chunks of `n` requests (`requests[0 .. n]`, each as `prefill`
+    /// would take it, at most one per request) in one pass, and keeps their K/V: what a device gains
+    /// from a batch. The producer then calls `prefill` for each of them, in the same order and with the
+    /// same arguments, and each of those only writes what was staged. Nothing is written here. A
+    /// backend may compute only some (or none) and leave the rest to `prefill`; a `prefill` that differs
+    /// from what was staged computes its own chunk. A status other than `OK` fails no request: each
+    /// `prefill` then computes its chunk alone (and `PANIC` poisons the instance, as everywhere).
+    pub stage: Option<
+        unsafe extern "C" fn(
+            backend: *mut PdhostBackend,
+            requests: *const PdhostPrefill,
+            n: usize,
+            err: *mut c_char,
+            err_cap: usize,
+        ) -> u32,
+    >,
 }
 
 /// cbindgen:ignore
@@ -512,6 +529,12 @@ pub trait Backend: Sized + Send + 'static {
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
     }
+    /// Computes the chunks of several requests in one pass and keeps them for the `prefill` calls that
+    /// follow, one per request in the same order (1.3). By default, nothing: each `prefill` computes.
+    fn stage(&mut self, requests: &[Prefill<'_>]) -> Result<(), BackendError> {
+        let _ = requests;
+        Ok(())
+    }
 }
 
 /// The producer's logging callback, once [`PdhostBackendV1::set_log`] gave it (a library holds one
@@ -684,6 +707,52 @@ pub unsafe fn describe_impl<B: Backend>(
     }
 }
 
+/// The call `request` points to, read as far as its producer's `struct_size` reaches (the fields past
+/// it, of a later minor version, as zeros), with its tokens and context checked.
+///
+/// # Safety
+///
+/// `request` points to a `PdhostPrefill` of at least its `struct_size` bytes, whose token and context
+/// pointers are valid for their counts for `'a`.
+unsafe fn read_prefill<'a>(request: *const PdhostPrefill) -> Result<Prefill<'a>, BackendError> {
+    // SAFETY: as the caller promises.
+    unsafe {
+        // A producer of an older minor version passes a shorter struct: copy only the bytes it
+        // has (its `struct_size`, read first) over zeros, so that no field past them is read.
+        let size = (request.cast::<u32>().read_unaligned() as usize).min(size_of::<PdhostPrefill>());
+        if size < std::mem::offset_of!(PdhostPrefill, n_context) {
+            return Err(BackendError::new(
+                PdhostStatus::InvalidArgument,
+                format!(
+                    "prefill struct_size: expected at least {}, found {size}",
+                    std::mem::offset_of!(PdhostPrefill, n_context)
+                ),
+            ));
+        }
+        let mut r = std::mem::MaybeUninit::<PdhostPrefill>::zeroed();
+        std::ptr::copy_nonoverlapping(request.cast::<u8>(), r.as_mut_ptr().cast::<u8>(), size);
+        // SAFETY: every field is an integer or a raw pointer, for which zeros and any copied bytes
+        // are valid values.
+        let r = r.assume_init();
+        if r.n_tokens == 0 || r.token_ids.is_null() {
+            return Err(BackendError::new(PdhostStatus::InvalidArgument, "no tokens"));
+        }
+        let tokens = std::slice::from_raw_parts(r.token_ids, r.n_tokens as usize);
+        // The 1.1 fields are zero (no context) where the producer's struct does not reach them.
+        let context = match r.n_context {
+            0 => &[][..],
+            n if n != r.start_pos || r.context_ids.is_null() => {
+                return Err(BackendError::new(
+                    PdhostStatus::InvalidArgument,
+                    format!("context: expected {} token ids (start_pos), found {n}", r.start_pos),
+                ))
+            }
+            n => std::slice::from_raw_parts(r.context_ids, n as usize),
+        };
+        Ok(Prefill { request_id: r.request_id, start_pos: r.start_pos, tokens, context })
+    }
+}
+
 /// The `prefill` trampoline of [`export_backend!`].
 ///
 /// # Safety
@@ -709,41 +778,44 @@ pub unsafe fn prefill_impl<B: Backend>(
                     format!("an earlier release panicked ({why}): the backend's state is unknown"),
                 ));
             }
-            // A producer of an older minor version passes a shorter struct: copy only the bytes it
-            // has (its `struct_size`, read first) over zeros, so that no field past them is read.
-            let size = (request.cast::<u32>().read_unaligned() as usize).min(size_of::<PdhostPrefill>());
-            if size < std::mem::offset_of!(PdhostPrefill, n_context) {
-                return Err(BackendError::new(
-                    PdhostStatus::InvalidArgument,
-                    format!(
-                        "prefill struct_size: expected at least {}, found {size}",
-                        std::mem::offset_of!(PdhostPrefill, n_context)
-                    ),
-                ));
-            }
-            let mut r = std::mem::MaybeUninit::<PdhostPrefill>::zeroed();
-            std::ptr::copy_nonoverlapping(request.cast::<u8>(), r.as_mut_ptr().cast::<u8>(), size);
-            // SAFETY: every field is an integer or a raw pointer, for which zeros and any copied bytes
-            // are valid values.
-            let r = r.assume_init();
-            if r.n_tokens == 0 || r.token_ids.is_null() {
-                return Err(BackendError::new(PdhostStatus::InvalidArgument, "no tokens"));
-            }
-            let tokens = std::slice::from_raw_parts(r.token_ids, r.n_tokens as usize);
-            // The 1.1 fields are zero (no context) where the producer's struct does not reach them.
-            let context = match r.n_context {
-                0 => &[][..],
-                n if n != r.start_pos || r.context_ids.is_null() => {
-                    return Err(BackendError::new(
-                        PdhostStatus::InvalidArgument,
-                        format!("context: expected {} token ids (start_pos), found {n}", r.start_pos),
-                    ))
-                }
-                n => std::slice::from_raw_parts(r.context_ids, n as usize),
-            };
-            let prefill = Prefill { request_id: r.request_id, start_pos: r.start_pos, tokens, context };
+            let prefill = read_prefill(request)?;
             let mut w = Writer::from_raw(&*writer);
             handle.backend.prefill(&prefill, &mut w)
+        })
+    }
+}
+
+/// The `stage` trampoline of [`export_backend!`].
+///
+/// # Safety
+///
+/// The ABI's `stage` contract: `backend` came from `open_impl::<B>`; `requests` points to `n` calls, each
+/// as `prefill` takes it, `struct_size` bytes apart (the first's).
+pub unsafe fn stage_impl<B: Backend>(
+    backend: *mut PdhostBackend,
+    requests: *const PdhostPrefill,
+    n: usize,
+    err: *mut c_char,
+    err_cap: usize,
+) -> u32 {
+    // SAFETY: forwarded; pointers are checked before use.
+    unsafe {
+        guard(err, err_cap, || {
+            if backend.is_null() || (requests.is_null() && n > 0) {
+                return Err(BackendError::new(PdhostStatus::InvalidArgument, "null pointer"));
+            }
+            let handle = &mut *backend.cast::<Handle<B>>();
+            if let Some(why) = &handle.poisoned {
+                return Err(BackendError::new(
+                    PdhostStatus::Panic,
+                    format!("an earlier release panicked ({why}): the backend's state is unknown"),
+                ));
+            }
+            let stride = if n == 0 { 0 } else { requests.cast::<u32>().read_unaligned() as usize };
+            let calls = (0..n)
+                .map(|i| read_prefill(requests.cast::<u8>().add(i * stride).cast::<PdhostPrefill>()))
+                .collect::<Result<Vec<_>, _>>()?;
+            handle.backend.stage(&calls)
         })
     }
 }
@@ -865,6 +937,16 @@ macro_rules! export_backend {
                 // SAFETY: the ABI contract is forwarded unchanged.
                 unsafe { $crate::capabilities_impl::<$backend>(backend, out, err, err_cap) }
             }
+            unsafe extern "C" fn stage(
+                backend: *mut $crate::PdhostBackend,
+                requests: *const $crate::PdhostPrefill,
+                n: usize,
+                err: *mut ::std::ffi::c_char,
+                err_cap: usize,
+            ) -> u32 {
+                // SAFETY: the ABI contract is forwarded unchanged.
+                unsafe { $crate::stage_impl::<$backend>(backend, requests, n, err, err_cap) }
+            }
             unsafe extern "C" fn set_log(log: $crate::PdhostLogFn, ctx: *mut ::std::ffi::c_void) {
                 // SAFETY: the ABI contract is forwarded unchanged.
                 unsafe { $crate::set_log_impl(log, ctx) }
@@ -888,6 +970,7 @@ macro_rules! export_backend {
                 release: Some(release),
                 capabilities: Some(capabilities),
                 set_log: Some(set_log),
+                stage: Some(stage),
             });
             &TABLE.0
         }
@@ -906,6 +989,8 @@ mod tests {
         grow: Cell<bool>,
         /// The context length of the last prefill.
         context: Cell<Option<usize>>,
+        /// Each staged call's request, first token and context length, by `stage`.
+        staged: std::cell::RefCell<Vec<(u64, u32, usize)>>,
     }
 
     fn layer(head_dim: u32) -> PdhostLayer {
@@ -914,7 +999,12 @@ mod tests {
 
     impl Backend for Toy {
         fn open(_: &str) -> Result<Self, BackendError> {
-            Ok(Toy { layers: Cell::new(2), grow: Cell::new(false), context: Cell::new(None) })
+            Ok(Toy {
+                layers: Cell::new(2),
+                grow: Cell::new(false),
+                context: Cell::new(None),
+                staged: Default::default(),
+            })
         }
         fn describe(&self) -> Description {
             if self.grow.get() {
@@ -934,6 +1024,11 @@ mod tests {
         }
         fn release(&mut self, request_id: u64) {
             assert!(request_id != 13, "thirteen is unlucky");
+        }
+        fn stage(&mut self, requests: &[Prefill<'_>]) -> Result<(), BackendError> {
+            let calls = requests.iter().map(|p| (p.request_id, p.tokens[0], p.context.len()));
+            self.staged.borrow_mut().extend(calls);
+            Ok(())
         }
     }
 
@@ -1065,6 +1160,39 @@ mod tests {
         // SAFETY: `prefill_impl` wrote a NUL-terminated text into the buffer.
         let text = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
         assert!(text.contains("request 13") && text.contains("thirteen is unlucky"), "{text}");
+        // SAFETY: the handle came from `open_impl::<Toy>` and is not used again.
+        unsafe { close_impl::<Toy>(backend) };
+    }
+
+    /// `stage` reads every call of its array as `prefill` reads one, in order; one malformed call refuses
+    /// the whole stage (nothing is staged), and an empty array stages nothing.
+    #[test]
+    fn stage_reads_each_call_of_its_array() {
+        let backend = open_toy();
+        let (a, b, context) = ([1u32, 2], [3u32], [9u32, 9]);
+        let call = |request_id, start_pos, tokens: &[u32], context: &[u32]| PdhostPrefill {
+            struct_size: size_of::<PdhostPrefill>() as u32,
+            reserved: 0,
+            request_id,
+            start_pos,
+            n_tokens: tokens.len() as u64,
+            token_ids: tokens.as_ptr(),
+            n_context: context.len() as u64,
+            context_ids: if context.is_empty() { std::ptr::null() } else { context.as_ptr() },
+        };
+        let mut buf = [0 as c_char; 128];
+        let stage = |calls: &[PdhostPrefill], buf: &mut [c_char]| {
+            // SAFETY: an open handle, calls whose pointers are valid, an error buffer.
+            unsafe { stage_impl::<Toy>(backend, calls.as_ptr(), calls.len(), buf.as_mut_ptr(), buf.len()) }
+        };
+        // SAFETY: the handle is a `Handle<Toy>` made by `open_impl::<Toy>`.
+        let staged = || unsafe { &*backend.cast::<Handle<Toy>>() }.backend.staged.borrow().clone();
+        assert_eq!(stage(&[call(4, 0, &a, &[]), call(5, 2, &b, &context)], &mut buf), PdhostStatus::Ok as u32);
+        assert_eq!(staged(), vec![(4, 1, 0), (5, 3, 2)]);
+        let no_tokens = PdhostPrefill { n_tokens: 0, ..call(7, 0, &a, &[]) };
+        assert_eq!(stage(&[call(6, 0, &a, &[]), no_tokens], &mut buf), PdhostStatus::InvalidArgument as u32);
+        assert_eq!(stage(&[], &mut buf), PdhostStatus::Ok as u32);
+        assert_eq!(staged().len(), 2, "nothing more staged");
         // SAFETY: the handle came from `open_impl::<Toy>` and is not used again.
         unsafe { close_impl::<Toy>(backend) };
     }

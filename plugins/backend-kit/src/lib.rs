@@ -17,7 +17,7 @@
 use std::path::Path;
 
 use model::arch::Model;
-use model::forward::VecKv;
+use model::forward::{Segment, VecKv};
 use model::gguf::Gguf;
 use model::kernels::Precision;
 use pdhost_plugin_abi::{
@@ -33,14 +33,18 @@ pub struct ModelBackend {
     geometry: KvGeometry,
     layout: PdhostLayout,
     dtype: Dtype,
-    /// The request being prefilled and its K/V so far.
-    past: Option<Past>,
+    /// Requests being prefilled and their K/V so far, oldest first (at most [`MAX_OPEN`]).
+    open: Vec<Past>,
+    /// The request whose newest chunk [`ModelBackend::write_regions`] writes: the last computed.
+    current: Option<u64>,
     /// Earlier requests' K/V, newest last, within `store_bytes`: where a request that starts past
     /// position 0 (a prefix-cache hit on the host) finds its context's K/V.
     store: std::collections::VecDeque<Past>,
     store_bytes: usize,
     /// Context tokens found in the store, and computed because they were not.
     pub context_stats: ContextStats,
+    /// Forward passes run for chunks (staged or not).
+    passes: u64,
 }
 
 /// Where the context of requests that started past position 0 came from, in tokens.
@@ -52,7 +56,11 @@ pub struct ContextStats {
     pub computed: u64,
 }
 
-/// K/V of the request in progress, already rounded through the wire dtype by the forward pass (no copy:
+/// Requests in progress a backend keeps at most: past them the oldest goes to the store (a host releases
+/// each request at its end, so only a host that stopped doing so reaches it).
+const MAX_OPEN: usize = 64;
+
+/// K/V of a request in progress, already rounded through the wire dtype by the forward pass (no copy:
 /// its vectors are moved in). The newest chunk is what the regions are written from.
 #[derive(Debug)]
 struct Past {
@@ -64,6 +72,37 @@ struct Past {
     len: u64,
     /// The newest chunk's positions.
     newest: std::ops::Range<u64>,
+    /// The newest chunk was computed by [`ModelBackend::stage`] and its `prefill` has not come yet.
+    staged: bool,
+}
+
+impl Past {
+    /// A request with nothing computed yet.
+    fn new(request_id: u64, row: usize) -> Self {
+        let kv = VecKv { row, ..VecKv::default() };
+        Past { request_id, tokens: Vec::new(), kv, len: 0, newest: 0..0, staged: false }
+    }
+
+    /// Appends a chunk's tokens and K/V as the newest chunk.
+    fn push(&mut self, tokens: &[u32], kv: model::forward::ChunkKv) {
+        self.kv.append(&kv);
+        self.tokens.extend_from_slice(tokens);
+        let start = self.len;
+        self.len += tokens.len() as u64;
+        self.newest = start..self.len;
+    }
+
+    /// Forgets the newest chunk, computed ahead by `stage` for a call that came otherwise.
+    fn unstage(&mut self) {
+        let keep = self.newest.start as usize;
+        for layer in self.kv.k.iter_mut().chain(self.kv.v.iter_mut()) {
+            layer.truncate(keep * self.kv.row);
+        }
+        self.tokens.truncate(keep);
+        self.len = self.newest.start;
+        self.newest = self.len..self.len;
+        self.staged = false;
+    }
 }
 
 /// A `BadConfig` refusal of `open`'s config.
@@ -154,10 +193,12 @@ impl ModelBackend {
             geometry,
             layout,
             dtype,
-            past: None,
+            open: Vec::new(),
+            current: None,
             store: Default::default(),
             store_bytes: (store_mib as usize) << 20,
             context_stats: ContextStats::default(),
+            passes: 0,
         })
     }
 
@@ -202,14 +243,22 @@ impl ModelBackend {
         }
     }
 
-    /// The end of request `request_id`: if it is the request in progress, its K/V moves to the store of
-    /// earlier requests (where a later prefix-cache hit may find it), so no later chunk can continue it.
+    /// The end of request `request_id`: if it is in progress, its K/V moves to the store of earlier
+    /// requests (where a later prefix-cache hit may find it), so no later chunk can continue it.
     pub fn release(&mut self, request_id: u64) {
-        if self.past.as_ref().is_some_and(|p| p.request_id == request_id) {
-            let past = self.past.take().expect("checked");
-            self.store.push_back(past);
+        if let Some(i) = self.open.iter().position(|p| p.request_id == request_id) {
+            self.close(i);
             self.trim_store();
         }
+    }
+
+    /// Moves the request in progress at `i` to the store (without what `stage` computed ahead for it).
+    fn close(&mut self, i: usize) {
+        let mut past = self.open.remove(i);
+        if past.staged {
+            past.unstage();
+        }
+        self.store.push_back(past);
     }
 
     /// Drops the oldest stored requests until the store fits its budget.
@@ -239,49 +288,122 @@ impl ModelBackend {
     /// stopped, or starts one there with its `context` (the tokens before it, whose K/V the host already
     /// holds): their K/V come from the store of earlier requests as far as a stored prompt agrees, and the
     /// rest is computed without being emitted. Prefill is chunk-invariant, so the emitted K/V are the same
-    /// bits either way.
+    /// bits either way. A chunk [`ModelBackend::stage`] computed for this very call is not computed again.
     pub fn compute(&mut self, request: &Prefill<'_>) -> Result<(), BackendError> {
-        let vocab = self.model.config.vocab;
-        if let Some(&bad) = request.tokens.iter().chain(request.context).find(|&&t| t as usize >= vocab) {
-            return Err(BackendError::new(
-                PdhostStatus::InvalidArgument,
-                format!("token id {bad}: expected ids below the vocabulary size {vocab}"),
-            ));
-        }
+        self.check_tokens(request)?;
         let start = request.start_pos;
-        let continues = matches!(&self.past, Some(p) if p.request_id == request.request_id && p.len == start);
-        if !continues {
-            if start != 0 && request.context.len() as u64 != start {
-                return Err(BackendError::new(
-                    PdhostStatus::InvalidArgument,
-                    format!(
-                        "request {} chunk at position {start}: expected the request in progress to continue \
-                         there, or its {start} context tokens",
-                        request.request_id
-                    ),
-                ));
+        let id = request.request_id;
+        if let Some(past) = self.open.iter_mut().find(|p| p.request_id == id && p.staged) {
+            let staged = past.newest.start == start && past.tokens[start as usize..] == *request.tokens;
+            past.staged = false;
+            if staged {
+                self.current = Some(id);
+                return Ok(());
             }
-            let past = self.context_past(request.request_id, request.context);
-            self.past = Some(past);
+            past.unstage();
         }
-        let past = self.past.as_mut().expect("set above");
+        let i = match self.open.iter().position(|p| p.request_id == id && p.len == start) {
+            Some(i) => i,
+            None => {
+                if start != 0 && request.context.len() as u64 != start {
+                    return Err(BackendError::new(
+                        PdhostStatus::InvalidArgument,
+                        format!(
+                            "request {id} chunk at position {start}: expected the request in progress to continue \
+                             there, or its {start} context tokens"
+                        ),
+                    ));
+                }
+                let past = self.context_past(id, request.context);
+                self.open.push(past);
+                self.open.len() - 1
+            }
+        };
+        let past = &mut self.open[i];
         let out = self.model.forward(request.tokens, start, &past.kv, false);
-        past.kv.append(&out.kv);
-        past.tokens.extend_from_slice(request.tokens);
-        past.len = start + request.tokens.len() as u64;
-        past.newest = start..past.len;
+        past.push(request.tokens, out.kv);
+        self.passes += 1;
+        self.current = Some(id);
         Ok(())
     }
 
-    /// A new request's past holding `context`: the request in progress goes to the store, and the stored
-    /// request agreeing longest with `context` (if any) gives its K/V up to there.
+    /// Computes the chunks of several requests in one forward pass (ABI 1.3 `stage`), each kept for the
+    /// `prefill` of the same call ([`ModelBackend::compute`] finds it). Only calls that continue a
+    /// request in progress, or start one at position 0, are staged, once per request; the rest (a
+    /// context to find or compute first) are left to their own `prefill`. Each chunk's K/V are the bits
+    /// its `prefill` alone would compute ([`Model::forward_batch`]).
+    pub fn stage(&mut self, requests: &[Prefill<'_>]) -> Result<(), BackendError> {
+        for r in requests {
+            self.check_tokens(r)?;
+        }
+        let mut taken: Vec<(Past, &[u32])> = Vec::new();
+        for r in requests {
+            let (id, start) = (r.request_id, r.start_pos);
+            if taken.iter().any(|(p, _)| p.request_id == id) {
+                continue;
+            }
+            let past = match self.open.iter().position(|p| p.request_id == id) {
+                Some(i) if self.open[i].len == start && !self.open[i].staged => self.open.remove(i),
+                Some(_) => continue,
+                None if start == 0 => Past::new(id, self.row()),
+                None => continue,
+            };
+            taken.push((past, r.tokens));
+        }
+        if taken.is_empty() {
+            return Ok(());
+        }
+        let segments: Vec<Segment<'_>> =
+            taken.iter().map(|(p, tokens)| Segment { tokens, start: p.len, past: &p.kv, all_logits: false }).collect();
+        let outs = self.model.forward_batch(&segments);
+        self.passes += 1;
+        for ((mut past, tokens), out) in taken.into_iter().zip(outs) {
+            past.push(tokens, out.kv);
+            past.staged = true;
+            self.open.push(past);
+        }
+        self.trim_open();
+        Ok(())
+    }
+
+    /// Refuses token ids outside the vocabulary.
+    fn check_tokens(&self, request: &Prefill<'_>) -> Result<(), BackendError> {
+        let vocab = self.model.config.vocab;
+        match request.tokens.iter().chain(request.context).find(|&&t| t as usize >= vocab) {
+            Some(&bad) => Err(BackendError::new(
+                PdhostStatus::InvalidArgument,
+                format!("token id {bad}: expected ids below the vocabulary size {vocab}"),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// K/V values per token per layer.
+    fn row(&self) -> usize {
+        self.model.config.kv_heads * self.model.config.head_dim
+    }
+
+    /// Moves the oldest requests in progress past [`MAX_OPEN`] to the store.
+    fn trim_open(&mut self) {
+        while self.open.len() > MAX_OPEN {
+            self.close(0);
+        }
+        self.trim_store();
+    }
+
+    /// A new request's past holding `context`: the stored request agreeing longest with `context` (if
+    /// any) gives its K/V up to there. A request in progress with the same id (started again) goes to the
+    /// store first, as do the oldest past [`MAX_OPEN`].
     fn context_past(&mut self, request_id: u64, context: &[u32]) -> Past {
-        if let Some(old) = self.past.take() {
-            self.store.push_back(old);
+        if let Some(i) = self.open.iter().position(|p| p.request_id == request_id) {
+            self.close(i);
+        }
+        while self.open.len() >= MAX_OPEN {
+            self.close(0);
         }
         let common = |p: &Past| p.tokens.iter().zip(context).take_while(|(a, b)| a == b).count();
         let best = self.store.iter().enumerate().map(|(i, p)| (common(p), i)).max().filter(|&(n, _)| n > 0);
-        let row = self.model.config.kv_heads * self.model.config.head_dim;
+        let row = self.row();
         let mut past = match best {
             Some((n, i)) => {
                 let mut p = self.store.remove(i).expect("index in range");
@@ -292,9 +414,7 @@ impl ModelBackend {
                 p.len = n as u64;
                 p
             }
-            None => {
-                Past { request_id, tokens: Vec::new(), kv: VecKv { row, ..VecKv::default() }, len: 0, newest: 0..0 }
-            }
+            None => Past::new(request_id, row),
         };
         past.request_id = request_id;
         self.context_stats.reused += past.len;
@@ -311,9 +431,9 @@ impl ModelBackend {
         past
     }
 
-    /// The newest chunk's values of one entry.
+    /// The newest chunk's values of one entry, of the request computed last.
     fn newest<'a>(&'a self, e: &shm_format::Entry) -> &'a [f32] {
-        let past = self.past.as_ref().expect("compute ran");
+        let past = self.open.iter().find(|p| Some(p.request_id) == self.current).expect("compute ran");
         let row = past.kv.row;
         let layer = match e.kind {
             EntryKind::K => &past.kv.k[e.layer as usize],
@@ -419,7 +539,7 @@ mod tests {
     }
 
     fn newest(b: &ModelBackend) -> Vec<f32> {
-        let past = b.past.as_ref().unwrap();
+        let past = b.open.iter().find(|p| Some(p.request_id) == b.current).unwrap();
         let row = past.kv.row;
         let r = past.newest.start as usize * row..past.newest.end as usize * row;
         past.kv.k.iter().chain(&past.kv.v).flat_map(|l| l[r.clone()].to_vec()).collect()
@@ -443,19 +563,64 @@ mod tests {
         b.compute(&call(2, 8, &prompt[8..], &prompt[..8])).unwrap();
         assert_eq!(b.context_stats, ContextStats { reused: 0, computed: 8 });
         assert!(newest(&b) == want);
-        // Request 2 is stored when request 3 starts: its first 8 tokens are reused.
+        // Request 2 is stored when it is released: its first 8 tokens are reused.
         b.compute(&call(3, 8, &prompt[8..], &prompt[..8])).unwrap();
-        assert_eq!(b.context_stats, ContextStats { reused: 8, computed: 8 });
+        assert_eq!(b.context_stats, ContextStats { reused: 0, computed: 16 }, "request 2 still in progress");
+        b.release(2);
+        b.release(3);
+        b.compute(&call(5, 8, &prompt[8..], &prompt[..8])).unwrap();
+        assert_eq!(b.context_stats, ContextStats { reused: 8, computed: 16 });
         assert!(newest(&b) == want);
+        b.release(5);
         // A context that agrees with the store for 5 tokens reuses 5 and computes 3.
         let mut other = prompt.clone();
         other[5] = 200;
         b.compute(&call(4, 8, &other[8..], &other[..8])).unwrap();
-        assert_eq!(b.context_stats, ContextStats { reused: 13, computed: 11 });
+        assert_eq!(b.context_stats, ContextStats { reused: 13, computed: 19 });
         let mut fresh = ModelBackend::open(&tiny(), PdhostLayout::Grouped, Dtype::F32).unwrap();
         fresh.compute(&call(1, 0, &other[..8], &[])).unwrap();
         fresh.compute(&call(1, 8, &other[8..], &[])).unwrap();
         assert!(newest(&b) == newest(&fresh));
+    }
+
+    /// Chunks staged together are the bits each computes alone, and `prefill` does not compute them again;
+    /// a call that differs from what was staged computes its own chunk, with the staged one forgotten.
+    #[test]
+    fn staged_chunks_are_what_each_computes_alone() {
+        let prompt = |seed: u32| -> Vec<u32> { (0..11).map(|i| 3 + (i * 7 + seed * 13) % 200).collect() };
+        let (p1, p2, p3) = (prompt(1), prompt(2), prompt(3));
+        let call = |request_id, start_pos, tokens| Prefill { request_id, start_pos, tokens, context: &[] };
+        let alone = |calls: &[Prefill<'_>]| {
+            let mut b = ModelBackend::open(&tiny(), PdhostLayout::Grouped, Dtype::F32).unwrap();
+            calls.iter().map(|c| b.compute(c).map(|()| newest(&b)).unwrap()).last().unwrap()
+        };
+        let want1 = alone(&[call(1, 0, &p1[..4]), call(1, 4, &p1[4..])]);
+        let want2 = alone(&[call(2, 0, &p2)]);
+        let want3 = alone(&[call(3, 0, &p3[..6])]);
+
+        let mut b = ModelBackend::open(&tiny(), PdhostLayout::Grouped, Dtype::F32).unwrap();
+        b.compute(&call(1, 0, &p1[..4])).unwrap();
+        // Request 1 continues, 2 and 3 start; 2 twice in one stage is staged once.
+        let batch = [call(1, 4, &p1[4..]), call(2, 0, &p2), call(2, 0, &p2[..3]), call(3, 0, &p3[..6])];
+        b.stage(&batch).unwrap();
+        assert_eq!(b.open.iter().filter(|p| p.staged).count(), 3);
+        assert_eq!(b.passes, 2);
+        b.compute(&batch[0]).unwrap();
+        assert!(newest(&b) == want1, "request 1's staged chunk");
+        b.compute(&batch[1]).unwrap();
+        assert!(newest(&b) == want2, "request 2's staged chunk");
+        assert_eq!(b.passes, 2, "staged chunks are not computed again");
+        // Request 3 comes with fewer tokens than were staged: its chunk is computed again, as asked.
+        b.compute(&call(3, 0, &p3[..5])).unwrap();
+        assert!(newest(&b) == alone(&[call(3, 0, &p3[..5])]));
+        assert!(newest(&b) != want3);
+        assert_eq!(b.open.iter().filter(|p| p.staged).count(), 0);
+        // A staged chunk whose prefill never came is not in the store when its request is released.
+        b.stage(&[call(1, 11, &p1[..2])]).unwrap();
+        b.release(1);
+        let stored = b.store.iter().find(|p| p.request_id == 1).unwrap();
+        assert_eq!((stored.len, stored.tokens.len()), (11, 11));
+        assert_eq!(stored.kv.k[0].len(), 11 * stored.kv.row);
     }
 
     #[test]

@@ -206,6 +206,11 @@ impl Backend for Faulty {
         self.inner.release(request_id)
     }
 
+    /// Staged as `rngd` stages: every fault strikes in `prefill`, after its batch was computed.
+    fn stage(&mut self, requests: &[Prefill<'_>]) -> Result<(), BackendError> {
+        self.inner.stage(requests)
+    }
+
     fn capabilities(&self) -> Capabilities {
         Capabilities { max_tokens: self.call_limit, ..self.inner.capabilities() }
     }

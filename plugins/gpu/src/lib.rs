@@ -24,6 +24,10 @@ impl Backend for Gpu {
         self.0.release(request_id)
     }
 
+    fn stage(&mut self, requests: &[Prefill<'_>]) -> Result<(), BackendError> {
+        self.0.stage(requests)
+    }
+
     fn capabilities(&self) -> Capabilities {
         self.0.capabilities()
     }

@@ -417,7 +417,7 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(),
             Ok(Some(m)) => m,
             Ok(None) | Err(_) => return Ok(()), // the host went away or hung up: nothing left to serve
         };
-        let call = match message {
+        let calls = match message {
             ToProducer::Shutdown => return Ok(()),
             ToProducer::Release { request_id } => {
                 if let Some(release) = instance.loaded.table.release {
@@ -426,12 +426,72 @@ fn serve(args: &Args, ring_fds: [OwnedFd; 4], socket: &UnixStream) -> Result<(),
                 }
                 continue;
             }
-            ToProducer::Prefill(call) => call,
+            ToProducer::Prefill(call) => vec![call],
+            ToProducer::PrefillBatch(calls) => {
+                if let Some(failure) = stage(&instance, &calls) {
+                    for call in &calls {
+                        let reply = FromProducer::Failed {
+                            request_id: call.request_id,
+                            status: PdhostStatus::Panic as u32,
+                            message: failure.clone(),
+                        };
+                        if protocol::send(socket, &reply).is_err() {
+                            return Ok(());
+                        }
+                    }
+                    continue;
+                }
+                calls
+            }
         };
-        let reply = prefill(&instance, &framing, &mut ring, &call);
-        if protocol::send(socket, &reply).is_err() {
-            return Ok(());
+        // Each span is written once its slot is free: the host takes the first while the next are
+        // written, so a batch may hold more calls than the ring has slots.
+        for call in &calls {
+            let reply = prefill(&instance, &framing, &mut ring, call);
+            if protocol::send(socket, &reply).is_err() {
+                return Ok(());
+            }
         }
+    }
+}
+
+/// Has the backend compute a batch's chunks in one pass (ABI 1.3 `stage`), where it can. Any failure
+/// leaves each `prefill` to compute its own chunk, except a panic, returned: the backend's state is
+/// unknown, and every call of the batch fails with it.
+fn stage(instance: &Instance<'_>, calls: &[PrefillCall]) -> Option<String> {
+    let stage = instance.loaded.table.stage?;
+    let requests: Vec<PdhostPrefill> = calls.iter().map(raw_prefill).collect();
+    let mut err = [0u8; ERR_CAP];
+    // SAFETY: the ABI's `stage` on an open handle: `requests` holds `calls.len()` calls, each pointing into
+    // `calls`, which outlives the call; an error buffer.
+    let code = unsafe {
+        stage(instance.handle, requests.as_ptr(), requests.len(), err.as_mut_ptr().cast::<c_char>(), ERR_CAP)
+    };
+    match PdhostStatus::from_raw(code) {
+        Some(PdhostStatus::Ok) => None,
+        Some(PdhostStatus::Panic) => Some(format!("backend stage: {}: {}", status_text(code), err_text(&err))),
+        _ => {
+            eprintln!(
+                "pdhost-producer: backend stage: {}: {} (each call computes alone)",
+                status_text(code),
+                err_text(&err)
+            );
+            None
+        }
+    }
+}
+
+/// The ABI's view of `call`, borrowing its tokens.
+fn raw_prefill(call: &PrefillCall) -> PdhostPrefill {
+    PdhostPrefill {
+        struct_size: size_of::<PdhostPrefill>() as u32,
+        reserved: 0,
+        request_id: call.request_id,
+        start_pos: call.start_pos,
+        n_tokens: call.tokens.len() as u64,
+        token_ids: call.tokens.as_ptr(),
+        n_context: call.context.len() as u64,
+        context_ids: if call.context.is_empty() { std::ptr::null() } else { call.context.as_ptr() },
     }
 }
 
@@ -528,6 +588,7 @@ fn describe(instance: &Instance<'_>) -> Result<(Framing, Described), Fatal> {
         identity,
         capabilities,
         transport: None,
+        batches: table.stage.is_some(),
     };
     let described_wrong = |e: protocol::BadDescription| bad(e.to_string());
     let geometry = described.geometry().map_err(described_wrong)?;
@@ -752,16 +813,7 @@ fn frame_span(
         region,
         frame: whole_frame,
     };
-    let request = PdhostPrefill {
-        struct_size: size_of::<PdhostPrefill>() as u32,
-        reserved: 0,
-        request_id,
-        start_pos,
-        n_tokens: tokens.len() as u64,
-        token_ids: tokens.as_ptr(),
-        n_context: context.len() as u64,
-        context_ids: if context.is_empty() { std::ptr::null() } else { context.as_ptr() },
-    };
+    let request = raw_prefill(call);
     let mut err = [0u8; ERR_CAP];
     let t = Instant::now();
     // SAFETY: the ABI's `prefill`: open handle, request and writer valid for the call, error buffer. The

@@ -26,6 +26,11 @@ pub enum ToProducer {
     },
     /// Close the backend and exit 0.
     Shutdown,
+    // Last, so that the variants before keep their postcard tags.
+    /// Several calls (of different requests) whose chunks the backend computes in one pass (ABI 1.3
+    /// `stage`), each then written into a span of its own and replied to as [`ToProducer::Prefill`] is,
+    /// in order. Sent only to a producer whose [`Described::batches`] is set.
+    PrefillBatch(Vec<PrefillCall>),
 }
 
 /// One prefill: tokens `start_pos..` of a request, into one span.
@@ -98,6 +103,9 @@ pub struct Described {
     /// WRITEs (`tcp/lo`), as UCX reported its own choice. `None` for a local producer, or where the
     /// node could not tell.
     pub transport: Option<String>,
+    /// Whether it takes [`ToProducer::PrefillBatch`] and its backend computes a batch's chunks in one
+    /// pass (the backend has ABI 1.3 `stage`).
+    pub batches: bool,
 }
 
 /// A backend's capabilities, as `PdhostCapabilities` gives them.
