@@ -703,6 +703,8 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
             .refused(2, &["'' for '--api-key <KEY>': expected a key with no whitespace at either end, not empty"]),
         case("serve drain timeout abc", &["serve", "--drain-timeout", "abc"])
             .refused(2, &["'abc' for '--drain-timeout <SECONDS>': expected a number"]),
+        case("serve batch wait past a second", &["serve", "--batch-wait", "1001"])
+            .refused(2, &["--batch-wait: expected 0 to 1000, found 1001"]),
         // A mistyped flag keeps clap's suggestion, on the same line.
         case("generate mistyped flag", &["generate", "--promt", "hi"])
             .refused(2, &["unexpected argument '--promt' found (tip: a similar argument exists: '--prompt')"]),

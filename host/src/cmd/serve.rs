@@ -45,6 +45,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let timeout = request::check_timeout(Field::ProducerTimeout, args.producer_timeout)?;
     let drain_timeout = request::check_timeout(Field::DrainTimeout, args.drain_timeout)?;
     let queue = request::check_count(Field::Queue, args.queue, 1, MAX_QUEUE)? as usize;
+    let batch_wait =
+        std::time::Duration::from_millis(request::check_count(Field::BatchWait, args.batch_wait, 0, 1000)?);
     let slots = request::check_count(Field::Slots, args.slots, 1, MAX_SLOTS)? as u32;
     let backend_config = input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
     let backends = backends(&args.producer)?;
@@ -176,6 +178,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
                 local_piece,
                 slots: slots as usize,
                 batch_tokens: chunk_tokens,
+                batch_wait,
                 on_ready,
             })
         });

@@ -113,6 +113,8 @@ pub enum Field {
     LongPrompt,
     /// Serve: seconds to finish in-flight requests.
     DrainTimeout,
+    /// Serve: milliseconds a prompt waits for others arriving with it.
+    BatchWait,
     /// Bench model: sequences decoded at once.
     Batch,
     /// Bench soak: requests sent.
@@ -187,6 +189,7 @@ impl Field {
             Field::LongPrompts => "--long-prompts",
             Field::LongPrompt => "--long-prompt",
             Field::DrainTimeout => "--drain-timeout",
+            Field::BatchWait => "--batch-wait",
             Field::Batch => "--batch",
             Field::Requests => "--requests",
             Field::FaultRate => "--fault-rate",

@@ -39,6 +39,9 @@ pub struct Loaded {
     /// Prompt tokens a producer is given at once: a batch of chunks of different requests, computed in
     /// one pass where its backend stages batches, holds at most this many (and one chunk at least).
     pub batch_tokens: usize,
+    /// How long a prompt waits for others arriving with it before it goes to a producer, while a slot
+    /// is free for them: they then prefill in one batch.
+    pub batch_wait: std::time::Duration,
     /// Called once everything is up (the CLI prints `listening on ...`).
     pub on_ready: Box<dyn FnOnce() + Send>,
 }
@@ -90,11 +93,21 @@ pub struct Done {
 /// Where the engine thread is: loading, serving, or gone (returned, or panicked), and why it did not
 /// start when it did not.
 #[derive(Debug)]
-pub struct EngineState(AtomicU8, std::sync::OnceLock<String>, AtomicUsize);
+pub struct EngineState(AtomicU8, std::sync::OnceLock<String>, AtomicUsize, AtomicUsize);
 
 impl Default for EngineState {
     fn default() -> Self {
-        EngineState(AtomicU8::new(Self::LOADING), std::sync::OnceLock::new(), AtomicUsize::new(0))
+        EngineState(AtomicU8::new(Self::LOADING), std::sync::OnceLock::new(), AtomicUsize::new(0), AtomicUsize::new(0))
+    }
+}
+
+/// A request on its way in: its body read, parsed, tokenized (see [`EngineState::arriving`]).
+#[derive(Debug)]
+pub struct Arriving<'a>(&'a AtomicUsize);
+
+impl Drop for Arriving<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -121,6 +134,14 @@ impl EngineState {
     /// It could not start, for `why` (`pdhost serve` ends with it as its error).
     fn not_started(&self, why: String) {
         let _ = self.1.set(why);
+    }
+
+    /// Counts a request on its way in until the guard drops (once it is queued, or refused): prompts
+    /// that reach the engine thread while others are still arriving wait for them, a little, to go to a
+    /// producer in one batch ([`Loaded::batch_wait`]).
+    pub fn arriving(&self) -> Arriving<'_> {
+        self.3.fetch_add(1, Ordering::AcqRel);
+        Arriving(&self.3)
     }
 
     /// Requests accepted and not yet admitted or cancelled. A client that leaves while its request waits
@@ -265,6 +286,7 @@ pub fn spawn(
             remotes,
             tokenizer: &tokenizer,
             metrics: &metrics,
+            hold: None,
         };
         scheduler.run(&queue, &stop);
         // Producers at rest stop here; one still with its waiter stops when the waiter's reply finds
@@ -314,6 +336,8 @@ struct Scheduler<'a, 't> {
     remote: Option<Remote>,
     tokenizer: &'t Tokenizer,
     metrics: &'a Metrics,
+    /// Until when new prompts wait for others arriving with them, to go to a producer in one batch.
+    hold: Option<Instant>,
 }
 
 impl<'t> Scheduler<'_, 't> {
@@ -355,6 +379,7 @@ impl<'t> Scheduler<'_, 't> {
             while let Ok(reply) = self.pool.replies().try_recv() {
                 self.reply(&mut admitting, reply);
             }
+            self.hold = self.holding(&admitting, live.len());
             self.dispatch(&mut admitting);
             self.local_chunk(&mut admitting);
             self.settle(&mut admitting, &mut live);
@@ -395,7 +420,7 @@ impl<'t> Scheduler<'_, 't> {
                         self.reply(&mut admitting, reply);
                     }
                 }
-                default(std::time::Duration::from_millis(100)) => {}
+                default(self.hold.map_or(std::time::Duration::from_millis(100), |until| until.saturating_duration_since(Instant::now()))) => {}
             }
         }
     }
@@ -528,6 +553,24 @@ impl<'t> Scheduler<'_, 't> {
             let e = a.prefill.take_fallback().expect("just set");
             a.failed = Some(EngineError::from(e).to_string());
         }
+    }
+
+    /// Until when prompts that have not gone to a producer wait for more: while other requests are on
+    /// their way in (read, parsed, tokenized: [`EngineState::arriving`]) and a slot is free for them, at
+    /// most [`Loaded::batch_wait`] after the first waiting prompt was admitted. A lone request never
+    /// waits.
+    fn holding(&self, admitting: &[Admitting], live: usize) -> Option<Instant> {
+        let arriving = self.state.3.load(Ordering::Acquire) > 0;
+        if !arriving || self.loaded.batch_wait.is_zero() || live + admitting.len() >= self.loaded.slots {
+            return None;
+        }
+        let first = admitting
+            .iter()
+            .filter(|a| a.producer.is_none() && !a.in_flight && a.prefill.is_remote())
+            .map(|a| a.admitted)
+            .min()?;
+        let until = first + self.loaded.batch_wait;
+        (Instant::now() < until).then_some(until)
     }
 
     /// Gives each producer at rest that should take work its next batch ([`Scheduler::gather`]).
