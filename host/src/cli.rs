@@ -356,11 +356,11 @@ pub struct ServeArgs {
     /// while it runs), or the context when smaller; outputs are the same bits at any size.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
     pub prefill_chunk: Option<u64>,
-    /// Milliseconds (0 to 1000) a new prompt may wait before it goes to a producer while other requests
-    /// are still on their way in (their bodies read and prompts tokenized) and a slot is free for them:
-    /// a burst of requests then prefills in one batch and starts decoding together. A lone request
-    /// never waits; 0 never holds a prompt back.
-    #[arg(long, value_parser = whole, default_value_t = 20, allow_negative_numbers = true, value_name = "MS")]
+    /// Milliseconds (0 to 1000) a new prompt waits for others to join its batch before it goes to a
+    /// producer, while a slot is free for them: requests sent together (which reach the server a
+    /// fraction of a millisecond apart) then prefill in one forward pass and start decoding together. A
+    /// lone request pays the wait; 0 sends every prompt at once.
+    #[arg(long, value_parser = whole, default_value_t = 3, allow_negative_numbers = true, value_name = "MS")]
     pub batch_wait: u64,
     /// A key every `/v1/` request must carry as `Authorization: Bearer KEY` (401 without it).
     #[arg(long, value_name = "KEY", value_parser = api_key, allow_hyphen_values = true)]

@@ -474,7 +474,6 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         return Err(e);
     }
     let in_flight = InFlight::new(&app);
-    let arriving = app.engine.arriving();
     let too_large = |found: String| ApiError {
         status: StatusCode::PAYLOAD_TOO_LARGE,
         ..ApiError::invalid("body", format_args!("at most {} MiB of JSON", MAX_BODY >> 20), found)
@@ -562,7 +561,6 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     } else {
         None
     };
-    drop(arriving);
     if let Some((why, code)) = refused {
         let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", code, why);
         e.retry_after = Some(1);

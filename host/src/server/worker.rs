@@ -6,7 +6,7 @@
 use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use model::tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -39,9 +39,9 @@ pub struct Loaded {
     /// Prompt tokens a producer is given at once: a batch of chunks of different requests, computed in
     /// one pass where its backend stages batches, holds at most this many (and one chunk at least).
     pub batch_tokens: usize,
-    /// How long a prompt waits for others arriving with it before it goes to a producer, while a slot
-    /// is free for them: they then prefill in one batch.
-    pub batch_wait: std::time::Duration,
+    /// How long a new prompt waits for others to join its batch before it goes to a producer, while a
+    /// slot is free for them (`--batch-wait`).
+    pub batch_wait: Duration,
     /// Called once everything is up (the CLI prints `listening on ...`).
     pub on_ready: Box<dyn FnOnce() + Send>,
 }
@@ -93,21 +93,22 @@ pub struct Done {
 /// Where the engine thread is: loading, serving, or gone (returned, or panicked), and why it did not
 /// start when it did not.
 #[derive(Debug)]
-pub struct EngineState(AtomicU8, std::sync::OnceLock<String>, AtomicUsize, AtomicUsize);
+pub struct EngineState {
+    /// `LOADING`, `SERVING` or `GONE`.
+    stage: AtomicU8,
+    /// Why it did not start, where it said.
+    why: std::sync::OnceLock<String>,
+    /// The free slots and the waiting requests, in one word ([`Places`]).
+    places: AtomicUsize,
+}
 
 impl Default for EngineState {
     fn default() -> Self {
-        EngineState(AtomicU8::new(Self::LOADING), std::sync::OnceLock::new(), AtomicUsize::new(0), AtomicUsize::new(0))
-    }
-}
-
-/// A request on its way in: its body read, parsed, tokenized (see [`EngineState::arriving`]).
-#[derive(Debug)]
-pub struct Arriving<'a>(&'a AtomicUsize);
-
-impl Drop for Arriving<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        EngineState {
+            stage: AtomicU8::new(Self::LOADING),
+            why: std::sync::OnceLock::new(),
+            places: AtomicUsize::new(0),
+        }
     }
 }
 
@@ -118,44 +119,36 @@ impl EngineState {
 
     /// It serves requests.
     pub fn serving(&self) -> bool {
-        self.0.load(Ordering::Acquire) == Self::SERVING
+        self.stage.load(Ordering::Acquire) == Self::SERVING
     }
 
     /// It has ended: nothing will answer a request any more.
     pub fn gone(&self) -> bool {
-        self.0.load(Ordering::Acquire) == Self::GONE
+        self.stage.load(Ordering::Acquire) == Self::GONE
     }
 
     /// Why it ended before serving, where it said.
     pub fn why_not_started(&self) -> Option<&str> {
-        self.1.get().map(String::as_str)
+        self.why.get().map(String::as_str)
     }
 
     /// It could not start, for `why` (`pdhost serve` ends with it as its error).
     fn not_started(&self, why: String) {
-        let _ = self.1.set(why);
-    }
-
-    /// Counts a request on its way in until the guard drops (once it is queued, or refused): prompts
-    /// that reach the engine thread while others are still arriving wait for them, a little, to go to a
-    /// producer in one batch ([`Loaded::batch_wait`]).
-    pub fn arriving(&self) -> Arriving<'_> {
-        self.3.fetch_add(1, Ordering::AcqRel);
-        Arriving(&self.3)
+        let _ = self.why.set(why);
     }
 
     /// Requests accepted and not yet admitted or cancelled. A client that leaves while its request waits
     /// gives its place back within a round (the engine thread drops the request), not only when a slot
     /// comes free and the request reaches the head of the queue.
     pub fn waiting(&self) -> usize {
-        Places(self.2.load(Ordering::Acquire)).waiting()
+        Places(self.places.load(Ordering::Acquire)).waiting()
     }
 
     /// Takes a place for a request if it would wait behind at most `queue` others (`--queue`): fewer
     /// than `queue` plus the free slots are accepted and not yet admitted. The count and the free slots
     /// change together, in one word, so no request slips in between an admission's two updates.
     pub fn enqueue(&self, queue: usize) -> bool {
-        self.2
+        self.places
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
                 let p = Places(p);
                 (p.waiting() < queue + p.free()).then(|| Places::of(p.free(), p.waiting() + 1).0)
@@ -179,7 +172,7 @@ impl EngineState {
     }
 
     fn places(&self, f: impl Fn(usize, usize) -> (usize, usize)) {
-        let _ = self.2.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+        let _ = self.places.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
             let (free, waiting) = f(Places(p).free(), Places(p).waiting());
             Some(Places::of(free, waiting).0)
         });
@@ -213,7 +206,7 @@ struct Gone(Arc<EngineState>, crossbeam_channel::Receiver<Job>);
 
 impl Drop for Gone {
     fn drop(&mut self) {
-        self.0 .0.store(EngineState::GONE, Ordering::Release);
+        self.0.stage.store(EngineState::GONE, Ordering::Release);
         for job in self.1.try_iter() {
             let _ = job.events.send(Event::Failed("the engine stopped before this request ran".into()));
         }
@@ -276,7 +269,7 @@ pub fn spawn(
         metrics.kv_usage(&loaded.engine.kv.usage());
         // Every slot is free before the first request is let in.
         state.set_free(loaded.slots);
-        state.0.store(EngineState::SERVING, Ordering::Release);
+        state.stage.store(EngineState::SERVING, Ordering::Release);
         (std::mem::replace(&mut loaded.on_ready, Box::new(|| {})))();
         let mut scheduler = Scheduler {
             state: &state,
@@ -336,7 +329,7 @@ struct Scheduler<'a, 't> {
     remote: Option<Remote>,
     tokenizer: &'t Tokenizer,
     metrics: &'a Metrics,
-    /// Until when new prompts wait for others arriving with them, to go to a producer in one batch.
+    /// Until when new prompts wait for others to join them, to go to a producer in one batch.
     hold: Option<Instant>,
 }
 
@@ -420,7 +413,7 @@ impl<'t> Scheduler<'_, 't> {
                         self.reply(&mut admitting, reply);
                     }
                 }
-                default(self.hold.map_or(std::time::Duration::from_millis(100), |until| until.saturating_duration_since(Instant::now()))) => {}
+                default(self.hold.map_or(Duration::from_millis(100), |until| until.saturating_duration_since(Instant::now()))) => {}
             }
         }
     }
@@ -483,13 +476,17 @@ impl<'t> Scheduler<'_, 't> {
                 self.fall_back(a, e);
             }
         }
-        let works = if rest.is_empty() { self.gather(admitting, index) } else { Vec::new() };
-        let sent = match (rest.is_empty(), works.is_empty()) {
-            (false, _) => self.pool.await_rest(index, producer, rest),
-            (true, false) => self.mark(admitting, &works, true).and(self.pool.resubmit(index, producer, works)),
-            (true, true) => {
+        let sent = if !rest.is_empty() {
+            self.pool.await_rest(index, producer, rest)
+        } else {
+            let works = self.gather(admitting, index);
+            if works.is_empty() {
                 self.pool.rest(index, producer);
                 Ok(())
+            } else {
+                Self::mark(admitting, &works, true);
+                self.metrics.prefill_batch.observe(works.len() as f64);
+                self.pool.resubmit(index, producer, works)
             }
         };
         if let Err(lost) = sent {
@@ -512,7 +509,9 @@ impl<'t> Scheduler<'_, 't> {
         let waiting =
             |a: &&Admitting| !a.in_flight && a.failed.is_none() && a.prefill.is_remote() && !a.job.events.is_closed();
         let own = admitting.iter().filter(waiting).filter(|a| a.producer == Some(index));
-        let new = admitting.iter().filter(waiting).filter(|a| a.producer.is_none());
+        // New prompts wait a little for others to join them ([`hold_until`]).
+        let held = self.hold.is_some_and(|until| Instant::now() < until);
+        let new = admitting.iter().filter(waiting).filter(|a| a.producer.is_none() && !held);
         let mut works = Vec::new();
         let mut tokens = 0;
         for a in own.chain(new) {
@@ -526,21 +525,11 @@ impl<'t> Scheduler<'_, 't> {
         works
     }
 
-    /// Marks the requests of `works` in flight (or not, when a batch could not be sent after all), and
-    /// counts the batch: always `Ok`, for chaining.
-    fn mark(
-        &self,
-        admitting: &mut [Admitting],
-        works: &[super::prefill::Work],
-        in_flight: bool,
-    ) -> Result<(), Vec<super::prefill::Work>> {
+    /// Marks the requests of `works` in flight (or not, when a batch could not be sent after all).
+    fn mark(admitting: &mut [Admitting], works: &[super::prefill::Work], in_flight: bool) {
         for a in admitting.iter_mut().filter(|a| works.iter().any(|w| w.seq == a.prefill.seq())) {
             a.in_flight = in_flight;
         }
-        if in_flight {
-            self.metrics.prefill_batch.observe(works.len() as f64);
-        }
-        Ok(())
     }
 
     /// `a`'s remote prefill failed with `e`: it goes on locally, in pieces, or fails (`--on-producer-failure
@@ -555,22 +544,15 @@ impl<'t> Scheduler<'_, 't> {
         }
     }
 
-    /// Until when prompts that have not gone to a producer wait for more: while other requests are on
-    /// their way in (read, parsed, tokenized: [`EngineState::arriving`]) and a slot is free for them, at
-    /// most [`Loaded::batch_wait`] after the first waiting prompt was admitted. A lone request never
-    /// waits.
+    /// Until when prompts that have not gone to a producer wait for more ([`hold_until`]).
     fn holding(&self, admitting: &[Admitting], live: usize) -> Option<Instant> {
-        let arriving = self.state.3.load(Ordering::Acquire) > 0;
-        if !arriving || self.loaded.batch_wait.is_zero() || live + admitting.len() >= self.loaded.slots {
-            return None;
-        }
         let first = admitting
             .iter()
             .filter(|a| a.producer.is_none() && !a.in_flight && a.prefill.is_remote())
             .map(|a| a.admitted)
-            .min()?;
-        let until = first + self.loaded.batch_wait;
-        (Instant::now() < until).then_some(until)
+            .min();
+        let free = live + admitting.len() < self.loaded.slots;
+        hold_until(Instant::now(), first, free, self.loaded.batch_wait)
     }
 
     /// Gives each producer at rest that should take work its next batch ([`Scheduler::gather`]).
@@ -580,11 +562,13 @@ impl<'t> Scheduler<'_, 't> {
             if works.is_empty() {
                 continue;
             }
-            let _ = self.mark(admitting, &works, true);
+            let count = works.len();
+            Self::mark(admitting, &works, true);
             if let Err(works) = self.pool.submit(index, works) {
-                let _ = self.mark(admitting, &works, false);
+                Self::mark(admitting, &works, false);
                 return;
             }
+            self.metrics.prefill_batch.observe(count as f64);
         }
     }
 
@@ -665,6 +649,19 @@ impl<'t> Scheduler<'_, 't> {
             }
         }
     }
+}
+
+/// Until when new prompts (the first of them admitted at `first`) wait, at `now`, for others to join
+/// their batch: `wait` after the first, while a slot is `free` for another; `None` when they go now.
+///
+/// Requests sent together reach the engine thread apart (each is read, parsed and tokenized on its
+/// own: 0.1-1 ms between four sent at once on a 2-core VM), and the first would go to an idle producer
+/// alone, the rest after it; then the first decodes alone while they prefill, and they finish last.
+/// Waiting a few milliseconds lets a burst prefill in one batch and decode together from its first
+/// step, as Triton's dynamic batcher waits out its `max_queue_delay`. A lone request pays the wait.
+fn hold_until(now: Instant, first: Option<Instant>, free: bool, wait: Duration) -> Option<Instant> {
+    let until = first? + wait;
+    (free && now < until).then_some(until)
 }
 
 /// A live request: its engine sequence and its text so far.
@@ -845,7 +842,21 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
 
 #[cfg(test)]
 mod tests {
-    use super::safe_end;
+    use super::{hold_until, safe_end, Duration, Instant};
+
+    /// New prompts wait only while a slot is free for another, and at most the wait after the first of
+    /// them; with no wait, or nothing waiting, they go at once.
+    #[test]
+    fn new_prompts_wait_for_others_only_with_room_for_them() {
+        let t0 = Instant::now();
+        let wait = Duration::from_millis(3);
+        let at = |us| t0 + Duration::from_micros(us);
+        assert_eq!(hold_until(at(500), Some(t0), true, wait), Some(at(3000)));
+        assert_eq!(hold_until(at(500), Some(t0), false, wait), None, "no slot for another");
+        assert_eq!(hold_until(at(3000), Some(t0), true, wait), None, "at most the wait");
+        assert_eq!(hold_until(at(500), Some(t0), true, Duration::ZERO), None, "--batch-wait 0");
+        assert_eq!(hold_until(at(500), None, true, wait), None, "no prompt waiting");
+    }
 
     #[test]
     fn text_is_held_back_only_while_it_could_become_a_stop_string() {
