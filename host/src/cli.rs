@@ -698,6 +698,10 @@ pub struct ServeBenchArgs {
     /// when not given).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
     pub prefill_chunk: Option<u64>,
+    /// Milliseconds a new prompt waits for others to join its batch in the started server, as `serve
+    /// --batch-wait` (its default when not given; 0: every prompt goes to the producer as it arrives).
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MS", conflicts_with = "url")]
+    pub batch_wait: Option<u64>,
     /// Prompt lengths in tokens, exact (each 1 to the context less the longest output).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 8192])]
     pub inputs: Vec<u64>,
@@ -730,7 +734,8 @@ pub struct ServeBenchArgs {
     #[arg(
         long,
         conflicts_with_all = [
-            "url", "peer", "prefill_chunk", "temperature", "inputs", "outputs", "concurrency", "repeats", "stream"
+            "url", "peer", "prefill_chunk", "batch_wait", "temperature", "inputs", "outputs", "concurrency",
+            "repeats", "stream"
         ]
     )]
     pub mixed: bool,

@@ -705,6 +705,9 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
             .refused(2, &["'abc' for '--drain-timeout <SECONDS>': expected a number"]),
         case("serve batch wait past a second", &["serve", "--batch-wait", "1001"])
             .refused(2, &["--batch-wait: expected 0 to 1000, found 1001"]),
+        // A running server's wait is its own: `bench serve` sets it only in the server it starts.
+        case("bench serve batch wait with url", &["bench", "serve", "--url", "http://127.0.0.1:1", "--batch-wait", "5"])
+            .refused(2, &["the argument '--url <URL>' cannot be used with '--batch-wait <MS>'"]),
         // A mistyped flag keeps clap's suggestion, on the same line.
         case("generate mistyped flag", &["generate", "--promt", "hi"])
             .refused(2, &["unexpected argument '--promt' found (tip: a similar argument exists: '--prompt')"]),

@@ -29,6 +29,9 @@ const DEFAULT_LOCAL_PIECE: u64 = 256;
 /// The context a server gives each request unless told otherwise (the incident's deployment).
 const DEFAULT_CONTEXT: u64 = 9216;
 
+/// The longest `--batch-wait`, in milliseconds.
+pub const MAX_BATCH_WAIT_MS: u64 = 1000;
+
 /// The most requests that may wait.
 const MAX_QUEUE: u64 = 4096;
 
@@ -45,8 +48,12 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     let timeout = request::check_timeout(Field::ProducerTimeout, args.producer_timeout)?;
     let drain_timeout = request::check_timeout(Field::DrainTimeout, args.drain_timeout)?;
     let queue = request::check_count(Field::Queue, args.queue, 1, MAX_QUEUE)? as usize;
-    let batch_wait =
-        std::time::Duration::from_millis(request::check_count(Field::BatchWait, args.batch_wait, 0, 1000)?);
+    let batch_wait = std::time::Duration::from_millis(request::check_count(
+        Field::BatchWait,
+        args.batch_wait,
+        0,
+        MAX_BATCH_WAIT_MS,
+    )?);
     let slots = request::check_count(Field::Slots, args.slots, 1, MAX_SLOTS)? as u32;
     let backend_config = input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
     let backends = backends(&args.producer)?;

@@ -103,6 +103,9 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     }
     let streams = args.stream.cells();
     let threads = request::check_threads(args.threads)?;
+    if let Some(ms) = args.batch_wait {
+        request::check_count(Field::BatchWait, ms, 0, crate::cmd::serve::MAX_BATCH_WAIT_MS)?;
+    }
     request::input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
     request::check_sampling(Some(args.temperature), None, SEED)?;
     if args.peer && args.temperature > 0.0 {
@@ -212,6 +215,9 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
             }
             if let Some(chunk) = args.prefill_chunk {
                 cmd.args(["--prefill-chunk", &chunk.to_string()]);
+            }
+            if let Some(ms) = args.batch_wait {
+                cmd.args(["--batch-wait", &ms.to_string()]);
             }
             if let Some(n) = args.producers {
                 cmd.args(["--producers", &n.to_string()]);
@@ -343,7 +349,8 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
                 "threads": if started { json!(threads) } else { Value::Null },
                 "precision": if started { json!(args.precision.precision().name()) } else { Value::Null },
                 "kv_dtype": if started { json!(dtype.name()) } else { Value::Null },
-                "context": context, "prefill_chunk": args.prefill_chunk, "repeats": repeats,
+                "context": context, "prefill_chunk": args.prefill_chunk, "batch_wait_ms": args.batch_wait,
+                "repeats": repeats,
                 "temperature": args.temperature, "seed": if args.temperature > 0.0 { json!(SEED) } else { Value::Null },
                 "cells": cells,
                 "totals": total.json(), "summary": total.summary(), "problems": problems,
@@ -353,9 +360,10 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     } else {
         let how = match server {
             "started" => format!(
-                "a `pdhost serve` started for this run (--producer {}{}{}, {}, {} KV, {threads} thread(s), {context}-token context, {})",
+                "a `pdhost serve` started for this run (--producer {}{}{}{}, {}, {} KV, {threads} thread(s), {context}-token context, {})",
                 args.producer,
                 args.producers.map(|n| format!(" --producers {n}")).unwrap_or_default(),
+                args.batch_wait.map(|ms| format!(" --batch-wait {ms}")).unwrap_or_default(),
                 args.backend_config.as_ref().map(|c| format!(" --backend-config '{c}'")).unwrap_or_default(),
                 args.precision.precision().name(),
                 dtype.name(),
