@@ -61,6 +61,35 @@ fn writes_in_place(e: &mut Engine, p: &mut Producer, class: &str) {
     assert_eq!(p.takes_context(), Some(false));
 }
 
+/// A class with `stage` gets a batch's calls at once: `StagesOnly` writes only what it staged, so three
+/// calls sent as one batch all land (in the stand-in's values), and a call sent alone is refused.
+#[test]
+fn a_python_class_stages_a_batch() {
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::F32);
+    let mut p = python(&e, "StagesOnly", Duration::from_secs(30));
+    p.start().unwrap();
+    assert!(p.described().unwrap().batches, "the python backend stages");
+    let remote = pdhost::engine::Remote::of(&p);
+    let prompts: Vec<Vec<u32>> = (0..3u32).map(|i| (0..5 + i).map(|t| 2 + t * 13 + i).collect()).collect();
+    let reqs: Vec<Request> = prompts.iter().map(|pr| Request::greedy(pr.clone(), 1, 0)).collect();
+    let mut pre: Vec<_> = reqs.iter().map(|r| e.begin(r, Some(&remote)).unwrap()).collect();
+    let calls: Vec<_> = pre.iter().zip(&prompts).map(|(x, pr)| x.next_call(&pr[..pr.len() - 1]).unwrap()).collect();
+    for (i, call) in calls.iter().enumerate() {
+        let pending = if i == 0 { p.submit_batch(&calls) } else { p.next(call) };
+        let times = p.take(pending.unwrap_or_else(|err| panic!("call {i}: {err}")), &mut e.kv, pre[i].seq()).unwrap();
+        pre[i].remote_done(times);
+    }
+    assert_eq!(p.metrics().spans_accepted, 3);
+    for x in pre {
+        p.release(x.request_id());
+        e.abandon(x);
+    }
+    let alone = e.prefill(&PROMPT, 0, PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail });
+    let err = alone.map(|_| ()).unwrap_err().to_string();
+    assert!(err.contains("was not staged"), "{err}");
+}
+
 /// Each failure: its kind, its text, whether the producer was replaced, and a fallback equal to local.
 #[test]
 fn python_failures_are_typed_and_fall_back() {

@@ -60,6 +60,27 @@ class StandIn:
         self.released.append(request)
 
 
+class StagesOnly(StandIn):
+    """Computes a span's values only in `stage`: its `prefill` writes what was staged and refuses a call
+    that was not (so a batch through it proves `stage` ran, and a call alone fails)."""
+
+    def open(self, config):
+        super().open(config)
+        self.staged = {}
+
+    def stage(self, calls):
+        for request, tokens, start, context in calls:
+            self.staged[(request, start)] = [self.values(e, tokens, start) for e in range(2 * len(self.layers))]
+
+    def prefill(self, request, tokens, start, writer):
+        staged = self.staged.pop((request, start), None)
+        if staged is None:
+            raise RuntimeError("request %d at %d was not staged" % (request, start))
+        for entry in range(writer.entries):
+            region = writer.region(entry)
+            struct.pack_into("<%df" % len(staged[entry]), region, 0, *staged[entry])
+
+
 class NeedsAKey(StandIn):
     """Reads a config key the host never sends: a config this class cannot use, the same on every start."""
 

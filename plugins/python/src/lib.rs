@@ -518,6 +518,28 @@ impl pdhost_plugin_abi::Backend for PyBackend {
         })
     }
 
+    /// A class with `stage(calls)` gets a batch's calls at once, each a `(request, tokens, start,
+    /// context)` tuple (`context` `None` unless the call starts past 0 with one), to compute them in one
+    /// pass; its `prefill` of each follows. An exception fails no call (each `prefill` computes).
+    fn stage(&mut self, requests: &[Prefill<'_>]) -> Result<(), BackendError> {
+        Python::attach(|py| {
+            let instance = self.instance.bind(py);
+            if !instance.hasattr("stage").unwrap_or(false) {
+                return Ok(());
+            }
+            let calls = requests
+                .iter()
+                .map(|r| {
+                    let tokens = PyList::new(py, r.tokens)?;
+                    let context = if r.context.is_empty() { None } else { Some(PyList::new(py, r.context)?) };
+                    Ok((r.request_id, tokens, r.start_pos, context))
+                })
+                .collect::<PyResult<Vec<_>>>()
+                .map_err(|e| backend_error(py, "stage", &e))?;
+            instance.call_method1("stage", (calls,)).map(drop).map_err(|e| backend_error(py, "stage", &e))
+        })
+    }
+
     fn release(&mut self, request_id: u64) {
         Python::attach(|py| {
             let instance = self.instance.bind(py);
