@@ -75,8 +75,12 @@ fn agent() -> ureq::Agent {
 }
 
 fn post(s: &Served, path: &str, body: &str) -> (u16, Value) {
-    let mut r =
-        agent().post(&format!("{}{path}", s.url)).header("content-type", "application/json").send(body).unwrap();
+    post_to(&s.url, path, body)
+}
+
+/// [`post`] to the server at `url` (from a thread that does not hold the `Served`).
+fn post_to(url: &str, path: &str, body: &str) -> (u16, Value) {
+    let mut r = agent().post(&format!("{url}{path}")).header("content-type", "application/json").send(body).unwrap();
     let status = r.status().as_u16();
     let text = r.body_mut().read_to_string().unwrap();
     (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
@@ -1135,19 +1139,12 @@ fn requests_that_wait_for_a_busy_producer_prefill_as_one_batch_and_each_equals_g
             let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}).to_string();
             // Request 1 first: the others arrive while it holds the producer.
             std::thread::sleep(Duration::from_millis(if i == 1 { 300 } else { 0 }));
-            std::thread::spawn(move || {
-                let mut r = agent()
-                    .post(&format!("{url}/v1/completions"))
-                    .header("content-type", "application/json")
-                    .send(&body)
-                    .unwrap();
-                assert_eq!(r.status().as_u16(), 200);
-                r.body_mut().read_json::<Value>().unwrap()
-            })
+            std::thread::spawn(move || post_to(&url, "/v1/completions", &body))
         })
         .collect();
     for (prompt, reply) in prompts.iter().zip(replies) {
-        let v = reply.join().unwrap();
+        let (status, v) = reply.join().unwrap();
+        assert_eq!(status, 200, "{v}");
         assert_eq!(v["pdhost"]["prefill"], "remote", "{v}");
         let alone = generate(prompt, 8, &[]);
         assert_eq!(v["pdhost"]["output_ids"], alone["output_ids"], "{prompt}");
@@ -1249,14 +1246,7 @@ fn a_second_producer_prefills_while_the_first_hangs() {
     let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}).to_string();
     let first = {
         let (url, body) = (s.url.clone(), body.clone());
-        std::thread::spawn(move || {
-            let mut r = agent()
-                .post(&format!("{url}/v1/completions"))
-                .header("content-type", "application/json")
-                .send(&body)
-                .unwrap();
-            (r.status().as_u16(), r.body_mut().read_json::<Value>().unwrap())
-        })
+        std::thread::spawn(move || post_to(&url, "/v1/completions", &body))
     };
     let deadline = Instant::now() + Duration::from_secs(60);
     while metric(&s, "pdhost_requests_running") != Some(1.0) {

@@ -78,10 +78,12 @@ impl Pool {
                     // producer for good: it becomes the request's failure instead, and the producer,
                     // left mid-exchange, is stopped (the next request starts a new one; the rest of
                     // its batch then fails at once, as after any stop).
-                    let replied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match calls.len() {
-                        0 => producer.next(&first.call),
-                        1 => producer.submit(&first.call),
-                        _ => producer.submit_batch(&calls),
+                    let replied = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        if calls.is_empty() {
+                            producer.next(&first.call)
+                        } else {
+                            producer.submit_batch(&calls)
+                        }
                     }));
                     let result = replied.unwrap_or_else(|_| {
                         producer.shutdown();

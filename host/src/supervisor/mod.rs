@@ -693,19 +693,7 @@ impl Producer {
     /// the ring, untouched, for [`Producer::take`]: this half touches no cache, so it may run on another
     /// thread than the one that owns the cache. Failures are counted and handled as in [`Producer::prefill`].
     pub fn submit(&mut self, call: &PrefillCall) -> Result<Pending, ProducerError> {
-        let started = Instant::now();
-        match self.ensure_running() {
-            Ok(_) => {}
-            // No process was involved: count the refusal, but do not lengthen the backoff.
-            Err(
-                e @ (ProducerError::BackingOff { .. }
-                | ProducerError::RestartLimit { .. }
-                | ProducerError::StartRefused { .. }),
-            ) => return Err(self.refuse(e)),
-            Err(e) => return Err(self.fail(e)),
-        }
-        let result = self.request(call, started);
-        self.settle_reply(result)
+        self.submit_batch(std::slice::from_ref(call))
     }
 
     /// Takes the span that `pending`'s reply announced out of the ring into `seq`: the header read once and
@@ -733,11 +721,6 @@ impl Producer {
         self.restarts.succeeded();
         self.metrics.spans_accepted += 1;
         self.metrics.bytes += bytes;
-    }
-
-    fn request(&mut self, call: &PrefillCall, started: Instant) -> Result<Pending, ProducerError> {
-        self.send_calls(std::slice::from_ref(call), started)?;
-        self.await_reply(call, started)
     }
 
     /// Sends `calls` (of different requests): one [`ToProducer::PrefillBatch`] where the process takes
@@ -858,6 +841,7 @@ impl Producer {
         self.broken = None;
         match self.ensure_running() {
             Ok(_) => {}
+            // No process was involved: count the refusal, but do not lengthen the backoff.
             Err(
                 e @ (ProducerError::BackingOff { .. }
                 | ProducerError::RestartLimit { .. }

@@ -575,6 +575,18 @@ pub struct Handle<B> {
 }
 
 impl<B> Handle<B> {
+    /// The backend, for a call that runs it (`prefill`, `stage`), unless a panic in `release` left its
+    /// state unknown: then `PANIC`, naming that panic.
+    fn runnable(&mut self) -> Result<&mut B, BackendError> {
+        match &self.poisoned {
+            Some(why) => Err(BackendError::new(
+                PdhostStatus::Panic,
+                format!("an earlier release panicked ({why}): the backend's state is unknown"),
+            )),
+            None => Ok(&mut self.backend),
+        }
+    }
+
     /// The array holding `layers`, kept until the handle is closed.
     fn keep(&mut self, layers: Vec<PdhostLayer>) -> &[PdhostLayer] {
         if self.described.last().is_none_or(|last| **last != layers[..]) {
@@ -771,16 +783,10 @@ pub unsafe fn prefill_impl<B: Backend>(
             if backend.is_null() || request.is_null() || writer.is_null() {
                 return Err(BackendError::new(PdhostStatus::InvalidArgument, "null pointer"));
             }
-            let handle = &mut *backend.cast::<Handle<B>>();
-            if let Some(why) = &handle.poisoned {
-                return Err(BackendError::new(
-                    PdhostStatus::Panic,
-                    format!("an earlier release panicked ({why}): the backend's state is unknown"),
-                ));
-            }
+            let backend = (*backend.cast::<Handle<B>>()).runnable()?;
             let prefill = read_prefill(request)?;
             let mut w = Writer::from_raw(&*writer);
-            handle.backend.prefill(&prefill, &mut w)
+            backend.prefill(&prefill, &mut w)
         })
     }
 }
@@ -804,18 +810,12 @@ pub unsafe fn stage_impl<B: Backend>(
             if backend.is_null() || (requests.is_null() && n > 0) {
                 return Err(BackendError::new(PdhostStatus::InvalidArgument, "null pointer"));
             }
-            let handle = &mut *backend.cast::<Handle<B>>();
-            if let Some(why) = &handle.poisoned {
-                return Err(BackendError::new(
-                    PdhostStatus::Panic,
-                    format!("an earlier release panicked ({why}): the backend's state is unknown"),
-                ));
-            }
+            let backend = (*backend.cast::<Handle<B>>()).runnable()?;
             let stride = if n == 0 { 0 } else { requests.cast::<u32>().read_unaligned() as usize };
             let calls = (0..n)
                 .map(|i| read_prefill(requests.cast::<u8>().add(i * stride).cast::<PdhostPrefill>()))
                 .collect::<Result<Vec<_>, _>>()?;
-            handle.backend.stage(&calls)
+            backend.stage(&calls)
         })
     }
 }
