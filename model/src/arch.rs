@@ -701,27 +701,23 @@ impl Model {
     }
 
     /// Loads a Hugging Face checkpoint directory (`config.json` and `*.safetensors`) of model type
-    /// `gemma3_text` or `llama`.
+    /// `gemma3_text` or `llama`. Every tensor the model uses must have the shape the config gives it (a
+    /// transposed matrix has the right element count and would multiply into wrong values); tensors it
+    /// does not use are passed over.
     pub fn from_hf_dir(dir: &Path) -> Result<Self, LoadError> {
         let config = Config::from_hf_dir(dir)?;
-        let (arch, n_layers) = (config.arch, config.layers.len());
-        let tensors = load_safetensors(dir)?;
-        let get = |name: &str| -> Result<Vec<f32>, LoadError> {
-            tensors.get(name).cloned().ok_or_else(|| LoadError::Checkpoint {
-                path: dir.into(),
-                what: format!("tensor {name}"),
-                expected: "present in the safetensors files".into(),
-                found: "none".into(),
-            })
-        };
+        let c = &config;
+        let (arch, n_layers) = (c.arch, c.layers.len());
+        let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
+        let mut t = HfTensors::load(dir)?;
         // Gemma's HF norms store w; the forward pass multiplies by the GGUF convention `1 + w`.
-        let norm = |name: &str| -> Result<Vec<f32>, LoadError> {
-            let w = get(name)?;
+        let norm = |t: &mut HfTensors, name: &str, n: usize| -> Result<Vec<f32>, LoadError> {
+            let w = t.take(name, &[n])?;
             Ok(if arch == Arch::Gemma3 { w.into_iter().map(|x| 1.0 + x).collect() } else { w })
         };
-        let opt_norm = |name: &str| -> Result<Option<Vec<f32>>, LoadError> {
+        let gemma_norm = |t: &mut HfTensors, name: &str, n: usize| -> Result<Option<Vec<f32>>, LoadError> {
             if arch == Arch::Gemma3 {
-                norm(name).map(Some)
+                norm(t, name, n).map(Some)
             } else {
                 Ok(None)
             }
@@ -730,30 +726,39 @@ impl Model {
         for l in 0..n_layers {
             let n = |s: &str| format!("model.layers.{l}.{s}.weight");
             let (ffn_norm, post_attn) = match arch {
-                Arch::Gemma3 => (norm(&n("pre_feedforward_layernorm"))?, opt_norm(&n("post_attention_layernorm"))?),
-                Arch::Llama => (norm(&n("post_attention_layernorm"))?, None),
+                Arch::Gemma3 => (
+                    norm(&mut t, &n("pre_feedforward_layernorm"), c.hidden)?,
+                    gemma_norm(&mut t, &n("post_attention_layernorm"), c.hidden)?,
+                ),
+                Arch::Llama => (norm(&mut t, &n("post_attention_layernorm"), c.hidden)?, None),
             };
             layer_weights.push(LayerWeights {
-                attn_norm: norm(&n("input_layernorm"))?,
-                wq: get(&n("self_attn.q_proj"))?.into(),
-                wk: get(&n("self_attn.k_proj"))?.into(),
-                wv: get(&n("self_attn.v_proj"))?.into(),
-                wo: get(&n("self_attn.o_proj"))?.into(),
-                q_norm: opt_norm(&n("self_attn.q_norm"))?,
-                k_norm: opt_norm(&n("self_attn.k_norm"))?,
+                attn_norm: norm(&mut t, &n("input_layernorm"), c.hidden)?,
+                wq: t.take(&n("self_attn.q_proj"), &[qd, c.hidden])?.into(),
+                wk: t.take(&n("self_attn.k_proj"), &[kvd, c.hidden])?.into(),
+                wv: t.take(&n("self_attn.v_proj"), &[kvd, c.hidden])?.into(),
+                wo: t.take(&n("self_attn.o_proj"), &[c.hidden, qd])?.into(),
+                q_norm: gemma_norm(&mut t, &n("self_attn.q_norm"), c.head_dim)?,
+                k_norm: gemma_norm(&mut t, &n("self_attn.k_norm"), c.head_dim)?,
                 post_attn_norm: post_attn,
                 ffn_norm,
-                post_ffn_norm: opt_norm(&n("post_feedforward_layernorm"))?,
-                gate: get(&n("mlp.gate_proj"))?.into(),
-                up: get(&n("mlp.up_proj"))?.into(),
-                down: get(&n("mlp.down_proj"))?.into(),
+                post_ffn_norm: gemma_norm(&mut t, &n("post_feedforward_layernorm"), c.hidden)?,
+                gate: t.take(&n("mlp.gate_proj"), &[c.ffn, c.hidden])?.into(),
+                up: t.take(&n("mlp.up_proj"), &[c.ffn, c.hidden])?.into(),
+                down: t.take(&n("mlp.down_proj"), &[c.hidden, c.ffn])?.into(),
             });
         }
+        let embed = t.take("model.embed_tokens.weight", &[c.vocab, c.hidden])?.into();
+        let final_norm = norm(&mut t, "model.norm.weight", c.hidden)?;
+        let lm_head = match t.has("lm_head.weight") {
+            true => Some(Weight::F32(t.take("lm_head.weight", &[c.vocab, c.hidden])?)),
+            false => None,
+        };
         Model {
-            embed: get("model.embed_tokens.weight")?.into(),
+            embed,
             layers: layer_weights,
-            final_norm: norm("model.norm.weight")?,
-            lm_head: tensors.get("lm_head.weight").cloned().map(Weight::F32),
+            final_norm,
+            lm_head,
             identity: hf_identity(dir, &config)?,
             config,
             source: dir.into(),
@@ -804,52 +809,85 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
     Ok(files)
 }
 
-/// Every tensor of every `*.safetensors` file in `dir`, as f32.
-fn load_safetensors(dir: &Path) -> Result<HashMap<String, Vec<f32>>, LoadError> {
-    let io = |path: &Path| {
-        let path = path.to_path_buf();
-        move |source| LoadError::Io { path, source }
-    };
-    let mut out = HashMap::new();
-    for path in safetensors_files(dir)? {
-        let bytes = std::fs::read(&path).map_err(io(&path))?;
-        let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| LoadError::Checkpoint {
-            path: path.clone(),
-            what: "safetensors header".into(),
-            expected: "a valid safetensors file".into(),
-            found: e.to_string(),
-        })?;
-        for (name, view) in st.tensors() {
-            let data = view.data();
-            let values: Vec<f32> = match view.dtype() {
-                safetensors::Dtype::F32 => {
-                    data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
-                }
-                safetensors::Dtype::BF16 => {
-                    data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
-                }
-                safetensors::Dtype::F16 => {
-                    data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
-                }
-                other => {
+/// Every tensor of a checkpoint directory's `*.safetensors` files, as f32 with its shape, each taken
+/// once by the model that uses it (so no tensor is held twice while the model is built).
+struct HfTensors {
+    dir: PathBuf,
+    tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+}
+
+impl HfTensors {
+    /// Reads every `*.safetensors` file of `dir`: each is mapped, its tensors widened to f32, and
+    /// unmapped before the next, so a load holds the f32 values and one file's pages at most.
+    fn load(dir: &Path) -> Result<Self, LoadError> {
+        let mut tensors = HashMap::new();
+        for path in safetensors_files(dir)? {
+            let io = |source| LoadError::Io { path: path.clone(), source };
+            let file = std::fs::File::open(&path).map_err(io)?;
+            // SAFETY: a shared, read-only mapping of the file, read only while this function runs (the
+            // values are copied out as f32). As for a GGUF (`Gguf::open`), a checkpoint must not be
+            // truncated or rewritten while pdhost loads it.
+            let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+            let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| LoadError::Checkpoint {
+                path: path.clone(),
+                what: "safetensors header".into(),
+                expected: "a valid safetensors file".into(),
+                found: e.to_string(),
+            })?;
+            for (name, view) in st.tensors() {
+                let data = view.data();
+                let values: Vec<f32> = match view.dtype() {
+                    safetensors::Dtype::F32 => {
+                        data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+                    }
+                    safetensors::Dtype::BF16 => {
+                        data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+                    }
+                    safetensors::Dtype::F16 => {
+                        data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+                    }
+                    other => {
+                        return Err(LoadError::Checkpoint {
+                            path: path.clone(),
+                            what: format!("tensor {name}"),
+                            expected: "F32, BF16 or F16".into(),
+                            found: other.to_string(),
+                        })
+                    }
+                };
+                // Shards each hold their own tensors: a second copy of one would silently replace the first.
+                if tensors.insert(name.clone(), (view.shape().to_vec(), values)).is_some() {
                     return Err(LoadError::Checkpoint {
                         path: path.clone(),
                         what: format!("tensor {name}"),
-                        expected: "F32, BF16 or F16".into(),
-                        found: other.to_string(),
-                    })
+                        expected: "one safetensors file of the directory holding it".into(),
+                        found: "it in an earlier file too".into(),
+                    });
                 }
-            };
-            // Shards each hold their own tensors: a second copy of one would silently replace the first.
-            if out.insert(name.clone(), values).is_some() {
-                return Err(LoadError::Checkpoint {
-                    path: path.clone(),
-                    what: format!("tensor {name}"),
-                    expected: "one safetensors file of the directory holding it".into(),
-                    found: "it in an earlier file too".into(),
-                });
             }
         }
+        Ok(HfTensors { dir: dir.into(), tensors })
     }
-    Ok(out)
+
+    /// Whether a tensor of this name is (still) here.
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+
+    /// Takes the tensor `name`, which must have the shape `shape`.
+    fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, LoadError> {
+        let bad = |expected: String, found: String| LoadError::Checkpoint {
+            path: self.dir.clone(),
+            what: format!("tensor {name}"),
+            expected,
+            found,
+        };
+        match self.tensors.remove(name) {
+            None => Err(bad("present in the safetensors files".into(), "none".into())),
+            Some((found, _)) if found != shape => {
+                Err(bad(format!("shape {shape:?} for this config"), format!("shape {found:?}")))
+            }
+            Some((_, values)) => Ok(values),
+        }
+    }
 }

@@ -73,7 +73,44 @@ fn a_checkpoint_whose_tensors_do_not_fit_its_config_is_refused_by_name() {
     std::fs::write(tmp.join("config.json"), config.replace("\"intermediate_size\": 64", "\"intermediate_size\": 48"))
         .unwrap();
     let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
-    assert!(err.contains("layer 0 gate projection: expected 1536 values for this config, found 2048"), "{err}");
+    assert!(
+        err.contains("tensor model.layers.0.mlp.gate_proj.weight: expected shape [48, 32] for this config, found shape [64, 32]"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+/// A matrix stored transposed has every value and the right count: only its shape tells, and multiplied
+/// as it lies it would give wrong logits, not an error. One of the tiny checkpoint's down projections
+/// (32 x 64) is written back as its transpose (64 x 32).
+#[test]
+fn a_transposed_matrix_is_refused_by_its_shape() {
+    use safetensors::tensor::{Dtype, TensorView};
+    let tmp = std::env::temp_dir().join(format!("pdhost-transposed-{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::copy(dir("tiny_llama_4l").join("config.json"), tmp.join("config.json")).unwrap();
+    let bytes = std::fs::read(dir("tiny_llama_4l").join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let name = "model.layers.2.mlp.down_proj.weight";
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> =
+        st.tensors().into_iter().map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec())).collect();
+    let down = tensors.iter_mut().find(|(n, ..)| n == name).unwrap();
+    let [rows, cols] = down.1[..] else { panic!("{name}: {:?}", down.1) };
+    assert_ne!(rows, cols, "a square matrix would not show the transpose");
+    let values: Vec<&[u8]> = down.2.chunks_exact(4).collect();
+    let mut transposed = Vec::with_capacity(down.2.len());
+    for c in 0..cols {
+        for r in 0..rows {
+            transposed.extend_from_slice(values[r * cols + c]);
+        }
+    }
+    down.2 = transposed;
+    down.1 = vec![cols, rows];
+    let views: Vec<(String, TensorView<'_>)> =
+        tensors.iter().map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), d).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, &tmp.join("model.safetensors")).unwrap();
+    let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
+    assert!(err.contains(&format!("tensor {name}: expected shape [32, 64] for this config, found shape [64, 32]")), "{err}");
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 
