@@ -817,8 +817,9 @@ struct HfTensors {
 }
 
 impl HfTensors {
-    /// Reads every `*.safetensors` file of `dir`: each is mapped, its tensors widened to f32, and
-    /// unmapped before the next, so a load holds the f32 values and one file's pages at most.
+    /// Reads every `*.safetensors` file of `dir`: each is mapped and its tensors widened to f32, each
+    /// tensor's pages dropped from the process once copied, so a load holds the f32 values and one
+    /// tensor's pages of the files.
     fn load(dir: &Path) -> Result<Self, LoadError> {
         let mut tensors = HashMap::new();
         for path in safetensors_files(dir)? {
@@ -854,6 +855,16 @@ impl HfTensors {
                             found: other.to_string(),
                         })
                     }
+                };
+                // SAFETY: as `BlockBytes::release`: the mapping is a file's, shared, read-only and never
+                // written through, so a dropped page maps again with the same bytes if it is read again.
+                // Advice only: refused, the pages stay resident until the map is dropped.
+                let _ = unsafe {
+                    map.unchecked_advise_range(
+                        memmap2::UncheckedAdvice::DontNeed,
+                        data.as_ptr() as usize - map.as_ptr() as usize,
+                        data.len(),
+                    )
                 };
                 // Shards each hold their own tensors: a second copy of one would silently replace the first.
                 if tensors.insert(name.clone(), (view.shape().to_vec(), values)).is_some() {
