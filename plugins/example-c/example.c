@@ -223,7 +223,10 @@ static const PdhostBackendV1 TABLE = {
     .prefill = example_prefill,
     .close = example_close,
     .release = example_release,
-    /* .capabilities and .set_log stay NULL: no limits beyond the description, and no logging. */
+    /* .capabilities, .set_log and .stage stay NULL: no limits beyond the description, no logging, and each
+       prefill computes its own chunk. A device that runs several requests' chunks in one pass sets .stage
+       (1.3): it computes a batch's chunks and keeps them, and the prefill calls that follow only write
+       (docs/plugin-abi.md, "Lifecycle", step 8). */
 };
 
 const PdhostBackendV1 *pdhost_backend_v1(void) {
