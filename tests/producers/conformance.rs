@@ -266,6 +266,29 @@ fn a_request_during_the_backoff_is_refused_at_once() {
     e.release(seq);
 }
 
+/// A start that does not reach Ready (here a backend whose `open` outlasts the start timeout) is a
+/// failure like a crash: the next start waits out the backoff, so requests during it are refused at once
+/// rather than each waiting out another slow start.
+#[test]
+fn a_start_that_times_out_backs_off_before_the_next() {
+    let _serial = serial();
+    let e = engine(&gemma(), Dtype::F32);
+    let before = snapshot();
+    let slow = config(&gemma(), Dtype::F32, serde_json::json!({"open_delay_ms": 5000}));
+    let mut spec = producer_spec(&e, builtin("faulty"), slow, Duration::from_secs(30));
+    spec.start_timeout = Duration::from_millis(300);
+    spec.restart.initial_backoff = Duration::from_secs(600);
+    spec.restart.max_backoff = Duration::from_secs(600);
+    let mut p = Producer::new(spec, e.kv.geometry().clone());
+    let first = p.start().expect_err("open outlasts the start timeout");
+    assert_eq!(first.kind(), "timeout", "{first}");
+    let second = p.start().expect_err("backing off");
+    assert_eq!(second.kind(), "backing_off", "{second}");
+    assert_eq!((p.metrics().starts, p.pid()), (1, None));
+    drop(p);
+    assert_eq!(snapshot(), before);
+}
+
 #[test]
 fn a_prefix_cache_hit_prefills_only_the_rest_and_changes_no_bit() {
     use pdhost::engine::Request;

@@ -382,6 +382,21 @@ impl Producer {
                 return Err(ProducerError::RestartLimit { name, restarts, window: self.spec.restart.window, wait })
             }
         }
+        // Until it is ready, the process counts as failed (a crash while it starts makes the next start a
+        // restart); a start that does not reach Ready is a failure, after which the next waits out the
+        // backoff, as after a crash: a backend that times out in `open` is not started again at once by
+        // every request.
+        self.restarts.starting();
+        let started = self.launch(name);
+        if started.is_err() {
+            self.restarts.failed(&self.spec.restart, Instant::now());
+        }
+        started
+    }
+
+    /// Spawns the producer process over a new ring and waits for its `Ready` (bounded by the start
+    /// timeout), checking what it describes against the host's model.
+    fn launch(&mut self, name: String) -> Result<Running, ProducerError> {
         let epoch = self.next_epoch;
         self.next_epoch += 1;
         let geometry = RingGeometry::new(self.spec.slots, self.spec.slot_capacity).map_err(|e| ProducerError::Io {
@@ -449,7 +464,6 @@ impl Producer {
             logging,
             last_lines,
         };
-        self.restarts.starting();
         let deadline = Instant::now() + self.spec.start_timeout;
         let message = match self.receive(&mut running, deadline, "starting") {
             Ok(m) => m,
