@@ -231,6 +231,19 @@ fn sampling_is_reproducible_from_its_seed() {
     assert_eq!(run("7"), run("7"));
     let others: Vec<Vec<u64>> = ["1", "2", "3"].iter().map(|s| run(s)).collect();
     assert!(others.iter().any(|o| *o != run("7")), "different seeds give different samples");
+    // With `--top-k 1` the sample is the greedy choice, whatever the seed and temperature.
+    let greedy = ids(&generate(dir, &[1, 90, 169], 12, &[])["output_ids"]);
+    for seed in ["1", "2"] {
+        let top1 = generate(dir, &[1, 90, 169], 12, &["--temperature", "2", "--top-k", "1", "--seed", seed]);
+        assert_eq!(ids(&top1["output_ids"]), greedy, "seed {seed}");
+    }
+    let out = Command::new(PDHOST)
+        .args(["generate", "--model", dir, "--prompt-ids", "1,90", "--temperature", "1", "--min-p", "1.5"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--min-p: expected a number from 0 (no limit) to 1, found 1.5"), "{err}");
 }
 
 #[test]

@@ -202,6 +202,13 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
                      "logit_bias": {}, "logprobs": null, "echo": false, "best_of": 1, "user": "u"});
     let (status, v) = post(&s, "/v1/completions", &off.to_string());
     assert_eq!((status, &v["pdhost"]["output_ids"]), (200, &reference["output_ids"]));
+    // Sampling from the most likely token alone (`top_k` 1, or `min_p` 1 where no two tie) is greedy.
+    for filter in [json!({"top_k": 1}), json!({"min_p": 1.0, "top_p": 0.5})] {
+        let mut sampled = json!({"prompt": ids, "max_tokens": 12, "temperature": 1.3, "seed": 5});
+        sampled.as_object_mut().unwrap().extend(filter.as_object().unwrap().clone());
+        let (status, v) = post(&s, "/v1/completions", &sampled.to_string());
+        assert_eq!((status, &v["pdhost"]["output_ids"]), (200, &reference["output_ids"]), "{filter}");
+    }
     let full = reference["text"].as_str().unwrap();
     let cut = full.char_indices().nth(full.chars().count() / 2).map_or(0, |(i, _)| i);
     let stop = &full[cut..(cut + 3).min(full.len())];
@@ -253,6 +260,8 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         (r#"{"prompt":"hi","n":-1}"#, 400, "n: expected a positive integer, found -1"),
         (r#"{"prompt":"hi","temperature":-1}"#, 400, "temperature: expected a number from 0"),
         (r#"{"prompt":"hi","top_p":2}"#, 400, "top_p: expected a number above 0 and at most 1, found 2"),
+        (r#"{"prompt":"hi","min_p":1.5}"#, 400, "min_p: expected a number from 0 (no limit) to 1, found 1.5"),
+        (r#"{"prompt":"hi","top_k":-5}"#, 400, "top_k: expected a positive integer, or 0 or -1 for no limit, found -5"),
         // Penalties out of range, and fields the server does not implement turned on: refused, never
         // answered as if not asked.
         (r#"{"prompt":"hi","presence_penalty":3}"#, 400, "presence_penalty: expected a number from -2 to 2, found 3"),
@@ -299,12 +308,12 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(get(&s, "/health").0, 200);
 
     // Metrics count what happened.
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(7.0));
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(19.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(9.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(21.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
-    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(7.0));
-    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(7.0));
-    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(7.0));
+    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(9.0));
+    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(9.0));
+    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(9.0));
     assert_eq!(metric(&s, r#"pdhost_producer_starts_total{kind="start"}"#), Some(1.0));
     assert_eq!(metric(&s, "pdhost_requests_running"), Some(0.0));
     // A conversation too long for the context is named by its messages, not by a `prompt` it never sent;

@@ -96,13 +96,24 @@ fn prompt_text(args: &GenerateArgs) -> Result<Option<(String, Field)>, Invalid> 
     }
 }
 
+/// The sampling flags as a request gives them.
+fn sampling_params(args: &GenerateArgs) -> request::SamplingParams {
+    request::SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        min_p: args.min_p,
+        top_p: Some(args.top_p),
+        seed: args.seed,
+    }
+}
+
 pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let t0 = Instant::now();
     // Everything that needs no model first, so a bad flag is refused at once.
     let threads = request::check_threads(args.threads)?;
     let timeout = request::check_timeout(Field::ProducerTimeout, args.producer_timeout)?;
     let backend_config = input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
-    request::check_sampling(args.temperature, Some(args.top_p), args.seed)?;
+    request::check_sampling(&sampling_params(args))?;
     let source = input::model_source(&args.model)?;
     let text = prompt_text(args)?;
     let choice = super::producer::Choice {
@@ -141,9 +152,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         prompt_field: Some(prompt_field),
         max_tokens: args.max_tokens,
         min_max_tokens: 0,
-        temperature: args.temperature,
-        top_p: Some(args.top_p),
-        seed: args.seed,
+        sampling: sampling_params(args),
         prefill_chunk: args.prefill_chunk,
         presence_penalty: args.presence_penalty,
         frequency_penalty: args.frequency_penalty,

@@ -281,11 +281,16 @@ pub struct PrefillReport {
 pub enum Sampling {
     /// Argmax, first index on ties.
     Greedy,
-    /// Temperature and nucleus sampling from a seeded generator.
-    TopP {
+    /// Temperature sampling from a seeded generator, among the tokens that the top-k, min-p and nucleus
+    /// (top-p) filters keep, applied in that order.
+    Sample {
         /// Softmax temperature.
         temperature: f32,
-        /// Nucleus mass.
+        /// Only the `top_k` most likely tokens (0: no limit).
+        top_k: u32,
+        /// Only tokens at least `min_p` times as likely as the most likely one (0: no limit).
+        min_p: f32,
+        /// Nucleus mass (1: every token).
         top_p: f32,
         /// Seed.
         seed: u64,

@@ -1,12 +1,13 @@
-//! Drawing a sequence's next token from its logits: greedy, or temperature and nucleus (top-p) sampling
-//! from a seeded generator, after the request's [`Penalties`]. A sequence's draws depend only on its
-//! logits, its own prompt and output, and its seed, never on the batch, so a sampled request gives the
-//! same tokens alone, in a batch of a server, and through `generate`.
+//! Drawing a sequence's next token from its logits: greedy, or temperature sampling from a seeded
+//! generator among the tokens the top-k, min-p and nucleus (top-p) filters keep, after the request's
+//! [`Penalties`]. A sequence's draws depend only on its logits, its own prompt and output, and its seed,
+//! never on the batch, so a sampled request gives the same tokens alone, in a batch of a server, and
+//! through `generate`.
 //!
 //! One draw of a 262144-token vocabulary used to cost a full sort of it (about 10 ms, as much as the
 //! forward pass of a decode step). Now the weights go into a buffer the sequence keeps, the whole
-//! vocabulary is drawn from in token order when `top_p` keeps all of it, and otherwise only the tokens
-//! that can be in the nucleus are sorted.
+//! vocabulary is drawn from in token order when no filter is on, and otherwise only the tokens that can
+//! pass the filters are sorted (the `top_k` heaviest are selected first, without a sort).
 
 use std::collections::{HashMap, HashSet};
 
@@ -63,7 +64,7 @@ pub(super) struct Sampler {
 impl Sampler {
     pub(super) fn new(sampling: Sampling, penalties: Penalties, prompt: &[u32]) -> Self {
         let seed = match sampling {
-            Sampling::TopP { seed, .. } => seed ^ 0x9E37_79B9_7F4A_7C15,
+            Sampling::Sample { seed, .. } => seed ^ 0x9E37_79B9_7F4A_7C15,
             Sampling::Greedy => 0,
         };
         let prompt = if penalties.repetition != 1.0 { prompt.iter().copied().collect() } else { HashSet::new() };
@@ -114,15 +115,17 @@ impl Sampler {
 
     /// The next token from `logits` (not empty).
     ///
-    /// Greedy: the first largest logit. Sampling: token `i` weighs `w_i = exp((l_i - max) / temperature)`.
-    /// With `top_p` 1 every token is kept, and a uniform draw `u * sum(w)` is walked through the weights in
-    /// token order. Below 1 the nucleus is kept: the tokens by weight, heaviest first (ties: the lower
-    /// id), up to the first whose running share `sum(w / total)` reaches `top_p`, and the draw is walked
-    /// through it in that order.
+    /// Greedy: the first largest logit. Sampling: token `i` weighs `w_i = exp((l_i - max) / temperature)`
+    /// (the most likely weighs 1). With no filter on, every token is kept, and a uniform draw
+    /// `u * sum(w)` is walked through the weights in token order. Otherwise the tokens are ordered by
+    /// weight, heaviest first (ties: the lower id), and each filter keeps a first part of that order:
+    /// `top_k` the first `top_k`; `min_p` those of weight `min_p` or more; then `top_p` those up to the
+    /// first whose running share of what the other two kept, `sum(w) / kept total`, reaches `top_p`. The
+    /// draw is walked through what is left in that order.
     fn sample(&mut self, logits: &[f32]) -> u32 {
-        let (temperature, top_p) = match self.sampling {
+        let (temperature, top_k, min_p, top_p) = match self.sampling {
             Sampling::Greedy => return model::forward::argmax(logits),
-            Sampling::TopP { temperature, top_p, .. } => (temperature, top_p),
+            Sampling::Sample { temperature, top_k, min_p, top_p, .. } => (temperature, top_k, min_p, top_p),
         };
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         self.weights.clear();
@@ -133,6 +136,10 @@ impl Sampler {
             // Logits a broken model made (NaN): nothing to weigh them by, so the first largest; a
             // draw is still taken, so the generator stays in step.
             return model::forward::argmax(logits);
+        }
+        let top_k = (top_k as usize).min(self.weights.len());
+        if top_k != 0 || min_p > 0.0 {
+            return self.filtered(top_k, min_p, top_p, u);
         }
         if top_p >= 1.0 {
             let mut r = u * total;
@@ -156,6 +163,31 @@ impl Sampler {
             None => &self.candidates[..],
         };
         draw(kept, u)
+    }
+
+    /// [`Sampler::sample`] with `top_k` (at most the vocabulary; 0: off) or `min_p` on: the candidates
+    /// are the tokens of weight `min_p` or more, cut to the `top_k` heaviest, in order; their total is
+    /// summed in that order, and the nucleus taken of it.
+    fn filtered(&mut self, top_k: usize, min_p: f32, top_p: f32, u: f32) -> u32 {
+        let heaviest_first = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        self.candidates.clear();
+        let passing = self.weights.iter().enumerate().filter(|&(_, &w)| w >= min_p);
+        self.candidates.extend(passing.map(|(i, &w)| (w, i as u32)));
+        if top_k != 0 && self.candidates.len() > top_k {
+            self.candidates.select_nth_unstable_by(top_k - 1, heaviest_first);
+            self.candidates.truncate(top_k);
+        }
+        self.candidates.sort_unstable_by(heaviest_first);
+        let total: f32 = self.candidates.iter().map(|c| c.0).sum();
+        let mut share = 0.0;
+        let last = match top_p < 1.0 {
+            true => self.candidates.iter().position(|&(w, _)| {
+                share += w / total;
+                share >= top_p
+            }),
+            false => None,
+        };
+        draw(&self.candidates[..last.map_or(self.candidates.len(), |l| l + 1)], u)
     }
 
     /// Sorts the tokens of weight `floor` or more into the candidates, heaviest first, and returns the
@@ -255,7 +287,7 @@ mod tests {
                 logits.iter_mut().for_each(|l| *l = (*l * 2.0).round() / 2.0);
             }
             let want = nucleus_by_full_sort(&logits, temperature, top_p);
-            let sampling = Sampling::TopP { temperature, top_p, seed };
+            let sampling = Sampling::Sample { temperature, top_k: 0, min_p: 0.0, top_p, seed };
             let (mut sampler, mut rng) = (
                 Sampler::new(sampling, Penalties::default(), &[]),
                 Sampler::new(sampling, Penalties::default(), &[]).rng,
@@ -268,12 +300,74 @@ mod tests {
         }
     }
 
+    /// Sampling with the nucleus filter alone.
+    fn nucleus_only(temperature: f32, top_p: f32, seed: u64) -> Sampling {
+        Sampling::Sample { temperature, top_k: 0, min_p: 0.0, top_p, seed }
+    }
+
+    /// The three filters as a plain reading of their definitions: every token sorted, the first `top_k`
+    /// kept, then those of weight `min_p` or more, then the running share of what is left.
+    fn filtered_by_full_sort(logits: &[f32], temperature: f32, top_k: usize, min_p: f32, top_p: f32) -> Vec<(f32, u32)> {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut all: Vec<(f32, u32)> =
+            logits.iter().enumerate().map(|(i, &l)| (((l - max) / temperature).exp(), i as u32)).collect();
+        all.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        if top_k > 0 {
+            all.truncate(top_k);
+        }
+        all.retain(|a| a.0 >= min_p);
+        let total: f32 = all.iter().map(|a| a.0).sum();
+        let mut share = 0.0;
+        let n = all.iter().position(|a| {
+            share += a.0 / total;
+            share >= top_p
+        });
+        all.truncate(n.map_or(all.len(), |n| n + 1));
+        all
+    }
+
+    #[test]
+    fn top_k_and_min_p_keep_what_their_definitions_keep_and_each_draw_is_its_draw() {
+        // Logits in steps of a half from seed 4 on: ties at the cut of top_k.
+        for (seed, temperature, top_k, min_p, top_p) in [
+            (1, 1.0, 40, 0.0, 1.0),
+            (2, 0.7, 0, 0.05, 1.0),
+            (3, 1.5, 64, 0.01, 0.95),
+            (4, 1.0, 50, 0.0, 0.9),
+            (5, 3.0, 7, 0.2, 0.5),
+            (6, 100.0, 5000, 0.5, 1.0),
+            (7, 1.0, 1, 0.0, 1.0),
+            (8, 0.8, 20000, 1.0, 1.0),
+        ] {
+            let mut logits = logits(5000, seed);
+            if seed >= 4 {
+                logits.iter_mut().for_each(|l| *l = (*l * 2.0).round() / 2.0);
+            }
+            let want = filtered_by_full_sort(&logits, temperature, top_k.min(logits.len()), min_p, top_p);
+            let sampling = Sampling::Sample { temperature, top_k: top_k as u32, min_p, top_p, seed };
+            let (mut sampler, mut rng) = (
+                Sampler::new(sampling, Penalties::default(), &[]),
+                Sampler::new(sampling, Penalties::default(), &[]).rng,
+            );
+            for _ in 0..50 {
+                let got = sampler.sample(&logits);
+                assert_eq!(got, draw(&want, rng.next_f32()), "seed {seed}: top_k {top_k}, min_p {min_p}, top_p {top_p}");
+            }
+            // The greedy token alone, or with those tied with it.
+            if top_k == 1 || min_p == 1.0 {
+                assert!(top_k != 1 || want.len() == 1, "seed {seed}: one token left");
+                assert!(want.iter().all(|w| w.0 == 1.0), "seed {seed}: only the most likely");
+                assert_eq!(want[0].1, model::forward::argmax(&logits), "seed {seed}: the greedy token first");
+            }
+        }
+    }
+
     #[test]
     fn with_top_p_1_every_token_can_come_and_in_its_share() {
         // Four tokens of weights 1, 2, 3, 4 (logits their logs): 20000 draws land near 10%, 20%, 30%, 40%.
         let logits: Vec<f32> = [1f32, 2.0, 3.0, 4.0].iter().map(|w| w.ln()).collect();
         let mut sampler =
-            Sampler::new(Sampling::TopP { temperature: 1.0, top_p: 1.0, seed: 9 }, Penalties::default(), &[]);
+            Sampler::new(nucleus_only(1.0, 1.0, 9), Penalties::default(), &[]);
         let mut counts = [0u32; 4];
         for _ in 0..20_000 {
             counts[sampler.sample(&logits) as usize] += 1;
@@ -322,7 +416,7 @@ mod tests {
         for logits in [[0.5, f32::NAN, 2.0, 1.0], [f32::NAN; 4]] {
             for top_p in [1.0, 0.5] {
                 let mut sampler =
-                    Sampler::new(Sampling::TopP { temperature: 1.0, top_p, seed: 1 }, Penalties::default(), &[]);
+                    Sampler::new(nucleus_only(1.0, top_p, 1), Penalties::default(), &[]);
                 assert!(sampler.sample(&logits) < 4, "{logits:?}, top_p {top_p}");
             }
         }
@@ -332,7 +426,7 @@ mod tests {
     fn the_same_seed_draws_the_same_tokens_and_greedy_takes_the_first_largest() {
         let logits = logits(3000, 7);
         let run = |seed| {
-            let mut s = Sampler::new(Sampling::TopP { temperature: 1.2, top_p: 1.0, seed }, Penalties::default(), &[]);
+            let mut s = Sampler::new(nucleus_only(1.2, 1.0, seed), Penalties::default(), &[]);
             (0..40).map(|_| s.sample(&logits)).collect::<Vec<_>>()
         };
         assert_eq!(run(11), run(11));

@@ -47,6 +47,10 @@ pub enum Field {
     Temperature,
     /// Nucleus mass.
     TopP,
+    /// The most likely tokens to sample from.
+    TopK,
+    /// The least probability to sample, relative to the most likely token's.
+    MinP,
     /// `presence_penalty`.
     PresencePenalty,
     /// `frequency_penalty`.
@@ -156,6 +160,8 @@ impl Field {
             Field::MaxTokens | Field::MaxCompletionTokens => "--max-tokens",
             Field::Temperature => "--temperature",
             Field::TopP => "--top-p",
+            Field::TopK => "--top-k",
+            Field::MinP => "--min-p",
             Field::PresencePenalty => "--presence-penalty",
             Field::FrequencyPenalty => "--frequency-penalty",
             Field::RepetitionPenalty => "--repetition-penalty",
@@ -214,6 +220,8 @@ impl Field {
             Field::MaxTokens => "max_tokens",
             Field::MaxCompletionTokens => "max_completion_tokens",
             Field::TopP => "top_p",
+            Field::TopK => "top_k",
+            Field::MinP => "min_p",
             Field::PresencePenalty => "presence_penalty",
             Field::FrequencyPenalty => "frequency_penalty",
             Field::RepetitionPenalty => "repetition_penalty",
@@ -341,12 +349,8 @@ pub struct RawRequest {
     pub max_tokens: u64,
     /// The least `max_tokens` may be (0 for the command line, where it generates nothing; 1 for the API).
     pub min_max_tokens: u64,
-    /// Sampling temperature (`None` or 0: greedy).
-    pub temperature: Option<f64>,
-    /// Nucleus mass (`None`: 1).
-    pub top_p: Option<f64>,
-    /// Sampling seed.
-    pub seed: u64,
+    /// Sampling temperature, filters and seed.
+    pub sampling: SamplingParams,
     /// Prompt tokens per prefill span (0: the whole prompt).
     pub prefill_chunk: u64,
     /// `presence_penalty` (`None`: 0).
@@ -408,7 +412,7 @@ pub fn check_request(raw: &RawRequest, limits: &Limits) -> Result<engine::Reques
             raw.prefill_chunk,
         ));
     }
-    let sampling = check_sampling(raw.temperature, raw.top_p, raw.seed)?;
+    let sampling = check_sampling(&raw.sampling)?;
     let penalties = check_penalties(raw, limits)?;
     let logprobs = match raw.logprobs {
         None => None,
@@ -487,11 +491,26 @@ pub fn check_penalties(raw: &RawRequest, limits: &Limits) -> Result<engine::Pena
     Ok(engine::Penalties { presence, frequency, repetition, bias })
 }
 
-/// Temperature finite and at least 0 (0 is greedy), top-p in (0, 1].
-pub fn check_sampling(temperature: Option<f64>, top_p: Option<f64>, seed: u64) -> Result<Sampling, Invalid> {
+/// How a request samples, as given.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SamplingParams {
+    /// Temperature (`None` or 0: greedy, and the rest unused).
+    pub temperature: Option<f64>,
+    /// Only the `top_k` most likely tokens (`None` or 0: no limit; more than the vocabulary is all of it).
+    pub top_k: Option<u64>,
+    /// Only tokens at least `min_p` times as likely as the most likely one (`None` or 0: no limit).
+    pub min_p: Option<f64>,
+    /// Nucleus mass (`None`: 1).
+    pub top_p: Option<f64>,
+    /// Seed.
+    pub seed: u64,
+}
+
+/// Temperature finite and at least 0 (0 is greedy), top-p in (0, 1], min-p in [0, 1].
+pub fn check_sampling(p: &SamplingParams) -> Result<Sampling, Invalid> {
     // Above this, softmax of f32 logits is uniform to the last bit: sampling ignores the model.
     const MAX_TEMPERATURE: f64 = 100.0;
-    if let Some(t) = temperature {
+    if let Some(t) = p.temperature {
         if !(t.is_finite() && (0.0..=MAX_TEMPERATURE).contains(&t)) {
             return Err(Invalid::new(
                 Field::Temperature,
@@ -500,13 +519,24 @@ pub fn check_sampling(temperature: Option<f64>, top_p: Option<f64>, seed: u64) -
             ));
         }
     }
-    if let Some(p) = top_p {
-        if !(p.is_finite() && p > 0.0 && p <= 1.0) {
-            return Err(Invalid::new(Field::TopP, "a number above 0 and at most 1", number(p)));
+    if let Some(top_p) = p.top_p {
+        if !(top_p.is_finite() && top_p > 0.0 && top_p <= 1.0) {
+            return Err(Invalid::new(Field::TopP, "a number above 0 and at most 1", number(top_p)));
         }
     }
-    Ok(match temperature {
-        Some(t) if t > 0.0 => Sampling::TopP { temperature: t as f32, top_p: top_p.unwrap_or(1.0) as f32, seed },
+    if let Some(min_p) = p.min_p {
+        if !(0.0..=1.0).contains(&min_p) {
+            return Err(Invalid::new(Field::MinP, "a number from 0 (no limit) to 1", number(min_p)));
+        }
+    }
+    Ok(match p.temperature {
+        Some(t) if t > 0.0 => Sampling::Sample {
+            temperature: t as f32,
+            top_k: p.top_k.map_or(0, |k| u32::try_from(k).unwrap_or(u32::MAX)),
+            min_p: p.min_p.unwrap_or(0.0) as f32,
+            top_p: p.top_p.unwrap_or(1.0) as f32,
+            seed: p.seed,
+        },
         _ => Sampling::Greedy,
     })
 }

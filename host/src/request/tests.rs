@@ -73,18 +73,30 @@ fn operator_context_narrows_the_model_and_is_named() {
 
 #[test]
 fn sampling_is_finite_and_in_range() {
+    let with = |temperature: Option<f64>, top_p: Option<f64>, seed: u64| {
+        check_sampling(&SamplingParams { temperature, top_p, seed, ..SamplingParams::default() })
+    };
     for t in [f64::NAN, -0.5, f64::INFINITY, 1e38, 101.0] {
-        let e = check_sampling(Some(t), None, 0).unwrap_err();
+        let e = with(Some(t), None, 0).unwrap_err();
         assert_eq!(e.field, Field::Temperature, "{t}");
     }
     for p in [f64::NAN, 0.0, -1.0, 2.0, f64::INFINITY] {
-        assert_eq!(check_sampling(Some(1.0), Some(p), 0).unwrap_err().field, Field::TopP, "{p}");
+        assert_eq!(with(Some(1.0), Some(p), 0).unwrap_err().field, Field::TopP, "{p}");
     }
-    assert!(matches!(check_sampling(Some(0.0), Some(1.0), 0), Ok(Sampling::Greedy)));
-    assert!(matches!(check_sampling(None, None, 0), Ok(Sampling::Greedy)));
+    for min_p in [f64::NAN, -0.1, 1.5, f64::INFINITY] {
+        let e = check_sampling(&SamplingParams { temperature: Some(1.0), min_p: Some(min_p), ..Default::default() });
+        assert_eq!(e.unwrap_err().to_string(), format!("--min-p: expected a number from 0 (no limit) to 1, found {}", number(min_p)));
+    }
+    assert!(matches!(with(Some(0.0), Some(1.0), 0), Ok(Sampling::Greedy)));
+    assert!(matches!(with(None, None, 0), Ok(Sampling::Greedy)));
     assert!(matches!(
-        check_sampling(Some(0.7), Some(0.9), 3),
-        Ok(Sampling::TopP { temperature, top_p, seed: 3 }) if temperature == 0.7 && top_p == 0.9
+        with(Some(0.7), Some(0.9), 3),
+        Ok(Sampling::Sample { temperature, top_k: 0, min_p: 0.0, top_p, seed: 3 }) if temperature == 0.7 && top_p == 0.9
+    ));
+    let all = SamplingParams { temperature: Some(1.0), top_k: Some(1 << 40), min_p: Some(0.05), top_p: None, seed: 1 };
+    assert!(matches!(
+        check_sampling(&all),
+        Ok(Sampling::Sample { top_k: u32::MAX, min_p, top_p: 1.0, .. }) if min_p == 0.05f32
     ));
 }
 

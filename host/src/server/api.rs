@@ -5,7 +5,7 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::{json, Map, Value};
 
-use crate::request::{self, Field, Invalid, RawRequest};
+use crate::request::{self, Field, Invalid, RawRequest, SamplingParams};
 
 /// An error as OpenAI's API returns it: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug)]
@@ -285,6 +285,21 @@ fn whole(v: &Value) -> Option<i128> {
         .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 2f64.powi(53)).map(|f| f as i128))
 }
 
+/// `top_k` (vLLM's and llama-server's): the most likely tokens to sample from; 0, or vLLM's older -1,
+/// for no limit.
+fn top_k(m: &Map<String, Value>) -> Result<Option<u64>, ApiError> {
+    const EXPECTED: &str = "a positive integer, or 0 or -1 for no limit";
+    match m.get("top_k") {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match whole(v) {
+            Some(-1) => Ok(None),
+            Some(k) if k >= 0 => Ok(Some(u64::try_from(k).unwrap_or(u64::MAX))),
+            Some(_) => Err(ApiError::invalid("top_k", EXPECTED, v)),
+            None => Err(ApiError::invalid("top_k", EXPECTED, kind(v))),
+        },
+    }
+}
+
 fn opt_f64(m: &Map<String, Value>, key: &'static str) -> Result<Option<f64>, ApiError> {
     match m.get(key) {
         None | Some(Value::Null) => Ok(None),
@@ -467,17 +482,21 @@ impl Completion {
             }),
             max_tokens: max_tokens.unwrap_or(DEFAULT_MAX_TOKENS),
             min_max_tokens: 1,
-            // OpenAI's defaults: temperature 1, top_p 1.
-            temperature: Some(opt_f64(&m, "temperature")?.unwrap_or(1.0)),
-            top_p: Some(opt_f64(&m, "top_p")?.unwrap_or(1.0)),
-            // No seed: a fresh one (vLLM and llama-server draw each unseeded request anew; with 0 every
-            // sampled reply to the same prompt was the same), which the `pdhost` object reports.
-            seed: match m.get("seed") {
-                None | Some(Value::Null) => random_seed(),
-                // Negative seeds as their 64 bits (`-1` is `2^64 - 1`), as vLLM's do.
-                Some(v) => match whole(v) {
-                    Some(seed) => seed as u64,
-                    None => return Err(ApiError::invalid("seed", "an integer", kind(v))),
+            sampling: SamplingParams {
+                // OpenAI's defaults: temperature 1, top_p 1.
+                temperature: Some(opt_f64(&m, "temperature")?.unwrap_or(1.0)),
+                top_k: top_k(&m)?,
+                min_p: opt_f64(&m, "min_p")?,
+                top_p: Some(opt_f64(&m, "top_p")?.unwrap_or(1.0)),
+                // No seed: a fresh one (vLLM and llama-server draw each unseeded request anew; with 0
+                // every sampled reply to the same prompt was the same), which the `pdhost` object reports.
+                seed: match m.get("seed") {
+                    None | Some(Value::Null) => random_seed(),
+                    // Negative seeds as their 64 bits (`-1` is `2^64 - 1`), as vLLM's do.
+                    Some(v) => match whole(v) {
+                        Some(seed) => seed as u64,
+                        None => return Err(ApiError::invalid("seed", "an integer", kind(v))),
+                    },
                 },
             },
             prefill_chunk: 0,
@@ -612,11 +631,22 @@ mod tests {
         assert_eq!(Completion::parse(br#"{"prompt":"x","max_tokens":16.0}"#).unwrap().raw.max_tokens, 16);
         assert_eq!(err(r#"{"prompt":"x","max_tokens":1.5}"#), "max_tokens: expected an integer, found the number 1.5");
         // So in every integer field: a seed (negative ones too), token ids, `best_of`.
-        let seed = |b: &str| Completion::parse(b.as_bytes()).unwrap().raw.seed;
+        let seed = |b: &str| Completion::parse(b.as_bytes()).unwrap().raw.sampling.seed;
         assert_eq!(seed(r#"{"prompt":"x","seed":42.0}"#), 42);
         assert_eq!(seed(r#"{"prompt":"x","seed":-1}"#), u64::MAX);
         assert_eq!(seed(r#"{"prompt":"x","seed":-2.0}"#), u64::MAX - 1);
         assert_eq!(err(r#"{"prompt":"x","seed":0.5}"#), "seed: expected an integer, found the number 0.5");
+        // vLLM's and llama-server's filters: `top_k` 0 or vLLM's older -1 is no limit.
+        let sampling = |b: &str| Completion::parse(b.as_bytes()).unwrap().raw.sampling;
+        assert_eq!(sampling(r#"{"prompt":"x","top_k":64,"min_p":0.05}"#).top_k, Some(64));
+        assert_eq!(sampling(r#"{"prompt":"x","top_k":64,"min_p":0.05}"#).min_p, Some(0.05));
+        assert_eq!(sampling(r#"{"prompt":"x","top_k":-1}"#).top_k, None);
+        assert_eq!(sampling(r#"{"prompt":"x","top_k":0}"#).top_k, Some(0));
+        assert_eq!(err(r#"{"prompt":"x","top_k":-2}"#), "top_k: expected a positive integer, or 0 or -1 for no limit, found -2");
+        assert_eq!(
+            err(r#"{"prompt":"x","top_k":"8"}"#),
+            "top_k: expected a positive integer, or 0 or -1 for no limit, found a string of 1 byte"
+        );
         let Prompt::Ids(ids) = Completion::parse(br#"{"prompt":[1.0,2]}"#).unwrap().prompt else { panic!("ids") };
         assert_eq!(ids, [1, 2]);
         assert!(Completion::parse(br#"{"prompt":"x","best_of":1.0}"#).is_ok());

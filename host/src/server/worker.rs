@@ -811,7 +811,7 @@ fn end(loaded: &mut Loaded, metrics: &Metrics, r: Running<'_>) {
         "output_ids": gen.output,
         // The sampling seed (drawn where the request named none), so that the reply can be had again.
         "seed": match job.request.sampling {
-            Sampling::TopP { seed, .. } => Some(seed),
+            Sampling::Sample { seed, .. } => Some(seed),
             Sampling::Greedy => None,
         },
     });
