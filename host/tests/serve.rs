@@ -202,6 +202,11 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
                      "logit_bias": {}, "logprobs": null, "echo": false, "best_of": 1, "user": "u"});
     let (status, v) = post(&s, "/v1/completions", &off.to_string());
     assert_eq!((status, &v["pdhost"]["output_ids"]), (200, &reference["output_ids"]));
+    assert_eq!(v["pdhost"].get("ignored_fields"), None, "{v}");
+    // A field that nothing reads is named in the answer (and the server's log), not silently dropped.
+    let unread = json!({"prompt": ids, "max_tokens": 2, "temperature": 0, "stop_token_ids": [7]});
+    let (status, v) = post(&s, "/v1/completions", &unread.to_string());
+    assert_eq!((status, &v["pdhost"]["ignored_fields"]), (200, &json!(["stop_token_ids"])), "{v}");
     // Sampling from the most likely token alone (`top_k` 1, or `min_p` 1 where no two tie) is greedy.
     for filter in [json!({"top_k": 1}), json!({"min_p": 1.0, "top_p": 0.5})] {
         let mut sampled = json!({"prompt": ids, "max_tokens": 12, "temperature": 1.3, "seed": 5});
@@ -308,12 +313,12 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(get(&s, "/health").0, 200);
 
     // Metrics count what happened.
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(9.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(10.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(21.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
-    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(9.0));
-    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(9.0));
-    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(9.0));
+    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(10.0));
+    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(10.0));
+    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(10.0));
     assert_eq!(metric(&s, r#"pdhost_producer_starts_total{kind="start"}"#), Some(1.0));
     assert_eq!(metric(&s, "pdhost_requests_running"), Some(0.0));
     // A conversation too long for the context is named by its messages, not by a `prompt` it never sent;

@@ -143,7 +143,11 @@ mod tests {
                 std::fs::create_dir_all(seeds).unwrap();
                 std::fs::write(seeds.join(name), &seed).unwrap();
             }
-            assert_eq!(std::fs::read(seeds.join(name)).ok().as_ref(), Some(&seed), "{name}: PDHOST_WRITE_SEEDS=1 rewrites it");
+            assert_eq!(
+                std::fs::read(seeds.join(name)).ok().as_ref(),
+                Some(&seed),
+                "{name}: PDHOST_WRITE_SEEDS=1 rewrites it"
+            );
             assert!(super::hf_checkpoint(&dir, &seed), "{name} loads");
             for cut in [0, 3, 4, 40, seed.len() / 2, seed.len() - 1] {
                 assert!(!super::hf_checkpoint(&dir, &seed[..cut]), "{name} cut to {cut} bytes");

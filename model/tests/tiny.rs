@@ -74,7 +74,9 @@ fn a_checkpoint_whose_tensors_do_not_fit_its_config_is_refused_by_name() {
         .unwrap();
     let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
     assert!(
-        err.contains("tensor model.layers.0.mlp.gate_proj.weight: expected shape [48, 32] for this config, found shape [64, 32]"),
+        err.contains(
+            "tensor model.layers.0.mlp.gate_proj.weight: expected shape [48, 32] for this config, found shape [64, 32]"
+        ),
         "{err}"
     );
     std::fs::remove_dir_all(&tmp).unwrap();
@@ -110,7 +112,10 @@ fn a_transposed_matrix_is_refused_by_its_shape() {
         tensors.iter().map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), d).unwrap())).collect();
     safetensors::serialize_to_file(views, None, &tmp.join("model.safetensors")).unwrap();
     let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
-    assert!(err.contains(&format!("tensor {name}: expected shape [32, 64] for this config, found shape [64, 32]")), "{err}");
+    assert!(
+        err.contains(&format!("tensor {name}: expected shape [32, 64] for this config, found shape [64, 32]")),
+        "{err}"
+    );
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 

@@ -377,7 +377,13 @@ mod tests {
 
     /// The three filters as a plain reading of their definitions: every token sorted, the first `top_k`
     /// kept, then those of weight `min_p` or more, then the running share of what is left.
-    fn filtered_by_full_sort(logits: &[f32], temperature: f32, top_k: usize, min_p: f32, top_p: f32) -> Vec<(f32, u32)> {
+    fn filtered_by_full_sort(
+        logits: &[f32],
+        temperature: f32,
+        top_k: usize,
+        min_p: f32,
+        top_p: f32,
+    ) -> Vec<(f32, u32)> {
         let mut all = weighed(logits, temperature);
         all.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
         let heaviest = all[0].0;
@@ -420,7 +426,11 @@ mod tests {
             );
             for _ in 0..50 {
                 let got = sampler.sample(&logits);
-                assert_eq!(got, draw(&want, rng.next_f32()), "seed {seed}: top_k {top_k}, min_p {min_p}, top_p {top_p}");
+                assert_eq!(
+                    got,
+                    draw(&want, rng.next_f32()),
+                    "seed {seed}: top_k {top_k}, min_p {min_p}, top_p {top_p}"
+                );
             }
             // The greedy token alone, or with those tied with it.
             if top_k == 1 || min_p == 1.0 {
@@ -435,8 +445,7 @@ mod tests {
     fn with_top_p_1_every_token_can_come_and_in_its_share() {
         // Four tokens of weights 1, 2, 3, 4 (logits their logs): 20000 draws land near 10%, 20%, 30%, 40%.
         let logits: Vec<f32> = [1f32, 2.0, 3.0, 4.0].iter().map(|w| w.ln()).collect();
-        let mut sampler =
-            Sampler::new(nucleus_only(1.0, 1.0, 9), Penalties::default(), &[]);
+        let mut sampler = Sampler::new(nucleus_only(1.0, 1.0, 9), Penalties::default(), &[]);
         let mut counts = [0u32; 4];
         for _ in 0..20_000 {
             counts[sampler.sample(&logits) as usize] += 1;
@@ -484,8 +493,7 @@ mod tests {
     fn logits_with_a_nan_still_give_a_token() {
         for logits in [[0.5, f32::NAN, 2.0, 1.0], [f32::NAN; 4]] {
             for top_p in [1.0, 0.5] {
-                let mut sampler =
-                    Sampler::new(nucleus_only(1.0, top_p, 1), Penalties::default(), &[]);
+                let mut sampler = Sampler::new(nucleus_only(1.0, top_p, 1), Penalties::default(), &[]);
                 assert!(sampler.sample(&logits) < 4, "{logits:?}, top_p {top_p}");
             }
         }

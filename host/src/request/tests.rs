@@ -85,7 +85,10 @@ fn sampling_is_finite_and_in_range() {
     }
     for min_p in [f64::NAN, -0.1, 1.5, f64::INFINITY] {
         let e = check_sampling(&SamplingParams { temperature: Some(1.0), min_p: Some(min_p), ..Default::default() });
-        assert_eq!(e.unwrap_err().to_string(), format!("--min-p: expected a number from 0 (no limit) to 1, found {}", number(min_p)));
+        assert_eq!(
+            e.unwrap_err().to_string(),
+            format!("--min-p: expected a number from 0 (no limit) to 1, found {}", number(min_p))
+        );
     }
     assert!(matches!(with(Some(0.0), Some(1.0), 0), Ok(Sampling::Greedy)));
     assert!(matches!(with(None, None, 0), Ok(Sampling::Greedy)));

@@ -240,7 +240,45 @@ pub struct Completion {
     pub stream: bool,
     /// With `stream`: a last chunk carrying `usage`.
     pub include_usage: bool,
+    /// Fields of the body this server neither reads nor refuses, in order (vLLM's `stop_token_ids`,
+    /// say): left out of the reply's making, so the server warns and the `pdhost` object names them.
+    pub ignored: Vec<String>,
 }
+
+/// The most ignored fields a reply names (a body may hold any number).
+const MAX_IGNORED_NAMED: usize = 16;
+
+/// The fields [`Completion::from_map`] reads (those of [`UNSUPPORTED`] are refused where they ask for
+/// something), and those accepted with no effect on a reply: `user`, `metadata`, `store` and
+/// `service_tier` are an account's bookkeeping, `parallel_tool_calls` means nothing without tools.
+const READ: &[&str] = &[
+    "model",
+    "prompt",
+    "messages",
+    "n",
+    "stop",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_k",
+    "min_p",
+    "top_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "ignore_eos",
+    "max_tokens",
+    "max_completion_tokens",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "parallel_tool_calls",
+];
 
 /// The most stop strings, as OpenAI allows.
 pub const MAX_STOP: usize = 4;
@@ -507,7 +545,23 @@ impl Completion {
             logprobs,
             ignore_eos: opt_bool(&m, "ignore_eos")?,
         };
-        Ok(Completion { model, prompt, raw, stop, limit_field: Field::MaxTokens, stream, include_usage, to_context })
+        let ignored = m
+            .keys()
+            .filter(|k| !READ.contains(&k.as_str()) && !UNSUPPORTED.iter().any(|u| u.field == k.as_str()))
+            .take(MAX_IGNORED_NAMED)
+            .map(|k| crate::request::shorten_to(k, 64))
+            .collect();
+        Ok(Completion {
+            model,
+            prompt,
+            raw,
+            stop,
+            limit_field: Field::MaxTokens,
+            stream,
+            include_usage,
+            to_context,
+            ignored,
+        })
     }
 
     fn prompt(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
@@ -642,7 +696,10 @@ mod tests {
         assert_eq!(sampling(r#"{"prompt":"x","top_k":64,"min_p":0.05}"#).min_p, Some(0.05));
         assert_eq!(sampling(r#"{"prompt":"x","top_k":-1}"#).top_k, None);
         assert_eq!(sampling(r#"{"prompt":"x","top_k":0}"#).top_k, Some(0));
-        assert_eq!(err(r#"{"prompt":"x","top_k":-2}"#), "top_k: expected a positive integer, or 0 or -1 for no limit, found -2");
+        assert_eq!(
+            err(r#"{"prompt":"x","top_k":-2}"#),
+            "top_k: expected a positive integer, or 0 or -1 for no limit, found -2"
+        );
         assert_eq!(
             err(r#"{"prompt":"x","top_k":"8"}"#),
             "top_k: expected a positive integer, or 0 or -1 for no limit, found a string of 1 byte"
@@ -658,6 +715,9 @@ mod tests {
             assert!(err(&body).starts_with(&format!("{field}: expected")), "{field}: {}", err(&body));
         }
         assert!(Completion::parse(br#"{"prompt":"x","functions":[],"modalities":["text"]}"#).is_ok());
+        // What no field of this server reads is named, not silently dropped; bookkeeping is not.
+        let c = Completion::parse(br#"{"prompt":"x","user":"u","stop_token_ids":[2],"min_tokens":3,"top_k":4}"#);
+        assert_eq!(c.unwrap().ignored, ["stop_token_ids", "min_tokens"], "in the order of the body");
     }
 
     #[test]

@@ -549,6 +549,9 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         e
     })?;
     let id = app.next_id.fetch_add(1, Ordering::Relaxed);
+    if !c.ignored.is_empty() {
+        tracing::warn!(id, "request fields ignored (no field of this server reads them): {}", c.ignored.join(", "));
+    }
     let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let prompt_tokens = checked.prompt.len();
     let job = Job { id, request: checked, stop: c.stop.clone(), events, accepted: std::time::Instant::now() };
@@ -571,6 +574,14 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     let model = app.config.model.clone();
     let wants_logprobs = c.raw.logprobs.is_some();
     let tokenizer = Arc::clone(&app.tokenizer);
+    // The `pdhost` object of the answer, naming the body's fields that nothing read.
+    let ignored = std::mem::take(&mut c.ignored);
+    let pdhost = move |mut pdhost: Value| {
+        if !ignored.is_empty() {
+            pdhost["ignored_fields"] = json!(ignored);
+        }
+        pdhost
+    };
     if !c.stream {
         let (mut text, mut logprobs) = (String::new(), Vec::new());
         while let Some(event) = rx.recv().await {
@@ -589,7 +600,7 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
                         "id": cmpl, "object": endpoint.object(false), "created": created, "model": model,
                         "choices": [endpoint.choice(&text, done.finish, logprobs)],
                         "usage": usage(prompt_tokens, done.completion_tokens),
-                        "pdhost": done.pdhost,
+                        "pdhost": pdhost(done.pdhost),
                     }))
                     .into_response());
                 }
@@ -650,7 +661,7 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
                     }
                     let mut last = json!({"id": cmpl, "object": endpoint.object(true), "created": created,
                         "model": model, "choices": [endpoint.delta("", false, Some(done.finish), Value::Null)]});
-                    last["pdhost"] = done.pdhost;
+                    last["pdhost"] = pdhost(done.pdhost);
                     let last = SseEvent::default().data(last.to_string());
                     let _ = sse_tx.send(Ok(last)).await;
                     if include_usage {

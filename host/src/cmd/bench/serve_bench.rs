@@ -107,7 +107,11 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         request::check_count(Field::BatchWait, ms, 0, crate::cmd::serve::MAX_BATCH_WAIT_MS)?;
     }
     request::input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
-    request::check_sampling(&request::SamplingParams { temperature: Some(args.temperature), seed: SEED, ..Default::default() })?;
+    request::check_sampling(&request::SamplingParams {
+        temperature: Some(args.temperature),
+        seed: SEED,
+        ..Default::default()
+    })?;
     if args.peer && args.temperature > 0.0 {
         // llama-server samples with its own generator: its text could not be compared, and greedy
         // decoding is what it is sent.
