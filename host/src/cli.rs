@@ -278,6 +278,14 @@ pub struct GenerateArgs {
     /// llama-server's `ignore_eos`)
     #[arg(long)]
     pub ignore_eos: bool,
+    /// Token ids that end the output as an end-of-sequence token does, included in it, also with
+    /// --ignore-eos: `--stop-token-ids 106,1` (vLLM's `stop_token_ids`; at most 64)
+    #[arg(long, value_parser = token_id, value_delimiter = ',', allow_negative_numbers = true)]
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// Generate at least this many tokens before an end-of-sequence or stop token may come: until then
+    /// they are never drawn (vLLM's `min_tokens`; at most --max-tokens)
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
+    pub min_tokens: Option<u64>,
     /// Print one JSON object instead of streaming text.
     #[arg(long)]
     pub json: bool,

@@ -237,6 +237,17 @@ fn sampling_is_reproducible_from_its_seed() {
         let top1 = generate(dir, &[1, 90, 169], 12, &["--temperature", "2", "--top-k", "1", "--seed", seed]);
         assert_eq!(ids(&top1["output_ids"]), greedy, "seed {seed}");
     }
+    // `--stop-token-ids`: the output ends at the first of them, included.
+    let stop = greedy[3];
+    let at = greedy.iter().position(|&t| t == stop).unwrap();
+    let stopped = generate(dir, &[1, 90, 169], 12, &["--stop-token-ids", &stop.to_string()]);
+    assert_eq!((ids(&stopped["output_ids"]), stopped["finish_reason"].as_str()), (greedy[..=at].to_vec(), Some("eos")));
+    let out = Command::new(PDHOST)
+        .args(["generate", "--model", dir, "--prompt-ids", "1,90", "--max-tokens", "2", "--min-tokens", "3"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--min-tokens: expected at most max_tokens (2), found 3"), "{err}");
     let out = Command::new(PDHOST)
         .args(["generate", "--model", dir, "--prompt-ids", "1,90", "--temperature", "1", "--min-p", "1.5"])
         .output()

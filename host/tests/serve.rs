@@ -194,6 +194,19 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!((&v["choices"][0]["finish_reason"], &v["usage"]["completion_tokens"]), (&json!("length"), &json!(24)));
     assert_eq!(v["pdhost"]["output_ids"], go_on["output_ids"]);
     assert_eq!(v["pdhost"]["logits_xxh3"], go_on["logits_xxh3"]);
+    // `stop_token_ids`: the reply ends at the first of them, included, even under `ignore_eos`.
+    let out = go_on["output_ids"].as_array().unwrap();
+    let (at, stop_id) = out.iter().enumerate().skip(eos_at + 1).find(|&(i, t)| !out[..i].contains(t)).unwrap();
+    let mut stopping = ignoring.clone();
+    stopping["stop_token_ids"] = json!([stop_id]);
+    let (_, v) = post(&s, "/v1/completions", &stopping.to_string());
+    assert_eq!((&v["choices"][0]["finish_reason"], &v["pdhost"]["output_ids"]), (&json!("stop"), &json!(out[..=at])));
+    // `min_tokens`: the end-of-sequence token is held back until that many tokens are out.
+    let mut holding = ends.clone();
+    holding["min_tokens"] = json!(eos_at + 1);
+    let (_, v) = post(&s, "/v1/completions", &holding.to_string());
+    let held = v["pdhost"]["output_ids"].as_array().unwrap();
+    assert!(held.len() > eos_at && held[..eos_at - 1] == out[..eos_at - 1], "{v}");
 
     // Token ids as the prompt, and a stop string that ends the text before it.
     let ids = reference["prompt_ids"].clone();
@@ -204,9 +217,9 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!((status, &v["pdhost"]["output_ids"]), (200, &reference["output_ids"]));
     assert_eq!(v["pdhost"].get("ignored_fields"), None, "{v}");
     // A field that nothing reads is named in the answer (and the server's log), not silently dropped.
-    let unread = json!({"prompt": ids, "max_tokens": 2, "temperature": 0, "stop_token_ids": [7]});
+    let unread = json!({"prompt": ids, "max_tokens": 2, "temperature": 0, "guided_regex": "a+"});
     let (status, v) = post(&s, "/v1/completions", &unread.to_string());
-    assert_eq!((status, &v["pdhost"]["ignored_fields"]), (200, &json!(["stop_token_ids"])), "{v}");
+    assert_eq!((status, &v["pdhost"]["ignored_fields"]), (200, &json!(["guided_regex"])), "{v}");
     // Sampling from the most likely token alone (`top_k` 1, or `min_p` 1 where no two tie) is greedy.
     for filter in [json!({"top_k": 1}), json!({"min_p": 1.0, "top_p": 0.5})] {
         let mut sampled = json!({"prompt": ids, "max_tokens": 12, "temperature": 1.3, "seed": 5});
@@ -275,6 +288,17 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         (r#"{"prompt":"hi","logit_bias":{"7":-500}}"#, 400, "logit_bias: expected biases from -100 to 100, found -500"),
         (r#"{"prompt":"hi","best_of":3}"#, 400, "best_of: expected 1 (one completion per request), found 3"),
         (r#"{"prompt":"hi","ignore_eos":"yes"}"#, 400, "ignore_eos: expected a boolean"),
+        (r#"{"prompt":"hi","stop_token_ids":[2,-1]}"#, 400, "stop_token_ids: expected an array of token ids"),
+        (
+            r#"{"prompt":"hi","stop_token_ids":[49152]}"#,
+            400,
+            "stop_token_ids: expected token ids below smollm2-135m's vocabulary size 49152, found 49152",
+        ),
+        (
+            r#"{"prompt":"hi","max_tokens":3,"min_tokens":4}"#,
+            400,
+            "min_tokens: expected at most max_tokens (3), found 4",
+        ),
     ] {
         let (got, v) = post(&s, "/v1/completions", body);
         assert_eq!(got, status, "{v}");
@@ -313,12 +337,12 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(get(&s, "/health").0, 200);
 
     // Metrics count what happened.
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(10.0));
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(21.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(12.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(24.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
-    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(10.0));
-    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(10.0));
-    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(10.0));
+    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(12.0));
+    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(12.0));
+    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(12.0));
     assert_eq!(metric(&s, r#"pdhost_producer_starts_total{kind="start"}"#), Some(1.0));
     assert_eq!(metric(&s, "pdhost_requests_running"), Some(0.0));
     // A conversation too long for the context is named by its messages, not by a `prompt` it never sent;

@@ -160,6 +160,8 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         logit_bias: args.logit_bias.clone().map(|b| b.0).unwrap_or_default(),
         logprobs: args.logprobs.map(|n| (Field::Logprobs, n)),
         ignore_eos: args.ignore_eos,
+        stop_token_ids: args.stop_token_ids.iter().flatten().map(|&id| u64::from(id)).collect(),
+        min_tokens: args.min_tokens,
     };
     let request = request::check_request(&raw, &limits)?;
     let prompt = request.prompt.clone();

@@ -19,7 +19,7 @@ use crate::kv::{IngestError, KvConfig, PagedKv, Rounding, SeqId};
 use crate::supervisor::{PrefillCall, Producer, ProducerError, SpanTimes};
 pub use logprobs::{TokenLogprob, MAX_TOP_LOGPROBS};
 pub use sampler::Penalties;
-use sampler::Sampler;
+use sampler::{Held, Sampler};
 
 mod logprobs;
 mod sampler;
@@ -316,6 +316,12 @@ pub struct Request {
     /// Whether an end-of-sequence token is emitted like any other, so that only `max_tokens` ends the
     /// sequence (a benchmark's fixed output length; vLLM's `ignore_eos`).
     pub ignore_eos: bool,
+    /// Tokens that end the sequence when drawn, as an end-of-sequence token does (included in the
+    /// output), whatever `ignore_eos` says (vLLM's `stop_token_ids`).
+    pub stop_ids: Vec<u32>,
+    /// The fewest tokens generated before an end-of-sequence token or one of `stop_ids` may be drawn:
+    /// until then their logits are taken as -inf (vLLM's `min_tokens`).
+    pub min_tokens: usize,
 }
 
 impl Request {
@@ -329,6 +335,8 @@ impl Request {
             penalties: Penalties::default(),
             logprobs: None,
             ignore_eos: false,
+            stop_ids: Vec::new(),
+            min_tokens: 0,
         }
     }
 }
@@ -726,7 +734,7 @@ impl Engine {
     /// pass over one new sequence's last token).
     pub fn go_live(&mut self, p: Prefilling, req: &Request) -> Live {
         self.register_prefix(&p, &req.prompt[..req.prompt.len() - 1]);
-        Live::pending(p.seq, p.request_id, req, p.prefilled, p.started)
+        Live::pending(p.seq, p.request_id, req, &self.model.config.eos, p.prefilled, p.started)
     }
 
     /// Adds a sequence for `req`, prefills its prompt (by `by`) and runs its last prompt token in the host,
@@ -763,7 +771,7 @@ impl Engine {
         prefilled: Prefilled,
         started: Instant,
     ) -> Result<Live, EngineError> {
-        let mut live = Live::pending(seq, request_id, req, prefilled, started);
+        let mut live = Live::pending(seq, request_id, req, &self.model.config.eos, prefilled, started);
         let ran = self.run(&mut [&mut live]).pop().expect("one result per sequence");
         ran.map(|()| live)
     }
@@ -846,7 +854,7 @@ impl Engine {
     fn emit(&self, live: &mut Live) -> Option<u32> {
         let token = live.next.take()?;
         live.output.push(token);
-        if !live.ignore_eos && self.model.config.eos.contains(&token) {
+        if (!live.ignore_eos && self.model.config.eos.contains(&token)) || live.stop_ids.contains(&token) {
             live.finish = Some(Finish::Eos);
         } else if live.output.len() >= live.max_tokens {
             live.finish = Some(Finish::Length);
@@ -886,16 +894,27 @@ impl Engine {
 
 impl Live {
     /// A prefilled sequence whose last prompt token is still to run (`to_run`): the first pass over it
-    /// draws its first output token (or, with `max_tokens` 0, ends it).
-    fn pending(seq: SeqId, request_id: u64, req: &Request, prefilled: Prefilled, started: Instant) -> Live {
+    /// draws its first output token (or, with `max_tokens` 0, ends it). `eos` is the model's.
+    fn pending(
+        seq: SeqId,
+        request_id: u64,
+        req: &Request,
+        eos: &[u32],
+        prefilled: Prefilled,
+        started: Instant,
+    ) -> Live {
         let Prefilled { forward, ingest, bytes, spans, report } = prefilled;
+        // What `min_tokens` holds back: every token that would end the sequence.
+        let ends: Vec<u32> = eos.iter().chain(&req.stop_ids).copied().collect();
+        let held = Held { tokens: if req.min_tokens > 0 { ends } else { Vec::new() }, until: req.min_tokens };
         Live {
             seq,
             request_id,
             prompt_len: req.prompt.len(),
             max_tokens: req.max_tokens,
             ignore_eos: req.ignore_eos,
-            sampler: Sampler::new(req.sampling, req.penalties.clone(), &req.prompt),
+            stop_ids: req.stop_ids.clone(),
+            sampler: Sampler::new(req.sampling, req.penalties.clone(), held, &req.prompt),
             hasher: twox_hash::XxHash3_64::with_seed(0),
             next: None,
             to_run: Some(*req.prompt.last().expect("a prompt has at least one token")),
@@ -954,8 +973,10 @@ pub struct Live {
     request_id: u64,
     prompt_len: usize,
     max_tokens: usize,
-    /// Whether only `max_tokens` ends it.
+    /// Whether only `max_tokens` (or a stop id) ends it.
     ignore_eos: bool,
+    /// Tokens that end it when drawn.
+    stop_ids: Vec<u32>,
     /// Its sampling settings, generator and scratch space.
     sampler: Sampler,
     hasher: twox_hash::XxHash3_64,
@@ -1154,6 +1175,33 @@ mod tests {
         assert_eq!((&g1.output, g1.logits_hash), (&want1.0, want1.1));
         assert_eq!((&g2.output, g2.logits_hash), (&want2.0, want2.1));
         assert_eq!((out1, out2), (want1.0, want2.0));
+    }
+
+    /// A stop id ends a sequence where it is drawn, included, as an end-of-sequence token does, also
+    /// under `ignore_eos`; `min_tokens` holds back every token that would end it until that many are out.
+    #[test]
+    fn stop_ids_end_a_sequence_and_min_tokens_holds_them_back() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures/reference/tiny_gemma3_8l");
+        let mut m = Model::from_hf_dir(&dir).expect("tiny checkpoint loads");
+        m.configure(model::kernels::Precision::Exact, 1);
+        let mut e = Engine::new(m, Dtype::F32, 4, 64, 2).expect("engine");
+        let mut run = |req: &Request| e.generate(req, |_| {}).expect("generated");
+        // A random checkpoint repeats one token; a presence penalty makes every drawn token new.
+        let free = Request {
+            ignore_eos: true,
+            penalties: Penalties { presence: 100.0, ..Penalties::default() },
+            ..Request::greedy((20..33).collect(), 12, 0)
+        };
+        let all = run(&free).output;
+        // A token first drawn at step 4 or later, as the stop id.
+        let (at, &stop) = all.iter().enumerate().skip(3).find(|&(i, t)| !all[..i].contains(t)).expect("a new token");
+        let stopped = run(&Request { stop_ids: vec![stop], ..free.clone() });
+        assert_eq!((stopped.finish, &stopped.output[..]), (Finish::Eos, &all[..=at]));
+        // Held back until `at + 2` tokens are out: the sequence goes on past where it stopped.
+        let held = run(&Request { stop_ids: vec![stop], min_tokens: at + 2, ..free.clone() });
+        assert!(!held.output[..at + 2].contains(&stop), "{:?}", held.output);
+        assert!(held.output.len() > at + 1, "{:?}", held.output);
+        assert_eq!(held.output[..at], all[..at], "the same before the held token's step");
     }
 
     fn borrowed(values: &KvValues<'_>) -> bool {

@@ -43,11 +43,23 @@ impl Penalties {
     }
 }
 
+/// Tokens a sequence may not draw yet: those that would end it, before its `min_tokens`.
+#[derive(Clone, Debug, Default)]
+pub(super) struct Held {
+    /// The tokens.
+    pub(super) tokens: Vec<u32>,
+    /// Draws before which they are held back.
+    pub(super) until: usize,
+}
+
 /// A sequence's sampling state: its settings, its generator and its scratch space.
 #[derive(Debug)]
 pub(super) struct Sampler {
     sampling: Sampling,
     penalties: Penalties,
+    held: Held,
+    /// Tokens drawn so far.
+    drawn: usize,
     /// How often each token has been chosen so far (for the presence and frequency penalties).
     counts: HashMap<u32, u32>,
     /// The prompt's tokens, where the repetition penalty needs them.
@@ -62,7 +74,7 @@ pub(super) struct Sampler {
 }
 
 impl Sampler {
-    pub(super) fn new(sampling: Sampling, penalties: Penalties, prompt: &[u32]) -> Self {
+    pub(super) fn new(sampling: Sampling, penalties: Penalties, held: Held, prompt: &[u32]) -> Self {
         let seed = match sampling {
             Sampling::Sample { seed, .. } => seed ^ 0x9E37_79B9_7F4A_7C15,
             Sampling::Greedy => 0,
@@ -71,6 +83,8 @@ impl Sampler {
         Self {
             sampling,
             penalties,
+            held,
+            drawn: 0,
             counts: HashMap::new(),
             prompt,
             adjusted: Vec::new(),
@@ -81,10 +95,20 @@ impl Sampler {
     }
 
     /// The next token from the model's `logits` (not empty), after the [`Penalties`], which then count
-    /// it as part of the output.
+    /// it as part of the output, and with the [`Held`] tokens' logits -inf (and their weights 0) while
+    /// they are held.
     pub(super) fn next(&mut self, logits: &[f32]) -> u32 {
-        if !self.penalties.any() {
-            return self.sample(logits);
+        let holding = self.drawn < self.held.until;
+        self.drawn += 1;
+        let held = std::mem::take(&mut self.held.tokens);
+        let token = self.next_holding(logits, if holding { &held } else { &[] });
+        self.held.tokens = held;
+        token
+    }
+
+    fn next_holding(&mut self, logits: &[f32], held: &[u32]) -> u32 {
+        if !self.penalties.any() && held.is_empty() {
+            return self.sample(logits, held);
         }
         let mut adjusted = std::mem::take(&mut self.adjusted);
         adjusted.clear();
@@ -107,7 +131,12 @@ impl Sampler {
                 *l -= p.presence + p.frequency * count as f32;
             }
         }
-        let token = self.sample(&adjusted);
+        for &token in held {
+            if let Some(l) = adjusted.get_mut(token as usize) {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        let token = self.sample(&adjusted, held);
         self.adjusted = adjusted;
         *self.counts.entry(token).or_insert(0) += 1;
         token
@@ -124,7 +153,7 @@ impl Sampler {
     /// `top_k`; `min_p` those of weight at least `min_p` times the heaviest's; then `top_p` those up to
     /// the first whose running share of what the other two kept (of 1 where they are off) reaches
     /// `top_p`. The draw is walked through what is left in that order.
-    fn sample(&mut self, logits: &[f32]) -> u32 {
+    fn sample(&mut self, logits: &[f32], held: &[u32]) -> u32 {
         let (temperature, top_k, min_p, top_p) = match self.sampling {
             Sampling::Greedy => return model::forward::argmax(logits),
             Sampling::Sample { temperature, top_k, min_p, top_p, .. } => (temperature, top_k, min_p, top_p),
@@ -132,6 +161,13 @@ impl Sampler {
         self.weights.clear();
         self.weights.extend_from_slice(logits);
         model::kernels::softmax(&mut self.weights, 1.0 / temperature);
+        // A held token's logit is -inf, whose weight the clamped exponential makes about 1e-38 of the
+        // sum: 0, so that no draw can land on it.
+        for &token in held {
+            if let Some(w) = self.weights.get_mut(token as usize) {
+                *w = 0.0;
+            }
+        }
         // The probabilities' sum, to their rounding.
         let total = 1.0;
         let u = self.rng.next_f32();
@@ -359,11 +395,11 @@ mod tests {
             let want = nucleus_by_full_sort(&logits, temperature, top_p);
             let sampling = Sampling::Sample { temperature, top_k: 0, min_p: 0.0, top_p, seed };
             let (mut sampler, mut rng) = (
-                Sampler::new(sampling, Penalties::default(), &[]),
-                Sampler::new(sampling, Penalties::default(), &[]).rng,
+                Sampler::new(sampling, Penalties::default(), Held::default(), &[]),
+                Sampler::new(sampling, Penalties::default(), Held::default(), &[]).rng,
             );
             for _ in 0..50 {
-                let got = sampler.sample(&logits);
+                let got = sampler.sample(&logits, &[]);
                 assert_eq!(got, draw(&want, rng.next_f32()), "seed {seed}, top_p {top_p}");
                 assert!(want.iter().any(|w| w.1 == got), "a token outside the nucleus: {got}");
             }
@@ -421,11 +457,11 @@ mod tests {
             let want = filtered_by_full_sort(&logits, temperature, top_k.min(logits.len()), min_p, top_p);
             let sampling = Sampling::Sample { temperature, top_k: top_k as u32, min_p, top_p, seed };
             let (mut sampler, mut rng) = (
-                Sampler::new(sampling, Penalties::default(), &[]),
-                Sampler::new(sampling, Penalties::default(), &[]).rng,
+                Sampler::new(sampling, Penalties::default(), Held::default(), &[]),
+                Sampler::new(sampling, Penalties::default(), Held::default(), &[]).rng,
             );
             for _ in 0..50 {
-                let got = sampler.sample(&logits);
+                let got = sampler.sample(&logits, &[]);
                 assert_eq!(
                     got,
                     draw(&want, rng.next_f32()),
@@ -445,10 +481,10 @@ mod tests {
     fn with_top_p_1_every_token_can_come_and_in_its_share() {
         // Four tokens of weights 1, 2, 3, 4 (logits their logs): 20000 draws land near 10%, 20%, 30%, 40%.
         let logits: Vec<f32> = [1f32, 2.0, 3.0, 4.0].iter().map(|w| w.ln()).collect();
-        let mut sampler = Sampler::new(nucleus_only(1.0, 1.0, 9), Penalties::default(), &[]);
+        let mut sampler = Sampler::new(nucleus_only(1.0, 1.0, 9), Penalties::default(), Held::default(), &[]);
         let mut counts = [0u32; 4];
         for _ in 0..20_000 {
-            counts[sampler.sample(&logits) as usize] += 1;
+            counts[sampler.sample(&logits, &[]) as usize] += 1;
         }
         for (i, &c) in counts.iter().enumerate() {
             let share = f64::from(c) / 20_000.0;
@@ -459,7 +495,7 @@ mod tests {
 
     /// Greedy choices of a sampler with `penalties` and prompt `prompt`, over the same logits each step.
     fn greedy(penalties: Penalties, prompt: &[u32], logits: &[f32], steps: usize) -> Vec<u32> {
-        let mut s = Sampler::new(Sampling::Greedy, penalties, prompt);
+        let mut s = Sampler::new(Sampling::Greedy, penalties, Held::default(), prompt);
         (0..steps).map(|_| s.next(logits)).collect()
     }
 
@@ -480,7 +516,7 @@ mod tests {
         // negative logit is multiplied.
         let repetition = Penalties { repetition: 2.0, ..off.clone() };
         assert_eq!(greedy(repetition.clone(), &[0], &logits, 2), [1, 0]);
-        let mut s = Sampler::new(Sampling::Greedy, repetition, &[3]);
+        let mut s = Sampler::new(Sampling::Greedy, repetition, Held::default(), &[3]);
         s.next(&logits);
         assert_eq!(s.adjusted, [1.0, 0.9, 0.5, -0.4]);
         // A bias, before the penalties: +1 on token 2 makes it 1.5, and its presence penalty then 1.0,
@@ -493,9 +529,24 @@ mod tests {
     fn logits_with_a_nan_still_give_a_token() {
         for logits in [[0.5, f32::NAN, 2.0, 1.0], [f32::NAN; 4]] {
             for top_p in [1.0, 0.5] {
-                let mut sampler = Sampler::new(nucleus_only(1.0, top_p, 1), Penalties::default(), &[]);
-                assert!(sampler.sample(&logits) < 4, "{logits:?}, top_p {top_p}");
+                let mut sampler = Sampler::new(nucleus_only(1.0, top_p, 1), Penalties::default(), Held::default(), &[]);
+                assert!(sampler.sample(&logits, &[]) < 4, "{logits:?}, top_p {top_p}");
             }
+        }
+    }
+
+    /// Held tokens are never drawn while held, greedy or sampled, even as the likeliest; then they are.
+    #[test]
+    fn held_tokens_are_never_drawn_until_their_draw_count() {
+        // Token 2 is by far the likeliest, token 0 next; ties and the first token are the cases where a
+        // weight of about 1e-38 could still be drawn (a draw of 0 lands on the first token with weight).
+        let logits = [1.0f32, -3.0, 30.0, -3.0];
+        for sampling in [Sampling::Greedy, nucleus_only(5.0, 1.0, 3), nucleus_only(5.0, 0.9, 3)] {
+            let held = Held { tokens: vec![2, 0], until: 50 };
+            let mut s = Sampler::new(sampling, Penalties::default(), held, &[]);
+            let drawn: Vec<u32> = (0..60).map(|_| s.next(&logits)).collect();
+            assert!(drawn[..50].iter().all(|&t| t == 1 || t == 3), "{sampling:?}: {drawn:?}");
+            assert!(drawn[50..].contains(&2), "{sampling:?}: held no longer: {drawn:?}");
         }
     }
 
@@ -503,12 +554,12 @@ mod tests {
     fn the_same_seed_draws_the_same_tokens_and_greedy_takes_the_first_largest() {
         let logits = logits(3000, 7);
         let run = |seed| {
-            let mut s = Sampler::new(nucleus_only(1.2, 1.0, seed), Penalties::default(), &[]);
-            (0..40).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+            let mut s = Sampler::new(nucleus_only(1.2, 1.0, seed), Penalties::default(), Held::default(), &[]);
+            (0..40).map(|_| s.sample(&logits, &[])).collect::<Vec<_>>()
         };
         assert_eq!(run(11), run(11));
         assert_ne!(run(11), run(12));
-        let mut greedy = Sampler::new(Sampling::Greedy, Penalties::default(), &[]);
-        assert_eq!(greedy.sample(&[0.5, 2.0, -1.0, 2.0]), 1);
+        let mut greedy = Sampler::new(Sampling::Greedy, Penalties::default(), Held::default(), &[]);
+        assert_eq!(greedy.sample(&[0.5, 2.0, -1.0, 2.0], &[]), 1);
     }
 }

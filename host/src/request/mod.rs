@@ -51,6 +51,10 @@ pub enum Field {
     TopK,
     /// The least probability to sample, relative to the most likely token's.
     MinP,
+    /// Tokens that end the output.
+    StopTokenIds,
+    /// The fewest tokens before an end.
+    MinTokens,
     /// `presence_penalty`.
     PresencePenalty,
     /// `frequency_penalty`.
@@ -162,6 +166,8 @@ impl Field {
             Field::TopP => "--top-p",
             Field::TopK => "--top-k",
             Field::MinP => "--min-p",
+            Field::StopTokenIds => "--stop-token-ids",
+            Field::MinTokens => "--min-tokens",
             Field::PresencePenalty => "--presence-penalty",
             Field::FrequencyPenalty => "--frequency-penalty",
             Field::RepetitionPenalty => "--repetition-penalty",
@@ -222,6 +228,8 @@ impl Field {
             Field::TopP => "top_p",
             Field::TopK => "top_k",
             Field::MinP => "min_p",
+            Field::StopTokenIds => "stop_token_ids",
+            Field::MinTokens => "min_tokens",
             Field::PresencePenalty => "presence_penalty",
             Field::FrequencyPenalty => "frequency_penalty",
             Field::RepetitionPenalty => "repetition_penalty",
@@ -365,6 +373,10 @@ pub struct RawRequest {
     pub logprobs: Option<(Field, u64)>,
     /// Go on past the model's end-of-sequence tokens, to `max_tokens` (vLLM's `ignore_eos`).
     pub ignore_eos: bool,
+    /// Tokens that end the output as an end-of-sequence token does (vLLM's `stop_token_ids`), as given.
+    pub stop_token_ids: Vec<u64>,
+    /// The fewest tokens before an end-of-sequence or stop token (vLLM's `min_tokens`; `None`: 0).
+    pub min_tokens: Option<u64>,
 }
 
 /// Checks a request against the model's limits: a non-empty prompt of ids inside the vocabulary, prompt
@@ -421,6 +433,29 @@ pub fn check_request(raw: &RawRequest, limits: &Limits) -> Result<engine::Reques
             return Err(Invalid::new(field, format!("0 to {} alternatives per token", engine::MAX_TOP_LOGPROBS), n))
         }
     };
+    if raw.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(Invalid::new(
+            Field::StopTokenIds,
+            format!("at most {MAX_STOP_TOKEN_IDS} token ids"),
+            raw.stop_token_ids.len(),
+        ));
+    }
+    let stop_ids = raw
+        .stop_token_ids
+        .iter()
+        .map(|&id| match u32::try_from(id) {
+            Ok(id) if (id as usize) < limits.vocab => Ok(id),
+            _ => Err(Invalid::new(
+                Field::StopTokenIds,
+                format!("token ids below {}'s vocabulary size {}", limits.model, limits.vocab),
+                id,
+            )),
+        })
+        .collect::<Result<Vec<u32>, _>>()?;
+    let min_tokens = raw.min_tokens.unwrap_or(0);
+    if min_tokens > raw.max_tokens {
+        return Err(Invalid::new(Field::MinTokens, format!("at most max_tokens ({})", raw.max_tokens), min_tokens));
+    }
     Ok(engine::Request {
         prompt: raw.prompt.clone(),
         max_tokens: raw.max_tokens as usize,
@@ -429,8 +464,13 @@ pub fn check_request(raw: &RawRequest, limits: &Limits) -> Result<engine::Reques
         penalties,
         logprobs,
         ignore_eos: raw.ignore_eos,
+        stop_ids,
+        min_tokens: min_tokens as usize,
     })
 }
+
+/// The most `stop_token_ids` a request may give.
+pub const MAX_STOP_TOKEN_IDS: usize = 64;
 
 /// The least repetition penalty. A positive logit is divided by it: 1e-300 became 0 as an f32, and
 /// every repeated token's logit infinite (transformers and vLLM only ask for a number above 0).

@@ -240,7 +240,7 @@ pub struct Completion {
     pub stream: bool,
     /// With `stream`: a last chunk carrying `usage`.
     pub include_usage: bool,
-    /// Fields of the body this server neither reads nor refuses, in order (vLLM's `stop_token_ids`,
+    /// Fields of the body this server neither reads nor refuses, in order (vLLM's `guided_regex`,
     /// say): left out of the reply's making, so the server warns and the `pdhost` object names them.
     pub ignored: Vec<String>,
 }
@@ -271,6 +271,8 @@ const READ: &[&str] = &[
     "logprobs",
     "top_logprobs",
     "ignore_eos",
+    "stop_token_ids",
+    "min_tokens",
     "max_tokens",
     "max_completion_tokens",
     "user",
@@ -321,6 +323,22 @@ fn whole(v: &Value) -> Option<i128> {
         .map(i128::from)
         .or_else(|| n.as_i64().map(i128::from))
         .or_else(|| n.as_f64().filter(|f| f.fract() == 0.0 && f.abs() < 2f64.powi(53)).map(|f| f as i128))
+}
+
+/// `stop_token_ids` (vLLM's): token ids that end the reply as an end-of-sequence token does.
+fn stop_token_ids(m: &Map<String, Value>) -> Result<Vec<u64>, ApiError> {
+    const EXPECTED: &str = "an array of token ids";
+    match m.get("stop_token_ids") {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::Array(a)) => a
+            .iter()
+            .map(|v| match whole(v) {
+                Some(id) if id >= 0 => Ok(u64::try_from(id).unwrap_or(u64::MAX)),
+                _ => Err(ApiError::invalid("stop_token_ids", EXPECTED, format_args!("{} in it", kind(v)))),
+            })
+            .collect(),
+        Some(v) => Err(ApiError::invalid("stop_token_ids", EXPECTED, kind(v))),
+    }
 }
 
 /// `top_k` (vLLM's and llama-server's): the most likely tokens to sample from; 0, or vLLM's older -1,
@@ -544,6 +562,8 @@ impl Completion {
             logit_bias: logit_bias(&m)?,
             logprobs,
             ignore_eos: opt_bool(&m, "ignore_eos")?,
+            stop_token_ids: stop_token_ids(&m)?,
+            min_tokens: opt_u64(&m, "min_tokens")?,
         };
         let ignored = m
             .keys()
@@ -716,8 +736,18 @@ mod tests {
         }
         assert!(Completion::parse(br#"{"prompt":"x","functions":[],"modalities":["text"]}"#).is_ok());
         // What no field of this server reads is named, not silently dropped; bookkeeping is not.
-        let c = Completion::parse(br#"{"prompt":"x","user":"u","stop_token_ids":[2],"min_tokens":3,"top_k":4}"#);
-        assert_eq!(c.unwrap().ignored, ["stop_token_ids", "min_tokens"], "in the order of the body");
+        let c = Completion::parse(br#"{"prompt":"x","user":"u","guided_regex":"a+","min_tokens":3,"beam":1}"#);
+        assert_eq!(c.unwrap().ignored, ["guided_regex", "beam"], "in the order of the body");
+        let c = Completion::parse(br#"{"prompt":"x","stop_token_ids":[2,7.0],"min_tokens":3}"#).unwrap();
+        assert_eq!((c.raw.stop_token_ids, c.raw.min_tokens), (vec![2, 7], Some(3)));
+        assert_eq!(
+            err(r#"{"prompt":"x","stop_token_ids":[2,-1]}"#),
+            "stop_token_ids: expected an array of token ids, found the number -1 in it"
+        );
+        assert_eq!(
+            err(r#"{"prompt":"x","stop_token_ids":2}"#),
+            "stop_token_ids: expected an array of token ids, found the number 2"
+        );
     }
 
     #[test]
