@@ -238,6 +238,13 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     let text = v["choices"][0]["text"].as_str().unwrap();
     assert!(full.starts_with(text) && !text.contains(stop), "{text:?} / {stop:?}");
     assert_eq!(v["choices"][0]["finish_reason"], "stop");
+    // Not before `min_tokens` are out.
+    let (_, v) = post(
+        &s,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": 12, "min_tokens": 12, "temperature": 0, "stop": [stop]}).to_string(),
+    );
+    assert_eq!((v["choices"][0]["text"].as_str(), &v["choices"][0]["finish_reason"]), (Some(full), &json!("length")));
     // A stop string that the last token allowed completes: still a stop, not a length.
     let tail = full
         .char_indices()
@@ -337,12 +344,12 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(get(&s, "/health").0, 200);
 
     // Metrics count what happened.
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(12.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(13.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(24.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
-    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(12.0));
-    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(12.0));
-    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(12.0));
+    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(13.0));
+    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(13.0));
+    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(13.0));
     assert_eq!(metric(&s, r#"pdhost_producer_starts_total{kind="start"}"#), Some(1.0));
     assert_eq!(metric(&s, "pdhost_requests_running"), Some(0.0));
     // A conversation too long for the context is named by its messages, not by a `prompt` it never sent;

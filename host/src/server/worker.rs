@@ -700,7 +700,9 @@ fn advance(metrics: &Metrics, r: &mut Running<'_>, step: Result<Option<u32>, Eng
     r.stream.push(id);
     let text = r.stream.shown();
     r.ends.push(text.len());
-    let (end, stop) = safe_end(text, r.sent, &r.job.stop);
+    // Before `min_tokens` are out, no stop string ends the text either (as vLLM has it).
+    let stops = if r.ends.len() < r.job.request.min_tokens { &[][..] } else { &r.job.stop[..] };
+    let (end, stop) = safe_end(text, r.sent, stops);
     if end > r.sent {
         // The log-probabilities of the tokens this text completes; a token whose text is still held
         // back (it may become a stop string) goes with the chunk that sends it.
