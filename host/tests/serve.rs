@@ -281,7 +281,7 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         ),
         (r#"{"prompt":"hi","max_tokens":0}"#, 400, "max_tokens: expected at least 1, found 0"),
         (r#"{"prompt":"hi","max_tokens":-3}"#, 400, "max_tokens: expected a positive integer, found -3"),
-        (r#"{"prompt":"hi","n":2}"#, 400, "n: expected 1"),
+        (r#"{"prompt":"hi","n":0}"#, 400, "n: expected 1 to 64, found 0"),
         (r#"{"prompt":"hi","n":-1}"#, 400, "n: expected a positive integer, found -1"),
         (r#"{"prompt":"hi","temperature":-1}"#, 400, "temperature: expected a number from 0"),
         (r#"{"prompt":"hi","top_p":2}"#, 400, "top_p: expected a number above 0 and at most 1, found 2"),
@@ -759,7 +759,7 @@ fn chat_completions_use_the_models_template_and_equal_generate() {
     // 400, through Gemma 3's, is `server::api`'s `a_template_refusal_is_quoted_whole`).
     for body in [
         r#"{"messages":[]}"#,
-        r#"{"messages":[{"role":"user","content":"x"}],"n":3}"#,
+        r#"{"messages":[{"role":"user","content":"x"}],"n":0}"#,
         r#"{"messages":[{"role":"user"}]}"#,
         r#"{"messages":"hi"}"#,
     ] {
@@ -1061,6 +1061,71 @@ fn slots_interleave_streams_and_each_equals_generate_alone_sampled_or_greedy() {
     assert_eq!(again["pdhost"]["output_ids"], b["pdhost"]["output_ids"]);
     assert_eq!(again["pdhost"]["logits_xxh3"], b["pdhost"]["logits_xxh3"]);
     assert!(last["pdhost"]["seed"].is_null(), "a greedy reply has no seed: {last}");
+}
+
+/// `n` choices of a prompt and a batch of prompts: each choice equals the request of one choice that
+/// it stands for (choice `j` sampled with the seed plus `j`), streamed or not, in OpenAI's order.
+#[test]
+fn n_choices_and_batched_prompts_each_equal_their_own_request() {
+    let s = serve(&["--slots", "2", "--queue", "6"]);
+    let alone = |body: Value| {
+        let (status, v) = post(&s, "/v1/completions", &body.to_string());
+        assert_eq!(status, 200, "{v}");
+        v
+    };
+    let sampled = json!({"prompt": "The three primary colours are", "max_tokens": 8, "temperature": 1.2, "seed": 40});
+    let mut three = sampled.clone();
+    three["n"] = json!(3);
+    let v = alone(three.clone());
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    let mut completion_tokens = 0;
+    for (j, choice) in choices.iter().enumerate() {
+        let mut one = sampled.clone();
+        one["seed"] = json!(40 + j);
+        let one = alone(one);
+        assert_eq!((choice["index"].as_u64(), &choice["text"]), (Some(j as u64), &one["choices"][0]["text"]));
+        assert_eq!(v["pdhost"]["choices"][j]["output_ids"], one["pdhost"]["output_ids"], "choice {j}");
+        assert_eq!(v["pdhost"]["choices"][j]["seed"], 40 + j, "choice {j}");
+        assert_eq!(v["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"], "a prompt counts once");
+        completion_tokens += one["usage"]["completion_tokens"].as_u64().unwrap();
+    }
+    assert_eq!(v["usage"]["completion_tokens"], completion_tokens);
+    let ids = |c: usize| &v["pdhost"]["choices"][c]["output_ids"];
+    assert!(ids(0) != ids(1) || ids(1) != ids(2), "three seeds, three draws: {v}");
+
+    // Streamed: each chunk names its choice, and each choice's text and end are those above.
+    three["stream"] = json!(true);
+    three["stream_options"] = json!({"include_usage": true});
+    let chunks: Vec<Value> =
+        sse(&s, &three).iter().filter(|d| *d != "[DONE]").map(|d| serde_json::from_str(d).unwrap()).collect();
+    for (j, choice) in choices.iter().enumerate() {
+        let mine = chunks.iter().filter_map(|c| c["choices"].as_array()?.first()).filter(|c| c["index"] == j);
+        let text: String = mine.clone().filter_map(|c| c["text"].as_str()).collect();
+        let ends: Vec<&Value> = mine.map(|c| &c["finish_reason"]).filter(|f| !f.is_null()).collect();
+        assert_eq!((&json!(text), ends), (&choice["text"], vec![&choice["finish_reason"]]), "choice {j}");
+    }
+    assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], completion_tokens);
+
+    // A batch of prompts, text and ids, two choices each: choice `2i + j` is prompt `i`'s `j`-th.
+    let greedy = json!({"prompt": ["Once upon a time", [1, 2, 3, 4]], "max_tokens": 6, "temperature": 0, "n": 2});
+    let v = alone(greedy);
+    assert_eq!(v["choices"].as_array().unwrap().len(), 4, "{v}");
+    for (i, prompt) in [json!("Once upon a time"), json!([1, 2, 3, 4])].into_iter().enumerate() {
+        let one = alone(json!({"prompt": prompt, "max_tokens": 6, "temperature": 0}));
+        for j in 0..2 {
+            assert_eq!(v["choices"][2 * i + j]["text"], one["choices"][0]["text"], "prompt {i}, choice {j}");
+            assert_eq!(v["pdhost"]["choices"][2 * i + j]["logits_xxh3"], one["pdhost"]["logits_xxh3"]);
+        }
+    }
+
+    // More choices than the queue holds: refused, naming what was asked.
+    let (status, v) = post(&s, "/v1/completions", &json!({"prompt": "hi", "n": 7}).to_string());
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(
+        v["error"]["message"],
+        "n: expected at most 6 choices a request (the server's --queue), found 1 prompt(s) times n 7"
+    );
 }
 
 /// While a drain waits for a stream, new requests hear 503 (not a refused connection); a stream still

@@ -223,8 +223,11 @@ pub enum Prompt {
 pub struct Completion {
     /// The model asked for, if any.
     pub model: Option<String>,
-    /// The prompt.
-    pub prompt: Prompt,
+    /// The prompts: one, or a completion's batch (OpenAI's array of strings or of id arrays).
+    pub prompts: Vec<Prompt>,
+    /// Completions per prompt (`n`): choice `i * n + j` is prompt `i`'s `j`-th, sampled with the seed
+    /// plus `j` (as vLLM seeds a request's parallel samples).
+    pub n: usize,
     /// Everything but the prompt ids.
     pub raw: RawRequest,
     /// Stop strings (at most 4).
@@ -281,6 +284,9 @@ const READ: &[&str] = &[
     "service_tier",
     "parallel_tool_calls",
 ];
+
+/// The most choices a request may ask for: its prompts times `n`.
+pub const MAX_CHOICES: usize = 64;
 
 /// The most stop strings, as OpenAI allows.
 pub const MAX_STOP: usize = 4;
@@ -491,16 +497,28 @@ impl Completion {
             Some(Value::String(s)) => Some(s.clone()),
             Some(v) => return Err(ApiError::invalid("model", "a string", kind(v))),
         };
-        let prompt = match prompt {
-            Some(p) => p,
-            None => Self::prompt(&m)?,
+        let prompts = match prompt {
+            Some(p) => vec![p],
+            None => Self::prompts(&m)?,
         };
         refuse_unsupported(&m)?;
-        if let Some(n) = opt_u64(&m, "n")? {
-            if n != 1 {
-                return Err(ApiError::invalid("n", "1 (one completion per request)", n));
+        let n = match opt_u64(&m, "n")? {
+            None => 1,
+            Some(n) if (1..=MAX_CHOICES as u64).contains(&n) && n as usize * prompts.len() <= MAX_CHOICES => n as usize,
+            Some(n) if prompts.len() > 1 => {
+                return Err(ApiError::invalid(
+                    "n",
+                    format_args!(
+                        "at least 1 and at most {} for {} prompts ({MAX_CHOICES} choices a request)",
+                        MAX_CHOICES / prompts.len(),
+                        prompts.len()
+                    ),
+                    n,
+                ))
             }
-        }
+            Some(n) => return Err(ApiError::invalid("n", format_args!("1 to {MAX_CHOICES}"), n)),
+        };
+        let prompt = &prompts[0];
         let stop = match m.get("stop") {
             None | Some(Value::Null) => Vec::new(),
             Some(Value::String(s)) => vec![s.clone()],
@@ -573,7 +591,8 @@ impl Completion {
             .collect();
         Ok(Completion {
             model,
-            prompt,
+            prompts,
+            n,
             raw,
             stop,
             limit_field: Field::MaxTokens,
@@ -584,19 +603,40 @@ impl Completion {
         })
     }
 
-    fn prompt(m: &Map<String, Value>) -> Result<Prompt, ApiError> {
-        let prompt = match m.get("prompt") {
-            // OpenAI's batch form with one prompt (`["text"]`, `[[1, 2]]`), as evaluation harnesses send
-            // it: that prompt. More than one is refused below.
-            Some(Value::Array(a)) if a.len() == 1 && (a[0].is_string() || a[0].is_array()) => Some(&a[0]),
-            p => p,
-        };
-        Ok(match prompt {
-            Some(Value::String(s)) if s.is_empty() => {
-                return Err(ApiError::invalid("prompt", "a non-empty prompt", "an empty string"))
+    /// `prompt`: a string or an array of token ids, or OpenAI's batch of them (an array of strings, or
+    /// of id arrays), each a prompt of its own.
+    fn prompts(m: &Map<String, Value>) -> Result<Vec<Prompt>, ApiError> {
+        match m.get("prompt") {
+            Some(Value::Array(a)) if a.first().is_some_and(|p| p.is_string() || p.is_array()) => {
+                if a.len() > MAX_CHOICES {
+                    return Err(ApiError::invalid("prompt", format_args!("at most {MAX_CHOICES} prompts"), a.len()));
+                }
+                a.iter()
+                    .enumerate()
+                    .map(|(i, p)| match p {
+                        Value::String(_) | Value::Array(_) => Self::prompt(p, Some(i)),
+                        p => Err(ApiError::invalid(
+                            "prompt",
+                            "an array of strings or of token id arrays",
+                            format_args!("{} at position {i}", kind(p)),
+                        )),
+                    })
+                    .collect()
             }
-            Some(Value::String(s)) => Prompt::Text(s.clone()),
-            Some(Value::Array(a)) if a.iter().all(|v| v.is_number()) => {
+            None => Err(ApiError::invalid("prompt", "a string or an array of token ids", "none")),
+            Some(p) => Ok(vec![Self::prompt(p, None)?]),
+        }
+    }
+
+    /// One prompt: a string or an array of token ids (`at`: its place in a batch).
+    fn prompt(p: &Value, at: Option<usize>) -> Result<Prompt, ApiError> {
+        let which = at.map(|i| format!(" (prompt {i})")).unwrap_or_default();
+        Ok(match p {
+            Value::String(s) if s.is_empty() => {
+                return Err(ApiError::invalid("prompt", "a non-empty prompt", format_args!("an empty string{which}")))
+            }
+            Value::String(s) => Prompt::Text(s.clone()),
+            Value::Array(a) if a.iter().all(|v| v.is_number()) => {
                 let ids = a
                     .iter()
                     .enumerate()
@@ -605,22 +645,20 @@ impl Completion {
                             ApiError::invalid(
                                 "prompt",
                                 "token ids from 0 to 4294967295",
-                                format_args!("{v} at position {i}"),
+                                format_args!("{v} at position {i}{which}"),
                             )
                         })
                     })
                     .collect::<Result<Vec<u32>, _>>()?;
                 Prompt::Ids(ids)
             }
-            Some(v @ Value::Array(_)) => {
+            v => {
                 return Err(ApiError::invalid(
                     "prompt",
-                    "a string or an array of token ids (one prompt per request)",
-                    kind(v),
+                    "a string or an array of token ids",
+                    format_args!("{}{which}", kind(v)),
                 ))
             }
-            None => return Err(ApiError::invalid("prompt", "a string or an array of token ids", "none")),
-            Some(v) => return Err(ApiError::invalid("prompt", "a string or an array of token ids", kind(v))),
         })
     }
 }
@@ -658,11 +696,11 @@ mod tests {
     #[test]
     fn fields_are_read_with_their_types_and_named_when_wrong() {
         let c = Completion::parse(br#"{"prompt":"hi","max_tokens":3,"stop":["\n"],"stream":true,"stream_options":{"include_usage":true},"user":"x"}"#).unwrap();
-        assert_eq!(c.prompt, Prompt::Text("hi".into()));
+        assert_eq!(c.prompts[0], Prompt::Text("hi".into()));
         assert_eq!((c.raw.max_tokens, c.stream, c.include_usage), (3, true, true));
         assert_eq!(c.stop, vec!["\n".to_string()]);
         let c = Completion::parse(br#"{"prompt":[1,2,3]}"#).unwrap();
-        assert_eq!(c.prompt, Prompt::Ids(vec![1, 2, 3]));
+        assert_eq!(c.prompts[0], Prompt::Ids(vec![1, 2, 3]));
         assert_eq!(c.raw.max_tokens, DEFAULT_MAX_TOKENS);
 
         assert_eq!(
@@ -674,12 +712,19 @@ mod tests {
         assert_eq!(err("[1]"), "body: expected a JSON object, found an array of 1 item");
         assert_eq!(err(r#"{"prompt":""}"#), "prompt: expected a non-empty prompt, found an empty string");
         assert_eq!(err(r#"{}"#), "prompt: expected a string or an array of token ids, found none");
-        assert!(err(r#"{"prompt":["a","b"]}"#).contains("one prompt per request"));
-        // A batch of one prompt is that prompt; a nested batch is not a prompt.
-        assert_eq!(Completion::parse(br#"{"prompt":["hi"]}"#).unwrap().prompt, Prompt::Text("hi".into()));
-        assert_eq!(Completion::parse(br#"{"prompt":[[1,2]]}"#).unwrap().prompt, Prompt::Ids(vec![1, 2]));
-        assert!(err(r#"{"prompt":[[[1]]]}"#).contains("one prompt per request"));
-        assert_eq!(err(r#"{"prompt":[""]}"#), "prompt: expected a non-empty prompt, found an empty string");
+        // A batch: each string or id array a prompt of its own; a nested batch is not a prompt.
+        let batch = |b: &str| Completion::parse(b.as_bytes()).unwrap().prompts;
+        assert_eq!(batch(r#"{"prompt":["hi"]}"#), [Prompt::Text("hi".into())]);
+        assert_eq!(batch(r#"{"prompt":["a",[1,2]]}"#), [Prompt::Text("a".into()), Prompt::Ids(vec![1, 2])]);
+        assert_eq!(
+            err(r#"{"prompt":[[1],[[1]]]}"#),
+            "prompt: expected a string or an array of token ids, found an array of 1 item (prompt 1)"
+        );
+        assert_eq!(
+            err(r#"{"prompt":["a",7]}"#),
+            "prompt: expected an array of strings or of token id arrays, found the number 7 at position 1"
+        );
+        assert_eq!(err(r#"{"prompt":[""]}"#), "prompt: expected a non-empty prompt, found an empty string (prompt 0)");
         assert_eq!(
             err(r#"{"prompt":[1,-2]}"#),
             "prompt: expected token ids from 0 to 4294967295, found -2 at position 1"
@@ -689,7 +734,12 @@ mod tests {
             "max_tokens: expected an integer, found a string of 1 byte"
         );
         assert_eq!(err(r#"{"prompt":"x","max_tokens":-1}"#), "max_tokens: expected a positive integer, found -1");
-        assert_eq!(err(r#"{"prompt":"x","n":2}"#), "n: expected 1 (one completion per request), found 2");
+        assert_eq!(Completion::parse(br#"{"prompt":"x","n":3}"#).unwrap().n, 3);
+        assert_eq!(err(r#"{"prompt":"x","n":0}"#), "n: expected 1 to 64, found 0");
+        assert_eq!(
+            err(r#"{"prompt":["x","y","z"],"n":22}"#),
+            "n: expected at least 1 and at most 21 for 3 prompts (64 choices a request), found 22"
+        );
         assert!(err(r#"{"prompt":"x","stop":["a","b","c","d","e"]}"#).starts_with("stop: expected a string or up to 4"));
         assert_eq!(
             err(r#"{"prompt":"x","temperature":"hot"}"#),
@@ -724,7 +774,9 @@ mod tests {
             err(r#"{"prompt":"x","top_k":"8"}"#),
             "top_k: expected a positive integer, or 0 or -1 for no limit, found a string of 1 byte"
         );
-        let Prompt::Ids(ids) = Completion::parse(br#"{"prompt":[1.0,2]}"#).unwrap().prompt else { panic!("ids") };
+        let Prompt::Ids(ids) = Completion::parse(br#"{"prompt":[1.0,2]}"#).unwrap().prompts.remove(0) else {
+            panic!("ids")
+        };
         assert_eq!(ids, [1, 2]);
         assert!(Completion::parse(br#"{"prompt":"x","best_of":1.0}"#).is_ok());
         // The older function calling and the audio outputs are refused, not ignored.
@@ -757,7 +809,7 @@ mod tests {
             br#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":[{"type":"text","text":"Hi"},{"type":"text","text":"!"}]}],"max_completion_tokens":5}"#,
         )
         .unwrap();
-        let Prompt::Messages(m) = &c.prompt else { panic!("messages") };
+        let Prompt::Messages(m) = &c.prompts[0] else { panic!("messages") };
         assert_eq!((m[0].role.as_str(), m[1].content.as_str(), c.raw.max_tokens), ("system", "Hi\n!", 5));
         assert!(!c.to_context);
         // The newer name wins over the deprecated one, also where a client sends that one as `null`.
@@ -792,10 +844,10 @@ mod tests {
         let c = Completion::parse_chat(
             br#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":null}]}"#,
         );
-        let Prompt::Messages(m) = c.unwrap().prompt else { panic!("messages") };
+        let Prompt::Messages(m) = c.unwrap().prompts.remove(0) else { panic!("messages") };
         assert_eq!(m[1].content, "");
         let c = Completion::parse_chat(br#"{"messages":[{"role":"developer","content":"Be brief."}]}"#);
-        let Prompt::Messages(m) = c.unwrap().prompt else { panic!("messages") };
+        let Prompt::Messages(m) = c.unwrap().prompts.remove(0) else { panic!("messages") };
         assert_eq!((m[0].role.as_str(), m[0].content.as_str()), ("system", "Be brief."));
         assert_eq!(
             chat_err(r#"{"messages":["hi"]}"#),

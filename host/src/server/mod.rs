@@ -28,6 +28,7 @@ use axum::{Json, Router};
 use model::chat::ChatTemplate;
 use model::tokenizer::Tokenizer;
 use serde_json::{json, Value};
+use tokio_stream::{StreamExt, StreamMap};
 
 use crate::engine::TokenLogprob;
 use crate::request::{self, Limits};
@@ -368,25 +369,25 @@ impl Endpoint {
     }
 
     /// The choice of a whole response (`logprobs` from [`Endpoint::logprobs`], or null).
-    fn choice(self, text: &str, finish: &str, logprobs: Value) -> Value {
+    fn choice(self, index: usize, text: &str, finish: &str, logprobs: Value) -> Value {
         match self {
-            Endpoint::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}),
-            Endpoint::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text},
+            Endpoint::Text => json!({"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}),
+            Endpoint::Chat => json!({"index": index, "message": {"role": "assistant", "content": text},
                                      "finish_reason": finish, "logprobs": logprobs}),
         }
     }
 
     /// The choice of a stream chunk: new text, or the end.
-    fn delta(self, text: &str, first: bool, finish: Option<&str>, logprobs: Value) -> Value {
+    fn delta(self, index: usize, text: &str, first: bool, finish: Option<&str>, logprobs: Value) -> Value {
         match self {
-            Endpoint::Text => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}),
+            Endpoint::Text => json!({"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}),
             Endpoint::Chat => {
                 let delta = match (first, finish) {
                     (_, Some(_)) => json!({}),
                     (true, None) => json!({"role": "assistant", "content": text}),
                     (false, None) => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs})
+                json!({"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs})
             }
         }
     }
@@ -509,65 +510,93 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     }
     // Tokenizing a few MiB takes a while: not on the async threads.
     let tokenizer = Arc::clone(&app.tokenizer);
-    let prompt = std::mem::replace(&mut c.prompt, Prompt::Ids(Vec::new()));
-    c.raw.prompt = match prompt {
-        Prompt::Ids(ids) => ids,
-        Prompt::Text(text) => {
-            tokio::task::spawn_blocking(move || tokenizer.encode(&text, tokenizer.add_bos())).await.map_err(|e| {
-                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "tokenizer", e.to_string())
-            })?
-        }
-        Prompt::Messages(messages) => {
-            let chat = chat.expect("checked above");
-            tokio::task::spawn_blocking(move || chat.encode(&tokenizer, &messages, true))
-                .await
-                .map_err(|e| {
-                    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "chat_template", e.to_string())
-                })?
-                .map_err(|e| ApiError::refused_messages(&e))?
-        }
-    };
-    c.raw.prefill_chunk = app.config.prefill_chunk as u64;
-    if c.to_context {
-        // A reply of at least one token, so that a conversation that fills the context is refused
-        // naming its length, not a `max_tokens` the client never sent.
-        let context = app.config.limits.context as u64;
-        let room = context.saturating_sub(c.raw.prompt.len() as u64);
-        if room == 0 {
-            return Err(ApiError::invalid(
-                "messages",
-                format!("a conversation shorter than the {context}-token context (room for a reply)"),
-                format_args!("{} tokens", c.raw.prompt.len()),
-            ));
-        }
-        c.raw.max_tokens = room;
+    let prompts = std::mem::take(&mut c.prompts);
+    let prompts = tokio::task::spawn_blocking(move || {
+        let tokenized = prompts.into_iter().map(|prompt| match prompt {
+            Prompt::Ids(ids) => Ok(ids),
+            Prompt::Text(text) => Ok(tokenizer.encode(&text, tokenizer.add_bos())),
+            Prompt::Messages(messages) => chat
+                .as_ref()
+                .expect("checked above")
+                .encode(&tokenizer, &messages, true)
+                .map_err(|e| ApiError::refused_messages(&e)),
+        });
+        tokenized.collect::<Result<Vec<Vec<u32>>, ApiError>>()
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "tokenizer", e.to_string()))??;
+    let choices = prompts.len() * c.n;
+    if choices > app.config.queue {
+        let param = if prompts.len() > 1 { "prompt" } else { "n" };
+        return Err(ApiError::invalid(
+            param,
+            format_args!("at most {} choices a request (the server's --queue)", app.config.queue),
+            format_args!("{} prompt(s) times n {}", prompts.len(), c.n),
+        ));
     }
-    let checked = request::check_request(&c.raw, &app.config.limits).map_err(|mut e| {
-        if e.field == request::Field::MaxTokens {
-            e.field = c.limit_field;
+    // Each prompt's choices, checked as requests of their own: the same prompt, seeds counted up.
+    c.raw.prefill_chunk = app.config.prefill_chunk as u64;
+    let seed = c.raw.sampling.seed;
+    let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
+    let mut requests = Vec::with_capacity(choices);
+    for ids in prompts {
+        c.raw.prompt = ids;
+        if c.to_context {
+            // A reply of at least one token, so that a conversation that fills the context is refused
+            // naming its length, not a `max_tokens` the client never sent.
+            let context = app.config.limits.context as u64;
+            let room = context.saturating_sub(c.raw.prompt.len() as u64);
+            if room == 0 {
+                return Err(ApiError::invalid(
+                    "messages",
+                    format!("a conversation shorter than the {context}-token context (room for a reply)"),
+                    format_args!("{} tokens", c.raw.prompt.len()),
+                ));
+            }
+            c.raw.max_tokens = room;
         }
-        e
-    })?;
-    let id = app.next_id.fetch_add(1, Ordering::Relaxed);
+        for j in 0..c.n {
+            c.raw.sampling.seed = seed.wrapping_add(j as u64);
+            requests.push(request::check_request(&c.raw, &app.config.limits).map_err(|mut e| {
+                if e.field == request::Field::MaxTokens {
+                    e.field = c.limit_field;
+                }
+                e
+            })?);
+        }
+    }
+    let id = app.next_id.fetch_add(choices as u64, Ordering::Relaxed);
     if !c.ignored.is_empty() {
         tracing::warn!(id, "request fields ignored (no field of this server reads them): {}", c.ignored.join(", "));
     }
-    let (events, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    let prompt_tokens = checked.prompt.len();
-    let job = Job { id, request: checked, stop: c.stop.clone(), events, accepted: std::time::Instant::now() };
-    let refused = if !app.engine.enqueue(app.config.queue) {
-        Some((format!("queue: expected at most {} waiting requests, found it full", app.config.queue), "queue_full"))
-    } else if app.jobs.try_send(job).is_err() {
-        // Disconnected (the channel holds as many as the count allows): the engine thread is gone.
-        app.engine.unqueue();
-        Some(("the engine has stopped".to_string(), "engine_stopped"))
-    } else {
-        None
-    };
-    if let Some((why, code)) = refused {
-        let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", code, why);
+    if !app.engine.enqueue(app.config.queue, choices) {
+        let why = format!("queue: expected at most {} waiting requests, found it full", app.config.queue);
+        let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "server_error", "queue_full", why);
         e.retry_after = Some(1);
         return Err(e);
+    }
+    // Each choice is a job of its own, its events merged here by choice index.
+    let mut events = StreamMap::new();
+    let accepted = std::time::Instant::now();
+    for (i, request) in requests.into_iter().enumerate() {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let job = Job { id: id + i as u64, request, stop: c.stop.clone(), events: tx, accepted };
+        if app.jobs.try_send(job).is_err() {
+            // Disconnected (the channel is unbounded): the engine thread is gone. The places of the
+            // jobs not sent are given back (the engine never saw them).
+            for _ in i..choices {
+                app.engine.unqueue();
+            }
+            let mut e = ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "engine_stopped",
+                "the engine has stopped",
+            );
+            e.retry_after = Some(1);
+            return Err(e);
+        }
+        events.insert(i, tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
     }
     let cmpl = endpoint.id(id);
     let created = unix_now();
@@ -582,99 +611,110 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         }
         pdhost
     };
+    let engine_stopped = "the engine stopped before this request finished";
     if !c.stream {
-        let (mut text, mut logprobs) = (String::new(), Vec::new());
-        while let Some(event) = rx.recv().await {
+        let mut answers: Vec<(String, Vec<TokenLogprob>, Option<worker::Done>)> =
+            (0..choices).map(|_| Default::default()).collect();
+        while let Some((i, event)) = events.next().await {
             match event {
                 Event::Text(t, lps) => {
-                    text.push_str(&t);
-                    logprobs.extend(lps);
+                    answers[i].0.push_str(&t);
+                    answers[i].1.extend(lps);
                 }
-                Event::Done(done) => {
-                    let logprobs = if wants_logprobs {
-                        endpoint.logprobs(&tokenizer, &logprobs, &mut TextOffset::default())
-                    } else {
-                        Value::Null
-                    };
-                    return Ok(Json(json!({
-                        "id": cmpl, "object": endpoint.object(false), "created": created, "model": model,
-                        "choices": [endpoint.choice(&text, done.finish, logprobs)],
-                        "usage": usage(prompt_tokens, done.completion_tokens),
-                        "pdhost": pdhost(done.pdhost),
-                    }))
-                    .into_response());
-                }
+                Event::Done(done) => answers[i].2 = Some(done),
                 Event::Failed(message) => {
-                    // The engine counted it (`failed`); a refusal's count is for what the handler refuses.
+                    // The engine counted it (`failed`); a refusal's count is for what the handler
+                    // refuses. The other choices are cancelled as `events` drops.
                     let e =
                         ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "generation_failed", message);
                     return Ok(e.into_response());
                 }
             }
         }
-        return Err(ApiError::new(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            "server_error",
-            "engine_stopped",
-            "the engine stopped",
-        ));
+        let (mut list, mut objects, mut completion_tokens) = (Vec::new(), Vec::new(), 0);
+        for (i, (text, logprobs, done)) in answers.into_iter().enumerate() {
+            // Every stream ended without its end: the engine stopped (a drain past `--drain-timeout`).
+            let done = done.ok_or_else(|| {
+                ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "engine_stopped", engine_stopped)
+            })?;
+            let logprobs = if wants_logprobs {
+                endpoint.logprobs(&tokenizer, &logprobs, &mut TextOffset::default())
+            } else {
+                Value::Null
+            };
+            list.push(endpoint.choice(i, &text, done.finish, logprobs));
+            objects.push(done.pdhost);
+            completion_tokens += done.completion_tokens;
+        }
+        // One choice's own object, or each choice's under `choices`.
+        let object = if objects.len() == 1 { objects.remove(0) } else { json!({ "choices": objects }) };
+        return Ok(Json(json!({
+            "id": cmpl, "object": endpoint.object(false), "created": created, "model": model,
+            "choices": list, "usage": usage(prompt_tokens, completion_tokens), "pdhost": pdhost(object),
+        }))
+        .into_response());
     }
     // Streaming: a task turns engine events into SSE chunks. When the client goes away, the SSE stream
     // and its channel are dropped; the task sees that at once (queued or prefilling, with nothing sent
-    // yet, as well as mid-stream), drops `rx`, and the engine cancels the request.
+    // yet, as well as mid-stream), drops `events`, and the engine cancels the request's jobs.
     let (sse_tx, sse_rx) = tokio::sync::mpsc::channel::<Result<SseEvent, Infallible>>(64);
     let include_usage = c.include_usage;
     tokio::spawn(async move {
         let _in_flight = in_flight;
-        // Whether no text was sent yet (a chat stream's first chunk says the role).
-        let (mut first, mut offset) = (true, TextOffset::default());
-        let mut chunk = |text: &str, first: bool, lps: &[TokenLogprob], usage: Option<Value>| {
-            let logprobs = if wants_logprobs { endpoint.logprobs(&tokenizer, lps, &mut offset) } else { Value::Null };
-            let mut v = json!({"id": cmpl, "object": endpoint.object(true), "created": created, "model": model,
-                               "choices": [endpoint.delta(text, first, None, logprobs)]});
-            if let Some(u) = usage {
-                v["choices"] = json!([]);
-                v["usage"] = u;
-            }
-            SseEvent::default().data(v.to_string())
+        // Per choice: whether no text was sent yet (a chat stream's first chunk says the role), where
+        // its text stands (logprobs' offsets), and whether it ended.
+        let mut state: Vec<(bool, TextOffset, bool)> =
+            (0..choices).map(|_| (true, TextOffset::default(), false)).collect();
+        let mut completion_tokens = 0;
+        let head = json!({"id": cmpl, "object": endpoint.object(true), "created": created, "model": model});
+        let chunk = |choice: Value| {
+            let mut v = head.clone();
+            v["choices"] = json!([choice]);
+            v
         };
+        let sse = |v: Value| Ok(SseEvent::default().data(v.to_string()));
+        let done_event = || Ok(SseEvent::default().data("[DONE]"));
         loop {
             let event = tokio::select! {
-                event = rx.recv() => event,
+                event = events.next() => event,
                 () = sse_tx.closed() => break,
             };
-            let Some(event) = event else {
-                // The engine dropped the request without an answer (it stopped: a drain past
-                // `--drain-timeout`): the client is told, as a non-streaming request is, not left with
-                // a stream that ends as if complete.
-                let message = "the engine stopped before this request finished";
-                let _ = sse_tx.send(Ok(error_event("engine_stopped", message))).await;
-                let _ = sse_tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+            let Some((i, event)) = event else {
+                if state.iter().any(|s| !s.2) {
+                    // The engine dropped a job without an answer (it stopped: a drain past
+                    // `--drain-timeout`): the client is told, as a non-streaming request is, not left
+                    // with a stream that ends as if complete.
+                    let _ = sse_tx.send(Ok(error_event("engine_stopped", engine_stopped))).await;
+                } else if include_usage {
+                    let mut last = head.clone();
+                    last["choices"] = json!([]);
+                    last["usage"] = usage(prompt_tokens, completion_tokens);
+                    let _ = sse_tx.send(sse(last)).await;
+                }
+                let _ = sse_tx.send(done_event()).await;
                 break;
             };
+            let (first, offset, ended) = &mut state[i];
             let sent = match event {
-                Event::Text(t, lps) => sse_tx.send(Ok(chunk(&t, std::mem::take(&mut first), &lps, None))).await,
+                Event::Text(t, lps) => {
+                    let logprobs =
+                        if wants_logprobs { endpoint.logprobs(&tokenizer, &lps, offset) } else { Value::Null };
+                    sse_tx.send(sse(chunk(endpoint.delta(i, &t, std::mem::take(first), None, logprobs)))).await
+                }
                 Event::Done(done) => {
-                    if first && endpoint == Endpoint::Chat {
+                    if *first && endpoint == Endpoint::Chat {
                         // No text came (EOS or a stop string first): the role is still said once.
-                        let _ = sse_tx.send(Ok(chunk("", true, &[], None))).await;
+                        let _ = sse_tx.send(sse(chunk(endpoint.delta(i, "", true, None, Value::Null)))).await;
                     }
-                    let mut last = json!({"id": cmpl, "object": endpoint.object(true), "created": created,
-                        "model": model, "choices": [endpoint.delta("", false, Some(done.finish), Value::Null)]});
+                    *ended = true;
+                    completion_tokens += done.completion_tokens;
+                    let mut last = chunk(endpoint.delta(i, "", false, Some(done.finish), Value::Null));
                     last["pdhost"] = pdhost(done.pdhost);
-                    let last = SseEvent::default().data(last.to_string());
-                    let _ = sse_tx.send(Ok(last)).await;
-                    if include_usage {
-                        let _ = sse_tx
-                            .send(Ok(chunk("", false, &[], Some(usage(prompt_tokens, done.completion_tokens)))))
-                            .await;
-                    }
-                    let _ = sse_tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
-                    break;
+                    sse_tx.send(sse(last)).await
                 }
                 Event::Failed(message) => {
                     let _ = sse_tx.send(Ok(error_event("generation_failed", &message))).await;
-                    let _ = sse_tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+                    let _ = sse_tx.send(done_event()).await;
                     break;
                 }
             };

@@ -144,14 +144,15 @@ impl EngineState {
         Places(self.places.load(Ordering::Acquire)).waiting()
     }
 
-    /// Takes a place for a request if it would wait behind at most `queue` others (`--queue`): fewer
-    /// than `queue` plus the free slots are accepted and not yet admitted. The count and the free slots
-    /// change together, in one word, so no request slips in between an admission's two updates.
-    pub fn enqueue(&self, queue: usize) -> bool {
+    /// Takes places for `jobs` jobs (a request's choices), all or none, if they would wait behind at
+    /// most `queue` others (`--queue`): at most `queue` plus the free slots are accepted and not yet
+    /// admitted. The count and the free slots change together, in one word, so no job slips in between
+    /// an admission's two updates.
+    pub fn enqueue(&self, queue: usize, jobs: usize) -> bool {
         self.places
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
                 let p = Places(p);
-                (p.waiting() < queue + p.free()).then(|| Places::of(p.free(), p.waiting() + 1).0)
+                (p.waiting() + jobs <= queue + p.free()).then(|| Places::of(p.free(), p.waiting() + jobs).0)
             })
             .is_ok()
     }

@@ -93,7 +93,7 @@ const BAD: &[(&str, &str)] = &[
     ("max_tokens of the wrong type", r#"{"prompt": "Hello", "max_tokens": "many"}"#),
     ("a token id outside the vocabulary", r#"{"prompt": [1, 999999999], "max_tokens": 4}"#),
     ("max_tokens past the context", r#"{"prompt": "Hello", "max_tokens": 1000000}"#),
-    ("n = 2", r#"{"prompt": "Hello", "max_tokens": 4, "n": 2}"#),
+    ("n = 0", r#"{"prompt": "Hello", "max_tokens": 4, "n": 0}"#),
     ("an empty prompt", r#"{"prompt": "", "max_tokens": 4}"#),
     ("an unknown model", r#"{"model": "no-such-model", "prompt": "Hello", "max_tokens": 4}"#),
     ("max_tokens = 0", r#"{"prompt": "Hello", "max_tokens": 0}"#),
