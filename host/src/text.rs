@@ -6,22 +6,31 @@ use model::tokenizer::Tokenizer;
 /// multi-byte character (the decoder shows U+FFFD there), so no client ever sees half a character.
 ///
 /// Where the tokenizer's text is its tokens' bytes end to end (a GGUF's), each id costs the decoding
-/// of the bytes not yet shown ([`Pending`]). Otherwise (a `tokenizer.json`, whose
-/// decoders may look across tokens) every id decodes the whole output again, which at 8192 tokens
-/// costs about half a millisecond a token.
-#[derive(Debug)]
+/// of the bytes not yet shown ([`Pending`]). A `tokenizer.json`, whose decoders may look across
+/// tokens, decodes each id with the few before it (`tokenizers`' `DecodeStream`); where that finds the
+/// text before it changed (a decoder no window can follow), every id from then on decodes the whole
+/// output again.
 pub struct TextStream<'a> {
     tokenizer: &'a Tokenizer,
     ids: Vec<u32>,
     /// The bytes of the ids pushed since the last piece shown (GGUF vocabularies only).
     pending: Pending,
+    /// A `tokenizer.json`'s incremental decoder, until it fails.
+    hf: Option<model::tokenizer::HfDecodeStream<'a>>,
     shown: String,
+}
+
+impl std::fmt::Debug for TextStream<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextStream").field("ids", &self.ids.len()).field("shown", &self.shown.len()).finish()
+    }
 }
 
 impl<'a> TextStream<'a> {
     /// A stream over `tokenizer`'s decoding.
     pub fn new(tokenizer: &'a Tokenizer) -> Self {
-        TextStream { tokenizer, ids: Vec::new(), pending: Pending::default(), shown: String::new() }
+        let hf = tokenizer.hf_stream(true);
+        TextStream { tokenizer, ids: Vec::new(), pending: Pending::default(), hf, shown: String::new() }
     }
 
     /// Adds `id`; returns the text it completes (empty while a character is still partial).
@@ -31,6 +40,16 @@ impl<'a> TextStream<'a> {
             let Some(new) = self.pending.push(&bytes) else { return String::new() };
             self.shown.push_str(&new);
             return new;
+        }
+        if let Some(hf) = &mut self.hf {
+            match hf.step(id) {
+                Ok(Some(new)) => {
+                    self.shown.push_str(&new);
+                    return new;
+                }
+                Ok(None) => return String::new(),
+                Err(_) => self.hf = None,
+            }
         }
         let text = self.tokenizer.decode(&self.ids, true);
         match text.strip_prefix(self.shown.as_str()) {
@@ -97,6 +116,74 @@ mod tests {
                 }
             })
             .collect()
+    }
+
+    /// A `tokenizer.json` of Llama 2's kind: SentencePiece pieces (`▁` for a space, stripped at the
+    /// start of the text) and byte-fallback tokens, whose decoder looks across tokens.
+    fn llama_style_tokenizer_json() -> Tokenizer {
+        let mut vocab = serde_json::Map::new();
+        for (i, t) in ["<unk>", "<s>", "</s>"].iter().enumerate() {
+            vocab.insert((*t).into(), i.into());
+        }
+        for b in 0..256 {
+            vocab.insert(format!("<0x{b:02X}>"), (3 + b).into());
+        }
+        for (i, t) in ["▁", "▁hello", "▁world", "lo", "é", "▁naïve", "!", "▁▁", "日本"].iter().enumerate()
+        {
+            vocab.insert((*t).into(), (259 + i).into());
+        }
+        let special = |id: usize, content: &str| {
+            serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                               "rstrip": false, "normalized": false, "special": true})
+        };
+        let json = serde_json::json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [special(0, "<unk>"), special(1, "<s>"), special(2, "</s>")],
+            "normalizer": null, "pre_tokenizer": null, "post_processor": null,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": null, "unk_token": "<unk>", "continuing_subword_prefix": null,
+                      "end_of_word_suffix": null, "fuse_unk": true, "byte_fallback": true, "ignore_merges": false,
+                      "vocab": vocab, "merges": []}
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tokenizer.json");
+        std::fs::write(&path, json.to_string()).unwrap();
+        Tokenizer::from_file(&path).unwrap()
+    }
+
+    /// A `tokenizer.json` streams, a window of ids at a time, the pieces of decoding the whole output at
+    /// every id: through its first space stripped, characters split across byte tokens and special
+    /// tokens. Bytes that never make a character can change the text before them (the byte-fallback
+    /// decoder turns a whole run of byte tokens into U+FFFD where any of it is not UTF-8): the window
+    /// gives up there, and the pieces are still those of the whole text.
+    #[test]
+    fn a_tokenizer_json_streams_the_pieces_of_the_whole_text() {
+        let tokenizer = llama_style_tokenizer_json();
+        let byte = |b: u32| 3 + b;
+        // Pieces, specials, and characters of two and three byte tokens (é, €).
+        let units: Vec<Vec<u32>> = (259..268)
+            .chain(1..3)
+            .map(|id| vec![id])
+            .chain([vec![byte(0xC3), byte(0xA9)], vec![byte(0xE2), byte(0x82), byte(0xAC)], vec![byte(b'x' as u32)]])
+            .collect();
+        let mut state = 0x2545_f491_4f6c_dd1du64;
+        let mut next = |n: usize| {
+            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (state >> 33) as usize % n
+        };
+        let whole: Vec<u32> = (0..300).flat_map(|_| units[next(units.len())].clone()).collect();
+        let stray: Vec<u32> = (0..300).map(|_| next(268) as u32).collect();
+        for (ids, window_holds) in [(&whole[..], true), (&whole[1..], true), (&stray[..], false)] {
+            let mut stream = TextStream::new(&tokenizer);
+            let pieces: Vec<String> = ids.iter().map(|&id| stream.push(id)).collect();
+            assert_eq!(pieces, whole_decodes(&tokenizer, ids));
+            assert_eq!(stream.hf.is_some(), window_holds);
+            assert!(!window_holds || tokenizer.decode(ids, true) == stream.shown());
+        }
+        assert!(whole_decodes(&tokenizer, &whole).concat().contains('€'), "a character of three byte tokens");
     }
 
     /// On both real models' vocabularies, the pieces are those of decoding the whole output at every

@@ -45,6 +45,16 @@ pub enum Tokenizer {
     },
 }
 
+/// [`Tokenizer::hf_stream`]'s decoder.
+pub type HfDecodeStream<'a> = tokenizers::DecodeStream<
+    'a,
+    tokenizers::models::ModelWrapper,
+    tokenizers::normalizers::NormalizerWrapper,
+    tokenizers::pre_tokenizers::PreTokenizerWrapper,
+    tokenizers::processors::PostProcessorWrapper,
+    tokenizers::decoders::DecoderWrapper,
+>;
+
 /// Why `tokenizer.json` cannot be used.
 #[derive(Debug, thiserror::Error)]
 #[error("{path}: expected a Hugging Face tokenizer.json, found: {reason}")]
@@ -102,6 +112,16 @@ impl Tokenizer {
         match self {
             Tokenizer::Gguf(t) => Some(t.decode_bytes(&[id], skip_special)),
             Tokenizer::Hf { .. } => None,
+        }
+    }
+
+    /// A `tokenizer.json`'s incremental decoding (`None` for a GGUF's, whose pieces are
+    /// [`Tokenizer::piece_bytes`]): the `tokenizers` crate's `DecodeStream`, which decodes each new id
+    /// with the few before it that its decoder may look across, not the whole output.
+    pub fn hf_stream(&self, skip_special: bool) -> Option<HfDecodeStream<'_>> {
+        match self {
+            Tokenizer::Gguf(_) => None,
+            Tokenizer::Hf { inner, .. } => Some(inner.decode_stream(skip_special)),
         }
     }
 
