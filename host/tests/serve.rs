@@ -1119,6 +1119,21 @@ fn n_choices_and_batched_prompts_each_equal_their_own_request() {
         }
     }
 
+    // A client that leaves a stream of three choices (two running, one waiting for a slot) cancels all
+    // three, and every place and page comes back.
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 900, "ignore_eos": true, "n": 3, "stream": true});
+    let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&body).unwrap();
+    let mut lines = BufReader::new(r.into_body().into_reader()).lines();
+    while !lines.next().unwrap().unwrap().starts_with("data: ") {}
+    drop(lines);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while metric(&s, r#"pdhost_requests_total{outcome="cancelled"}"#) != Some(3.0) {
+        assert!(Instant::now() < deadline, "not all three cancelled: {}", s.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(metric(&s, "pdhost_requests_waiting"), Some(0.0));
+    assert_eq!(metric(&s, r#"pdhost_kv_pages{group="0 (full attention)",state="used"}"#), Some(0.0));
+
     // More choices than the queue holds: refused, naming what was asked.
     let (status, v) = post(&s, "/v1/completions", &json!({"prompt": "hi", "n": 7}).to_string());
     assert_eq!(status, 400, "{v}");
