@@ -293,7 +293,11 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         (r#"{"prompt":"hi","logprobs":21}"#, 400, "logprobs: expected 0 to 20 alternatives per token, found 21"),
         (r#"{"prompt":"hi","echo":true}"#, 400, "echo: expected false (the prompt is not echoed), found true"),
         (r#"{"prompt":"hi","logit_bias":{"7":-500}}"#, 400, "logit_bias: expected biases from -100 to 100, found -500"),
-        (r#"{"prompt":"hi","best_of":3}"#, 400, "best_of: expected 1 (one completion per request), found 3"),
+        (
+            r#"{"prompt":"hi","best_of":3}"#,
+            400,
+            "best_of: expected 1 or n (every completion drawn is returned), found 3",
+        ),
         (r#"{"prompt":"hi","ignore_eos":"yes"}"#, 400, "ignore_eos: expected a boolean"),
         (r#"{"prompt":"hi","stop_token_ids":[2,-1]}"#, 400, "stop_token_ids: expected an array of token ids"),
         (
@@ -1133,6 +1137,11 @@ fn n_choices_and_batched_prompts_each_equal_their_own_request() {
     }
     assert_eq!(metric(&s, "pdhost_requests_waiting"), Some(0.0));
     assert_eq!(metric(&s, r#"pdhost_kv_pages{group="0 (full attention)",state="used"}"#), Some(0.0));
+
+    // A prompt of a batch that cannot run is named.
+    let (status, v) = post(&s, "/v1/completions", &json!({"prompt": [[1, 2], [3, 49152]]}).to_string());
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().ends_with("found 49152 at position 1 (prompt 1)"), "{v}");
 
     // More choices than the queue holds: refused, naming what was asked.
     let (status, v) = post(&s, "/v1/completions", &json!({"prompt": "hi", "n": 7}).to_string());

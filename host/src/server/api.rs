@@ -108,7 +108,12 @@ fn kind(v: &Value) -> String {
 /// field's "off" value, or its absence or `null`, is accepted, as OpenAI's clients send them.
 const UNSUPPORTED: &[Unsupported] = &[
     Unsupported { field: "echo", off: |v| v == &Value::Bool(false), expected: "false (the prompt is not echoed)" },
-    Unsupported { field: "best_of", off: |v| whole(v) == Some(1), expected: "1 (one completion per request)" },
+    // Where it equals `n` it chooses nothing, and is taken off before this table is read.
+    Unsupported {
+        field: "best_of",
+        off: |v| whole(v) == Some(1),
+        expected: "1 or n (every completion drawn is returned)",
+    },
     Unsupported {
         field: "suffix",
         off: |v| v.as_str() == Some(""),
@@ -491,7 +496,7 @@ impl Completion {
     }
 
     /// The fields both endpoints share; `prompt` from the body unless the caller has it already.
-    fn from_map(m: Map<String, Value>, prompt: Option<Prompt>) -> Result<Self, ApiError> {
+    fn from_map(mut m: Map<String, Value>, prompt: Option<Prompt>) -> Result<Self, ApiError> {
         let model = match m.get("model") {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s.clone()),
@@ -501,7 +506,6 @@ impl Completion {
             Some(p) => vec![p],
             None => Self::prompts(&m)?,
         };
-        refuse_unsupported(&m)?;
         let n = match opt_u64(&m, "n")? {
             None => 1,
             Some(n) if (1..=MAX_CHOICES as u64).contains(&n) && n as usize * prompts.len() <= MAX_CHOICES => n as usize,
@@ -518,6 +522,11 @@ impl Completion {
             }
             Some(n) => return Err(ApiError::invalid("n", format_args!("1 to {MAX_CHOICES}"), n)),
         };
+        // `best_of` equal to `n` draws no more than are returned (OpenAI's and vLLM's reading).
+        if m.get("best_of").and_then(whole) == Some(n as i128) {
+            m.remove("best_of");
+        }
+        refuse_unsupported(&m)?;
         let prompt = &prompts[0];
         let stop = match m.get("stop") {
             None | Some(Value::Null) => Vec::new(),
@@ -779,6 +788,11 @@ mod tests {
         };
         assert_eq!(ids, [1, 2]);
         assert!(Completion::parse(br#"{"prompt":"x","best_of":1.0}"#).is_ok());
+        assert_eq!(Completion::parse(br#"{"prompt":"x","n":3,"best_of":3}"#).unwrap().n, 3);
+        assert_eq!(
+            err(r#"{"prompt":"x","n":2,"best_of":3}"#),
+            "best_of: expected 1 or n (every completion drawn is returned), found 3"
+        );
         // The older function calling and the audio outputs are refused, not ignored.
         for (field, value) in
             [("functions", r#"[{"name":"f"}]"#), ("function_call", r#"{"name":"f"}"#), ("audio", "{}")]

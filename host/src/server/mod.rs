@@ -539,7 +539,8 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     let seed = c.raw.sampling.seed;
     let prompt_tokens: usize = prompts.iter().map(Vec::len).sum();
     let mut requests = Vec::with_capacity(choices);
-    for ids in prompts {
+    let batch = prompts.len() > 1;
+    for (i, ids) in prompts.into_iter().enumerate() {
         c.raw.prompt = ids;
         if c.to_context {
             // A reply of at least one token, so that a conversation that fills the context is refused
@@ -557,12 +558,17 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         }
         for j in 0..c.n {
             c.raw.sampling.seed = seed.wrapping_add(j as u64);
-            requests.push(request::check_request(&c.raw, &app.config.limits).map_err(|mut e| {
+            let checked = request::check_request(&c.raw, &app.config.limits).map_err(|mut e| {
                 if e.field == request::Field::MaxTokens {
                     e.field = c.limit_field;
                 }
+                let mut e = ApiError::from(e);
+                if batch {
+                    e.message.push_str(&format!(" (prompt {i})"));
+                }
                 e
-            })?);
+            })?;
+            requests.push(checked);
         }
     }
     let id = app.next_id.fetch_add(choices as u64, Ordering::Relaxed);
