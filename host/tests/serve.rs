@@ -1090,11 +1090,18 @@ fn n_choices_and_batched_prompts_each_equal_their_own_request() {
         let one = alone(one);
         assert_eq!((choice["index"].as_u64(), &choice["text"]), (Some(j as u64), &one["choices"][0]["text"]));
         assert_eq!(v["pdhost"]["choices"][j]["output_ids"], one["pdhost"]["output_ids"], "choice {j}");
+        assert_eq!(v["pdhost"]["choices"][j]["logits_xxh3"], one["pdhost"]["logits_xxh3"], "choice {j}");
         assert_eq!(v["pdhost"]["choices"][j]["seed"], 40 + j, "choice {j}");
         assert_eq!(v["usage"]["prompt_tokens"], one["usage"]["prompt_tokens"], "a prompt counts once");
         completion_tokens += one["usage"]["completion_tokens"].as_u64().unwrap();
     }
     assert_eq!(v["usage"]["completion_tokens"], completion_tokens);
+    // Choice 1 went live with choice 0, from a copy of its prefilled K/V; choice 2, left without a
+    // slot until one of them ended, prefilled its own.
+    let prefilled = |c: usize| (&v["pdhost"]["choices"][c]["spans"], &v["pdhost"]["choices"][c]["prefix_hit_tokens"]);
+    let head = v["usage"]["prompt_tokens"].as_u64().unwrap() - 1;
+    assert_eq!(prefilled(1), (&json!(0), &json!(head)), "{v}");
+    assert_eq!(prefilled(2), (&json!(1), &json!(0)), "{v}");
     let ids = |c: usize| &v["pdhost"]["choices"][c]["output_ids"];
     assert!(ids(0) != ids(1) || ids(1) != ids(2), "three seeds, three draws: {v}");
 

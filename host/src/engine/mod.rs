@@ -737,6 +737,32 @@ impl Engine {
         Live::pending(p.seq, p.request_id, req, &self.model.config.eos, p.prefilled, p.started)
     }
 
+    /// A sequence for `req`, whose prompt is `leader`'s, made live from a copy of `leader`'s prefilled
+    /// K/V instead of a prefill of its own (another choice of the same request). `leader` has not
+    /// stepped yet, so its cache holds exactly the prompt less its last token; the fork's report is
+    /// `leader`'s, every prefilled token a prefix hit.
+    pub fn fork(&mut self, leader: &Live, req: &Request, started: Instant) -> Result<Live, EngineError> {
+        assert!(
+            leader.output.is_empty() && leader.to_run.is_some() && req.prompt.len() == leader.prompt_len,
+            "a fork's leader has not stepped, and its prompt is the fork's"
+        );
+        let seq = SeqId(self.next_seq);
+        self.next_seq += 1;
+        self.kv.fork(leader.seq, seq, seq.0)?;
+        let l = &leader.report;
+        let report = PrefillReport {
+            remote: l.remote,
+            prefix_hit: (req.prompt.len() - 1) as u64,
+            producer: l.producer.clone(),
+            layout: l.layout,
+            wire_dtype: l.wire_dtype,
+            transport: l.transport.clone(),
+            ..PrefillReport::default()
+        };
+        let prefilled = Prefilled { report, ..Prefilled::default() };
+        Ok(Live::pending(seq, seq.0, req, &self.model.config.eos, prefilled, started))
+    }
+
     /// Adds a sequence for `req`, prefills its prompt (by `by`) and runs its last prompt token in the host,
     /// whose logits choose the first output token: a [`Live`] sequence ready for [`Engine::step`]. On
     /// failure the sequence is gone again.

@@ -421,6 +421,50 @@ impl PagedKv {
         Ok(())
     }
 
+    /// Starts `to` as a copy of `from` (for `request_id`): the same tokens, in the same state. Pages no
+    /// write will change again are shared (their counts taken, as a prefix-cache hit takes them); the
+    /// last page of an attention group, where the next token lands while it is partly filled, is copied
+    /// into a page of `to`'s own. Nothing changes on an error.
+    pub fn fork(&mut self, from: SeqId, to: SeqId, request_id: u64) -> Result<(), IngestError> {
+        if self.seqs.contains_key(&to) {
+            return Err(IngestError::SequenceExists { seq: to });
+        }
+        let src = self.seqs.get(&from).ok_or(IngestError::UnknownSequence { seq: from })?;
+        let p = u64::from(self.page_size);
+        // Per group, the page to copy: the held page that ends past the sequence's end.
+        let partial: Vec<Option<usize>> = self
+            .groups
+            .iter()
+            .zip(&src.tables)
+            .map(|(g, t)| {
+                let last = t.pages.len().checked_sub(1)?;
+                (g.is_attention() && (t.first + t.pages.len() as u64) * p > src.len).then_some(last)
+            })
+            .collect();
+        for (gi, (g, copy)) in self.groups.iter().zip(&partial).enumerate() {
+            let free = g.available();
+            if copy.is_some() && free == 0 {
+                return Err(IngestError::CapacityExhausted { group: gi, kind: g.kind, needed: 1, free });
+            }
+        }
+        let mut seq = Seq { request_id, ..src.clone() };
+        for (gi, copy) in partial.into_iter().enumerate() {
+            for (i, page) in seq.tables[gi].pages.iter_mut().enumerate() {
+                if copy == Some(i) {
+                    let own = self.take_page(gi);
+                    let g = &mut self.groups[gi];
+                    let at = *page as usize * g.page_bytes;
+                    g.pool.copy_within(at..at + g.page_bytes, own as usize * g.page_bytes);
+                    *page = own;
+                }
+                // Held by `from`, so never among the cached pages.
+                self.groups[gi].refs[*page as usize] += 1;
+            }
+        }
+        self.seqs.insert(to, seq);
+        Ok(())
+    }
+
     /// A block table lets go of `page`: the last one to do so frees it, or keeps it cached when it holds
     /// a prompt prefix.
     pub(crate) fn release(&mut self, group: usize, page: u32) {

@@ -659,3 +659,36 @@ proptest! {
         prop_assert!(kv.usage().iter().all(|u| u.used == 0 && u.free == u.total));
     }
 }
+
+/// A fork reads back what its source holds; each then writes its own tokens without touching the
+/// other's, the partly filled last pages copied and the rest shared; with both gone every page is free.
+#[test]
+fn a_fork_reads_as_its_source_and_each_writes_alone() {
+    // 4-token pages of 64 bytes; 12 sliding pages, and 8 full ones.
+    let mut kv = cache(sliding_and_full(), Dtype::F32, 4, 12 * 64 + 8 * 64);
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    ingest_chunks(&mut kv, SeqId(1), 1, 0..18, 5, 1);
+    let before = kv.usage();
+    assert_eq!(kv.fork(SeqId(1), SeqId(1), 2), Err(IngestError::SequenceExists { seq: SeqId(1) }));
+    assert_eq!(kv.fork(SeqId(9), SeqId(2), 2), Err(IngestError::UnknownSequence { seq: SeqId(9) }));
+    kv.fork(SeqId(1), SeqId(2), 2).unwrap();
+    assert_eq!(kv.seq_len(SeqId(2)), Some(18));
+    let held = |kv: &PagedKv, seq| (layer_bytes(kv, seq, 0), layer_bytes(kv, seq, 1));
+    assert_eq!(held(&kv, SeqId(2)), held(&kv, SeqId(1)));
+    // Only each group's partly filled last page is new (positions 16..18 of 16..20).
+    let after = kv.usage();
+    assert_eq!((after[0].used, after[1].used), (before[0].used + 1, before[1].used + 1));
+
+    // Each writes its own next tokens; the other reads as before.
+    let (one, two) = (held(&kv, SeqId(1)), held(&kv, SeqId(2)));
+    ingest_chunks(&mut kv, SeqId(2), 2, 18..23, 1, 77);
+    assert_eq!(held(&kv, SeqId(1)), one, "the fork's writes stay its own");
+    ingest_chunks(&mut kv, SeqId(1), 1, 18..21, 1, 5);
+    let (_, k2, _) = layer_bytes(&kv, SeqId(2), 1);
+    assert_eq!(k2[..18 * 8], two.1 .1[..], "the source's writes stay its own");
+    assert_ne!(layer_bytes(&kv, SeqId(1), 1).1[18 * 8..21 * 8], k2[18 * 8..21 * 8]);
+
+    kv.remove_sequence(SeqId(1)).unwrap();
+    kv.remove_sequence(SeqId(2)).unwrap();
+    assert!(kv.usage().iter().all(|u| u.used == 0 && u.free == u.total), "{:?}", kv.usage());
+}

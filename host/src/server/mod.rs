@@ -586,7 +586,9 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     let accepted = std::time::Instant::now();
     for (i, request) in requests.into_iter().enumerate() {
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let job = Job { id: id + i as u64, request, stop: c.stop.clone(), events: tx, accepted };
+        // A prompt's later choices copy its first one's prefill where they can.
+        let follows = (i % c.n != 0).then(|| id + (i - i % c.n) as u64);
+        let job = Job { id: id + i as u64, request, stop: c.stop.clone(), events: tx, accepted, follows };
         if app.jobs.try_send(job).is_err() {
             // Disconnected (the channel is unbounded): the engine thread is gone. The places of the
             // jobs not sent are given back (the engine never saw them).

@@ -65,6 +65,9 @@ pub struct Job {
     pub events: UnboundedSender<Event>,
     /// When the server accepted it (end-to-end latency counts from here).
     pub accepted: Instant,
+    /// The job of the same request and prompt whose prefilled K/V this one copies where it can
+    /// (another choice of `n`): admitted while that one prefills, it waits, and goes live with it.
+    pub follows: Option<u64>,
 }
 
 /// What a request hears from the engine.
@@ -361,9 +364,15 @@ impl<'t> Scheduler<'_, 't> {
                 }
                 !left
             });
-            // Admit while a slot is free.
-            while live.len() + admitting.len() < self.loaded.slots {
-                let Some(job) = arrived.pop_front() else { break };
+            // Admit in order while a slot is free. A job that follows one still prefilling keeps its slot
+            // and waits for it (`settle`), and the jobs after it go on.
+            let (mut at, mut kept) = (0, 0);
+            while live.len() + admitting.len() + kept < self.loaded.slots && at < arrived.len() {
+                if arrived[at].follows.is_some_and(|l| admitting.iter().any(|a| a.job.id == l)) {
+                    (at, kept) = (at + 1, kept + 1);
+                    continue;
+                }
+                let job = arrived.remove(at).expect("in range");
                 self.state.admitted();
                 if let Some(a) = self.admit(job) {
                     admitting.push(a);
@@ -376,7 +385,7 @@ impl<'t> Scheduler<'_, 't> {
             self.hold = self.holding(&admitting, live.len());
             self.dispatch(&mut admitting);
             self.local_chunk(&mut admitting);
-            self.settle(&mut admitting, &mut live);
+            self.settle(&mut admitting, &mut live, &mut arrived);
             if !live.is_empty() {
                 // While a producer prefills on the cores decode runs on, decode's threads sleep between
                 // parallel regions, to be woken ahead of the producer's (`Exec::set_awake`).
@@ -592,7 +601,12 @@ impl<'t> Scheduler<'_, 't> {
     }
 
     /// Ends what cannot go on (cancelled, failed) and makes complete prefills live.
-    fn settle(&mut self, admitting: &mut Vec<Admitting>, live: &mut Vec<Running<'t>>) {
+    fn settle(
+        &mut self,
+        admitting: &mut Vec<Admitting>,
+        live: &mut Vec<Running<'t>>,
+        arrived: &mut std::collections::VecDeque<Job>,
+    ) {
         let mut i = 0;
         while i < admitting.len() {
             let a = &admitting[i];
@@ -621,19 +635,38 @@ impl<'t> Scheduler<'_, 't> {
             } else {
                 // Its last prompt token runs in the next round, batched with the others' steps.
                 let l = self.loaded.engine.go_live(prefill, &job.request);
-                live.push(Running {
-                    job,
-                    live: l,
-                    stream: TextStream::new(self.tokenizer),
-                    sent: 0,
-                    logprobs_sent: 0,
-                    ends: Vec::new(),
-                    last_token: None,
-                    stopped_by_string: false,
-                    cancelled: false,
-                    failed: None,
-                    admitted,
-                });
+                // The jobs that follow it, where slots are free: live from copies of its K/V.
+                while live.len() + admitting.len() + 1 < self.loaded.slots {
+                    let follows = |f: &Job| f.follows == Some(job.id) && f.request.prompt == job.request.prompt;
+                    let Some(at) = arrived.iter().position(follows) else { break };
+                    let follower = arrived.remove(at).expect("in range");
+                    self.state.admitted();
+                    live.extend(self.follow(follower, &l));
+                }
+                live.push(Running::new(job, l, self.tokenizer, admitted));
+            }
+        }
+    }
+
+    /// Makes `job` live from a copy of `leader`'s K/V (or answers it: cancelled while queued, or
+    /// refused by the cache).
+    fn follow(&mut self, job: Job, leader: &Live) -> Option<Running<'t>> {
+        if job.events.is_closed() {
+            self.metrics.requests.with_label_values(&["cancelled"]).inc();
+            tracing::info!(id = job.id, "cancelled while queued");
+            return None;
+        }
+        let admitted = Instant::now();
+        match self.loaded.engine.fork(leader, &job.request, admitted) {
+            Ok(l) => {
+                self.metrics.running.inc();
+                Some(Running::new(job, l, self.tokenizer, admitted))
+            }
+            Err(e) => {
+                tracing::warn!(id = job.id, "failed: {e}");
+                self.metrics.requests.with_label_values(&["failed"]).inc();
+                let _ = job.events.send(Event::Failed(e.to_string()));
+                None
             }
         }
     }
@@ -681,6 +714,25 @@ struct Running<'t> {
     cancelled: bool,
     failed: Option<String>,
     admitted: Instant,
+}
+
+impl<'t> Running<'t> {
+    /// A live sequence with nothing sent yet.
+    fn new(job: Job, live: Live, tokenizer: &'t Tokenizer, admitted: Instant) -> Self {
+        Running {
+            job,
+            live,
+            stream: TextStream::new(tokenizer),
+            sent: 0,
+            logprobs_sent: 0,
+            ends: Vec::new(),
+            last_token: None,
+            stopped_by_string: false,
+            cancelled: false,
+            failed: None,
+            admitted,
+        }
+    }
 }
 
 /// `r`'s step: its token sent on as text; `Break` when it has ended (EOS, length, a stop string, its
