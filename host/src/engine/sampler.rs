@@ -214,7 +214,6 @@ impl Sampler {
     /// about 1 ms a draw of Gemma 3's 262144); a larger one is selected from all of them (the heap
     /// would replace its lightest for much of the vocabulary).
     fn filtered(&mut self, top_k: usize, min_p: f32, top_p: f32, u: f32) -> u32 {
-        let heaviest_first = |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
         self.candidates.clear();
         let floor = match min_p > 0.0 {
             true => min_p * self.weights.iter().copied().fold(0.0, f32::max),
@@ -252,14 +251,7 @@ impl Sampler {
         }
         self.candidates.sort_unstable_by(heaviest_first);
         let total: f32 = self.candidates.iter().map(|c| c.0).sum();
-        let mut share = 0.0;
-        let last = match top_p < 1.0 {
-            true => self.candidates.iter().position(|&(w, _)| {
-                share += w / total;
-                share >= top_p
-            }),
-            false => None,
-        };
+        let last = (top_p < 1.0).then(|| reach(&self.candidates, top_p, total)).flatten();
         draw(&self.candidates[..last.map_or(self.candidates.len(), |l| l + 1)], u)
     }
 
@@ -269,13 +261,24 @@ impl Sampler {
         self.candidates.clear();
         let heavy = self.weights.iter().enumerate().filter(|&(_, &w)| w >= floor);
         self.candidates.extend(heavy.map(|(i, &w)| (w, i as u32)));
-        self.candidates.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        let mut share = 0.0;
-        self.candidates.iter().position(|&(w, _)| {
-            share += w / total;
-            share >= top_p
-        })
+        self.candidates.sort_unstable_by(heaviest_first);
+        reach(&self.candidates, top_p, total)
     }
+}
+
+/// The order of every filter: the heavier first, and of two of one weight the lower id.
+fn heaviest_first(a: &(f32, u32), b: &(f32, u32)) -> std::cmp::Ordering {
+    b.0.total_cmp(&a.0).then(a.1.cmp(&b.1))
+}
+
+/// The index of the first of `candidates` (heaviest first) whose running share of `total` reaches
+/// `top_p`, if one does.
+fn reach(candidates: &[(f32, u32)], top_p: f32, total: f32) -> Option<usize> {
+    let mut share = 0.0;
+    candidates.iter().position(|&(w, _)| {
+        share += w / total;
+        share >= top_p
+    })
 }
 
 /// The largest `top_k` kept in a heap ([`Sampler::filtered`]).
@@ -302,7 +305,8 @@ impl PartialOrd for Heavier {
 
 impl Ord for Heavier {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        self.0.total_cmp(&other.0).then(other.1.cmp(&self.1))
+        // The heavier is greater where it comes first.
+        heaviest_first(&(other.0, other.1), &(self.0, self.1))
     }
 }
 
@@ -364,8 +368,12 @@ mod tests {
     /// The nucleus as a plain reading of its definition: every token sorted, then the running share.
     fn nucleus_by_full_sort(logits: &[f32], temperature: f32, top_p: f32) -> Vec<(f32, u32)> {
         let mut all = weighed(logits, temperature);
-        let total = 1.0;
         all.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        cut_at_share(all, top_p, 1.0)
+    }
+
+    /// The heaviest-first `all` up to the first whose running share of `total` reaches `top_p`.
+    fn cut_at_share(mut all: Vec<(f32, u32)>, top_p: f32, total: f32) -> Vec<(f32, u32)> {
         let mut share = 0.0;
         let n = all.iter().position(|a| {
             share += a.0 / total;
@@ -428,13 +436,7 @@ mod tests {
         }
         all.retain(|a| a.0 >= min_p * heaviest);
         let total: f32 = all.iter().map(|a| a.0).sum();
-        let mut share = 0.0;
-        let n = all.iter().position(|a| {
-            share += a.0 / total;
-            share >= top_p
-        });
-        all.truncate(n.map_or(all.len(), |n| n + 1));
-        all
+        cut_at_share(all, top_p, total)
     }
 
     #[test]

@@ -430,24 +430,10 @@ impl<'t> Scheduler<'_, 't> {
 
     /// Opens a sequence for a request (or answers it: cancelled while queued, or refused by the cache).
     fn admit(&mut self, job: Job) -> Option<Admitting> {
-        if job.events.is_closed() {
-            self.metrics.requests.with_label_values(&["cancelled"]).inc();
-            tracing::info!(id = job.id, "cancelled while queued");
-            return None;
-        }
         let admitted = Instant::now();
-        match self.loaded.engine.begin(&job.request, self.remote.as_ref()) {
-            Ok(prefill) => {
-                self.metrics.running.inc();
-                Some(Admitting { job, prefill, admitted, in_flight: false, producer: None, failed: None })
-            }
-            Err(e) => {
-                tracing::warn!(id = job.id, "failed: {e}");
-                self.metrics.requests.with_label_values(&["failed"]).inc();
-                let _ = job.events.send(Event::Failed(e.to_string()));
-                None
-            }
-        }
+        let (engine, remote) = (&mut self.loaded.engine, self.remote.as_ref());
+        let prefill = opened(self.metrics, &job, || engine.begin(&job.request, remote))?;
+        Some(Admitting { job, prefill, admitted, in_flight: false, producer: None, failed: None })
     }
 
     /// A producer's reply: its span taken into the cache, then the producer handed back for the next
@@ -651,24 +637,10 @@ impl<'t> Scheduler<'_, 't> {
     /// Makes `job` live from a copy of `leader`'s K/V (or answers it: cancelled while queued, or
     /// refused by the cache).
     fn follow(&mut self, job: Job, leader: &Live) -> Option<Running<'t>> {
-        if job.events.is_closed() {
-            self.metrics.requests.with_label_values(&["cancelled"]).inc();
-            tracing::info!(id = job.id, "cancelled while queued");
-            return None;
-        }
         let admitted = Instant::now();
-        match self.loaded.engine.fork(leader, &job.request, admitted) {
-            Ok(l) => {
-                self.metrics.running.inc();
-                Some(Running::new(job, l, self.tokenizer, admitted))
-            }
-            Err(e) => {
-                tracing::warn!(id = job.id, "failed: {e}");
-                self.metrics.requests.with_label_values(&["failed"]).inc();
-                let _ = job.events.send(Event::Failed(e.to_string()));
-                None
-            }
-        }
+        let engine = &mut self.loaded.engine;
+        let l = opened(self.metrics, &job, || engine.fork(leader, &job.request, admitted))?;
+        Some(Running::new(job, l, self.tokenizer, admitted))
     }
 
     /// One batched step of every live sequence, then each token on to its client.
@@ -714,6 +686,28 @@ struct Running<'t> {
     cancelled: bool,
     failed: Option<String>,
     admitted: Instant,
+}
+
+/// What `open` opened for `job`, counted as running; `None` where `job` is answered instead: its client
+/// left while it was queued, or `open` failed (the cache refused it).
+fn opened<T>(metrics: &Metrics, job: &Job, open: impl FnOnce() -> Result<T, EngineError>) -> Option<T> {
+    if job.events.is_closed() {
+        metrics.requests.with_label_values(&["cancelled"]).inc();
+        tracing::info!(id = job.id, "cancelled while queued");
+        return None;
+    }
+    match open() {
+        Ok(opened) => {
+            metrics.running.inc();
+            Some(opened)
+        }
+        Err(e) => {
+            tracing::warn!(id = job.id, "failed: {e}");
+            metrics.requests.with_label_values(&["failed"]).inc();
+            let _ = job.events.send(Event::Failed(e.to_string()));
+            None
+        }
+    }
 }
 
 impl<'t> Running<'t> {
