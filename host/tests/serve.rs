@@ -584,6 +584,10 @@ fn an_api_key_is_required_when_set_and_sigterm_drains_leaving_nothing() {
     let r = agent().post(&url).header("authorization", "Bearer SESAME").send_json(&body).unwrap();
     assert_eq!(r.status().as_u16(), 401);
     assert_eq!(get(&s, "/health").0, 200, "health needs no key");
+    for path in ["/tokenize", "/detokenize"] {
+        let body = json!({"prompt": "Hi", "tokens": [1]});
+        assert_eq!(agent().post(&format!("{}{path}", s.url)).send_json(&body).unwrap().status().as_u16(), 401);
+    }
 
     let pid = s.child.id();
     let kids = producers_of(pid);
@@ -758,6 +762,48 @@ fn chat_completions_use_the_models_template_and_equal_generate() {
     let (chunks, text) = chunks_of(&streamed);
     assert_eq!(text, "");
     assert_eq!(chunks.last().unwrap()["choices"][0]["finish_reason"], "stop");
+
+    // `/tokenize` and `/detokenize` (vLLM's): a conversation's ids are the chat request's, as
+    // transformers' template gives them; a prompt's are transformers' tokenizer's, with or without its
+    // special tokens; ids go back to the text.
+    let (status, v) = post(&s, "/tokenize", &json!({"model": MODEL, "messages": case["messages"]}).to_string());
+    assert_eq!(status, 200, "{v}");
+    assert_eq!((&v["tokens"], &v["count"]), (&case["ids"], &json!(case["ids"].as_array().unwrap().len())));
+    assert_eq!((&v["max_model_len"], &v["token_strs"]), (&json!(1024), &Value::Null));
+    let tokenizer: Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../fixtures/reference/tokenizer_smollm2_135m.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    for t in tokenizer["cases"].as_array().unwrap() {
+        let (_, v) = post(&s, "/tokenize", &json!({"prompt": t["text"]}).to_string());
+        assert_eq!(v["tokens"], t["ids_with_bos"], "{t}");
+        let plain = json!({"prompt": t["text"], "add_special_tokens": false});
+        assert_eq!(post(&s, "/tokenize", &plain.to_string()).1["tokens"], t["ids_plain"], "{t}");
+        let (status, v) = post(&s, "/detokenize", &json!({"tokens": t["ids_plain"]}).to_string());
+        assert_eq!((status, &v["prompt"]), (200, &t["text"]), "{t}");
+    }
+    let (_, v) = post(&s, "/tokenize", r#"{"prompt": "Hello, world!", "return_token_strs": true}"#);
+    assert_eq!(v["token_strs"], json!(["Hello", ",", "Ġworld", "!"]), "the vocabulary's own spelling");
+    for (path, body, status, starts) in [
+        (
+            "/tokenize",
+            json!({"prompt": "x", "messages": case["messages"]}),
+            400,
+            "prompt: expected a prompt or messages",
+        ),
+        ("/tokenize", json!({"prompt": [1, 2]}), 400, "prompt: expected a string"),
+        ("/tokenize", json!({"prompt": "x", "model": "gpt-4"}), 404, "model:"),
+        ("/detokenize", json!({"tokens": [1, 49152]}), 400, "tokens: expected an array of token ids below 49152"),
+        ("/detokenize", json!({"tokens": "1"}), 400, "tokens:"),
+    ] {
+        let (got, v) = post(&s, path, &body.to_string());
+        let message = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(got == status && message.starts_with(starts), "{path} {body}: {got} {v}");
+    }
 
     // Malformed messages: 400s naming `messages` (SmolLM2's template refuses no conversation; a refusal's
     // 400, through Gemma 3's, is `server::api`'s `a_template_refusal_is_quoted_whole`).

@@ -134,6 +134,16 @@ impl Tokenizer {
         }
     }
 
+    /// Token `id`'s text in the vocabulary, as the model's files spell it (SentencePiece's `▁the`,
+    /// GPT-2's `Ġthe`, `<0x0A>`), as transformers' `convert_ids_to_tokens` gives it; `None` for an id
+    /// outside the vocabulary.
+    pub fn token_text(&self, id: u32) -> Option<String> {
+        match self {
+            Tokenizer::Gguf(t) => t.vocab.text(id).map(str::to_string),
+            Tokenizer::Hf { inner, .. } => inner.id_to_token(id),
+        }
+    }
+
     /// The bytes token `id` stands for (special tokens' text included): a byte-fallback or byte-level
     /// token may hold part of a character, which [`Tokenizer::decode`] would replace. (From a
     /// `tokenizer.json`, the decoded text's bytes.)

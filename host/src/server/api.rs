@@ -376,8 +376,13 @@ fn opt_f64(m: &Map<String, Value>, key: &'static str) -> Result<Option<f64>, Api
 }
 
 fn opt_bool(m: &Map<String, Value>, key: &'static str) -> Result<bool, ApiError> {
+    bool_or(m, key, false)
+}
+
+/// A boolean field, `default` where it is absent or `null`.
+fn bool_or(m: &Map<String, Value>, key: &'static str, default: bool) -> Result<bool, ApiError> {
     match m.get(key) {
-        None | Some(Value::Null) => Ok(false),
+        None | Some(Value::Null) => Ok(default),
         Some(Value::Bool(b)) => Ok(*b),
         Some(v) => Err(ApiError::invalid(key, "a boolean", kind(v))),
     }
@@ -452,25 +457,116 @@ fn message(i: usize, v: &Value) -> Result<model::chat::Message, ApiError> {
     Ok(model::chat::Message::new(role, content))
 }
 
+/// A chat request's `messages`: 1 to [`model::chat::MAX_MESSAGES`] of them.
+fn messages(v: Option<Value>) -> Result<Vec<model::chat::Message>, ApiError> {
+    match v {
+        Some(Value::Array(a)) if !a.is_empty() => {
+            if a.len() > model::chat::MAX_MESSAGES {
+                return Err(ApiError::invalid(
+                    "messages",
+                    format_args!("1 to {} messages", model::chat::MAX_MESSAGES),
+                    a.len(),
+                ));
+            }
+            a.iter().enumerate().map(|(i, v)| message(i, v)).collect()
+        }
+        Some(Value::Array(_)) => Err(ApiError::invalid("messages", "at least one message", "none")),
+        None => Err(ApiError::invalid("messages", "an array of messages", "none")),
+        Some(v) => Err(ApiError::invalid("messages", "an array of messages", kind(&v))),
+    }
+}
+
+/// The `model` a body names, if any.
+fn model_name(m: &Map<String, Value>) -> Result<Option<String>, ApiError> {
+    match m.get("model") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(v) => Err(ApiError::invalid("model", "a string", kind(v))),
+    }
+}
+
+/// A `POST /tokenize` body, as vLLM reads it: a `prompt` string, or chat `messages` rendered with the
+/// model's template first.
+#[derive(Debug, Clone)]
+pub struct Tokenize {
+    /// The model asked for, if any.
+    pub model: Option<String>,
+    /// [`Prompt::Text`] or [`Prompt::Messages`].
+    pub input: Prompt,
+    /// Whether the tokenizer adds its special tokens (BOS): by default, for a prompt, as a completion's
+    /// prompt is encoded; not for messages, whose template writes its own (transformers'
+    /// `apply_chat_template` default, and vLLM's).
+    pub add_special_tokens: bool,
+    /// For messages: whether the template opens the assistant's turn (true by default), as a chat
+    /// completion's prompt does.
+    pub add_generation_prompt: bool,
+    /// Whether the answer also names each token's text in the vocabulary (`token_strs`).
+    pub return_token_strs: bool,
+}
+
+impl Tokenize {
+    /// Reads a `/tokenize` body; other fields are ignored, as vLLM's are.
+    pub fn parse(body: &[u8]) -> Result<Self, ApiError> {
+        let mut m = obj(body)?;
+        let model = model_name(&m)?;
+        let input = match (m.get("prompt"), m.contains_key("messages")) {
+            (Some(_), true) => {
+                return Err(ApiError::invalid("prompt", "a prompt or messages", "both"));
+            }
+            (None, true) => Prompt::Messages(messages(m.remove("messages"))?),
+            (Some(Value::String(s)), false) => Prompt::Text(s.clone()),
+            (Some(v), false) => return Err(ApiError::invalid("prompt", "a string", kind(v))),
+            (None, false) => return Err(ApiError::invalid("prompt", "a string, or messages", "neither")),
+        };
+        let chat = matches!(input, Prompt::Messages(_));
+        Ok(Tokenize {
+            model,
+            add_special_tokens: bool_or(&m, "add_special_tokens", !chat)?,
+            add_generation_prompt: bool_or(&m, "add_generation_prompt", true)?,
+            return_token_strs: opt_bool(&m, "return_token_strs")?,
+            input,
+        })
+    }
+}
+
+/// A `POST /detokenize` body (vLLM's): token ids to turn back into text.
+#[derive(Debug, Clone)]
+pub struct Detokenize {
+    /// The model asked for, if any.
+    pub model: Option<String>,
+    /// The ids, each below `vocab`.
+    pub tokens: Vec<u32>,
+}
+
+impl Detokenize {
+    /// Reads a `/detokenize` body for a vocabulary of `vocab` tokens.
+    pub fn parse(body: &[u8], vocab: usize) -> Result<Self, ApiError> {
+        let m = obj(body)?;
+        let model = model_name(&m)?;
+        let expected = || format!("an array of token ids below {vocab}");
+        let tokens = match m.get("tokens") {
+            Some(Value::Array(a)) => a
+                .iter()
+                .enumerate()
+                .map(|(i, v)| {
+                    whole(v)
+                        .and_then(|id| u32::try_from(id).ok())
+                        .filter(|&id| (id as usize) < vocab)
+                        .ok_or_else(|| ApiError::invalid("tokens", expected(), format_args!("{v} at position {i}")))
+                })
+                .collect::<Result<Vec<u32>, _>>()?,
+            None => return Err(ApiError::invalid("tokens", expected(), "none")),
+            Some(v) => return Err(ApiError::invalid("tokens", expected(), kind(v))),
+        };
+        Ok(Detokenize { model, tokens })
+    }
+}
+
 impl Completion {
     /// Reads a `POST /v1/chat/completions` body: `messages` instead of `prompt`, the rest as a completion.
     pub fn parse_chat(body: &[u8]) -> Result<Self, ApiError> {
         let mut m = obj(body)?;
-        let messages = match m.remove("messages") {
-            Some(Value::Array(a)) if !a.is_empty() => {
-                if a.len() > model::chat::MAX_MESSAGES {
-                    return Err(ApiError::invalid(
-                        "messages",
-                        format_args!("1 to {} messages", model::chat::MAX_MESSAGES),
-                        a.len(),
-                    ));
-                }
-                a.iter().enumerate().map(|(i, v)| message(i, v)).collect::<Result<Vec<_>, _>>()?
-            }
-            Some(Value::Array(_)) => return Err(ApiError::invalid("messages", "at least one message", "none")),
-            None => return Err(ApiError::invalid("messages", "an array of messages", "none")),
-            Some(v) => return Err(ApiError::invalid("messages", "an array of messages", kind(&v))),
-        };
+        let messages = messages(m.remove("messages"))?;
         if m.contains_key("prompt") {
             return Err(ApiError::invalid("prompt", "no prompt in a chat request (messages carry it)", "one"));
         }
@@ -497,11 +593,7 @@ impl Completion {
 
     /// The fields both endpoints share; `prompt` from the body unless the caller has it already.
     fn from_map(mut m: Map<String, Value>, prompt: Option<Prompt>) -> Result<Self, ApiError> {
-        let model = match m.get("model") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) => Some(s.clone()),
-            Some(v) => return Err(ApiError::invalid("model", "a string", kind(v))),
-        };
+        let model = model_name(&m)?;
         let prompts = match prompt {
             Some(p) => vec![p],
             None => Self::prompts(&m)?,
@@ -700,6 +792,29 @@ mod tests {
             "messages: expected messages the model's chat template accepts, found chat template refused the \
              messages: Conversation roles must alternate user/assistant/user/assistant/..."
         );
+    }
+
+    /// `/tokenize` adds the tokenizer's special tokens to a prompt and not to messages unless told, and
+    /// opens the assistant's turn unless told; `null` is the default.
+    #[test]
+    fn tokenize_bodies_take_vllms_defaults() {
+        let t = Tokenize::parse(br#"{"prompt":"hi","add_generation_prompt":null}"#).unwrap();
+        assert_eq!(t.input, Prompt::Text("hi".into()));
+        assert!(t.add_special_tokens && t.add_generation_prompt && !t.return_token_strs);
+        let t = Tokenize::parse(br#"{"messages":[{"role":"user","content":"hi"}],"return_token_strs":true}"#).unwrap();
+        assert!(matches!(t.input, Prompt::Messages(ref m) if m.len() == 1));
+        assert!(!t.add_special_tokens && t.add_generation_prompt && t.return_token_strs);
+        let t = Tokenize::parse(br#"{"prompt":"","add_special_tokens":false,"add_generation_prompt":false}"#).unwrap();
+        assert!(!t.add_special_tokens && !t.add_generation_prompt);
+        let e = Tokenize::parse(br#"{"messages":[]}"#).unwrap_err();
+        assert_eq!(e.message, "messages: expected at least one message, found none");
+        let e = Tokenize::parse(br#"{"prompt":"x","add_special_tokens":1}"#).unwrap_err();
+        assert_eq!(e.message, "add_special_tokens: expected a boolean, found the number 1");
+        assert_eq!(Detokenize::parse(br#"{"tokens":[0, 2.0]}"#, 3).unwrap().tokens, [0, 2]);
+        let e = Detokenize::parse(br#"{"tokens":[0, -1]}"#, 3).unwrap_err();
+        assert_eq!(e.message, "tokens: expected an array of token ids below 3, found -1 at position 1");
+        let e = Detokenize::parse(b"{}", 3).unwrap_err();
+        assert_eq!(e.message, "tokens: expected an array of token ids below 3, found none");
     }
 
     #[test]

@@ -39,7 +39,7 @@ pub mod metrics;
 pub mod prefill;
 pub mod worker;
 
-use api::{ApiError, Completion, Prompt};
+use api::{ApiError, Completion, Detokenize, Prompt, Tokenize};
 use worker::{Event, Job};
 
 /// The largest request body.
@@ -98,6 +98,20 @@ impl Drop for InFlight {
 }
 
 impl App {
+    /// A body's `model`, which must be this server's where it is named (an empty name is no name, as
+    /// vLLM takes it).
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model.filter(|m| !m.is_empty()) {
+            Some(m) if m != self.config.model => {
+                let mut e = ApiError::invalid("model", format_args!("{:?}", self.config.model), format_args!("{m:?}"));
+                e.status = StatusCode::NOT_FOUND;
+                e.code = Some("model_not_found");
+                Err(e)
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
         let Some(key) = &self.config.api_key else { return Ok(()) };
         // The scheme's name is case-insensitive (RFC 9110).
@@ -214,6 +228,8 @@ impl Server {
             .route("/v1/models", get(models))
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
+            .route("/tokenize", post(tokenize))
+            .route("/detokenize", post(detokenize))
             .fallback(no_route)
             .method_not_allowed_fallback(wrong_method)
             .layer(DefaultBodyLimit::max(MAX_BODY))
@@ -269,7 +285,10 @@ async fn no_route(uri: axum::http::Uri) -> Response {
         StatusCode::NOT_FOUND,
         "invalid_request_error",
         "not_found",
-        format!("path: expected /health, /metrics, /v1/models, /v1/completions or /v1/chat/completions, found {found}"),
+        format!(
+            "path: expected /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions, /tokenize or \
+             /detokenize, found {found}"
+        ),
     )
     .into_response()
 }
@@ -286,7 +305,10 @@ fn same_key(given: &[u8], key: &[u8]) -> bool {
 /// A route asked with a method it does not take: 405, in an error object, with the `Allow` header
 /// RFC 9110 asks for.
 async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> Response {
-    let expected = if uri.path().starts_with("/v1/") && uri.path().contains("completions") { "POST" } else { "GET" };
+    let expected = match uri.path() {
+        "/health" | "/metrics" | "/v1/models" => "GET",
+        _ => "POST",
+    };
     let mut response = ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         "invalid_request_error",
@@ -469,22 +491,90 @@ impl TextOffset {
     }
 }
 
+/// A request's body, at most [`MAX_BODY`] bytes: a declared length over that is refused before a byte
+/// is read.
+async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    let too_large = |found: String| ApiError {
+        status: StatusCode::PAYLOAD_TOO_LARGE,
+        ..ApiError::invalid("body", format_args!("at most {} MiB of JSON", MAX_BODY >> 20), found)
+    };
+    let declared = headers.get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| n > MAX_BODY as u64) {
+        return Err(too_large(format!("{n} bytes")));
+    }
+    axum::body::to_bytes(body, MAX_BODY).await.map_err(|_| too_large("more".to_string()))
+}
+
+/// `POST /tokenize` (vLLM's): a prompt's ids, or a conversation's as its chat completion would see
+/// them, with their count and the server's context; nothing is queued. It answers while the model
+/// loads too: the tokenizer is ready first.
+async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let answer = async {
+        app.authorize(&headers)?;
+        let t = Tokenize::parse(&read_body(&headers, body).await?)?;
+        app.check_model(t.model.as_deref())?;
+        let chat = match (&t.input, &app.config.chat) {
+            (Prompt::Messages(_), None) => {
+                return Err(ApiError::invalid(
+                    "messages",
+                    "a model with a chat template",
+                    format_args!("{} without one", app.config.model),
+                ))
+            }
+            (_, chat) => chat.clone(),
+        };
+        let tokenizer = Arc::clone(&app.tokenizer);
+        let t = tokio::task::spawn_blocking(move || {
+            // The special tokens the model's tokenizer adds: BOS, where it adds one.
+            let specials = t.add_special_tokens && tokenizer.add_bos();
+            let ids = match &t.input {
+                Prompt::Messages(messages) => {
+                    let text = chat
+                        .expect("checked above")
+                        .render(messages, t.add_generation_prompt)
+                        .map_err(|e| ApiError::refused_messages(&e))?;
+                    tokenizer.encode(&text, specials)
+                }
+                Prompt::Text(text) => tokenizer.encode(text, specials),
+                Prompt::Ids(ids) => ids.clone(),
+            };
+            let strs = t
+                .return_token_strs
+                .then(|| ids.iter().map(|&id| tokenizer.token_text(id).unwrap_or_default()).collect::<Vec<_>>());
+            Ok::<_, ApiError>((ids, strs))
+        });
+        let (ids, strs) = t.await.map_err(|e| {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "tokenizer", e.to_string())
+        })??;
+        Ok::<_, ApiError>(Json(json!({
+            "count": ids.len(), "max_model_len": app.config.limits.context, "tokens": ids, "token_strs": strs,
+        })))
+    };
+    answer.await.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+}
+
+/// `POST /detokenize` (vLLM's): the text of token ids, special tokens' text included.
+async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
+    let answer = async {
+        app.authorize(&headers)?;
+        let d = Detokenize::parse(&read_body(&headers, body).await?, app.config.limits.vocab)?;
+        app.check_model(d.model.as_deref())?;
+        let tokenizer = Arc::clone(&app.tokenizer);
+        let text = tokio::task::spawn_blocking(move || tokenizer.decode(&d.tokens, false)).await.map_err(|e| {
+            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "tokenizer", e.to_string())
+        })?;
+        Ok::<_, ApiError>(Json(json!({ "prompt": text })))
+    };
+    answer.await.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+}
+
 async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpoint) -> Result<Response, ApiError> {
     app.authorize(&headers)?;
     if let Some(e) = app.unavailable() {
         return Err(e);
     }
     let in_flight = InFlight::new(&app);
-    let too_large = |found: String| ApiError {
-        status: StatusCode::PAYLOAD_TOO_LARGE,
-        ..ApiError::invalid("body", format_args!("at most {} MiB of JSON", MAX_BODY >> 20), found)
-    };
-    // A declared length over the limit is refused before a byte of the body is read.
-    let declared = headers.get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
-    if let Some(n) = declared.filter(|&n| n > MAX_BODY as u64) {
-        return Err(too_large(format!("{n} bytes")));
-    }
-    let body: Bytes = axum::body::to_bytes(body, MAX_BODY).await.map_err(|_| too_large("more".to_string()))?;
+    let body = read_body(&headers, body).await?;
     let mut c = match endpoint {
         Endpoint::Text => Completion::parse(&body)?,
         Endpoint::Chat => Completion::parse_chat(&body)?,
@@ -499,15 +589,7 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         }
         (_, chat) => chat.clone(),
     };
-    // An empty name is no name, as vLLM takes it.
-    if let Some(m) = c.model.as_ref().filter(|m| !m.is_empty()) {
-        if *m != app.config.model {
-            let mut e = ApiError::invalid("model", format_args!("{:?}", app.config.model), format_args!("{m:?}"));
-            e.status = StatusCode::NOT_FOUND;
-            e.code = Some("model_not_found");
-            return Err(e);
-        }
-    }
+    app.check_model(c.model.as_deref())?;
     // Tokenizing a few MiB takes a while: not on the async threads.
     let tokenizer = Arc::clone(&app.tokenizer);
     let prompts = std::mem::take(&mut c.prompts);
