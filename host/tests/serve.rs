@@ -1129,6 +1129,10 @@ fn n_choices_and_batched_prompts_each_equal_their_own_request() {
     let v = alone(three.clone());
     let choices = v["choices"].as_array().unwrap();
     assert_eq!(choices.len(), 3, "{v}");
+    // vLLM's token counters: each choice's prompt (a sequence of its own), and every token drawn.
+    let prompt_tokens = v["usage"]["prompt_tokens"].as_f64().unwrap();
+    assert_eq!(metric(&s, "pdhost_prompt_tokens_total"), Some(3.0 * prompt_tokens));
+    assert_eq!(metric(&s, "pdhost_generation_tokens_total"), v["usage"]["completion_tokens"].as_f64());
     let mut completion_tokens = 0;
     for (j, choice) in choices.iter().enumerate() {
         let mut one = sampled.clone();

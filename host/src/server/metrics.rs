@@ -37,6 +37,10 @@ pub struct Metrics {
     pub spans_rejected: IntCounterVec,
     /// Producer processes started / restarted.
     pub producer_starts: IntCounterVec,
+    /// Prompt tokens of the requests that drew a first token (prefilled or found in the prefix cache).
+    pub prompt_tokens: IntCounter,
+    /// Tokens drawn, counted as they are.
+    pub generation_tokens: IntCounter,
     /// Tokens of prompts found in the prefix cache.
     pub prefix_hit_tokens: IntCounter,
     /// Chunks per batch given to a producer.
@@ -85,6 +89,12 @@ impl Metrics {
             spans_accepted: IntCounter::new("pdhost_spans_accepted_total", "Producer spans accepted.").expect("valid"),
             spans_rejected: counter_vec("pdhost_spans_rejected_total", "Producer spans rejected, by kind.", &["kind"]),
             producer_starts: counter_vec("pdhost_producer_starts_total", "Producer processes started.", &["kind"]),
+            prompt_tokens: IntCounter::new(
+                "pdhost_prompt_tokens_total",
+                "Prompt tokens of requests that drew a first token.",
+            )
+            .expect("valid"),
+            generation_tokens: IntCounter::new("pdhost_generation_tokens_total", "Tokens drawn.").expect("valid"),
             prefix_hit_tokens: IntCounter::new(
                 "pdhost_prefix_cache_hit_tokens_total",
                 "Prompt tokens found in the prefix cache.",
@@ -108,7 +118,7 @@ impl Metrics {
         }
         let info = IntGauge::new("pdhost_info", "Always 1.").expect("valid");
         info.set(1);
-        let all: [Box<dyn prometheus::core::Collector>; 15] = [
+        let all: [Box<dyn prometheus::core::Collector>; 17] = [
             Box::new(m.requests.clone()),
             Box::new(m.prefills.clone()),
             Box::new(m.ttft.clone()),
@@ -121,6 +131,8 @@ impl Metrics {
             Box::new(m.spans_accepted.clone()),
             Box::new(m.spans_rejected.clone()),
             Box::new(m.producer_starts.clone()),
+            Box::new(m.prompt_tokens.clone()),
+            Box::new(m.generation_tokens.clone()),
             Box::new(m.prefix_hit_tokens.clone()),
             Box::new(m.prefill_batch.clone()),
             Box::new(info),

@@ -743,7 +743,10 @@ fn advance(metrics: &Metrics, r: &mut Running<'_>, step: Result<Option<u32>, Eng
     let now = Instant::now();
     if let Some(t) = r.last_token.replace(now) {
         metrics.inter_token.observe((now - t).as_secs_f64());
+    } else {
+        metrics.prompt_tokens.inc_by(r.job.request.prompt.len() as u64);
     }
+    metrics.generation_tokens.inc();
     r.stream.push(id);
     let text = r.stream.shown();
     r.ends.push(text.len());
