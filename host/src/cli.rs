@@ -48,10 +48,11 @@ pub enum Command {
     #[command(name = "check-backend")]
     CheckBackend(CheckBackendArgs),
     /// Serve the OpenAI-compatible HTTP API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`,
-    /// `/health`, `/metrics`).
+    /// vLLM's `/tokenize` and `/detokenize`, `/health`, `/metrics`).
     ///
     /// Prefill runs in a producer subprocess (`--producer rngd` by default), decode in the host. Requests
-    /// are checked exactly as `generate` checks its flags; a refusal is a 4xx with an OpenAI error object.
+    /// are checked by the code that checks `generate`'s flags (the API asks for at least one token, where
+    /// `generate --max-tokens 0` only prefills); a refusal is a 4xx with an OpenAI error object.
     /// Up to --slots sequences are live at once, and each decode step is one batched forward pass over
     /// all of them; further requests wait in a FIFO queue (`--queue`), and past it the answer is 503
     /// with Retry-After. SIGTERM or SIGINT drains: new requests get 503, in-flight ones finish within

@@ -247,7 +247,7 @@ fn sampling_is_reproducible_from_its_seed() {
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("--min-tokens: expected at most max_tokens (2), found 3"), "{err}");
+    assert!(err.contains("--min-tokens: expected at most the reply's token limit (2), found 3"), "{err}");
     let out = Command::new(PDHOST)
         .args(["generate", "--model", dir, "--prompt-ids", "1,90", "--temperature", "1", "--min-p", "1.5"])
         .output()

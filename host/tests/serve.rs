@@ -308,7 +308,7 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         (
             r#"{"prompt":"hi","max_tokens":3,"min_tokens":4}"#,
             400,
-            "min_tokens: expected at most max_tokens (3), found 4",
+            "min_tokens: expected at most the reply's token limit (3), found 4",
         ),
     ] {
         let (got, v) = post(&s, "/v1/completions", body);
@@ -346,10 +346,22 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     let _ = BufReader::new(tcp).read_line(&mut answer);
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer:?}");
     assert_eq!(get(&s, "/health").0, 200);
+    // A body the client garbled (a chunk size that is no number) is that, not one too large.
+    let mut tcp = std::net::TcpStream::connect(s.url.trim_start_matches("http://")).unwrap();
+    let garbled = "POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n\
+                   zz\r\nabc\r\n0\r\n\r\n";
+    std::io::Write::write_all(&mut tcp, garbled.as_bytes()).unwrap();
+    let mut answer = String::new();
+    let _ = std::io::Read::read_to_string(&mut tcp, &mut answer);
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer:?}");
+    assert!(
+        answer.contains(r#""message":"body: expected a whole HTTP body, found a broken one after 0 bytes"#),
+        "{answer:?}"
+    );
 
     // Metrics count what happened.
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(13.0));
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(24.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(25.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
     assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(13.0));
     assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(13.0));

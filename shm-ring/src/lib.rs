@@ -3,7 +3,9 @@
 //!
 //! The host end is [`RingReader`]: it creates every segment, reads each shared header word once into a
 //! private copy, validates it against geometry it keeps privately, copies the frame out, checksums the
-//! copy, re-checks the commit word and only then hands the span on. The producer end is [`RingWriter`].
+//! copy, and re-checks the header and the commit word. [`RingReader::try_take`] hands the span on only
+//! then; [`RingReader::take_into`] hands the validated manifest and each copied chunk of payload to a
+//! [`SpanSink`] as they come, and commits or aborts it only then. The producer end is [`RingWriter`].
 //! All access to shared bytes goes through [`segment::Segment`] (and the fused copy-and-checksum kernel,
 //! within a range the segment checked), which never forms a Rust reference over memory the other side can
 //! write and reads it only with volatile loads.

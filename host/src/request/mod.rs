@@ -454,7 +454,11 @@ pub fn check_request(raw: &RawRequest, limits: &Limits) -> Result<engine::Reques
         .collect::<Result<Vec<u32>, _>>()?;
     let min_tokens = raw.min_tokens.unwrap_or(0);
     if min_tokens > raw.max_tokens {
-        return Err(Invalid::new(Field::MinTokens, format!("at most max_tokens ({})", raw.max_tokens), min_tokens));
+        return Err(Invalid::new(
+            Field::MinTokens,
+            format!("at most the reply's token limit ({})", raw.max_tokens),
+            min_tokens,
+        ));
     }
     Ok(engine::Request {
         prompt: raw.prompt.clone(),

@@ -435,12 +435,18 @@ fn message(i: usize, v: &Value) -> Result<model::chat::Message, ApiError> {
                         }
                         text.push_str(t)
                     }
-                    _ => {
+                    (kind_of_part, _) => {
+                        let found = match (kind_of_part, part.get("text")) {
+                            (Some("text"), None) => "a text part without its \"text\"".to_string(),
+                            (Some("text"), Some(t)) => format!("a text part whose \"text\" is {}", kind(t)),
+                            (Some(other), _) => format!("a part of type {:?}", request::shorten_to(other, 32)),
+                            (None, _) => "a part without a \"type\" string".to_string(),
+                        };
                         return Err(ApiError::invalid(
                             "messages",
                             "content as a string or text parts ({\"type\": \"text\", \"text\": ...})",
-                            format_args!("another part in message {i}"),
-                        ))
+                            format_args!("{found} (part {k} of message {i})"),
+                        ));
                     }
                 }
             }
@@ -753,6 +759,14 @@ impl Completion {
                     .collect::<Result<Vec<u32>, _>>()?;
                 Prompt::Ids(ids)
             }
+            Value::Array(a) => {
+                let (i, v) = a.iter().enumerate().find(|(_, v)| !v.is_number()).expect("not all numbers");
+                return Err(ApiError::invalid(
+                    "prompt",
+                    "a string or an array of token ids",
+                    format_args!("{} at position {i}{which}", kind(v)),
+                ));
+            }
             v => {
                 return Err(ApiError::invalid(
                     "prompt",
@@ -836,13 +850,17 @@ mod tests {
         assert_eq!(err("[1]"), "body: expected a JSON object, found an array of 1 item");
         assert_eq!(err(r#"{"prompt":""}"#), "prompt: expected a non-empty prompt, found an empty string");
         assert_eq!(err(r#"{}"#), "prompt: expected a string or an array of token ids, found none");
+        assert_eq!(
+            err(r#"{"prompt":[1,"b"]}"#),
+            "prompt: expected a string or an array of token ids, found a string of 1 byte at position 1"
+        );
         // A batch: each string or id array a prompt of its own; a nested batch is not a prompt.
         let batch = |b: &str| Completion::parse(b.as_bytes()).unwrap().prompts;
         assert_eq!(batch(r#"{"prompt":["hi"]}"#), [Prompt::Text("hi".into())]);
         assert_eq!(batch(r#"{"prompt":["a",[1,2]]}"#), [Prompt::Text("a".into()), Prompt::Ids(vec![1, 2])]);
         assert_eq!(
             err(r#"{"prompt":[[1],[[1]]]}"#),
-            "prompt: expected a string or an array of token ids, found an array of 1 item (prompt 1)"
+            "prompt: expected a string or an array of token ids, found an array of 1 item at position 0 (prompt 1)"
         );
         assert_eq!(
             err(r#"{"prompt":["a",7]}"#),
@@ -965,7 +983,19 @@ mod tests {
             chat_err(r#"{"messages":[{"content":"x"}]}"#),
             "messages: expected a role string in every message, found none at 0"
         );
-        assert!(chat_err(r#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#).contains("text parts"));
+        // A part that cannot be read is named by what is wrong with it, and where it is.
+        let parts = |p: &str| {
+            chat_err(&format!(r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"a"}},{p}]}}]}}"#))
+        };
+        let expected = r#"messages: expected content as a string or text parts ({"type": "text", "text": ...}), found"#;
+        for (part, found) in [
+            (r#"{"type":"image_url"}"#, r#"a part of type "image_url""#),
+            (r#"{"type":"text"}"#, r#"a text part without its "text""#),
+            (r#"{"type":"text","text":7}"#, r#"a text part whose "text" is the number 7"#),
+            (r#"{"text":"b"}"#, r#"a part without a "type" string"#),
+        ] {
+            assert_eq!(parts(part), format!("{expected} {found} (part 1 of message 0)"));
+        }
         assert_eq!(
             chat_err(r#"{"messages":[{"role":"user"}]}"#),
             "messages: expected content in every message but an assistant's, found none in message 0 (user)"

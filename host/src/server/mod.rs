@@ -115,8 +115,8 @@ impl App {
     fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
         let Some(key) = &self.config.api_key else { return Ok(()) };
         // The scheme's name is case-insensitive (RFC 9110).
-        let given = headers
-            .get("authorization")
+        let header = headers.get("authorization");
+        let given = header
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.split_once(' '))
             .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
@@ -124,14 +124,16 @@ impl App {
         if given.is_some_and(|given| same_key(given.as_bytes(), key.as_bytes())) {
             return Ok(());
         }
+        let found = match (given, header) {
+            (Some(_), _) => "another key",
+            (None, Some(_)) => "another scheme",
+            (None, None) => "none",
+        };
         Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             "authentication_error",
             "invalid_api_key",
-            format!(
-                "authorization: expected `Bearer` and the server's API key, found {}",
-                if given.is_some() { "another key" } else { "none" }
-            ),
+            format!("authorization: expected `Bearer` and the server's API key, found {found}"),
         ))
     }
 
@@ -492,7 +494,8 @@ impl TextOffset {
 }
 
 /// A request's body, at most [`MAX_BODY`] bytes: a declared length over that is refused before a byte
-/// is read.
+/// is read, a longer one as it grows past it (413), and one the connection broke off or garbled (a
+/// chunk size that is no number, fewer bytes than declared) as what it is (400).
 async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     let too_large = |found: String| ApiError {
         status: StatusCode::PAYLOAD_TOO_LARGE,
@@ -502,7 +505,30 @@ async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     if let Some(n) = declared.filter(|&n| n > MAX_BODY as u64) {
         return Err(too_large(format!("{n} bytes")));
     }
-    axum::body::to_bytes(body, MAX_BODY).await.map_err(|_| too_large("more".to_string()))
+    let mut stream = body.into_data_stream();
+    let mut read = Vec::with_capacity(declared.unwrap_or(0) as usize);
+    while let Some(chunk) = stream.next().await {
+        let chunk = chunk.map_err(|e| {
+            // hyper's words and their cause: "error reading a body from connection: end of file before
+            // message length reached".
+            let mut why = e.to_string();
+            let mut source = std::error::Error::source(&e);
+            while let Some(s) = source {
+                why = format!("{why}: {s}");
+                source = s.source();
+            }
+            ApiError::invalid(
+                "body",
+                "a whole HTTP body",
+                format_args!("a broken one after {} bytes ({why})", read.len()),
+            )
+        })?;
+        if read.len() + chunk.len() > MAX_BODY {
+            return Err(too_large("more".to_string()));
+        }
+        read.extend_from_slice(&chunk);
+    }
+    Ok(read.into())
 }
 
 /// `POST /tokenize` (vLLM's): a prompt's ids, or a conversation's as its chat completion would see

@@ -218,12 +218,14 @@ pub enum ProducerError {
         wait: Duration,
     },
     /// The producer failed recently; it is not restarted before its backoff has passed.
-    #[error("producer {name}: restarting after a failure in {}: not yet", words::duration(*wait))]
+    #[error("producer {name}: restarting in {} after a failure ({after}): not yet", words::duration(*wait))]
     BackingOff {
         /// Producer.
         name: String,
         /// Time left.
         wait: Duration,
+        /// The failure it follows: its kind and text (`start_failed: loading ...: No such file`).
+        after: String,
     },
     /// A system call on the host side failed.
     #[error("producer {name}: {op}: {source}")]

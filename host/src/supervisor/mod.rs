@@ -204,6 +204,8 @@ pub struct Producer {
     start_refused: Option<(&'static str, String)>,
     /// Why the process stopped while calls of its batch were still awaited: what each of them fails with.
     broken: Option<String>,
+    /// The last failure (its kind and text), which a request refused in the backoff after it is told.
+    last_failure: Option<String>,
 }
 
 /// What the reply to a call sent must say.
@@ -229,6 +231,7 @@ impl Producer {
             restarts: Restarts::default(),
             start_refused: None,
             broken: None,
+            last_failure: None,
         }
     }
 
@@ -359,10 +362,7 @@ impl Producer {
                 Ok(running) => self.running = Some(running),
                 Err(e) => {
                     if e.repeats_on_every_start() {
-                        let text = e.to_string();
-                        let prefix = format!("producer {}: ", self.spec.name);
-                        let reason = text.strip_prefix(&prefix).map_or(text.clone(), str::to_string);
-                        self.start_refused = Some((e.kind(), reason));
+                        self.start_refused = Some((e.kind(), self.reason(&e)));
                     }
                     return Err(e);
                 }
@@ -376,8 +376,12 @@ impl Producer {
         match self.restarts.admit(&self.spec.restart, Instant::now()) {
             Ok(false) => {}
             Ok(true) => self.metrics.restarts += 1,
-            // A request does not wait out the backoff: it is refused now (and falls back, or fails).
-            Err(Refused::BackingOff { wait }) => return Err(ProducerError::BackingOff { name, wait }),
+            // A request does not wait out the backoff: it is refused now (and falls back, or fails),
+            // told what the backoff follows.
+            Err(Refused::BackingOff { wait }) => {
+                let after = self.last_failure.clone().unwrap_or_else(|| "unknown".into());
+                return Err(ProducerError::BackingOff { name, wait, after });
+            }
             Err(Refused::Limit { restarts, wait }) => {
                 return Err(ProducerError::RestartLimit { name, restarts, window: self.spec.restart.window, wait })
             }
@@ -388,10 +392,21 @@ impl Producer {
         // every request.
         self.restarts.starting();
         let started = self.launch(name);
-        if started.is_err() {
-            self.restarts.failed(&self.spec.restart, Instant::now());
+        match &started {
+            Ok(_) => self.last_failure = None,
+            Err(e) => {
+                self.last_failure = Some(format!("{}: {}", e.kind(), self.reason(e)));
+                self.restarts.failed(&self.spec.restart, Instant::now());
+            }
         }
         started
+    }
+
+    /// `e`'s text without the "producer NAME: " it starts with.
+    fn reason(&self, e: &ProducerError) -> String {
+        let text = e.to_string();
+        let prefix = format!("producer {}: ", self.spec.name);
+        text.strip_prefix(&prefix).map_or(text.clone(), str::to_string)
     }
 
     /// Spawns the producer process over a new ring and waits for its `Ready` (bounded by the start
@@ -449,7 +464,7 @@ impl Producer {
                 // its own, as `reap` does with one that will not die.
                 let mut child = child;
                 let _ = child.kill();
-                reap_later(&name, child, logging);
+                reap_later(&name, child, None, logging);
                 return Err(self.io("pidfd_open")(e.into()));
             }
         };
@@ -646,30 +661,24 @@ impl Producer {
         }
     }
 
-    /// Kills (if needed) and reaps a process, and drops its ring.
+    /// Kills (if needed) and reaps a process, and drops its ring. The caller (in `serve`, the engine
+    /// thread, which decodes for every live request) waits at most [`REAP_WAIT`] twice.
     fn reap(&self, mut running: Running) {
         // SIGKILL, then wait: no zombie, and the ring (dropped with `running`) is unmapped and closed. A
-        // process in an uninterruptible sleep (inside a driver, reading a hung network mount) dies only
-        // when it wakes: it is waited for a while, then left to a thread of its own to reap, rather than
-        // hold every request behind it.
+        // killed process is usually gone within a few milliseconds; one that takes longer (a large address
+        // space to tear down, or an uninterruptible sleep inside a driver or on a hung network mount) is
+        // left to a thread of its own to reap, rather than hold every request behind it.
         let _ = running.child.kill();
-        let mut fds = [PollFd::from_borrowed_fd(running.pidfd.as_fd(), PollFlags::IN)];
-        let ts = rustix::event::Timespec { tv_sec: REAP_WAIT.as_secs() as i64, tv_nsec: 0 };
-        if matches!(rustix::event::poll(&mut fds, Some(&ts)), Ok(n) if n > 0) {
-            let _ = running.child.wait();
-        } else {
-            tracing::warn!(
-                producer = %self.spec.name,
-                "killed, and not gone after {} s (an uninterruptible sleep?): reaped when it goes",
-                REAP_WAIT.as_secs()
-            );
-            let Running { child, logging, .. } = running;
-            reap_later(&self.spec.name, child, logging);
+        if !exited_within(running.pidfd.as_fd(), REAP_WAIT) {
+            let Running { child, pidfd, logging, .. } = running;
+            reap_later(&self.spec.name, child, Some(pidfd), logging);
             return;
         }
+        let _ = running.child.wait();
         // Its pipes are closed now, unless a process it started holds them: wait a little for the
-        // logging threads to read the last lines and close the host's ends.
-        let _ = running.logging.recv_timeout(Duration::from_secs(1));
+        // logging threads to log the last lines, so that they come before what the caller logs next
+        // (the threads go on to the pipes' end either way).
+        let _ = running.logging.recv_timeout(REAP_WAIT);
     }
 
     /// Counts a refused request by its reason.
@@ -682,6 +691,7 @@ impl Producer {
     /// restart after the backoff.
     fn fail(&mut self, error: ProducerError) -> ProducerError {
         let error = self.refuse(error);
+        self.last_failure = Some(format!("{}: {}", error.kind(), self.reason(&error)));
         if let Some(running) = self.running.take() {
             self.reap(running);
         }
@@ -1020,9 +1030,23 @@ impl Producer {
 }
 
 /// Waits for the killed `child` on a thread of its own (then drops `keep`: its logging threads' signal),
-/// where waiting here could block without a deadline.
-fn reap_later<K: Send + 'static>(name: &str, mut child: std::process::Child, keep: K) {
+/// where waiting here could block without a deadline. With its pidfd, one still there after
+/// [`STUCK_WAIT`] is named in a warning.
+fn reap_later<K: Send + 'static>(
+    name: &str,
+    mut child: std::process::Child,
+    pidfd: Option<rustix::fd::OwnedFd>,
+    keep: K,
+) {
+    let producer = name.to_string();
     let reaper = std::thread::Builder::new().name("pdhost-reaper".into()).spawn(move || {
+        if pidfd.is_some_and(|fd| !exited_within(fd.as_fd(), STUCK_WAIT)) {
+            tracing::warn!(
+                %producer,
+                "killed, and not gone after {} s (an uninterruptible sleep?): reaped when it goes",
+                STUCK_WAIT.as_secs()
+            );
+        }
         let _ = child.wait();
         drop(keep);
     });
@@ -1031,8 +1055,19 @@ fn reap_later<K: Send + 'static>(name: &str, mut child: std::process::Child, kee
     }
 }
 
-/// How long a killed producer is waited for before a thread of its own is left to reap it.
-const REAP_WAIT: Duration = Duration::from_secs(5);
+/// Whether the process of pidfd `fd` has exited, or does within `wait`.
+fn exited_within(fd: rustix::fd::BorrowedFd<'_>, wait: Duration) -> bool {
+    let mut fds = [PollFd::from_borrowed_fd(fd, PollFlags::IN)];
+    let ts = rustix::event::Timespec { tv_sec: wait.as_secs() as i64, tv_nsec: wait.subsec_nanos().into() };
+    matches!(rustix::event::poll(&mut fds, Some(&ts)), Ok(n) if n > 0)
+}
+
+/// How long a killed producer, and then its logging threads, are waited for by the thread that killed
+/// it, before a thread of its own is left to reap it: the engine thread of `serve` decodes meanwhile.
+const REAP_WAIT: Duration = Duration::from_millis(100);
+
+/// How long the reaping thread waits before it warns that a killed producer is still there.
+const STUCK_WAIT: Duration = Duration::from_secs(5);
 
 /// The most characters of a producer's text (an error message, a stage, a name) that reach the host's
 /// errors.

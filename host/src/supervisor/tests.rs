@@ -109,8 +109,12 @@ fn waits_and_unexpected_replies_read_as_words() {
         wait: Duration::from_secs(60),
     };
     assert_eq!(off.to_string(), "producer gpu: failed, and restarts are off (a cap of 0 per window)");
-    let backing_off = ProducerError::BackingOff { name: "gpu".into(), wait: Duration::from_millis(50) };
-    assert_eq!(backing_off.to_string(), "producer gpu: restarting after a failure in 50 ms: not yet");
+    let after = "exited: exited by SIGKILL (during a prefill)".to_string();
+    let backing_off = ProducerError::BackingOff { name: "gpu".into(), wait: Duration::from_millis(50), after };
+    assert_eq!(
+        backing_off.to_string(),
+        "producer gpu: restarting in 50 ms after a failure (exited: exited by SIGKILL (during a prefill)): not yet"
+    );
     let reply = FromProducer::Done { request_id: 6, sequence: 0, backend_ns: 0, frame_ns: 0 };
     let protocol = ProducerError::Protocol {
         name: "gpu".into(),
