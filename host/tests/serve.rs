@@ -133,6 +133,15 @@ fn sse(s: &Served, body: &Value) -> Vec<String> {
 #[test]
 fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object() {
     let s = serve(&["--producer", "rngd"]);
+    // A client that sends half a request and waits does not hold its connection for ever (checked at
+    // the end: the server closes it 30 s after it opened).
+    let mut idle = std::net::TcpStream::connect(s.url.trim_start_matches("http://")).unwrap();
+    std::io::Write::write_all(&mut idle, b"GET /health HTTP/1.1\r\nhost: x\r\n").unwrap();
+    // Nor does one that sends part of a body: it is answered 408.
+    let mut slow = std::net::TcpStream::connect(s.url.trim_start_matches("http://")).unwrap();
+    let part = "POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 20\r\n\r\n{\"pro";
+    std::io::Write::write_all(&mut slow, part.as_bytes()).unwrap();
+    let opened = Instant::now();
     assert_eq!(get(&s, "/health"), (200, json!({"status": "ok"})));
     let (status, models) = get(&s, "/v1/models");
     assert_eq!(status, 200);
@@ -368,6 +377,20 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(13.0));
     assert_eq!(metric(&s, r#"pdhost_producer_starts_total{kind="start"}"#), Some(1.0));
     assert_eq!(metric(&s, "pdhost_requests_running"), Some(0.0));
+    idle.set_read_timeout(Some(Duration::from_secs(45).saturating_sub(opened.elapsed()).max(Duration::from_secs(1))))
+        .unwrap();
+    let mut rest = Vec::new();
+    let closed = std::io::Read::read_to_end(&mut idle, &mut rest);
+    assert!(closed.is_ok(), "a half-sent request's connection still open after {:?}: {closed:?}", opened.elapsed());
+    slow.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut answer = String::new();
+    let _ = std::io::Read::read_to_string(&mut slow, &mut answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer:?}");
+    assert!(
+        answer.contains("body: expected the rest of the body within 30 s, found 5 bytes, then nothing"),
+        "{answer:?}"
+    );
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="request_timeout"}"#), Some(1.0));
     // A conversation too long for the context is named by its messages, not by a `prompt` it never sent;
     // one that fills it exactly, by what it leaves for a reply, not by a `max_tokens` it never sent.
     let chat = |words: usize| json!({"messages": [{"role": "user", "content": "hello ".repeat(words)}]}).to_string();

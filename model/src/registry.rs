@@ -494,7 +494,11 @@ fn state_in(spec: &ModelSpec, dir: &Path) -> Cached {
     };
     let meta = match std::fs::metadata(&path) {
         Ok(meta) => meta,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Cached::Missing,
+        // No such file, or no such directory (`$PDHOST_HOME` under a file): not there, and fetching it
+        // says why it cannot be put there. Not corrupt.
+        Err(e) if matches!(e.kind(), std::io::ErrorKind::NotFound | std::io::ErrorKind::NotADirectory) => {
+            return Cached::Missing
+        }
         Err(e) => return corrupt("a readable file".into(), e.to_string()),
     };
     if !meta.is_file() {
@@ -640,6 +644,17 @@ mod tests {
         assert!(message.contains(&path.display().to_string()), "{message}");
         assert!(message.contains(&format!("expected {}, found {}", c.expected, c.found)), "{message}");
         assert!(message.ends_with("run `pdhost models fetch tiny-test` to fetch it again"), "{message}");
+    }
+
+    /// A cache directory that cannot be one (under a file) holds nothing: missing, not corrupt, and a
+    /// fetch names why it cannot be made.
+    #[test]
+    fn a_cache_under_a_file_is_missing_and_fetching_says_why() {
+        let (dir, spec) = cache(100);
+        let under = dir.path().join(spec.file).join("models");
+        assert!(matches!(state_in(&spec, &under), Cached::Missing));
+        let err = fetch_in(&spec, &under, OnCorrupt::Fail, &mut Quiet).unwrap_err().to_string();
+        assert!(err.contains("Not a directory"), "{err}");
     }
 
     #[test]

@@ -258,7 +258,7 @@ impl Server {
                 }
             }
         };
-        let serve = axum::serve(listener, router).with_graceful_shutdown(graceful);
+        let serve = serve_http(listener, router, graceful);
         let drain = app.config.drain_timeout;
         let mut deadline_rx = stop_rx;
         let deadline = async move {
@@ -278,6 +278,46 @@ impl Server {
         let _ = tokio::task::spawn_blocking(move || worker.join()).await;
         Ok(())
     }
+}
+
+/// How long a client may take to send a request's headers (and a keep-alive connection may stay idle).
+pub const HEADER_WAIT: Duration = Duration::from_secs(30);
+/// How long a request's body may pause between two of its pieces.
+pub const BODY_WAIT: Duration = Duration::from_secs(30);
+
+/// Serves HTTP/1 connections from `listener` with `router` until `stop` resolves, then lets the open
+/// ones finish (a connection between requests closes at once). What `axum::serve` does, with a deadline
+/// on each request's headers ([`HEADER_WAIT`]), which it leaves unset, and `TCP_NODELAY`.
+async fn serve_http(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    stop: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(hyper_util::rt::TokioTimer::new()).header_read_timeout(HEADER_WAIT);
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut stop = std::pin::pin!(stop);
+    loop {
+        let stream = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                // Out of descriptors, say: the connection waiting is not lost, try again shortly.
+                Err(e) => {
+                    tracing::warn!("accepting a connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = &mut stop => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let connection = http.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+        tokio::spawn(graceful.watch(connection));
+    }
+    drop(listener);
+    graceful.shutdown().await;
+    Ok(())
 }
 
 /// A path no route serves: 404, in an error object as every other refusal.
@@ -507,7 +547,19 @@ async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
     }
     let mut stream = body.into_data_stream();
     let mut read = Vec::with_capacity(declared.unwrap_or(0) as usize);
-    while let Some(chunk) = stream.next().await {
+    loop {
+        let Ok(next) = tokio::time::timeout(BODY_WAIT, stream.next()).await else {
+            return Err(ApiError {
+                status: StatusCode::REQUEST_TIMEOUT,
+                code: Some("request_timeout"),
+                ..ApiError::invalid(
+                    "body",
+                    format_args!("the rest of the body within {} s", BODY_WAIT.as_secs()),
+                    format_args!("{} bytes, then nothing", read.len()),
+                )
+            });
+        };
+        let Some(chunk) = next else { break };
         let chunk = chunk.map_err(|e| {
             // hyper's words and their cause: "error reading a body from connection: end of file before
             // message length reached".

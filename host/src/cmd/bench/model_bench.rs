@@ -171,22 +171,33 @@ struct Case {
     requests: Vec<Request>,
 }
 
-/// Every model's request, checked before anything slow runs.
+/// Every model's request, checked before anything slow runs. Each `--prompt-tokens` is checked against
+/// the smallest context of the models asked for, which the refusal names.
 fn cases(args: &ModelBenchArgs) -> anyhow::Result<Vec<Case>> {
     let decode = request::check_count(Field::DecodeTokens, args.decode_tokens, 1, MAX_DECODE)?;
-    let mut cases = Vec::new();
+    let mut opened = Vec::new();
     for name in args.models.iter().map(|m| m.name()) {
         let path = model::registry::fetch(name, &mut model::registry::Quiet)?;
         let gguf = Gguf::open(&path)?;
-        let config = Config::from_gguf(&gguf)?;
-        let limits = Limits::new(name, &config, None)?;
-        let max_prompt = limits.context as u64 - decode - 2;
+        let limits = Limits::new(name, &Config::from_gguf(&gguf)?, None)?;
+        opened.push((name, path, gguf, limits));
+    }
+    let Some((smallest, max_prompt)) =
+        opened.iter().map(|(name, .., limits)| (*name, limits.context as u64 - decode - 2)).min_by_key(|c| c.1)
+    else {
+        return Ok(Vec::new());
+    };
+    for &tokens in &args.prompt_tokens {
+        request::check_count(Field::PromptTokens, tokens, 1, max_prompt).map_err(|e| Invalid {
+            expected: format!("{} ({smallest}'s context less the decoded tokens)", e.expected),
+            ..e
+        })?;
+    }
+    let mut cases = Vec::new();
+    for (name, path, gguf, limits) in opened {
         let tok = Tokenizer::from_gguf(&gguf)?;
         let mut requests = Vec::new();
-        for &tokens in &args.prompt_tokens {
-            let prompt_tokens = request::check_count(Field::PromptTokens, tokens, 1, max_prompt).map_err(|e| {
-                Invalid { expected: format!("{} ({name}'s context less the decoded tokens)", e.expected), ..e }
-            })?;
+        for &prompt_tokens in &args.prompt_tokens {
             let mut prompt = tok.encode(&TEXT.repeat(1 + prompt_tokens as usize / 20), tok.add_bos());
             prompt.truncate(prompt_tokens as usize);
             let raw = RawRequest {
