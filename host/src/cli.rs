@@ -243,17 +243,18 @@ pub struct GenerateArgs {
     /// Sample with this temperature (0 to 100; 0 is greedy) instead of greedy decoding.
     #[arg(long, value_parser = number, allow_hyphen_values = true)]
     pub temperature: Option<f64>,
-    /// Nucleus mass when sampling: above 0, at most 1. Applied after --top-k and --min-p, to what they
-    /// keep.
+    /// Nucleus mass when sampling (needs --temperature): above 0, at most 1. Applied after --top-k and
+    /// --min-p, to what they keep.
     #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 1.0, requires = "temperature")]
     pub top_p: f64,
-    /// Sample only from the N most likely tokens (0: no limit).
+    /// Sample only from the N most likely tokens (needs --temperature; 0: no limit).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "temperature")]
     pub top_k: Option<u64>,
-    /// Sample only tokens at least P times as likely as the most likely one (0 to 1; 0: no limit).
+    /// Sample only tokens at least P times as likely as the most likely one (needs --temperature; 0 to 1;
+    /// 0: no limit).
     #[arg(long, value_parser = number, allow_hyphen_values = true, requires = "temperature")]
     pub min_p: Option<f64>,
-    /// Sampling seed.
+    /// Sampling seed (needs --temperature).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 0, requires = "temperature")]
     pub seed: u64,
     /// Subtracted from the logit of every token the output already holds (-2 to 2; OpenAI's

@@ -128,7 +128,7 @@ pub enum ProducerError {
     },
     /// The backend panicked inside `prefill` (the `PANIC` status): its state is unknown, so the producer
     /// was killed and the next request starts a new one.
-    #[error("producer {name}: {message}; restarting it")]
+    #[error("producer {name}: {message}; killed it (the next request starts another)")]
     Panicked {
         /// Producer.
         name: String,

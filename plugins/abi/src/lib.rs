@@ -12,10 +12,13 @@
 //! - a new `abi_major` means an incompatible change, and a producer refuses a backend of another major.
 //!
 //! Rust backends implement [`Backend`] and call [`export_backend!`]; the macro writes the `extern "C"`
-//! functions, catches every panic at the boundary and turns it into [`PdhostStatus::Panic`].
+//! functions, catches every panic at the boundary and turns it into [`PdhostStatus::Panic`], whose
+//! message says where it happened (`backend panicked at src/lib.rs:280:17: ...`): one line for the
+//! host's error, where the standard panic hook would print three to stderr.
 
 #![warn(missing_docs)]
 
+use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_void};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -623,13 +626,48 @@ pub unsafe fn write_error(err: *mut c_char, cap: usize, message: &str) {
     }
 }
 
-fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
-    let text = payload
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| payload.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "non-string panic payload".into());
-    format!("backend panicked: {text}")
+thread_local! {
+    /// Whether this thread runs a call of the ABI's, inside [`caught`].
+    static CATCHING: Cell<bool> = const { Cell::new(false) };
+    /// Where the last panic caught on this thread happened.
+    static PANICKED_AT: RefCell<Option<String>> = const { RefCell::new(None) };
+}
+
+/// Runs `f`, catching a panic as its one-line text: `backend panicked at FILE:LINE:COL: MESSAGE`.
+///
+/// A panic hook, set once in this library's copy of the standard library, keeps the location of a panic
+/// inside `f` and prints nothing (the text goes to the host as the call's error), unless
+/// `RUST_BACKTRACE` asks for a backtrace; a panic anywhere else (a backend's own thread) goes to the
+/// hook that was there before.
+fn caught<T>(f: impl FnOnce() -> T) -> Result<T, String> {
+    static HOOK: std::sync::Once = std::sync::Once::new();
+    HOOK.call_once(|| {
+        let previous = std::panic::take_hook();
+        let backtrace = std::env::var_os("RUST_BACKTRACE").is_some_and(|v| v != "0");
+        std::panic::set_hook(Box::new(move |info| {
+            let catching = CATCHING.get();
+            if catching {
+                PANICKED_AT.set(info.location().map(ToString::to_string));
+            }
+            if !catching || backtrace {
+                previous(info);
+            }
+        }));
+    });
+    let outer = CATCHING.replace(true);
+    let result = catch_unwind(AssertUnwindSafe(f));
+    CATCHING.set(outer);
+    result.map_err(|payload| {
+        let text = payload
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "non-string panic payload".into());
+        match PANICKED_AT.take() {
+            Some(at) => format!("backend panicked at {at}: {text}"),
+            None => format!("backend panicked: {text}"),
+        }
+    })
 }
 
 /// Runs `f`, turning a panic or an error into a status and a message in the caller's buffer.
@@ -638,13 +676,13 @@ fn panic_text(payload: Box<dyn std::any::Any + Send>) -> String {
 ///
 /// `err` is null or points to `cap` writable bytes.
 pub unsafe fn guard(err: *mut c_char, cap: usize, f: impl FnOnce() -> Result<(), BackendError>) -> u32 {
-    let (status, message) = match catch_unwind(AssertUnwindSafe(f)) {
+    let (status, message) = match caught(f) {
         Ok(Ok(())) => return PdhostStatus::Ok as u32,
         // An error made with the status `OK` is still an error: read as success, its call's outputs
         // (never filled) would be taken.
         Ok(Err(e)) if e.status == PdhostStatus::Ok => (PdhostStatus::BackendError, e.message),
         Ok(Err(e)) => (e.status, e.message),
-        Err(payload) => (PdhostStatus::Panic, panic_text(payload)),
+        Err(text) => (PdhostStatus::Panic, text),
     };
     // SAFETY: forwarded from the caller.
     unsafe { write_error(err, cap, &message) };
@@ -833,8 +871,8 @@ pub unsafe fn release_impl<B: Backend>(backend: *mut PdhostBackend, request_id: 
     }
     // SAFETY: the handle is a `Handle<B>` by the caller's promise.
     let handle = unsafe { &mut *backend.cast::<Handle<B>>() };
-    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| handle.backend.release(request_id))) {
-        handle.poisoned.get_or_insert_with(|| format!("request {request_id}: {}", panic_text(payload)));
+    if let Err(text) = caught(|| handle.backend.release(request_id)) {
+        handle.poisoned.get_or_insert_with(|| format!("request {request_id}: {text}"));
     }
 }
 
@@ -877,7 +915,7 @@ pub unsafe fn close_impl<B: Backend>(backend: *mut PdhostBackend) {
     }
     // A panic in a destructor must not unwind into C; the instance is gone either way.
     // SAFETY: the handle was made by `Box::into_raw` in `open_impl::<B>`, and the caller gives it up.
-    let _ = catch_unwind(AssertUnwindSafe(|| drop(unsafe { Box::from_raw(backend.cast::<Handle<B>>()) })));
+    let _ = caught(|| drop(unsafe { Box::from_raw(backend.cast::<Handle<B>>()) }));
 }
 
 /// Exports a [`Backend`] as this library's `pdhost_backend_v1` entry symbol.
@@ -1159,7 +1197,8 @@ mod tests {
         assert_eq!(prefill(&mut buf), PdhostStatus::Panic as u32);
         // SAFETY: `prefill_impl` wrote a NUL-terminated text into the buffer.
         let text = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
-        assert!(text.contains("request 13") && text.contains("thirteen is unlucky"), "{text}");
+        assert!(text.contains("request 13: backend panicked at plugins/abi/src/lib.rs:"), "where: {text}");
+        assert!(text.contains("thirteen is unlucky"), "{text}");
         // SAFETY: the handle came from `open_impl::<Toy>` and is not used again.
         unsafe { close_impl::<Toy>(backend) };
     }
