@@ -720,13 +720,13 @@ pub struct ServeBenchArgs {
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "MS", conflicts_with = "url")]
     pub batch_wait: Option<u64>,
     /// Prompt lengths in tokens, exact (each 1 to the context less the longest output).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 8192])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "128,8192", value_name = "N,...")]
     pub inputs: Vec<u64>,
     /// Output lengths in tokens (`max_tokens`, greedy; each 1 to 4096).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [32u64, 128])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "32,128", value_name = "N,...")]
     pub outputs: Vec<u64>,
     /// Requests in flight at once (each 1 to 64): a cell sends batches of this many and waits for all.
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "1,4", value_name = "N,...")]
     pub concurrency: Vec<u64>,
     /// Timed batches per cell (1 to 100).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 3)]
@@ -783,9 +783,9 @@ pub struct PdBenchArgs {
     #[arg(long, default_value = "rngd", value_parser = pd_producer)]
     pub producer: String,
     /// Prompt lengths in tokens (each from 1 to the model's context, less the decoded tokens).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64, 512, 2048])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "128,512,2048", value_name = "N,...")]
     pub tokens: Vec<u64>,
-    /// Tokens decoded after the first (at most 4096).
+    /// Tokens decoded after the first (1 to 4096).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 16)]
     pub decode_tokens: u64,
     /// Measured runs per length (after one warm-up run), 1 to 1000; medians are reported.
@@ -909,16 +909,22 @@ fn pd_producer(text: &str) -> Result<String, String> {
 #[derive(Debug, Args)]
 pub struct ModelBenchArgs {
     /// The models to measure (fetched on first use).
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [BenchModel::Gemma3, BenchModel::Smollm2])]
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "gemma3-270m,smollm2-135m",
+        value_name = "MODEL,..."
+    )]
     pub models: Vec<BenchModel>,
     /// The precisions to measure.
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [PrecisionArg::Exact, PrecisionArg::Fast])]
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "exact,fast", value_name = "PRECISION,...")]
     pub precision: Vec<PrecisionArg>,
     /// Forward-pass threads, on both sides (each 1 to 4 per core).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 2])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "1,2", value_name = "N,...")]
     pub threads: Vec<u64>,
     /// Prompt lengths in tokens (each 1 to the smaller model's context, less the decoded tokens).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [128u64])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "128", value_name = "N,...")]
     pub prompt_tokens: Vec<u64>,
     /// Tokens to decode (1 to 4096).
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 32)]
@@ -926,7 +932,7 @@ pub struct ModelBenchArgs {
     /// Sequences decoded at once (each 1 to 16): each step is one batched forward pass over all of them,
     /// and the decode columns are their aggregate tokens/s (llama.cpp's: one `llama_decode` per step for
     /// all of them).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "1,4", value_name = "N,...")]
     pub batch: Vec<u64>,
     /// Timed runs of every case on each side (1 to 20), each after an untimed warm-up prefill, llama.cpp's
     /// interleaved with pdhost's; the median is reported (a 2-core VM's speed moves by 10-30%).
@@ -948,13 +954,19 @@ pub struct ModelBenchArgs {
 #[derive(Debug, Args)]
 pub struct KernelsBenchArgs {
     /// The models whose products are measured (fetched on first use).
-    #[arg(long, value_enum, value_delimiter = ',', default_values_t = [BenchModel::Gemma3, BenchModel::Smollm2])]
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "gemma3-270m,smollm2-135m",
+        value_name = "MODEL,..."
+    )]
     pub models: Vec<BenchModel>,
     /// Rows multiplied at once (each 1 to 64), as a decode step of that many sequences.
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 4])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "1,4", value_name = "N,...")]
     pub batch: Vec<u64>,
     /// Forward-pass threads (each 1 to 4 per core).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 2])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "1,2", value_name = "N,...")]
     pub threads: Vec<u64>,
     /// Timed passes per case, 1 to 1000; the best is reported.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 7)]
@@ -974,7 +986,7 @@ pub struct KernelsBenchArgs {
 #[derive(Debug, Args)]
 pub struct IngestBenchArgs {
     /// Span lengths in tokens (1 to 65536).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [512u64, 2048, 8192])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "512,2048,8192", value_name = "N,...")]
     pub tokens: Vec<u64>,
     /// Repetitions per case, 1 to 1000 (default: enough for about 1 GiB moved, 3 to 50).
     #[arg(long, value_parser = whole, allow_negative_numbers = true)]
@@ -988,7 +1000,7 @@ pub struct IngestBenchArgs {
 #[derive(Debug, Args)]
 pub struct RingBenchArgs {
     /// Span payload sizes in MiB (1 to 4096).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_values_t = [1u64, 16, 256])]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "1,16,256", value_name = "N,...")]
     pub sizes: Vec<u64>,
     /// Repetitions per size, 1 to 10000 (default: enough for about 2 GiB moved, 5 to 200).
     #[arg(long, value_parser = whole, allow_negative_numbers = true)]

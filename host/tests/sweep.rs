@@ -394,6 +394,9 @@ fn every_reported_case_is_refused_or_handled() {
         g("logprobs without --json", &["--logprobs", "2"]).refused(2, &["--json"]),
         g("threads 0", &["--threads", "0"]).refused(2, &["--threads: expected 1 to", "found 0"]),
         case("bench pd threads 0", &["bench", "pd", "--threads", "0"]).refused(2, &["--threads", "found 0"]),
+        // A one-token prompt has nothing for a producer to prefill.
+        case("bench pd tokens 1", &["bench", "pd", "--tokens", "1,8"])
+            .refused(2, &["--tokens: expected 2 to", "(a prompt with a token to prefill;", "found 1"]),
         g("threads 1000", &["--threads", "1000"]).refused(2, &["--threads", "found 1000"]),
         g("max-tokens 100000", &["--max-tokens", "100000"])
             .refused(2, &["--max-tokens: expected at most", "found 100000"]),
@@ -508,10 +511,10 @@ fn every_reported_case_is_refused_or_handled() {
             .refused(2, &["--threads: expected 1 to", "found 0"]),
         case("bench model models gemma", &["bench", "model", "--no-llama-cpp", "--models", "gemma"]).refused(
             2,
-            &["invalid value 'gemma' for '--models <MODELS>' [possible values: gemma3-270m, smollm2-135m]"],
+            &["invalid value 'gemma' for '--models <MODEL,...>' [possible values: gemma3-270m, smollm2-135m]"],
         ),
         case("bench model precision bf16", &["bench", "model", "--no-llama-cpp", "--precision", "fast,bf16"])
-            .refused(2, &["invalid value 'bf16' for '--precision <PRECISION>' [possible values: exact, fast]"]),
+            .refused(2, &["invalid value 'bf16' for '--precision <PRECISION,...>' [possible values: exact, fast]"]),
         case("bench kernels", &["bench", "kernels", "--batch", "1,2", "--threads", "1", "--iters", "1"])
             .prints(&["gemma3-270m   exact    1     2 ", "smollm2-135m  fast     1     1 ", "x memcpy"])
             .never(&["NaN", "inf"]),
@@ -694,7 +697,7 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         case("bench serve mixed with repeats", &["bench", "serve", "--mixed", "--repeats", "2"])
             .refused(2, &["'--mixed' cannot be used with '--repeats <REPEATS>'"]),
         case("bench serve mixed with concurrency", &["bench", "serve", "--mixed", "--concurrency", "8"])
-            .refused(2, &["'--mixed' cannot be used with '--concurrency <CONCURRENCY>'"]),
+            .refused(2, &["'--mixed' cannot be used with '--concurrency <N,...>'"]),
         case("bench serve mixed unknown producer", &["bench", "serve", "--mixed", "--producer", "nosuch"])
             .refused(2, &["--producer: expected local, rngd", "found \"nosuch\""]),
         case("serve port abc", &["serve", "--port", "abc"])

@@ -28,6 +28,11 @@ mod serve_bench;
 mod soak;
 
 pub fn run(args: &BenchArgs) -> anyhow::Result<ExitCode> {
+    // The workspace's crates unoptimised run 10-100x slower: said to a person at a terminal, as the
+    // progress bars are (a script's stderr keeps only what it asked for).
+    if cfg!(debug_assertions) && std::io::IsTerminal::is_terminal(&std::io::stderr()) {
+        eprintln!("warning: a debug build (cargo without --release): these figures are not pdhost's speed");
+    }
     match &args.which {
         Bench::Ring(a) => ring(a),
         Bench::Ingest(a) => ingest(a),

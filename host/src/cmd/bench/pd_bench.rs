@@ -113,8 +113,12 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
         return Err(Invalid::new(Field::Tokens, "at least one prompt length", "none").into());
     }
     for &n in &args.tokens {
-        request::check_count(Field::Tokens, n, 1, max_prompt).map_err(|e| Invalid {
-            expected: format!("{} ({}'s context less the decoded tokens)", e.expected, args.model),
+        // A prompt of one token has nothing to prefill before its last token, which the host runs.
+        request::check_count(Field::Tokens, n, 2, max_prompt).map_err(|e| Invalid {
+            expected: format!(
+                "{} (a prompt with a token to prefill; {}'s context less the decoded tokens)",
+                e.expected, args.model
+            ),
             ..e
         })?;
     }

@@ -129,7 +129,7 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
     let (name, served_context) = match &args.url {
         Some(url) => {
             let url = url.trim_end_matches('/');
-            if !url.starts_with("http://") || url.len() == "http://".len() {
+            if !is_server_url(url) {
                 return Err(Invalid::new(Field::Url, "http://HOST:PORT", request::shorten(url)).into());
             }
             let (id, context) = served_model(&agent, url)?;
@@ -522,6 +522,21 @@ pub(super) fn check_producer(producer: &str) -> Result<(), Invalid> {
             format_args!("{other:?}"),
         )),
     }
+}
+
+/// Whether `url` is `http://HOST[:PORT]`, no more: the bench adds the paths (`/v1/models`, ...), so a
+/// path or a query of the user's would be sent before them.
+fn is_server_url(url: &str) -> bool {
+    let Some(authority) = url.strip_prefix("http://") else { return false };
+    if authority.is_empty() || authority.contains(['/', '?', '#', '@']) {
+        return false;
+    }
+    // `host:port`, `[v6]:port`, or a host alone.
+    let port = match authority.rsplit_once(':') {
+        Some((host, port)) if !host.ends_with(':') && !port.contains(']') => Some(port),
+        _ => None,
+    };
+    port.is_none_or(|p| p.parse::<u16>().is_ok_and(|p| p > 0))
 }
 
 /// The model a running server serves and its context, from `GET /v1/models`.
@@ -989,6 +1004,26 @@ impl Drop for Server {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_server_url_is_a_scheme_a_host_and_a_port() {
+        for good in ["http://127.0.0.1:8080", "http://localhost", "http://[::1]:9", "http://h:65535"] {
+            assert!(is_server_url(good), "{good}");
+        }
+        for bad in [
+            "https://h:1",
+            "http://",
+            "http://h:1/v1",
+            "http://h:1?x=1",
+            "http://h:99999",
+            "http://h:0",
+            "http://h:",
+            "http://u@h:1",
+            "notaurl",
+        ] {
+            assert!(!is_server_url(bad), "{bad}");
+        }
+    }
 
     fn decoded(tokens: usize, ended: Instant, decode_ms: f64) -> Result<Response, String> {
         Ok(Response {

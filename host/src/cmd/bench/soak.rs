@@ -486,6 +486,10 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
                     let p = (i % PROMPTS as u64) as usize;
                     let ending = send(&agent, &url, &prompts[p], &references[p], args, i);
                     tally.lock().unwrap_or_else(|e| e.into_inner()).add(ending);
+                    // The warm-up and the settling send requests past `--requests`: the bar grows.
+                    if bar.length().is_some_and(|len| bar.position() >= len) {
+                        bar.inc_length(1);
+                    }
                     bar.inc(1);
                 });
             }
@@ -625,17 +629,21 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
             m.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ")
         }
     };
+    let killing = if args.kill_every == 0.0 {
+        "no producer killed".to_string()
+    } else {
+        format!("a producer killed every {} s", args.kill_every)
+    };
     outln!(
-        "soak: {}, {} requests ({requests} asked, the rest to bring both producers back) at concurrency \
-         {concurrency}, {} s; a faulty producer failing {} of its prefills beside an rngd one, disconnects {}, bad requests {}, a \
-         producer killed every {} s",
+        "soak: {}, {} requests ({requests} asked, the rest to warm up and to bring both producers back) at \
+         concurrency {concurrency}, {:.1} s; a faulty producer failing {} of its prefills beside an rngd one, \
+         disconnects {}, bad requests {}, {killing}",
         args.model,
         next.load(Ordering::Relaxed),
-        wall.as_secs(),
+        wall.as_secs_f64(),
         args.fault_rate,
         args.disconnect_rate,
         args.bad_rate,
-        args.kill_every
     )?;
     outln!(
         "accepted {}: completed {} ({} equal to the reference, {} not), cancelled by the client {}, failed \
