@@ -67,8 +67,9 @@ pub enum Command {
     ///
     /// `pdhost backends fetch torch` makes a Python 3.11 virtual environment in
     /// $PDHOST_HOME/backends/torch with torch, transformers, gguf and numpy, every package pinned by
-    /// version and sha256 (plugins/torch/requirements.txt), installed with uv from the Python package
-    /// registry: about 3 GB to download and 5 GB on disk, once. `--producer torch` makes it on first use.
+    /// version and sha256 (plugins/torch/requirements.txt), installed with uv (itself pinned by version,
+    /// installed by pip) from the Python package registry: about 3 GB to download and 5 GB on disk, once.
+    /// `--producer torch` makes it on first use.
     Backends(BackendsArgs),
     /// Run producers for hosts on other machines: the prefill side of `--producer nixl://HOST:PORT/NAME`.
     ///

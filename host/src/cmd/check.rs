@@ -52,6 +52,8 @@ struct Report {
     checks: Vec<Check>,
     /// What `--skip` left out.
     skipped: Vec<SkipCheck>,
+    /// The checks not skipped that did not run (all after `start`, when it failed).
+    not_run: Vec<&'static str>,
     layers: Vec<LayerError>,
 }
 
@@ -121,7 +123,9 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
         ..RestartPolicy::default()
     });
     let mut engine = Engine::new(model, dtype, 16, max_len, 4)?;
-    let bar = super::bench::progress(6, args.json);
+    let runs = |check| !args.skip.contains(&check);
+    let skippable = [SkipCheck::Kv, SkipCheck::Greedy, SkipCheck::Deadline, SkipCheck::Timings];
+    let bar = super::bench::progress(2 + skippable.into_iter().filter(|&c| runs(c)).count() as u64, args.json);
     let mut checks = Vec::new();
 
     bar.set_message("start and handshake");
@@ -140,29 +144,25 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
         checks.push(spans);
         bar.inc(1);
         layers = sums.iter().enumerate().map(|(l, s)| s.finish(l as u32)).collect();
-        let runs = |check| !args.skip.contains(&check);
         if runs(SkipCheck::Kv) {
             checks.push(kv_check(&layers, tolerance));
+            bar.inc(1);
         }
-        bar.inc(1);
-
-        bar.set_message("greedy decode against local");
         if runs(SkipCheck::Greedy) {
+            bar.set_message("greedy decode against local");
             checks.push(greedy(&mut engine, &mut producer, &prompts, decode, tie_margin));
+            bar.inc(1);
         }
-        bar.inc(1);
-
-        bar.set_message("deadline");
         if runs(SkipCheck::Deadline) {
+            bar.set_message("deadline");
             checks.push(deadline(&mut engine, &mut producer, &prompts[0], timeout));
+            bar.inc(1);
         }
-        bar.inc(1);
-
-        bar.set_message("timings");
         if runs(SkipCheck::Timings) {
+            bar.set_message("timings");
             checks.push(timings(&mut engine, &mut producer, prompts.last().expect("three prompts")));
+            bar.inc(1);
         }
-        bar.inc(1);
     }
     bar.finish_and_clear();
     producer.shutdown();
@@ -171,8 +171,21 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
     skipped.sort_by_key(|c| *c as u8);
     skipped.dedup();
     let ok = checks.iter().all(|c| c.ok) && checks.len() + skipped.len() == 6;
-    let report =
-        Report { backend: producer.name().to_string(), model: opened.name.clone(), ok, checks, skipped, layers };
+    let not_run = ["spans", "kv", "greedy", "deadline", "timings"]
+        .into_iter()
+        .zip([None, Some(SkipCheck::Kv), Some(SkipCheck::Greedy), Some(SkipCheck::Deadline), Some(SkipCheck::Timings)])
+        .filter(|&(name, skip)| skip.is_none_or(runs) && !checks.iter().any(|c| c.name == name))
+        .map(|(name, _)| name)
+        .collect();
+    let report = Report {
+        backend: producer.name().to_string(),
+        model: opened.name.clone(),
+        ok,
+        checks,
+        skipped,
+        not_run,
+        layers,
+    };
     if args.json {
         outln!("{}", serde_json::to_string(&report)?)?;
     } else {
@@ -432,6 +445,9 @@ fn print_report(r: &Report) -> anyhow::Result<()> {
     if !r.skipped.is_empty() {
         let names: Vec<String> = r.skipped.iter().map(|c| format!("{c:?}").to_lowercase()).collect();
         outln!("  skipped (--skip): {}", names.join(", "))?;
+    }
+    if !r.not_run.is_empty() {
+        outln!("  not run (the start failed): {}", r.not_run.join(", "))?;
     }
     let failed: Vec<&str> = r.checks.iter().filter(|c| !c.ok).map(|c| c.name).collect();
     if failed.is_empty() && r.ok {

@@ -15,7 +15,12 @@ pub mod serve;
 /// error names the command, its status and its last line of stderr.
 pub fn set_up(cmd: &mut std::process::Command) -> anyhow::Result<String> {
     use anyhow::Context as _;
-    let what = format!("{cmd:?}");
+    // The command as a shell would read it, not Rust's quoted debug form of each word.
+    let what = std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|w| w.to_string_lossy().into_owned())
+        .collect::<Vec<_>>()
+        .join(" ");
     let out = cmd.stdin(std::process::Stdio::null()).output().with_context(|| format!("running {what}"))?;
     anyhow::ensure!(
         out.status.success(),

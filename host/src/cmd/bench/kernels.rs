@@ -218,7 +218,7 @@ pub fn run(args: &KernelsBenchArgs) -> anyhow::Result<ExitCode> {
     let evict = Evict::new(args.cold);
     let mut cases = Vec::new();
     for name in args.models.iter().map(|m| m.name()) {
-        let path = model::registry::fetch(name, &mut model::registry::Quiet)?;
+        let path = super::fetched(name, args.json)?;
         cases.push((name, Gguf::open(&path)?));
     }
     let bar = super::progress((cases.len() * 2 * threads.len() * batches.len()) as u64, args.json);

@@ -177,7 +177,7 @@ fn cases(args: &ModelBenchArgs) -> anyhow::Result<Vec<Case>> {
     let decode = request::check_count(Field::DecodeTokens, args.decode_tokens, 1, MAX_DECODE)?;
     let mut opened = Vec::new();
     for name in args.models.iter().map(|m| m.name()) {
-        let path = model::registry::fetch(name, &mut model::registry::Quiet)?;
+        let path = super::fetched(name, args.json)?;
         let gguf = Gguf::open(&path)?;
         let limits = Limits::new(name, &Config::from_gguf(&gguf)?, None)?;
         opened.push((name, path, gguf, limits));

@@ -339,6 +339,9 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
             gbs(r.span_mib, r.memcpy)
         )?;
     }
+    if rows.iter().all(|r| r.same_ids && r.same_logits) {
+        outln!("decode after PD gave local's ids and logits bits at every prompt length")?;
+    }
     for r in rows.iter().filter(|r| !(r.same_ids && r.same_logits)) {
         let what = if r.same_ids {
             "local's ids, with other logits bits"

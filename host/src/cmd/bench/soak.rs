@@ -602,7 +602,7 @@ pub fn run(args: &SoakBenchArgs) -> anyhow::Result<ExitCode> {
 
     if args.json {
         let v = json!({
-            "model": args.model, "requests": requests, "concurrency": concurrency, "threads": threads,
+            "bench": "soak", "model": args.model, "requests": requests, "concurrency": concurrency, "threads": threads,
             "fault_rate": args.fault_rate, "disconnect_rate": args.disconnect_rate, "bad_rate": args.bad_rate,
             "kill_every_s": args.kill_every, "max_tokens": max_tokens, "seed": args.seed, "wall_s": wall.as_secs_f64(),
             "accepted": tally.accepted(), "completed": tally.completed, "unequal": tally.unequal,
