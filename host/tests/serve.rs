@@ -147,6 +147,10 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(status, 200);
     assert_eq!(models["data"][0]["id"], MODEL);
     assert_eq!(models["data"][0]["max_model_len"], 1024);
+    // OpenAI's "retrieve model": the same object, or 404 for a model the server does not serve.
+    assert_eq!(get(&s, &format!("/v1/models/{MODEL}")), (200, models["data"][0].clone()));
+    let (status, v) = get(&s, "/v1/models/gpt-4");
+    assert_eq!((status, &v["error"]["code"]), (404, &json!("model_not_found")), "{v}");
 
     let prompt = "The three primary colours are";
     let reference = generate(prompt, 12, &[]);
@@ -159,6 +163,13 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(v["pdhost"]["logits_xxh3"], reference["logits_xxh3"], "logits bit-identical to generate");
     assert_eq!(v["pdhost"]["prefill"], "remote");
     assert_eq!(v["pdhost"]["producer"], "rngd");
+    // Ids do not repeat across runs (a random prefix), and come as OpenAI's `x-request-id` header too.
+    let id = v["id"].as_str().unwrap();
+    assert!(id.starts_with("cmpl-") && id.len() > "cmpl-12345678-".len(), "{id}");
+    let r = agent().post(&format!("{}/v1/completions", s.url)).send_json(&body).unwrap();
+    let header = r.headers().get("x-request-id").and_then(|v| v.to_str().ok()).map(str::to_string);
+    let again: Value = r.into_body().read_json().unwrap();
+    assert_eq!(header.as_deref(), again["id"].as_str());
     for key in ["ttft_ms", "decode_ms"] {
         assert!(v["pdhost"][key].as_f64().is_some_and(|ms| ms > 0.0), "pdhost.{key}: {v}");
     }
@@ -369,12 +380,12 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     );
 
     // Metrics count what happened.
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(13.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(14.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(25.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
-    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(13.0));
-    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(13.0));
-    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(13.0));
+    assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(14.0));
+    assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(14.0));
+    assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(14.0));
     assert_eq!(metric(&s, r#"pdhost_producer_starts_total{kind="start"}"#), Some(1.0));
     assert_eq!(metric(&s, "pdhost_requests_running"), Some(0.0));
     idle.set_read_timeout(Some(Duration::from_secs(45).saturating_sub(opened.elapsed()).max(Duration::from_secs(1))))
@@ -821,6 +832,21 @@ fn chat_completions_use_the_models_template_and_equal_generate() {
         let (status, v) = post(&s, "/detokenize", &json!({"tokens": t["ids_plain"]}).to_string());
         assert_eq!((status, &v["prompt"]), (200, &t["text"]), "{t}");
     }
+    // vLLM's `continue_final_message`: the prompt stops inside the last message (the closed turn's
+    // ids, less its end), and a chat completion asked so reads those ids.
+    let partial = json!([{"role": "user", "content": "Say hello."}, {"role": "assistant", "content": "Hel"}]);
+    let ids = |extra: Value| {
+        let mut body = json!({"messages": partial, "add_generation_prompt": false});
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        post(&s, "/tokenize", &body.to_string()).1["tokens"].as_array().unwrap().clone()
+    };
+    let (closed, continued) = (ids(json!({})), ids(json!({"continue_final_message": true})));
+    assert!(continued.len() < closed.len() && closed.starts_with(&continued), "{closed:?} {continued:?}");
+    let asks = json!({"messages": partial, "add_generation_prompt": false, "continue_final_message": true,
+                      "max_tokens": 2, "temperature": 0});
+    let (status, v) = post(&s, "/v1/chat/completions", &asks.to_string());
+    assert_eq!((status, &v["usage"]["prompt_tokens"]), (200, &json!(continued.len())), "{v}");
+    assert!(v["pdhost"].get("ignored_fields").is_none(), "{v}");
     let (_, v) = post(&s, "/tokenize", r#"{"prompt": "Hello, world!", "return_token_strs": true}"#);
     assert_eq!(v["token_strs"], json!(["Hello", ",", "Ġworld", "!"]), "the vocabulary's own spelling");
     for (path, body, status, starts) in [

@@ -198,6 +198,10 @@ pub enum ChatError {
         /// minijinja's message: what is wrong, and the line (`... (in chat_template:3)`).
         detail: String,
     },
+    /// [`Turn::Continued`] with a last message that has no text, or whose text the template does not
+    /// keep.
+    #[error("messages: expected a last message whose text the chat template keeps, to continue it, found none")]
+    NotContinuable,
     /// No messages, or more than [`MAX_MESSAGES`].
     #[error("messages: expected 1 to {limit} messages, found {found}")]
     MessageCount {
@@ -376,6 +380,26 @@ impl ChatTemplate {
         }
     }
 
+    /// Renders `messages` to end as `turn` says: transformers' `apply_chat_template` with
+    /// `add_generation_prompt` ([`Turn::Open`]) or without ([`Turn::Closed`]), or with
+    /// `continue_final_message` ([`Turn::Continued`]: the text cut after the last message's content, as
+    /// transformers cuts it, so that a reply continues that message).
+    pub fn render_turn(&self, messages: &[Message], turn: Turn) -> Result<String, ChatError> {
+        match turn {
+            Turn::Open => self.render(messages, true),
+            Turn::Closed => self.render(messages, false),
+            Turn::Continued => {
+                let text = self.render(messages, false)?;
+                // Templates may trim a message (Gemma's does): its trimmed text is what is looked for.
+                let last = messages.last().map_or("", |m| m.content.trim());
+                match text.rfind(last) {
+                    Some(at) if !last.is_empty() => Ok(text[..at + last.len()].to_string()),
+                    _ => Err(ChatError::NotContinuable),
+                }
+            }
+        }
+    }
+
     /// Renders `messages` and encodes the text, as transformers'
     /// `apply_chat_template(messages, add_generation_prompt=..., tokenize=True)` does: with
     /// `add_special_tokens=False`, so no BOS is added (a template that wants BOS writes `{{ bos_token }}`, and the
@@ -389,6 +413,20 @@ impl ChatTemplate {
         let text = self.render(messages, add_generation_prompt)?;
         Ok(tok.encode(&text, false))
     }
+}
+
+/// How a rendered conversation ends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Turn {
+    /// With the assistant's turn opened after the last message (`add_generation_prompt`): a chat
+    /// completion's prompt.
+    #[default]
+    Open,
+    /// With the last message's turn closed.
+    Closed,
+    /// Inside the last message, its turn left open for the reply to continue it (vLLM's
+    /// `continue_final_message`).
+    Continued,
 }
 
 /// The text of the token whose id is at `key`; `None` when the file has no such key.
@@ -527,6 +565,20 @@ mod tests {
                 if message == "Conversation roles must alternate user/assistant/user/assistant/..."),
             "{err:?}"
         );
+    }
+
+    /// `continue_final_message`: the prompt ends inside the last message, as transformers cuts it (after
+    /// its trimmed text: Gemma's template trims it), never with its end of turn.
+    #[test]
+    fn a_continued_turn_ends_inside_the_last_message() {
+        let t = ChatTemplate::from_source(GEMMA3_TEMPLATE, Some("<bos>"), Some("<eos>")).unwrap();
+        let chat = [user("Write a haiku"), Message::new("assistant", "Autumn moon  ")];
+        let text = t.render_turn(&chat, Turn::Continued).unwrap();
+        assert_eq!(text, "<bos><start_of_turn>user\nWrite a haiku<end_of_turn>\n<start_of_turn>model\nAutumn moon");
+        assert_eq!(t.render_turn(&chat, Turn::Closed).unwrap(), format!("{text}<end_of_turn>\n"));
+        assert_eq!(t.render_turn(&chat[..1], Turn::Open).unwrap(), t.render(&chat[..1], true).unwrap());
+        let empty = [user("Write a haiku"), Message::new("assistant", " ")];
+        assert!(matches!(t.render_turn(&empty, Turn::Continued), Err(ChatError::NotContinuable)));
     }
 
     #[test]

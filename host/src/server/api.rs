@@ -251,6 +251,9 @@ pub struct Completion {
     /// Fields of the body this server neither reads nor refuses, in order (vLLM's `guided_regex`,
     /// say): left out of the reply's making, so the server warns and the `pdhost` object names them.
     pub ignored: Vec<String>,
+    /// How the conversation's prompt ends (chat only): vLLM's `add_generation_prompt` (true by
+    /// default) and `continue_final_message`.
+    pub turn: model::chat::Turn,
 }
 
 /// The most ignored fields a reply names (a body may hold any number).
@@ -293,8 +296,10 @@ const READ: &[&str] = &[
 /// The most choices a request may ask for: its prompts times `n`.
 pub const MAX_CHOICES: usize = 64;
 
-/// The most stop strings, as OpenAI allows.
-pub const MAX_STOP: usize = 4;
+/// The most stop strings. OpenAI allows 4 and vLLM any number; evaluation harnesses send a task's own
+/// list (lm-evaluation-harness: its `until` strings and the end-of-sequence text, six for HumanEval), so
+/// 4 refused their requests. Each is at most 256 bytes, so that a token's search stays short.
+pub const MAX_STOP: usize = 32;
 
 /// OpenAI's default `max_tokens` for completions.
 pub const DEFAULT_MAX_TOKENS: u64 = 16;
@@ -491,6 +496,22 @@ fn model_name(m: &Map<String, Value>) -> Result<Option<String>, ApiError> {
     }
 }
 
+/// How a conversation's prompt ends: vLLM's `add_generation_prompt` (true by default) and
+/// `continue_final_message` (false), which cannot both be true.
+fn turn(m: &Map<String, Value>) -> Result<model::chat::Turn, ApiError> {
+    use model::chat::Turn;
+    match (bool_or(m, "add_generation_prompt", true)?, opt_bool(m, "continue_final_message")?) {
+        (true, true) => Err(ApiError::invalid(
+            "continue_final_message",
+            "it with add_generation_prompt false (a reply continues the last message, or opens a turn)",
+            "both true",
+        )),
+        (_, true) => Ok(Turn::Continued),
+        (true, false) => Ok(Turn::Open),
+        (false, false) => Ok(Turn::Closed),
+    }
+}
+
 /// A `POST /tokenize` body, as vLLM reads it: a `prompt` string, or chat `messages` rendered with the
 /// model's template first.
 #[derive(Debug, Clone)]
@@ -503,9 +524,8 @@ pub struct Tokenize {
     /// prompt is encoded; not for messages, whose template writes its own (transformers'
     /// `apply_chat_template` default, and vLLM's).
     pub add_special_tokens: bool,
-    /// For messages: whether the template opens the assistant's turn (true by default), as a chat
-    /// completion's prompt does.
-    pub add_generation_prompt: bool,
+    /// For messages: how the prompt ends, as a chat completion's would ([`turn`]).
+    pub turn: model::chat::Turn,
     /// Whether the answer also names each token's text in the vocabulary (`token_strs`).
     pub return_token_strs: bool,
 }
@@ -528,7 +548,7 @@ impl Tokenize {
         Ok(Tokenize {
             model,
             add_special_tokens: bool_or(&m, "add_special_tokens", !chat)?,
-            add_generation_prompt: bool_or(&m, "add_generation_prompt", true)?,
+            turn: turn(&m)?,
             return_token_strs: opt_bool(&m, "return_token_strs")?,
             input,
         })
@@ -573,6 +593,9 @@ impl Completion {
     pub fn parse_chat(body: &[u8]) -> Result<Self, ApiError> {
         let mut m = obj(body)?;
         let messages = messages(m.remove("messages"))?;
+        let turn = turn(&m)?;
+        m.remove("add_generation_prompt");
+        m.remove("continue_final_message");
         if m.contains_key("prompt") {
             return Err(ApiError::invalid("prompt", "no prompt in a chat request (messages carry it)", "one"));
         }
@@ -588,6 +611,7 @@ impl Completion {
         if newer.is_some() {
             c.limit_field = Field::MaxCompletionTokens;
         }
+        c.turn = turn;
         Ok(c)
     }
 
@@ -707,6 +731,7 @@ impl Completion {
             include_usage,
             to_context,
             ignored,
+            turn: model::chat::Turn::Open,
         })
     }
 
@@ -782,7 +807,9 @@ impl Completion {
 /// thread, and stepped for every `RandomState`).
 fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
-    std::collections::hash_map::RandomState::new().build_hasher().finish()
+    // Below 2^53, so that a client whose JSON numbers are doubles (JavaScript's) can send it back as
+    // it came.
+    std::collections::hash_map::RandomState::new().build_hasher().finish() >> 11
 }
 
 #[cfg(test)]
@@ -812,14 +839,25 @@ mod tests {
     /// opens the assistant's turn unless told; `null` is the default.
     #[test]
     fn tokenize_bodies_take_vllms_defaults() {
+        use model::chat::Turn;
         let t = Tokenize::parse(br#"{"prompt":"hi","add_generation_prompt":null}"#).unwrap();
         assert_eq!(t.input, Prompt::Text("hi".into()));
-        assert!(t.add_special_tokens && t.add_generation_prompt && !t.return_token_strs);
+        assert!(t.add_special_tokens && t.turn == Turn::Open && !t.return_token_strs);
         let t = Tokenize::parse(br#"{"messages":[{"role":"user","content":"hi"}],"return_token_strs":true}"#).unwrap();
         assert!(matches!(t.input, Prompt::Messages(ref m) if m.len() == 1));
-        assert!(!t.add_special_tokens && t.add_generation_prompt && t.return_token_strs);
+        assert!(!t.add_special_tokens && t.turn == Turn::Open && t.return_token_strs);
         let t = Tokenize::parse(br#"{"prompt":"","add_special_tokens":false,"add_generation_prompt":false}"#).unwrap();
-        assert!(!t.add_special_tokens && !t.add_generation_prompt);
+        assert!(!t.add_special_tokens && t.turn == Turn::Closed);
+        let user = r#""messages":[{"role":"user","content":"hi"}]"#;
+        let turn = |extra: &str| Completion::parse_chat(format!("{{{user}{extra}}}").as_bytes()).map(|c| c.turn);
+        assert_eq!(turn("").unwrap(), Turn::Open);
+        assert_eq!(turn(r#","add_generation_prompt":false"#).unwrap(), Turn::Closed);
+        let continued = turn(r#","add_generation_prompt":false,"continue_final_message":true"#).unwrap();
+        assert_eq!(continued, Turn::Continued);
+        let both = turn(r#","continue_final_message":true"#).unwrap_err();
+        assert!(both.message.starts_with("continue_final_message: expected it with add_generation_prompt false"));
+        let read = Completion::parse_chat(format!("{{{user},\"continue_final_message\":false}}").as_bytes());
+        assert!(read.unwrap().ignored.is_empty(), "read, not ignored");
         let e = Tokenize::parse(br#"{"messages":[]}"#).unwrap_err();
         assert_eq!(e.message, "messages: expected at least one message, found none");
         let e = Tokenize::parse(br#"{"prompt":"x","add_special_tokens":1}"#).unwrap_err();
@@ -882,7 +920,10 @@ mod tests {
             err(r#"{"prompt":["x","y","z"],"n":22}"#),
             "n: expected at least 1 and at most 21 for 3 prompts (64 choices a request), found 22"
         );
-        assert!(err(r#"{"prompt":"x","stop":["a","b","c","d","e"]}"#).starts_with("stop: expected a string or up to 4"));
+        let six = Completion::parse(br#"{"prompt":"x","stop":["a","b","c","d","e","f"]}"#).unwrap();
+        assert_eq!(six.stop.len(), 6, "more than OpenAI's 4, as vLLM and evaluation harnesses have it");
+        let many = format!(r#"{{"prompt":"x","stop":{}}}"#, json!(vec!["a"; 33]));
+        assert!(err(&many).starts_with("stop: expected a string or up to 32"), "{}", err(&many));
         assert_eq!(
             err(r#"{"prompt":"x","temperature":"hot"}"#),
             "temperature: expected a number, found a string of 3 bytes"

@@ -78,6 +78,10 @@ struct App {
     in_flight: AtomicUsize,
     next_id: AtomicU64,
     metrics: metrics::Metrics,
+    /// When the server started (Unix seconds): the model's `created`.
+    started: u64,
+    /// Eight hex digits drawn at start, in every response's id.
+    id_prefix: String,
 }
 
 /// A completion request being answered, from its acceptance to its last byte (a stream's task holds it).
@@ -110,6 +114,15 @@ impl App {
             }
             _ => Ok(()),
         }
+    }
+
+    /// The model as `/v1/models` lists it.
+    fn model_object(&self) -> Value {
+        let template = self.config.chat.as_ref().map(|t| t.source().name());
+        json!({
+            "id": self.config.model, "object": "model", "created": self.started, "owned_by": "pdhost",
+            "max_model_len": self.config.limits.context, "chat_template": template,
+        })
     }
 
     fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
@@ -195,6 +208,11 @@ impl Server {
             in_flight: AtomicUsize::new(0),
             next_id: AtomicU64::new(1),
             metrics,
+            started: unix_now(),
+            id_prefix: {
+                use std::hash::{BuildHasher, Hasher};
+                format!("{:08x}", std::collections::hash_map::RandomState::new().build_hasher().finish() as u32)
+            },
         });
         Ok(Server { app, listener, worker, stop })
     }
@@ -228,6 +246,7 @@ impl Server {
             .route("/health", get(health))
             .route("/metrics", get(metrics_text))
             .route("/v1/models", get(models))
+            .route("/v1/models/{model}", get(model))
             .route("/v1/completions", post(completions))
             .route("/v1/chat/completions", post(chat_completions))
             .route("/tokenize", post(tokenize))
@@ -348,7 +367,7 @@ fn same_key(given: &[u8], key: &[u8]) -> bool {
 /// RFC 9110 asks for.
 async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> Response {
     let expected = match uri.path() {
-        "/health" | "/metrics" | "/v1/models" => "GET",
+        path if path == "/health" || path == "/metrics" || path.starts_with("/v1/models") => "GET",
         _ => "POST",
     };
     let mut response = ApiError::new(
@@ -387,12 +406,19 @@ async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(e) = app.authorize(&headers) {
         return e.into_response();
     }
-    let template = app.config.chat.as_ref().map(|t| t.source().name());
-    Json(json!({"object": "list", "data": [{
-        "id": app.config.model, "object": "model", "created": 0, "owned_by": "pdhost",
-        "max_model_len": app.config.limits.context, "chat_template": template,
-    }]}))
-    .into_response()
+    Json(json!({"object": "list", "data": [app.model_object()]})).into_response()
+}
+
+/// `GET /v1/models/{model}` (OpenAI's "retrieve model"): the model's object, or 404 for another name.
+async fn model(
+    State(app): State<Arc<App>>,
+    headers: HeaderMap,
+    axum::extract::Path(name): axum::extract::Path<String>,
+) -> Response {
+    match app.authorize(&headers).and_then(|()| app.check_model(Some(&name))) {
+        Ok(()) => Json(app.model_object()).into_response(),
+        Err(e) => e.into_response(),
+    }
 }
 
 fn unix_now() -> u64 {
@@ -417,10 +443,12 @@ enum Endpoint {
 }
 
 impl Endpoint {
-    fn id(self, n: u64) -> String {
+    /// A response's id: the server's random prefix (so that ids do not repeat from one run to the next)
+    /// and the request's number (the log's `id`).
+    fn id(self, prefix: &str, n: u64) -> String {
         match self {
-            Endpoint::Text => format!("cmpl-{n}"),
-            Endpoint::Chat => format!("chatcmpl-{n}"),
+            Endpoint::Text => format!("cmpl-{prefix}-{n}"),
+            Endpoint::Chat => format!("chatcmpl-{prefix}-{n}"),
         }
     }
 
@@ -609,7 +637,7 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
                 Prompt::Messages(messages) => {
                     let text = chat
                         .expect("checked above")
-                        .render(messages, t.add_generation_prompt)
+                        .render_turn(messages, t.turn)
                         .map_err(|e| ApiError::refused_messages(&e))?;
                     tokenizer.encode(&text, specials)
                 }
@@ -671,14 +699,18 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     // Tokenizing a few MiB takes a while: not on the async threads.
     let tokenizer = Arc::clone(&app.tokenizer);
     let prompts = std::mem::take(&mut c.prompts);
+    let turn = c.turn;
     let prompts = tokio::task::spawn_blocking(move || {
         let tokenized = prompts.into_iter().map(|prompt| match prompt {
             Prompt::Ids(ids) => Ok(ids),
             Prompt::Text(text) => Ok(tokenizer.encode(&text, tokenizer.add_bos())),
+            // As transformers' `apply_chat_template(..., tokenize=True)`: no BOS added (a template that
+            // wants one writes it).
             Prompt::Messages(messages) => chat
                 .as_ref()
                 .expect("checked above")
-                .encode(&tokenizer, &messages, true)
+                .render_turn(&messages, turn)
+                .map(|text| tokenizer.encode(&text, false))
                 .map_err(|e| ApiError::refused_messages(&e)),
         });
         tokenized.collect::<Result<Vec<Vec<u32>>, ApiError>>()
@@ -766,7 +798,15 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         }
         events.insert(i, tokio_stream::wrappers::UnboundedReceiverStream::new(rx));
     }
-    let cmpl = endpoint.id(id);
+    let cmpl = endpoint.id(&app.id_prefix, id);
+    // OpenAI's header, which its clients keep as the request's id.
+    let request_id = axum::http::HeaderValue::from_str(&cmpl).ok();
+    let with_id = |mut response: Response| {
+        if let Some(v) = request_id.clone() {
+            response.headers_mut().insert("x-request-id", v);
+        }
+        response
+    };
     let created = unix_now();
     let model = app.config.model.clone();
     let wants_logprobs = c.raw.logprobs.is_some();
@@ -816,11 +856,11 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         }
         // One choice's own object, or each choice's under `choices`.
         let object = if objects.len() == 1 { objects.remove(0) } else { json!({ "choices": objects }) };
-        return Ok(Json(json!({
+        let body = json!({
             "id": cmpl, "object": endpoint.object(false), "created": created, "model": model,
             "choices": list, "usage": usage(prompt_tokens, completion_tokens), "pdhost": pdhost(object),
-        }))
-        .into_response());
+        });
+        return Ok(with_id(Json(body).into_response()));
     }
     // Streaming: a task turns engine events into SSE chunks. When the client goes away, the SSE stream
     // and its channel are dropped; the task sees that at once (queued or prefilling, with nothing sent
@@ -891,7 +931,8 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
             }
         }
     });
-    Ok(Sse::new(tokio_stream::wrappers::ReceiverStream::new(sse_rx)).keep_alive(KeepAlive::default()).into_response())
+    let sse = Sse::new(tokio_stream::wrappers::ReceiverStream::new(sse_rx)).keep_alive(KeepAlive::default());
+    Ok(with_id(sse.into_response()))
 }
 
 fn usage(prompt: usize, completion: usize) -> Value {

@@ -750,9 +750,14 @@ fn advance(metrics: &Metrics, r: &mut Running<'_>, step: Result<Option<u32>, Eng
     r.stream.push(id);
     let text = r.stream.shown();
     r.ends.push(text.len());
-    // Before `min_tokens` are out, no stop string ends the text either (as vLLM has it).
-    let stops = if r.ends.len() < r.job.request.min_tokens { &[][..] } else { &r.job.stop[..] };
-    let (end, stop) = safe_end(text, r.sent, stops);
+    // Before `min_tokens` are out, no stop string ends the text either (as vLLM has it): one ends it
+    // only where it ends in the text of that token or a later one. What could grow into one is held
+    // back all the same.
+    let floor = match r.job.request.min_tokens {
+        0 | 1 => 0,
+        m => r.ends.get(m - 2).copied().unwrap_or(usize::MAX),
+    };
+    let (end, stop) = safe_end(text, r.sent, &r.job.stop, floor);
     if end > r.sent {
         // The log-probabilities of the tokens this text completes; a token whose text is still held
         // back (it may become a stop string) goes with the chunk that sends it.
@@ -781,15 +786,17 @@ fn advance(metrics: &Metrics, r: &mut Running<'_>, step: Result<Option<u32>, Eng
 }
 
 /// Where the text may be sent up to: everything, or all but a tail that could still grow into a stop
-/// string.
-fn safe_end(text: &str, sent: usize, stop: &[String]) -> (usize, bool) {
+/// string; and whether a stop string that ends past byte `floor` ends it.
+fn safe_end(text: &str, sent: usize, stop: &[String], floor: usize) -> (usize, bool) {
     // A stop string anywhere in the unsent part (or straddling its start) ends the text there.
     let longest = stop.iter().map(String::len).max().unwrap_or(0);
     let mut from = sent.saturating_sub(longest);
     while !text.is_char_boundary(from) {
         from -= 1;
     }
-    if let Some(at) = stop.iter().filter_map(|s| text[from..].find(s.as_str()).map(|i| from + i)).min() {
+    let first =
+        |s: &String| text[from..].match_indices(s.as_str()).map(|(i, _)| from + i).find(|&at| at + s.len() > floor);
+    if let Some(at) = stop.iter().filter_map(first).min() {
         return (at.max(sent), true);
     }
     let mut end = text.len().saturating_sub(longest.saturating_sub(1)).max(sent);
@@ -913,12 +920,29 @@ mod tests {
     #[test]
     fn text_is_held_back_only_while_it_could_become_a_stop_string() {
         let stop = vec!["\n\n".to_string(), "END".to_string()];
-        assert_eq!(safe_end("hello", 0, &stop), (3, false));
-        assert_eq!(safe_end("hello wor", 3, &stop), (7, false));
-        assert_eq!(safe_end("hello\n\nmore", 3, &stop), (5, true));
-        assert_eq!(safe_end("abEN", 2, &stop), (2, false));
-        assert_eq!(safe_end("abEND", 2, &stop), (2, true));
-        assert_eq!(safe_end("héllo", 0, &[]), (6, false));
-        assert_eq!(safe_end("é", 0, &["xé".to_string()]), (0, false));
+        assert_eq!(safe_end("hello", 0, &stop, 0), (3, false));
+        assert_eq!(safe_end("hello wor", 3, &stop, 0), (7, false));
+        assert_eq!(safe_end("hello\n\nmore", 3, &stop, 0), (5, true));
+        assert_eq!(safe_end("abEN", 2, &stop, 0), (2, false));
+        assert_eq!(safe_end("abEND", 2, &stop, 0), (2, true));
+        assert_eq!(safe_end("héllo", 0, &[], 0), (6, false));
+        assert_eq!(safe_end("é", 0, &["xé".to_string()], 0), (0, false));
+    }
+
+    /// With `min_tokens`, a stop string ends the text only where it ends past the floor (the text
+    /// before the min_tokens-th token): one completed earlier is text like any other, and never the
+    /// end of a reply that then shows it.
+    #[test]
+    fn a_stop_string_before_min_tokens_is_text() {
+        let dot = vec![".".to_string()];
+        // " Paris" "." "\n" with min_tokens 3: the "." came second, so the reply goes on.
+        assert_eq!(safe_end(" Paris.", 6, &dot, usize::MAX), (7, false));
+        assert_eq!(safe_end(" Paris.\n", 7, &dot, 7), (8, false));
+        assert_eq!(safe_end(" Paris.\nIt.", 8, &dot, 7), (10, true), "a later one ends it");
+        // What could become a stop string is held back before min_tokens too, so that one the
+        // min_tokens-th token completes is cut whole.
+        let ab = vec!["ab".to_string()];
+        assert_eq!(safe_end("xa", 0, &ab, usize::MAX), (1, false));
+        assert_eq!(safe_end("xab", 1, &ab, 2), (1, true));
     }
 }
