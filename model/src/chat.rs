@@ -400,17 +400,12 @@ impl ChatTemplate {
         }
     }
 
-    /// Renders `messages` and encodes the text, as transformers'
-    /// `apply_chat_template(messages, add_generation_prompt=..., tokenize=True)` does: with
+    /// Renders `messages` to end as `turn` says ([`ChatTemplate::render_turn`]) and encodes the text, as
+    /// transformers' `apply_chat_template(messages, ..., tokenize=True)` does: with
     /// `add_special_tokens=False`, so no BOS is added (a template that wants BOS writes `{{ bos_token }}`, and the
     /// tokenizer turns that text into the BOS id).
-    pub fn encode(
-        &self,
-        tok: &Tokenizer,
-        messages: &[Message],
-        add_generation_prompt: bool,
-    ) -> Result<Vec<u32>, ChatError> {
-        let text = self.render(messages, add_generation_prompt)?;
+    pub fn encode(&self, tok: &Tokenizer, messages: &[Message], turn: Turn) -> Result<Vec<u32>, ChatError> {
+        let text = self.render_turn(messages, turn)?;
         Ok(tok.encode(&text, false))
     }
 }

@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use model::chat::{self, ChatError, ChatTemplate, Message, TemplateSource};
+use model::chat::{self, ChatError, ChatTemplate, Message, TemplateSource, Turn};
 use model::gguf::Gguf;
 use model::registry;
 use model::tokenizer::Tokenizer;
@@ -51,10 +51,11 @@ fn check_model(name: &str, source: TemplateSource) {
         let what = format!("{name} case {}", case["name"]);
         let messages = messages(case);
         let add_generation_prompt = case["add_generation_prompt"].as_bool().unwrap();
+        let turn = if add_generation_prompt { Turn::Open } else { Turn::Closed };
         if let Some(want) = case["error"].as_str() {
             for err in [
                 template.render(&messages, add_generation_prompt).unwrap_err(),
-                template.encode(&tok, &messages, add_generation_prompt).unwrap_err(),
+                template.encode(&tok, &messages, turn).unwrap_err(),
             ] {
                 assert!(matches!(&err, ChatError::Raised { message } if message == want), "{what}: {err:?}");
             }
@@ -62,7 +63,7 @@ fn check_model(name: &str, source: TemplateSource) {
         }
         let text = template.render(&messages, add_generation_prompt).unwrap_or_else(|e| panic!("{what}: {e}"));
         assert_eq!(text, case["text"].as_str().unwrap(), "{what}: text");
-        let ids = template.encode(&tok, &messages, add_generation_prompt).unwrap();
+        let ids = template.encode(&tok, &messages, turn).unwrap();
         let want: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         assert_eq!(ids, want, "{what}: ids");
     }
@@ -79,7 +80,7 @@ fn gemma3_renders_the_builtin_template_as_transformers_does() {
     // The GGUF starts the prompt with BOS by itself; the ids hold it exactly once.
     let gguf = Gguf::open(&fetched("gemma3-270m")).unwrap();
     let tok = Tokenizer::from_gguf(&gguf).unwrap();
-    let ids = ChatTemplate::from_gguf(&gguf).unwrap().encode(&tok, &[Message::new("user", "Hi")], true).unwrap();
+    let ids = ChatTemplate::from_gguf(&gguf).unwrap().encode(&tok, &[Message::new("user", "Hi")], Turn::Open).unwrap();
     assert_eq!(ids.iter().filter(|&&id| id == 2).count(), 1, "{ids:?}");
     assert_eq!(ids[0], 2);
 }

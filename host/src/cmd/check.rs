@@ -53,7 +53,7 @@ struct Report {
     /// What `--skip` left out.
     skipped: Vec<SkipCheck>,
     /// The checks not skipped that did not run (all after `start`, when it failed).
-    not_run: Vec<&'static str>,
+    not_run: Vec<String>,
     layers: Vec<LayerError>,
 }
 
@@ -171,12 +171,13 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
     skipped.sort_by_key(|c| *c as u8);
     skipped.dedup();
     let ok = checks.iter().all(|c| c.ok) && checks.len() + skipped.len() == 6;
-    let not_run = ["spans", "kv", "greedy", "deadline", "timings"]
-        .into_iter()
-        .zip([None, Some(SkipCheck::Kv), Some(SkipCheck::Greedy), Some(SkipCheck::Deadline), Some(SkipCheck::Timings)])
-        .filter(|&(name, skip)| skip.is_none_or(runs) && !checks.iter().any(|c| c.name == name))
-        .map(|(name, _)| name)
-        .collect();
+    // Only a failed start leaves checks unrun: `spans`, and those not skipped.
+    let not_run = match started {
+        Ok(()) => Vec::new(),
+        Err(_) => std::iter::once("spans".to_string())
+            .chain(skippable.into_iter().filter(|&c| runs(c)).map(|c| format!("{c:?}").to_lowercase()))
+            .collect(),
+    };
     let report = Report {
         backend: producer.name().to_string(),
         model: opened.name.clone(),

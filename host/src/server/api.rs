@@ -805,7 +805,7 @@ impl Completion {
 
 /// A fresh seed: the hash of nothing under std's random SipHash keys (drawn from the OS once per
 /// thread, and stepped for every `RandomState`).
-fn random_seed() -> u64 {
+pub(crate) fn random_seed() -> u64 {
     use std::hash::{BuildHasher, Hasher};
     // Below 2^53, so that a client whose JSON numbers are doubles (JavaScript's) can send it back as
     // it came.

@@ -125,6 +125,19 @@ impl App {
         })
     }
 
+    /// The chat template, for a request that renders messages (`messages`); a 400 when the model has
+    /// none.
+    fn chat_for(&self, messages: bool) -> Result<Option<Arc<ChatTemplate>>, ApiError> {
+        match (messages, &self.config.chat) {
+            (true, None) => Err(ApiError::invalid(
+                "messages",
+                "a model with a chat template",
+                format_args!("{} without one", self.config.model),
+            )),
+            (_, chat) => Ok(chat.clone()),
+        }
+    }
+
     fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
         let Some(key) = &self.config.api_key else { return Ok(()) };
         // The scheme's name is case-insensitive (RFC 9110).
@@ -209,10 +222,7 @@ impl Server {
             next_id: AtomicU64::new(1),
             metrics,
             started: unix_now(),
-            id_prefix: {
-                use std::hash::{BuildHasher, Hasher};
-                format!("{:08x}", std::collections::hash_map::RandomState::new().build_hasher().finish() as u32)
-            },
+            id_prefix: format!("{:08x}", api::random_seed() as u32),
         });
         Ok(Server { app, listener, worker, stop })
     }
@@ -619,16 +629,7 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
         app.authorize(&headers)?;
         let t = Tokenize::parse(&read_body(&headers, body).await?)?;
         app.check_model(t.model.as_deref())?;
-        let chat = match (&t.input, &app.config.chat) {
-            (Prompt::Messages(_), None) => {
-                return Err(ApiError::invalid(
-                    "messages",
-                    "a model with a chat template",
-                    format_args!("{} without one", app.config.model),
-                ))
-            }
-            (_, chat) => chat.clone(),
-        };
+        let chat = app.chat_for(matches!(t.input, Prompt::Messages(_)))?;
         let tokenizer = Arc::clone(&app.tokenizer);
         let t = tokio::task::spawn_blocking(move || {
             // The special tokens the model's tokenizer adds: BOS, where it adds one.
@@ -649,14 +650,17 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
                 .then(|| ids.iter().map(|&id| tokenizer.token_text(id).unwrap_or_default()).collect::<Vec<_>>());
             Ok::<_, ApiError>((ids, strs))
         });
-        let (ids, strs) = t.await.map_err(|e| {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "tokenizer", e.to_string())
-        })??;
+        let (ids, strs) = t.await.map_err(tokenizer_failed)??;
         Ok::<_, ApiError>(Json(json!({
             "count": ids.len(), "max_model_len": app.config.limits.context, "tokens": ids, "token_strs": strs,
         })))
     };
     answer.await.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+}
+
+/// The answer for a tokenizing thread that panicked.
+fn tokenizer_failed(e: tokio::task::JoinError) -> ApiError {
+    ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "tokenizer", e.to_string())
 }
 
 /// `POST /detokenize` (vLLM's): the text of token ids, special tokens' text included.
@@ -666,9 +670,8 @@ async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body)
         let d = Detokenize::parse(&read_body(&headers, body).await?, app.config.limits.vocab)?;
         app.check_model(d.model.as_deref())?;
         let tokenizer = Arc::clone(&app.tokenizer);
-        let text = tokio::task::spawn_blocking(move || tokenizer.decode(&d.tokens, false)).await.map_err(|e| {
-            ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "tokenizer", e.to_string())
-        })?;
+        let text =
+            tokio::task::spawn_blocking(move || tokenizer.decode(&d.tokens, false)).await.map_err(tokenizer_failed)?;
         Ok::<_, ApiError>(Json(json!({ "prompt": text })))
     };
     answer.await.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
@@ -685,16 +688,7 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         Endpoint::Text => Completion::parse(&body)?,
         Endpoint::Chat => Completion::parse_chat(&body)?,
     };
-    let chat = match (endpoint, &app.config.chat) {
-        (Endpoint::Chat, None) => {
-            return Err(ApiError::invalid(
-                "messages",
-                "a model with a chat template",
-                format_args!("{} without one", app.config.model),
-            ))
-        }
-        (_, chat) => chat.clone(),
-    };
+    let chat = app.chat_for(endpoint == Endpoint::Chat)?;
     app.check_model(c.model.as_deref())?;
     // Tokenizing a few MiB takes a while: not on the async threads.
     let tokenizer = Arc::clone(&app.tokenizer);
@@ -704,19 +698,16 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         let tokenized = prompts.into_iter().map(|prompt| match prompt {
             Prompt::Ids(ids) => Ok(ids),
             Prompt::Text(text) => Ok(tokenizer.encode(&text, tokenizer.add_bos())),
-            // As transformers' `apply_chat_template(..., tokenize=True)`: no BOS added (a template that
-            // wants one writes it).
             Prompt::Messages(messages) => chat
                 .as_ref()
                 .expect("checked above")
-                .render_turn(&messages, turn)
-                .map(|text| tokenizer.encode(&text, false))
+                .encode(&tokenizer, &messages, turn)
                 .map_err(|e| ApiError::refused_messages(&e)),
         });
         tokenized.collect::<Result<Vec<Vec<u32>>, ApiError>>()
     })
     .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "server_error", "tokenizer", e.to_string()))??;
+    .map_err(tokenizer_failed)??;
     let choices = prompts.len() * c.n;
     if choices > app.config.queue {
         let param = if prompts.len() > 1 { "prompt" } else { "n" };
