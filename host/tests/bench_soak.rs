@@ -1,6 +1,6 @@
-//! `pdhost bench soak`, the bounded version: 100 requests through a server whose two producers fail a
-//! quarter of their prefills at random and are killed and stopped from outside, with disconnecting
-//! clients and malformed requests. Nothing is lost, every completed response equals its reference, the
+//! `pdhost bench soak`, the bounded version: 100 requests through a server whose `faulty` producer fails
+//! a quarter of its prefills at random beside a real `rngd` one, with producers killed and stopped from
+//! outside, disconnecting clients and malformed requests. Nothing is lost, every completed response equals its reference, the
 //! resources stay flat, and the SIGTERM drain leaves nothing behind.
 
 use std::process::{Command, Stdio};

@@ -62,6 +62,9 @@ fn a_backend_that_writes_short_fails_the_spans_check() {
     assert_eq!(out.status.code(), Some(1), "{report}");
     let spans = checks(&report).into_iter().find(|(n, ..)| n == "spans").unwrap();
     assert!(!spans.1 && spans.2.contains("unwritten_region") && spans.2.contains("written only in part"), "{spans:?}");
+    // The checks after it are not run against a producer whose spans failed, and are named.
+    assert_eq!(checks(&report).len(), 2, "{report}");
+    assert_eq!(report["not_run"], serde_json::json!(["kv", "greedy", "deadline", "timings"]), "{report}");
 }
 
 /// The C example is a stand-in, not a model: it starts, its spans are accepted and it survives a kill at a

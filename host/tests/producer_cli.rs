@@ -44,6 +44,26 @@ fn a_fault_is_reported_in_json_and_fallback_equals_local() {
     assert!(err.contains("SIGSEGV") && err.contains("prefill local"), "{err}");
 }
 
+/// A producer whose start fails in a way worth retrying (here `open` outlasts `--producer-timeout`) costs
+/// the request its remote prefill, and the request is told that failure: not the backoff that follows it.
+#[test]
+fn a_failed_start_is_the_fallback_reason() {
+    let local = json(&generate(&["--producer", "local", "--json"]));
+    let out = json(&generate(&[
+        "--producer",
+        "faulty",
+        "--producer-timeout",
+        "1",
+        "--json",
+        "--backend-config",
+        r#"{"open_delay_ms":3000}"#,
+    ]));
+    assert_eq!(out["output_ids"], local["output_ids"]);
+    assert_eq!((&out["prefill"]["where"], &out["prefill"]["fallback_kind"]), (&"local".into(), &"timeout".into()));
+    let reason = out["prefill"]["fallback_reason"].as_str().unwrap();
+    assert!(reason.starts_with("timeout: producer faulty"), "{reason}");
+}
+
 #[test]
 fn fail_policy_ends_the_request_with_one_line() {
     let out = generate(&[

@@ -82,10 +82,10 @@ pub const DEFAULT_CONTEXT: usize = 2048;
 /// The tokens that end generation in a GGUF: its EOS, its end-of-turn and end-of-message tokens where it
 /// names them, and for Gemma 3 `<end_of_turn>` (which Gemma 3's generation config lists beside EOS, and
 /// llama.cpp ends on too; Gemma 3 270M's GGUF names only `<eos>`, so a chat reply ran to `max_tokens`).
-fn gguf_eos(g: &Gguf, arch: Arch) -> Vec<u32> {
+fn gguf_eos(g: &Gguf, arch: Arch) -> Result<Vec<u32>, GgufError> {
     let mut eos = Vec::new();
     for key in ["tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"] {
-        if let Some(id) = g.get_u64(key).ok().and_then(|v| u32::try_from(v).ok()) {
+        if let Some(id) = g.optional(key, Gguf::get_u64)?.and_then(|v| u32::try_from(v).ok()) {
             if !eos.contains(&id) {
                 eos.push(id);
             }
@@ -98,7 +98,7 @@ fn gguf_eos(g: &Gguf, arch: Arch) -> Vec<u32> {
             eos.push(id);
         }
     }
-    eos
+    Ok(eos)
 }
 
 impl Config {
@@ -273,24 +273,46 @@ impl Config {
         let hidden = g.get_u64(&key("embedding_length"))? as usize;
         let heads = g.get_u64(&key("attention.head_count"))? as usize;
         let kv_heads = g.get_u64(&key("attention.head_count_kv"))? as usize;
-        let head_dim = g.get_u64(&key("attention.key_length")).map(|v| v as usize).unwrap_or(hidden / heads.max(1));
+        let head_dim =
+            g.optional(&key("attention.key_length"), Gguf::get_u64)?.map_or(hidden / heads.max(1), |v| v as usize);
+        // What the forward pass does not implement is refused by name, not run as if absent (wrong logits
+        // that still decode): partial or scaled rotations, values of another width than keys.
+        let unsupported = |what: &str, expected: &str, found: String| {
+            Err(LoadError::from(invalid(what, &format!("{expected} (pdhost implements no other)"), found)))
+        };
+        for (k, expected) in [("rope.dimension_count", head_dim), ("attention.value_length", head_dim)] {
+            if let Some(v) = g.optional(&key(k), Gguf::get_u64)?.filter(|&v| v != expected as u64) {
+                return unsupported(&key(k), &format!("{expected}, the head size"), v.to_string());
+            }
+        }
+        if let Some(v) = g.optional(&key("rope.scaling.type"), Gguf::get_str)?.filter(|&v| v != "none") {
+            return unsupported(&key("rope.scaling.type"), "none", format!("{v:?}"));
+        }
+        if let Some(v) = g.optional(&key("rope.scaling.factor"), Gguf::get_f64)?.filter(|&v| v != 0.0 && v != 1.0) {
+            return unsupported(&key("rope.scaling.factor"), "1", v.to_string());
+        }
+        if g.tensors.contains_key("rope_freqs.weight") {
+            return unsupported("rope_freqs.weight", "no per-frequency rope factors", "the tensor".into());
+        }
         let embed_info = g.tensor("token_embd.weight")?;
         let [_, vocab] = embed_info.dims[..] else {
             let found = format!("{} dimensions", embed_info.dims.len());
             return Err(invalid("token_embd.weight", "2 dimensions (width, vocabulary)", found).into());
         };
         let vocab = usize::try_from(vocab).unwrap_or(usize::MAX);
-        let rope_global = g.get_f64(&key("rope.freq_base")).unwrap_or(10_000.0) as f32;
+        let rope_global = g.optional(&key("rope.freq_base"), Gguf::get_f64)?.unwrap_or(10_000.0) as f32;
         let (layers, rope_local, query_scale) = match arch {
             Arch::Gemma3 => {
                 // llama.cpp's Gemma 3 conventions: every sixth layer is global, local layers use base 10000,
-                // and queries are scaled by head_dim^-1/2 (query_pre_attn_scalar = head_dim in Gemma 3).
+                // and queries are scaled by query_pre_attn_scalar^-1/2, which a GGUF does not carry: the head
+                // size, but for the 62-layer 27B model, whose scalar is hidden / heads (168, heads of 128).
                 // A window past u32 is no window at all; 0 is refused by `checked`.
                 let window = u32::try_from(g.get_u64(&key("attention.sliding_window"))?).unwrap_or(u32::MAX);
                 let layers = (0..n_layers)
                     .map(|l| if l % 6 == 5 { Attention::Full } else { Attention::Sliding(window) })
                     .collect();
-                (layers, 10_000.0, (head_dim as f32).powf(-0.5))
+                let scalar = if n_layers == 62 { hidden / heads.max(1) } else { head_dim };
+                (layers, 10_000.0, (scalar as f32).powf(-0.5))
             }
             Arch::Llama => (vec![Attention::Full; n_layers], rope_global, (head_dim as f32).powf(-0.5)),
         };
@@ -308,9 +330,9 @@ impl Config {
             rope_local,
             rope_adjacent: arch == Arch::Llama,
             query_scale,
-            context: g.get_u64(&key("context_length")).map(|v| v as usize).unwrap_or(DEFAULT_CONTEXT),
-            bos: g.get_u64("tokenizer.ggml.bos_token_id").ok().map(saturate_id),
-            eos: gguf_eos(g, arch),
+            context: g.optional(&key("context_length"), Gguf::get_u64)?.map_or(DEFAULT_CONTEXT, |v| v as usize),
+            bos: g.optional("tokenizer.ggml.bos_token_id", Gguf::get_u64)?.map(saturate_id),
+            eos: gguf_eos(g, arch)?,
         };
         config.checked(g.path())
     }
@@ -341,6 +363,43 @@ impl Config {
             return Err(bad("num_hidden_layers", &format!("at most {MAX_LAYERS}"), n_layers.to_string()));
         }
         let head_dim = c["head_dim"].as_u64().map(|v| v as usize).unwrap_or(hidden / heads.max(1));
+        // What the forward pass does not implement is refused by name, not run as if absent (wrong logits
+        // that still decode). A key that is absent or null is the default.
+        let (act_key, act) = match arch {
+            Arch::Gemma3 => ("hidden_activation", "gelu_pytorch_tanh"),
+            Arch::Llama => ("hidden_act", "silu"),
+        };
+        let given = |k: &str| Some(&c[k]).filter(|v| !v.is_null());
+        let mut refused: Vec<(String, &str)> = Vec::new();
+        if given(act_key).is_some_and(|v| v != act) {
+            refused.push((act_key.into(), act));
+        }
+        for k in ["attention_bias", "mlp_bias", "use_bidirectional_attention"] {
+            if given(k).is_some_and(|v| v != false) {
+                refused.push((k.into(), "false"));
+            }
+        }
+        for k in ["rope_scaling", "attn_logit_softcapping", "final_logit_softcapping"] {
+            if given(k).is_some() {
+                refused.push((k.into(), "null"));
+            }
+        }
+        let rope_types: Vec<(String, &serde_json::Value)> = match &c["rope_parameters"] {
+            serde_json::Value::Object(m) if m.contains_key("rope_type") => {
+                vec![("rope_parameters".into(), &c["rope_parameters"])]
+            }
+            serde_json::Value::Object(m) => m.iter().map(|(kind, v)| (format!("rope_parameters.{kind}"), v)).collect(),
+            _ => Vec::new(),
+        };
+        for (at, v) in rope_types {
+            if v["rope_type"].as_str().is_some_and(|t| t != "default") {
+                refused.push((format!("{at}.rope_type"), "default"));
+            }
+        }
+        if let Some((k, expected)) = refused.first() {
+            let found = k.split('.').try_fold(&c, |v, part| v.get(part)).map_or("?".into(), |v| v.to_string());
+            return Err(bad(k, &format!("{expected} (pdhost implements no other)"), found));
+        }
         let rope = |kind: &str| -> Option<f32> {
             c["rope_parameters"][kind]["rope_theta"]
                 .as_f64()
@@ -658,9 +717,15 @@ impl Model {
     pub fn from_gguf(g: &Gguf) -> Result<Self, LoadError> {
         let config = Config::from_gguf(g)?;
         let n_layers = config.layers.len();
-        let t = |name: &str| g.tensor_f32(name);
-        let opt = |name: &str| g.tensors.contains_key(name).then(|| g.tensor_f32(name)).transpose();
+        // Every tensor the model reads, asked for or looked for: the file may hold no other.
+        let read = std::cell::RefCell::new(std::collections::BTreeSet::new());
+        let t = |name: &str| {
+            read.borrow_mut().insert(name.to_string());
+            g.tensor_f32(name)
+        };
+        let opt = |name: &str| g.tensors.contains_key(name).then(|| t(name)).transpose();
         let m = |name: &str| -> Result<Weight, GgufError> {
+            read.borrow_mut().insert(name.to_string());
             let info = g.tensor(name)?;
             Ok(Weight::from_blocks(info.ty, g.tensor_shared(name)?, info.dims.first().copied().unwrap_or(0) as usize))
         };
@@ -684,11 +749,22 @@ impl Model {
                 down: m(&n("ffn_down"))?,
             });
         }
+        let (embed, final_norm, lm_head) = (m("token_embd.weight")?, t("output_norm.weight")?, opt_m("output.weight")?);
+        // A tensor the model would pass over (a bias, another layer) means a model it does not implement.
+        if let Some(name) = g.tensors.keys().find(|&n| !read.borrow().contains(n)) {
+            return Err(GgufError::Invalid {
+                path: g.path().into(),
+                what: format!("tensor {name:?}"),
+                expected: format!("only the tensors of a {:?} model with {n_layers} layers", config.arch),
+                found: "one pdhost does not read".into(),
+            }
+            .into());
+        }
         Model {
-            embed: m("token_embd.weight")?,
+            embed,
             layers: layer_weights,
-            final_norm: t("output_norm.weight")?,
-            lm_head: opt_m("output.weight")?,
+            final_norm,
+            lm_head,
             identity: gguf_identity(g, &config)?,
             config,
             source: g.path().into(),
@@ -703,7 +779,9 @@ impl Model {
     /// Loads a Hugging Face checkpoint directory (`config.json` and `*.safetensors`) of model type
     /// `gemma3_text` or `llama`. Every tensor the model uses must have the shape the config gives it (a
     /// transposed matrix has the right element count and would multiply into wrong values); tensors it
-    /// does not use are passed over.
+    /// does not use are passed over, as checkpoints carry buffers such as `rotary_emb.inv_freq` (a GGUF's
+    /// converter writes only what the model reads, so there an unused tensor is refused), but every tensor
+    /// is read, so each must be F32, BF16 or F16.
     pub fn from_hf_dir(dir: &Path) -> Result<Self, LoadError> {
         let config = Config::from_hf_dir(dir)?;
         let c = &config;

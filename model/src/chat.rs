@@ -10,9 +10,12 @@
 //! template writes every special token itself (Gemma's begins with `{{ bos_token }}`), so [`ChatTemplate::encode`]
 //! never adds BOS.
 //!
-//! Messages come from strangers, so the work is bounded: at most [`MAX_MESSAGES`] messages and [`MAX_TEXT_BYTES`]
-//! bytes of message text in, at most [`MAX_TEXT_BYTES`] bytes rendered out, and at most [`MAX_STEPS`] template
-//! instructions per render. Every refusal is a [`ChatError`] whose message is one line.
+//! Messages come from strangers, so what they can ask of a render is bounded: at most [`MAX_MESSAGES`] messages and
+//! [`MAX_TEXT_BYTES`] bytes of message text in, at most [`MAX_TEXT_BYTES`] bytes rendered out, and at most
+//! [`MAX_STEPS`] template instructions per render. Every refusal is a [`ChatError`] whose message is one line.
+//! The template itself is the model file's code, run as transformers, vLLM and llama.cpp run it: the steps bound
+//! its time, but not the memory of a string it builds inside the render (one that doubles a string forty times
+//! in forty steps exhausts memory); a model file is trusted as far as its template.
 //!
 //! Not provided (neither shipped template uses them): tools, documents and content parts (a message's content is
 //! one string), `tojson`, `strftime_now`, transformers' `{% generation %}` tag, and `sanitize_control_tokens`

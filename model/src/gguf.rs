@@ -1,5 +1,5 @@
 //! A GGUF reader: the file is memory-mapped, every length is bounded before use, and every tensor is
-//! checked to lie inside the file, aligned, and made of whole quantization blocks.
+//! checked to lie inside the file, aligned, and its rows made of whole quantization blocks.
 //!
 //! The mapping is shared and read-only; pdhost never writes the file. A file truncated underneath a
 //! mapping faults on access (SIGBUS), and one rewritten in place changes the weights under the identity
@@ -439,15 +439,26 @@ impl Gguf {
         let n_tensors = c.bounded(MAX_ENTRIES, &|| "tensor count".into())?;
         let n_kv = c.bounded(MAX_ENTRIES, &|| "metadata count".into())?;
         let mut metadata = BTreeMap::new();
+        // Each item's errors say which of how many the header declares: a count too high shows as a read
+        // past the last real item.
         for i in 0..n_kv {
-            let key = c.string(&|| format!("metadata key {i}"))?;
+            let key = c.string(&|| format!("metadata key {i} of the {n_kv} declared"))?;
             let ty = c.u32(&|| format!("type of metadata {key:?}"))?;
             let value = c.value(ty, &key)?;
+            if metadata.contains_key(&key) {
+                // Which one a reader took would decide the model (llama.cpp refuses them too).
+                return Err(GgufError::Invalid {
+                    path: path.into(),
+                    what: format!("metadata {key:?}"),
+                    expected: "each key once".into(),
+                    found: "it again".into(),
+                });
+            }
             metadata.insert(key, value);
         }
         let mut infos = Vec::new();
         for i in 0..n_tensors {
-            let name = c.string(&|| format!("tensor {i} name"))?;
+            let name = c.string(&|| format!("tensor {i} of the {n_tensors} declared: its name"))?;
             let what = || format!("tensor {name:?}");
             let n_dims = c.u32(&what)?;
             if n_dims == 0 || n_dims > MAX_DIMS {
@@ -494,10 +505,11 @@ impl Gguf {
             let elems = dims.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d)).ok_or_else(|| {
                 invalid("dimensions whose product fits 64 bits".into(), format!("dimensions {}", words::shape(&dims)))
             })?;
-            let len = ty.bytes_for(elems).ok_or_else(|| {
+            // Blocks run along dimension 0, so each row of it is whole blocks, as ggml requires.
+            let len = ty.bytes_for(elems).filter(|_| dims[0] % ty.block_elems() as u64 == 0).ok_or_else(|| {
                 invalid(
-                    format!("whole {}-weight blocks of {}", ty.block_elems(), ty.name()),
-                    format!("{elems} weights"),
+                    format!("rows of whole {}-weight blocks of {}", ty.block_elems(), ty.name()),
+                    format!("dimensions {}", words::shape(&dims)),
                 )
             })?;
             if rel % alignment != 0 {
@@ -542,6 +554,20 @@ impl Gguf {
     /// A metadata value.
     pub fn get(&self, key: &str) -> Result<&Value, GgufError> {
         self.metadata.get(key).ok_or_else(|| self.invalid(key, "a metadata key", "none".into()))
+    }
+
+    /// `get`'s value where the key is present (a value of the wrong type is its error), `None` where it is
+    /// not: `get` is [`Gguf::get_u64`] or another typed getter.
+    pub fn optional<'a, T>(
+        &'a self,
+        key: &str,
+        get: impl FnOnce(&'a Self, &str) -> Result<T, GgufError>,
+    ) -> Result<Option<T>, GgufError> {
+        if self.metadata.contains_key(key) {
+            get(self, key).map(Some)
+        } else {
+            Ok(None)
+        }
     }
 
     /// An unsigned integer value.
@@ -710,6 +736,44 @@ mod tests {
             open("short", &short).starts_with("FILE: truncated reading metadata \"words\""),
             "{}",
             open("short", &short)
+        );
+    }
+
+    #[test]
+    fn a_key_twice_and_an_optional_key_of_the_wrong_type_are_refused() {
+        let twice = file_with(&[("k", 4, 7u32.to_le_bytes().to_vec()), ("k", 4, 8u32.to_le_bytes().to_vec())]);
+        assert_eq!(open("twice", &twice), "FILE: metadata \"k\": expected each key once, found it again");
+        let g = open_result("optional", &file_with(&[("k", 8, gguf_string("seven"))])).unwrap();
+        assert_eq!(g.optional("absent", Gguf::get_u64).unwrap(), None);
+        let err = g.optional("k", Gguf::get_u64).unwrap_err().to_string();
+        assert_eq!(
+            err.replace(&g.path().display().to_string(), "FILE"),
+            "FILE: k: expected an unsigned integer, found a string"
+        );
+        assert_eq!(g.optional("k", Gguf::get_str).unwrap(), Some("seven"));
+    }
+
+    /// Blocks run along a tensor's first dimension: 64 Q8_0 weights as 4 rows of 16 are whole blocks in
+    /// all, but no row is.
+    #[test]
+    fn rows_of_part_blocks_are_refused() {
+        let tensor = |dims: &[u64]| {
+            let mut file = b"GGUF".to_vec();
+            file.extend(3u32.to_le_bytes());
+            file.extend(1u64.to_le_bytes());
+            file.extend(0u64.to_le_bytes());
+            file.extend(gguf_string("w"));
+            file.extend((dims.len() as u32).to_le_bytes());
+            dims.iter().for_each(|d| file.extend(d.to_le_bytes()));
+            file.extend(8u32.to_le_bytes()); // Q8_0
+            file.extend(0u64.to_le_bytes());
+            file.resize(file.len().next_multiple_of(32) + 2 * 34, 0);
+            file
+        };
+        assert!(open_result("rows", &tensor(&[32, 2])).is_ok());
+        assert_eq!(
+            open("part rows", &tensor(&[16, 4])),
+            "FILE: tensor \"w\": expected rows of whole 32-weight blocks of Q8_0, found dimensions [16 x 4]"
         );
     }
 

@@ -63,7 +63,7 @@ impl ModelIdentity {
         let Some(found) = ModelIdentity::parse(theirs) else {
             let cut: String = theirs.chars().take(120).collect();
             return Some(IdentityMismatch {
-                what: "identity",
+                what: "its form",
                 expected: "weights:HEX16;tokenizer:HEX16;rope:GLOBAL/LOCAL".into(),
                 found: format!("{cut:?}"),
             });
@@ -136,7 +136,7 @@ mod tests {
         assert_eq!((m.what, m.found.as_str()), ("rope", "500000.5/10000"));
 
         for bad in ["", "weights:12", "weights:0123456789abcdef;tokenizer:0000000000000007", &format!("{text};x")] {
-            assert_eq!(ours.mismatch(bad).unwrap().what, "identity", "{bad:?}");
+            assert_eq!(ours.mismatch(bad).unwrap().what, "its form", "{bad:?}");
         }
     }
 }

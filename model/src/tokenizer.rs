@@ -79,6 +79,14 @@ impl Tokenizer {
         Ok(Tokenizer::Hf { inner: Box::new(inner), add_bos })
     }
 
+    /// The ids it may produce: the vocabulary and any added tokens.
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Gguf(t) => t.vocab_size(),
+            Tokenizer::Hf { inner, .. } => inner.get_vocab_size(true),
+        }
+    }
+
     /// Whether the model's tokenizer adds BOS (Gemma yes, SmolLM2 no).
     pub fn add_bos(&self) -> bool {
         match self {
@@ -277,16 +285,16 @@ impl GgufTokenizer {
             6 => Ok(Kind::Byte),
             v => Err(bad("tokenizer.ggml.token_type", "types 1..=6", format!("the integer {v} at entry {i}"))),
         };
-        let kinds: Vec<Kind> = match g.get_array("tokenizer.ggml.token_type") {
-            Ok(Array::I64(types)) => {
+        let kinds: Vec<Kind> = match g.optional("tokenizer.ggml.token_type", Gguf::get_array)? {
+            Some(Array::I64(types)) => {
                 types.iter().enumerate().map(|(i, &v)| kind(i, v.into())).collect::<Result<_, _>>()?
             }
-            Ok(Array::U64(types)) => {
+            Some(Array::U64(types)) => {
                 types.iter().enumerate().map(|(i, &v)| kind(i, v.into())).collect::<Result<_, _>>()?
             }
-            Ok(a) if a.is_empty() => Vec::new(),
-            Ok(a) => return Err(bad("tokenizer.ggml.token_type", "an array of integers", a.describe())),
-            Err(_) => vec![Kind::Normal; vocab.len()],
+            Some(a) if a.is_empty() => Vec::new(),
+            Some(a) => return Err(bad("tokenizer.ggml.token_type", "an array of integers", a.describe())),
+            None => vec![Kind::Normal; vocab.len()],
         };
         if kinds.len() != vocab.len() {
             return Err(bad("tokenizer.ggml.token_type", &format!("{} entries", vocab.len()), kinds.len().to_string()));
@@ -352,11 +360,12 @@ impl GgufTokenizer {
             }
             other => return Err(bad("tokenizer.ggml.model", "\"llama\" or \"gpt2\"", other.into())),
         };
-        let get_id = |key: &str| g.get_u64(key).ok().map(|v| u32::try_from(v).unwrap_or(u32::MAX));
+        let get_id =
+            |key: &str| g.optional(key, Gguf::get_u64).map(|id| id.map(|v| u32::try_from(v).unwrap_or(u32::MAX)));
         let add_bos = matches!(g.get("tokenizer.ggml.add_bos_token"), Ok(Value::Bool(true)));
         Ok(GgufTokenizer {
-            bos: get_id("tokenizer.ggml.bos_token_id"),
-            eos: get_id("tokenizer.ggml.eos_token_id"),
+            bos: get_id("tokenizer.ggml.bos_token_id")?,
+            eos: get_id("tokenizer.ggml.eos_token_id")?,
             add_bos,
             vocab,
             kinds,

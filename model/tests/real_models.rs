@@ -83,6 +83,123 @@ fn a_corrupt_file_gets_an_error_naming_what_is_wrong() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+fn gguf_string(s: &str) -> Vec<u8> {
+    [&(s.len() as u64).to_le_bytes()[..], s.as_bytes()].concat()
+}
+
+/// `good` with `entries` (key, GGUF type, value bytes) put first among its metadata, padded with a filler
+/// entry to a multiple of the 32-byte alignment, so that every tensor's data keeps its relative offset.
+fn with_metadata(good: &[u8], entries: &[(&str, u32, Vec<u8>)]) -> Vec<u8> {
+    let entry =
+        |key: &str, ty: u32, value: &[u8]| [gguf_string(key), ty.to_le_bytes().to_vec(), value.to_vec()].concat();
+    let mut added: Vec<u8> = entries.iter().flat_map(|(k, ty, v)| entry(k, *ty, v)).collect();
+    // The filler: a string entry (8 + 5 + 4 + 8 bytes and its text).
+    let text = (added.len() + 25).next_multiple_of(32) - added.len() - 25;
+    added.extend(entry("x.pad", 8, &gguf_string(&"p".repeat(text))));
+    assert_eq!(added.len() % 32, 0);
+    let n_kv = u64::from_le_bytes(good[16..24].try_into().unwrap()) + entries.len() as u64 + 1;
+    [&good[..16], &n_kv.to_le_bytes(), &added, &good[24..]].concat()
+}
+
+/// What the forward pass does not implement, or metadata it cannot trust, is refused at load by name,
+/// not run as if absent: SmolLM2 with one key added before its own.
+#[test]
+fn metadata_the_model_cannot_honour_is_refused() {
+    let dir = std::env::temp_dir().join(format!("pdhost-gguf-meta-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let good = std::fs::read(fetched("smollm2-135m")).unwrap();
+    let load = |name: &str, entries: &[(&str, u32, Vec<u8>)]| {
+        let path = dir.join(name);
+        std::fs::write(&path, with_metadata(&good, entries)).unwrap();
+        let result = Gguf::open(&path).map_err(model::arch::LoadError::from).and_then(|g| {
+            let config = model::arch::Config::from_gguf(&g)?;
+            model::tokenizer::Tokenizer::from_gguf(&g)?;
+            model::arch::Model::from_gguf(&g).map(|_| config)
+        });
+        std::fs::remove_file(&path).unwrap();
+        result.map_err(|e| e.to_string().replace(&path.display().to_string(), "FILE"))
+    };
+    // The padding alone changes nothing.
+    assert_eq!(load("pad", &[]).unwrap().layers.len(), 30);
+    let u32v = |v: u32| v.to_le_bytes().to_vec();
+    for (name, entries, want) in [
+        (
+            "duplicate",
+            vec![("llama.block_count", 4, u32v(2))],
+            "FILE: metadata \"llama.block_count\": expected each key once, found it again",
+        ),
+        (
+            "scaling",
+            vec![("llama.rope.scaling.type", 8, gguf_string("linear"))],
+            "FILE: llama.rope.scaling.type: expected none (pdhost implements no other), found \"linear\"",
+        ),
+        (
+            "values of another width",
+            vec![("llama.attention.value_length", 4, u32v(32))],
+            "FILE: llama.attention.value_length: expected 64, the head size (pdhost implements no other), found 32",
+        ),
+        (
+            "a width of the wrong type",
+            vec![("llama.attention.key_length", 8, gguf_string("64"))],
+            "FILE: llama.attention.key_length: expected an unsigned integer, found a string",
+        ),
+        (
+            "a scaling factor of the wrong type",
+            vec![("llama.rope.scaling.factor", 4, u32v(8))],
+            "FILE: llama.rope.scaling.factor: expected a float, found an unsigned integer",
+        ),
+        (
+            "an end token of the wrong type",
+            vec![("tokenizer.ggml.eot_token_id", 8, gguf_string("2"))],
+            "FILE: tokenizer.ggml.eot_token_id: expected an unsigned integer, found a string",
+        ),
+    ] {
+        assert_eq!(load(name, &entries).unwrap_err(), want, "{name}");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A tensor the model would pass over (here a bias, which Llama's forward pass has none of) means a model
+/// pdhost does not implement: refused by name at load.
+#[test]
+fn a_tensor_the_model_does_not_read_is_refused() {
+    let path = fetched("smollm2-135m");
+    let good = std::fs::read(&path).unwrap();
+    let g = Gguf::open(&path).unwrap();
+    // The first tensor's data starts the data section (relative offset 0), and its name starts the
+    // tensor infos.
+    let (first, data) = g.tensors.iter().map(|(n, t)| (n, t.offset as usize)).min_by_key(|&(_, at)| at).unwrap();
+    let infos = find(&good[..data], &gguf_string(first)).unwrap();
+    let rel = (good.len() - data).next_multiple_of(32) as u64;
+    let info = [gguf_string("blk.0.attn_q.bias"), 1u32.to_le_bytes().to_vec(), 576u64.to_le_bytes().to_vec()].concat();
+    let info = [info, 0u32.to_le_bytes().to_vec(), rel.to_le_bytes().to_vec()].concat();
+    // A metadata filler keeps the data section's start a multiple of 32 bytes further on.
+    let text = (info.len() + 25).next_multiple_of(32) - info.len() - 25;
+    let filler = [gguf_string("x.pad"), 8u32.to_le_bytes().to_vec(), gguf_string(&"p".repeat(text))].concat();
+    let counts = |at: usize, by: u64| (u64::from_le_bytes(good[at..at + 8].try_into().unwrap()) + by).to_le_bytes();
+    let mut bytes =
+        [&good[..8], &counts(8, 1), &counts(16, 1), &filler, &good[24..infos], &info, &good[infos..]].concat();
+    bytes.resize(data + filler.len() + info.len() + rel as usize + 576 * 4, 0);
+    let bad = std::env::temp_dir().join(format!("pdhost-gguf-bias-{}", std::process::id()));
+    std::fs::write(&bad, bytes).unwrap();
+    let opened = Gguf::open(&bad).unwrap();
+    assert_eq!(opened.tensors["blk.0.attn_q.bias"].elems(), 576);
+    let err = model::arch::Model::from_gguf(&opened).err().unwrap().to_string();
+    std::fs::remove_file(&bad).unwrap();
+    assert!(
+        err.ends_with(
+            ": tensor \"blk.0.attn_q.bias\": expected only the tensors of a Llama model with 30 layers, found one pdhost \
+             does not read"
+        ),
+        "{err}"
+    );
+}
+
+/// Where `needle` last occurs in `haystack` (a tensor's info lies after the vocabulary).
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).rposition(|w| w == needle)
+}
+
 /// Token ids equal Hugging Face's on every reference string, with and without BOS, and decode back.
 #[test]
 fn tokenizers_match_hugging_face_ids() {

@@ -95,12 +95,13 @@ fn a_python_class_stages_a_batch() {
 fn python_failures_are_typed_and_fall_back() {
     let _serial = serial();
     let reference = engine(&gemma(), Dtype::F32).generate(&request(), |_| {}).unwrap().output;
-    let cases: [(&str, &str, &str, u64); 7] = [
+    let cases: [(&str, &str, &str, u64); 8] = [
         ("Raises", "backend_error", "ValueError: the device is not there (at ", 0),
         // Its traceback's frames hold a region's view: dropped with the exception, not counted as kept.
         ("RaisesAfterWriting", "backend_error", "ValueError: failed after writing (at ", 0),
         ("Hangs", "timeout", "no answer within", 1),
         ("WrongShape", "describe_mismatch", "expected sliding window 8 with 1 KV head of size 16, found", 0),
+        ("MissingWindow", "start_failed", "layer 0 (sliding): expected a \"window\", found none", 0),
         ("ShortWrite", "unwritten_region", "layer 7 V (entry 15 of 16) written only in part", 0),
         ("KeepsAView", "backend_panic", "view of region(s) 0 still alive", 1),
         // What `torch.frombuffer` keeps: the view object, its export released, the address taken.

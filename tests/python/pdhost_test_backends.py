@@ -111,6 +111,17 @@ class WrongShape(StandIn):
     head_dim_offset = 1
 
 
+class MissingWindow(StandIn):
+    """Describes its sliding layers without the window they need."""
+
+    def describe(self):
+        described = super().describe()
+        for layer in described["layers"]:
+            if layer["kind"] == "sliding":
+                del layer["window"]
+        return described
+
+
 class ShortWrite(StandIn):
     def prefill(self, request, tokens, start, writer):
         for entry in range(writer.entries):

@@ -31,6 +31,19 @@ pub struct Opened {
     gguf: Option<Gguf>,
 }
 
+/// Refuses a tokenizer with ids past the model's vocabulary (every prompt would be checked against the
+/// model's, and fail per request, not at load).
+fn fits_vocab(tokenizer: &Tokenizer, config: &Config, path: &std::path::Path) -> anyhow::Result<()> {
+    let n = tokenizer.vocab_size();
+    anyhow::ensure!(
+        n <= config.vocab,
+        "{}: tokenizer: expected at most the model's {} tokens, found {n}",
+        path.display(),
+        config.vocab
+    );
+    Ok(())
+}
+
 impl Opened {
     /// Opens a model from where `--model` says it is, fetching a known model on first use.
     pub fn open(source: &ModelSource, quiet: bool) -> anyhow::Result<Self> {
@@ -39,6 +52,9 @@ impl Opened {
                 let config = Config::from_hf_dir(dir)?;
                 let json = dir.join("tokenizer.json");
                 let tokenizer = if json.is_file() { Some(Tokenizer::from_file(&json)?) } else { None };
+                if let Some(t) = &tokenizer {
+                    fits_vocab(t, &config, &json)?;
+                }
                 let name = dir.display().to_string();
                 return Ok(Opened { config, tokenizer, name, path: std::path::absolute(dir)?, gguf: None });
             }
@@ -53,6 +69,7 @@ impl Opened {
         let gguf = Gguf::open(&file)?;
         let config = Config::from_gguf(&gguf)?;
         let tokenizer = Tokenizer::from_gguf(&gguf).context("building the tokenizer")?;
+        fits_vocab(&tokenizer, &config, &file)?;
         Ok(Opened { config, tokenizer: Some(tokenizer), name, path: std::path::absolute(&file)?, gguf: Some(gguf) })
     }
 
@@ -182,6 +199,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         .map(|b| choice.producer(&b, &opened.path, &opened.config, &model.identity, dtype, chunk_tokens))
         .transpose()?;
     let mut engine = Engine::new(model, dtype, page_size, max_len, 1)?;
+    let mut unstarted = None;
     if let Some(p) = producer.as_mut() {
         // Start the producer (load its model) before the clock of the request starts; a start-up failure
         // is handled like any other on the request itself, falling back or failing. Under `fail` it ends
@@ -191,8 +209,12 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         spinner.spin(&format!("starting producer {}", p.name()));
         let started = p.start();
         spinner.finish();
-        if let (Err(e), pdhost::engine::OnFailure::Fail) = (started, args.on_producer_failure.policy()) {
-            return Err(pdhost::engine::EngineError::from(e).into());
+        match (started, args.on_producer_failure.policy()) {
+            (Ok(_), _) => {}
+            (Err(e), pdhost::engine::OnFailure::Fail) => return Err(pdhost::engine::EngineError::from(e).into()),
+            // The request falls back, told this failure (asking the producer now would only meet the
+            // backoff that follows it).
+            (Err(e), pdhost::engine::OnFailure::Fallback) => unstarted = Some((p.name().to_string(), e)),
         }
     }
     let load_ms = t0.elapsed();
@@ -202,9 +224,10 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     // A closed stdout stops the printing, not the request; it is reported (quietly) at the end.
     let mut write_error: Option<std::io::Error> = None;
     let on_failure = args.on_producer_failure.policy();
-    let by = match producer.as_mut() {
-        Some(producer) => PrefillBy::Remote { producer, on_failure },
-        None => PrefillBy::Local,
+    let by = match (producer.as_mut(), unstarted) {
+        (_, Some((name, error))) => PrefillBy::Unavailable { name, error },
+        (Some(producer), None) => PrefillBy::Remote { producer, on_failure },
+        (None, None) => PrefillBy::Local,
     };
     let gen = engine.generate_with(&request, by, |id| {
         if args.json {

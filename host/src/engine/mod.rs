@@ -38,6 +38,15 @@ pub enum PrefillBy<'a> {
         /// What a failed remote prefill does to the request.
         on_failure: OnFailure,
     },
+    /// The host, in place of the producer `name`, which could not start: `error` is reported as the
+    /// fallback reason (as [`PrefillBy::Remote`] reports a failed prefill), so a request that follows a
+    /// failed start is told that failure, not the backoff after it.
+    Unavailable {
+        /// The producer's name.
+        name: String,
+        /// Why it could not start.
+        error: ProducerError,
+    },
 }
 
 /// What a failed remote prefill does to the request.
@@ -598,10 +607,16 @@ impl Engine {
     ) -> Result<Prefilled, EngineError> {
         let remote = match &by {
             PrefillBy::Remote { producer, .. } => Some(Remote::of(producer)),
-            PrefillBy::Local => None,
+            PrefillBy::Local | PrefillBy::Unavailable { .. } => None,
         };
         let mut p = self.open_prefill(seq, request_id, prompt, chunk, remote.as_ref());
-        if let PrefillBy::Remote { producer, on_failure } = by {
+        if let PrefillBy::Unavailable { name, error } = by {
+            // As `Prefilling::new` names a producer: only where there is something to prefill.
+            if !prompt.is_empty() {
+                p.prefilled.report.producer = Some(name);
+                p.prefilled.report.fallback = Some(error);
+            }
+        } else if let PrefillBy::Remote { producer, on_failure } = by {
             while let Some(call) = p.next_call(prompt).filter(|_| p.is_remote()) {
                 match producer.prefill(&mut self.kv, seq, &call) {
                     Ok(times) => {

@@ -212,7 +212,10 @@ pub(super) fn log_output(
                     Ok(0) | Err(_) => return,
                     Ok(_) => {
                         let text = String::from_utf8_lossy(&line);
-                        let text = text.trim_end();
+                        // Control characters escaped: a carriage return or an escape sequence from a
+                        // backend cannot rewrite the host's log lines on a terminal.
+                        let text = visible(text.trim_end());
+                        let text = text.as_ref();
                         if stream == "stderr" && !text.is_empty() {
                             last_lines.push(text);
                         }
@@ -270,4 +273,23 @@ pub(super) struct Inheritable {
     /// The duplicates, in `--fds` order (dropped before the lock: fields drop in order).
     pub(super) fds: Vec<OwnedFd>,
     _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+/// `text` with its control characters but tab escaped (`\r` as `\u{d}`), as a line of the host's log.
+fn visible(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(|c| c.is_control() && c != '\t') {
+        return text.into();
+    }
+    text.chars()
+        .map(|c| if c.is_control() && c != '\t' { c.escape_unicode().to_string() } else { c.to_string() })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_backends_control_characters_are_escaped() {
+        assert_eq!(super::visible("50%\rdone \x1b[2K\tok"), "50%\\u{d}done \\u{1b}[2K\tok");
+        assert!(matches!(super::visible("plain\ttext"), std::borrow::Cow::Borrowed("plain\ttext")));
+    }
 }

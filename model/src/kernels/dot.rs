@@ -155,11 +155,12 @@ pub(crate) enum Isa {
 }
 
 impl Isa {
-    /// The widest this CPU runs (`simd` false: the portable one).
+    /// The widest this CPU runs (`simd` false: the portable one). The CPU is checked here, whatever the
+    /// caller passes, so no SIMD kernel is chosen where it cannot run.
     #[inline]
     pub(crate) fn best(simd: bool) -> Self {
         #[cfg(target_arch = "x86_64")]
-        if simd {
+        if simd && self::simd() {
             return if std::arch::is_x86_feature_detected!("avx512f") { Isa::Avx512 } else { Isa::Avx2 };
         }
         let _ = simd;

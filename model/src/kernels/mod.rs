@@ -308,7 +308,7 @@ impl Exec {
 enum Native<'a> {
     /// The blocks of a [`native::supports`]ed type.
     Blocks(crate::quant::GgmlType, &'a [u8]),
-    /// Q8_0 rows interleaved.
+    /// Rows of a `fast` integer block type interleaved sixteen at a time ([`weight::Interleaved`]).
     Interleaved(&'a weight::Interleaved),
 }
 

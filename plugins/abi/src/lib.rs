@@ -332,8 +332,10 @@ pub struct PdhostBackendV1 {
     /// context. A backend that logs keeps both and calls `log(ctx, level, message, len)` instead of
     /// writing to stdout or stderr (which the host also logs, untagged by level).
     pub set_log: Option<unsafe extern "C" fn(log: PdhostLogFn, ctx: *mut c_void)>,
-    /// (1.3, may be null) Computes the chunks of `n` requests (`requests[0 .. n]`, each as `prefill`
-    /// would take it, at most one per request) in one pass, and keeps their K/V: what a device gains
+    /// (1.3, may be null) Computes the chunks of `n` requests (each as `prefill` would take it, at most
+    /// one per request; call `i` starts `i * requests->struct_size` bytes after `requests`, which is
+    /// `requests[i]` only while the header's `PdhostPrefill` is the producer's) in one pass, and keeps
+    /// their K/V: what a device gains
     /// from a batch. The producer then calls `prefill` for each of them, in the same order and with the
     /// same arguments, and each of those only writes what was staged. Nothing is written here. A
     /// backend may compute only some (or none) and leave the rest to `prefill`; a `prefill` that differs

@@ -260,14 +260,20 @@ struct Loaded {
 
 fn load(path: &std::path::Path) -> Result<Loaded, String> {
     use libloading::os::unix::{Library, RTLD_LOCAL, RTLD_NOW};
+    // `dlerror`'s text starts with the path, which the caller's message already names.
+    let dl = |e: libloading::Error| {
+        let text = e.to_string();
+        text.strip_prefix(&format!("{}: ", path.display())).map_or(text.clone(), str::to_string)
+    };
     // SAFETY: loading a library runs its initialisers; that is the point of a producer, which exists so
     // that whatever they do happens in this process, not the host.
-    let library = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }.map_err(|e| e.to_string())?;
+    let library = unsafe { Library::open(Some(path), RTLD_NOW | RTLD_LOCAL) }.map_err(dl)?;
     // SAFETY: the symbol's type is fixed by the ABI (`PdhostEntryFn`).
     let entry = unsafe { library.get::<PdhostEntryFn>(ENTRY_SYMBOL) }.map_err(|e| {
         format!(
-            "expected the symbol {}, found none: {e}",
-            String::from_utf8_lossy(&ENTRY_SYMBOL[..ENTRY_SYMBOL.len() - 1])
+            "expected the symbol {}, found none: {}",
+            String::from_utf8_lossy(&ENTRY_SYMBOL[..ENTRY_SYMBOL.len() - 1]),
+            dl(e)
         )
     })?;
     // SAFETY: calling the entry function as the ABI defines it.
@@ -507,8 +513,13 @@ fn open<'l>(loaded: &'l Loaded, config: &str) -> Result<Instance<'l>, Fatal> {
     // SAFETY: the ABI's `open`: config bytes and lengths, out-pointer and error buffer all valid.
     let code =
         unsafe { (table.open)(config.as_ptr(), config.len(), &mut handle, err.as_mut_ptr().cast::<c_char>(), ERR_CAP) };
-    if code != PdhostStatus::Ok as u32 || handle.is_null() {
+    if code != PdhostStatus::Ok as u32 {
         return Err(backend_fatal("open", code, &err));
+    }
+    if handle.is_null() {
+        // A contract breach, never worth retrying (status 0 at `open`: `repeats_on_every_start`).
+        let message = "returned OK with a null handle: expected a handle".to_string();
+        return Err(Fatal { stage: "open", status: code, message });
     }
     Ok(Instance { loaded, handle })
 }

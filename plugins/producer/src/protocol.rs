@@ -166,6 +166,21 @@ impl Described {
     }
 
     fn layer(i: usize, l: &LayerDesc) -> Result<LayerKv, BadDescription> {
+        // The sizes a layer of its kind cannot do without (a field left 0 by mistake is named here, not
+        // later as a geometry that does not match the model's).
+        let needed: &[(&str, u64)] = match l.kind {
+            k if k == PdhostLayerKind::Full as u32 => {
+                &[("kv_heads", l.kv_heads.into()), ("head_dim", l.head_dim.into())]
+            }
+            k if k == PdhostLayerKind::Sliding as u32 => {
+                &[("kv_heads", l.kv_heads.into()), ("head_dim", l.head_dim.into()), ("window", l.window.into())]
+            }
+            k if k == PdhostLayerKind::Recurrent as u32 => &[("state_elems", l.state_elems)],
+            _ => &[],
+        };
+        if let Some((what, found)) = needed.iter().find(|(_, v)| *v == 0) {
+            return Err(BadDescription { what: format!("layer {i} {what}"), expected: "at least 1", found: *found });
+        }
         match l.kind {
             k if k == PdhostLayerKind::Full as u32 => Ok(LayerKv::Full { kv_heads: l.kv_heads, head_dim: l.head_dim }),
             k if k == PdhostLayerKind::Sliding as u32 => {
@@ -657,5 +672,22 @@ mod tests {
         );
         assert_eq!(bad.wire_dtype().unwrap_err().to_string(), "dtype: expected 0 (f32), 1 (f16) or 2 (bf16), found 9");
         assert_eq!(bad.layout_name().unwrap_err().to_string(), "layout: expected 0 (dense) or 1 (grouped), found 5");
+        // A size a layer of its kind needs, left 0.
+        let layer = |kind, kv_heads, window, state_elems| Described {
+            layers: vec![
+                LayerDesc { kind: PdhostLayerKind::Full as u32, kv_heads: 1, head_dim: 4, window: 0, state_elems: 0 },
+                LayerDesc { kind, kv_heads, head_dim: 4, window, state_elems },
+            ],
+            ..Described::default()
+        };
+        for (d, what) in [
+            (layer(PdhostLayerKind::Full as u32, 0, 0, 0), "layer 1 kv_heads"),
+            (layer(PdhostLayerKind::Sliding as u32, 1, 0, 0), "layer 1 window"),
+            (layer(PdhostLayerKind::Recurrent as u32, 0, 0, 0), "layer 1 state_elems"),
+        ] {
+            assert_eq!(d.geometry().unwrap_err().to_string(), format!("{what}: expected at least 1, found 0"));
+        }
+        assert!(layer(PdhostLayerKind::Sliding as u32, 1, 8, 0).geometry().is_ok());
+        assert!(layer(PdhostLayerKind::Recurrent as u32, 0, 0, 16).geometry().is_ok());
     }
 }

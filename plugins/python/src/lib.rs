@@ -149,7 +149,8 @@ fn exception_text(py: Python<'_>, err: &PyErr) -> String {
             text += &format!(" (at {file}:{line})");
         }
     }
-    text.replace('\n', " ")
+    // One line, which a C string carries whole: a NUL would cut it there.
+    text.replace('\n', " ").replace('\0', "\\0")
 }
 
 fn backend_error(py: Python<'_>, what: &str, err: &PyErr) -> BackendError {
@@ -200,16 +201,24 @@ fn description(d: &Bound<'_, PyAny>) -> Result<(Description, u64), String> {
             return Err(format!("describe()[\"layers\"]: expected at most {MAX_LAYERS} layers, found more"));
         }
         let item = item.map_err(|e| e.to_string())?;
-        let field = |key: &str| -> Result<u64, String> {
-            match item.get_item(key) {
-                Ok(v) => v.extract::<u64>().map_err(|_| format!("layer {i} {key:?}: expected a non-negative integer")),
-                Err(_) => Ok(0),
-            }
-        };
         let kind: String = item
             .get_item("kind")
             .and_then(|k| k.extract())
             .map_err(|_| format!("layer {i}: expected a \"kind\" of full, sliding or recurrent"))?;
+        // The keys a layer of this kind needs (a missing one is named, not taken as 0); the others are
+        // not read.
+        let needs = |key: &str| match kind.as_str() {
+            "full" => ["kv_heads", "head_dim"].contains(&key),
+            "sliding" => ["kv_heads", "head_dim", "window"].contains(&key),
+            _ => key == "state_elems",
+        };
+        let field = |key: &str| -> Result<u64, String> {
+            match item.get_item(key) {
+                Ok(v) => v.extract::<u64>().map_err(|_| format!("layer {i} {key:?}: expected a non-negative integer")),
+                Err(_) if needs(key) => Err(format!("layer {i} ({kind}): expected a {key:?}, found none")),
+                Err(_) => Ok(0),
+            }
+        };
         let kind = match kind.as_str() {
             "full" => PdhostLayerKind::Full,
             "sliding" => PdhostLayerKind::Sliding,
@@ -329,10 +338,11 @@ unsafe impl Send for WriterState {}
 #[pymethods]
 impl PyWriter {
     /// Entry `entry`'s destination as a writable memoryview of bytes.
-    fn region(&self, py: Python<'_>, entry: u32) -> PyResult<Py<PyAny>> {
-        if entry >= self.entries {
+    fn region(&self, py: Python<'_>, entry: i64) -> PyResult<Py<PyAny>> {
+        // Any integer is named in the error, a negative one too (not refused by the conversion).
+        let Some(entry) = u32::try_from(entry).ok().filter(|&e| e < self.entries) else {
             return Err(PyIndexError::new_err(format!("region {entry}: expected an entry below {}", self.entries)));
-        }
+        };
         // The lock is held only around Rust: a thread holding it never waits for the interpreter.
         let (ptr, len) = {
             let state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
