@@ -97,6 +97,9 @@ fn check(mode: &str) {
         let mut e = engine(&gemma(), dtype);
         let (other, _) = e.prefill(&OTHER, 0, PrefillBy::Local).unwrap();
         let other_kv = kv_bytes(&e, other);
+        // The pages in use: the other sequence's alone, before and after each request (none leaks).
+        let used = |e: &Engine| e.kv.usage().iter().map(|u| u.used).collect::<Vec<_>>();
+        let pages = used(&e);
         let before = snapshot();
         let mut p = producer(&e, builtin("faulty"), fault_config(e.next_request_id()), timeout(mode));
         let gen = e
@@ -116,6 +119,7 @@ fn check(mode: &str) {
             (expect, found) => panic!("{mode} {layout}: expected {expect:?}, found {found:?}"),
         }
         assert!(kv_bytes(&e, other) == other_kv, "{mode} {layout}: another sequence's K/V changed");
+        assert_eq!(used(&e), pages, "{mode} {layout}: the request's pages were all given back");
         let next = e
             .generate_with(&request(), PrefillBy::Remote { producer: &mut p, on_failure: OnFailure::Fail }, |_| {})
             .unwrap_or_else(|err| panic!("{mode} {layout}: the next request must succeed remotely: {err}"));
@@ -149,6 +153,7 @@ fn check(mode: &str) {
             }
         }
         assert!(kv_bytes(&e, other) == other_kv, "{mode} {layout}: another sequence's K/V changed under fail");
+        assert_eq!(used(&e), pages, "{mode} {layout}: the request's pages were all given back under fail");
         drop(p);
         assert_eq!(snapshot(), before, "{mode} {layout}: leak under fail");
     }

@@ -423,6 +423,41 @@ fn layer_bytes(kv: &PagedKv, seq: SeqId, layer: u32) -> (std::ops::Range<u64>, V
     (read.positions, k, v)
 }
 
+/// A span that took cached pages and was then aborted (its checksum failed once its copy had begun)
+/// costs the prefix those pages held, nothing more: a later request misses it rather than reading bytes
+/// the span half overwrote, the pages are free again, and a live sequence's bytes are untouched.
+#[test]
+fn an_aborted_span_that_took_cached_pages_forgets_their_prefix() {
+    let g = sliding_and_full();
+    let mut kv = cache(g.clone(), Dtype::F32, 4, 12 * 64 + 8 * 64);
+    kv.enable_prefix_cache();
+    let a: Vec<u32> = (0..16).collect();
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    ingest_chunks(&mut kv, SeqId(1), 1, 0..16, 4, 1);
+    kv.register_prefix(SeqId(1), &a, Rounding::host(Dtype::F32));
+    kv.remove_sequence(SeqId(1)).unwrap();
+    kv.add_sequence(SeqId(2), 2).unwrap();
+    ingest_chunks(&mut kv, SeqId(2), 2, 0..8, 4, 7);
+    let live = (layer_bytes(&kv, SeqId(2), 0), layer_bytes(&kv, SeqId(2), 1));
+    let full = kv.usage()[1].clone();
+    assert_eq!((full.used, full.cached, full.free), (2, 4, 2), "sequence 1's pages cached, 2 live, 2 free");
+
+    // Six full pages: the two free ones, then the four cached ones, written and then aborted.
+    kv.add_sequence(SeqId(3), 3).unwrap();
+    let m = Manifest::grouped(&g, 3, 0..24, Dtype::F32);
+    let mut staged = kv.prepare(SeqId(3), &m).unwrap();
+    kv.write_staged(&mut staged, 0, &payload_for(&m, 9));
+    kv.abort(staged);
+    assert_eq!(kv.seq_len(SeqId(3)), Some(0));
+    kv.remove_sequence(SeqId(3)).unwrap();
+
+    let full = kv.usage()[1].clone();
+    assert_eq!((full.used, full.cached, full.free), (2, 0, 6), "the taken pages are free, not cached");
+    kv.add_sequence(SeqId(4), 4).unwrap();
+    assert_eq!(kv.attach_prefix(SeqId(4), &a, Rounding::host(Dtype::F32)).tokens, 0, "the prefix is forgotten");
+    assert_eq!((layer_bytes(&kv, SeqId(2), 0), layer_bytes(&kv, SeqId(2), 1)), live);
+}
+
 #[test]
 fn a_prefix_hit_shares_whole_pages_and_reads_back_the_first_sequences_bytes() {
     // 4-token pages of 64 bytes; 12 sliding pages, and 8 full ones.
