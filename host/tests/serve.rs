@@ -545,10 +545,11 @@ fn the_queue_refuses_past_its_size_while_a_remote_prefill_holds_the_slot() {
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(2.0));
 }
 
-/// A stream whose client leaves while it waits for a slot is cancelled before it runs (it used to be
-/// prefilled and decoded a token first: its leaving was seen only when that token could not be sent).
+/// A stream whose client leaves while it waits for a slot is cancelled before it decodes a token: while
+/// queued, or at the latest during its prefill, if the slot came free first (it used to be prefilled and
+/// decoded a token first: its leaving was seen only when that token could not be sent).
 #[test]
-fn a_stream_whose_client_leaves_while_queued_never_runs() {
+fn a_stream_whose_client_leaves_while_queued_never_decodes() {
     let s = serve(&["--producer", "local", "--slots", "1"]);
     // Idle, a server without producers waits; it does not spin a core (its engine thread once did, on a
     // reply channel that no producer kept open): a busy loop would use about 2 s of CPU here.
