@@ -53,8 +53,8 @@ pub(super) unsafe fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) {
 ///
 /// One instance per block type (as the AVX-512 twin), whose `H` weight rows are read side by side,
 /// block by block: each output is two chains of multiply-adds, and `H * R` outputs in flight hide
-/// their latency. The callers pass `H = 4 / R` (at least 1): `2 * H * R` accumulators of the 16
-/// vector registers. One instance for every type, matching it at every block and reading one
+/// their latency. The callers pass `H = 4 / R` (at least 1; 2 for one row of Q4_1): `2 * H * R`
+/// accumulators of the 16 vector registers. One instance for every type, matching it at every block and reading one
 /// weight row at a time, took 33 ms for Gemma 3's head and one activation row; this takes 14-15 ms,
 /// the pace of its 178 MB from memory (Zen 3; on a streamed Q8_0 matrix, `H` = 4 alone was 10%
 /// faster than 1, and made no difference on matrices that fit in cache).
@@ -158,10 +158,10 @@ fn block(ty: GgmlType, b: &[u8], put: &mut impl FnMut(usize, __m256)) {
     match ty {
         GgmlType::Q8_0 => q8_0(b, put),
         GgmlType::Q4_0 => q4(b, put, 2, None),
-        GgmlType::Q4_1 => q4(b, put, 4, Some(f16_at(b, 2))),
-        GgmlType::Q5_0 => q5(b, put, 6, None),
+        GgmlType::Q4_1 => q4_1(b, put),
+        GgmlType::Q5_0 => q5_0(b, put),
         GgmlType::Q5_1 => q5(b, put, 8, Some(f16_at(b, 2))),
-        GgmlType::Q4K => q4_k(b, put, false),
+        GgmlType::Q4K => q4_k_lanes(b, put),
         GgmlType::Q5K => q4_k(b, put, true),
         GgmlType::Q6K => q6_k(b, put),
         _ => unreachable!("supports() was checked"),
@@ -193,6 +193,26 @@ pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
     _mm_cvtss_f32(value)
 }
 
+/// The two f16s at `b[at..at + 4]` in lanes 0 and 1, widened by the CPU (as [`f16_at`], whose note
+/// on the instructions holds here too).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16_pair_at(b: &[u8], at: usize) -> __m128 {
+    let bits = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let value: __m128;
+    // SAFETY: F16C is enabled in every caller; the instructions touch only the two named registers.
+    unsafe {
+        std::arch::asm!(
+            "vmovd {v}, {bits:e}",
+            "vcvtph2ps {v}, {v}",
+            bits = in(reg) bits,
+            v = out(xmm_reg) value,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    value
+}
+
 /// 8 unsigned bytes of `v` (its low half, or with `high` its high half), as 32-bit lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -200,7 +220,9 @@ fn u8x8(v: __m128i, high: bool) -> __m256i {
     _mm256_cvtepu8_epi32(if high { _mm_srli_si128::<8>(v) } else { v })
 }
 
-/// `y = d * q`.
+/// `y = d * q`. (Its bytes are widened across lanes, each from memory: in-lane shuffles of the block
+/// loaded into both halves of a register, as [`q5_0`] does, made Gemma 3's Q8_0 head 14% slower on a
+/// Zen 3.)
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q8_0(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
@@ -224,6 +246,109 @@ fn q4(b: &[u8], put: &mut impl FnMut(usize, __m256), at: usize, m: Option<f32>) 
     let lo = _mm_and_si128(qs, mask);
     let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), mask);
     small_values(b, put, [lo, hi], m, 8);
+}
+
+/// Q4_1 (`y = d * q + m`), the values of [`q4`] with fewer instructions (what bounds `exact` at one
+/// row): `d` and `m` widened together, and the nibbles placed in 32-bit lanes by an in-lane byte shuffle
+/// of the block's 16 bytes, loaded into both halves, where [`q4`] widens them across lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_1(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
+    assert!(b.len() >= 20);
+    let dm = f16_pair_at(b, 0);
+    let d = _mm256_broadcastss_ps(dm);
+    let m = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm), _mm256_set1_epi32(1));
+    // SAFETY: bytes 4..20 lie in the block (asserted).
+    let qs = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b.as_ptr().add(4).cast()) });
+    let mask = _mm256_set1_epi8(0x0F);
+    let (lo, hi) = (_mm256_and_si256(qs, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(qs), mask));
+    // Written out, not a loop over the four: each call's position must be a constant (see `group`).
+    let value = |v: __m256i| _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(v)), m);
+    put(0, value(lows(lo, 0)));
+    put(8, value(lows(lo, 8)));
+    put(16, value(lows(hi, 0)));
+    put(24, value(lows(hi, 8)));
+}
+
+/// Bytes `at..at + 8` of each 16-byte half, one into the top byte of each 32-bit lane (the others zero):
+/// the lane is the byte's signed value times 2^24, exactly, which [`scaled`] multiplies by `d * 2^-24`.
+/// With a half's 16 bytes in both halves of a register, `at` 0 gives values 0..8 of the 16, `at` 8
+/// values 8..16: an in-lane shuffle, one instruction, where a widening across lanes costs more (the
+/// Zen 3's `exact` at one row is bound by such instructions).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn tops(v: __m256i, at: i8) -> __m256i {
+    #[rustfmt::skip]
+    let mask = _mm256_setr_epi8(
+        -1, -1, -1, at, -1, -1, -1, at + 1, -1, -1, -1, at + 2, -1, -1, -1, at + 3,
+        -1, -1, -1, at + 4, -1, -1, -1, at + 5, -1, -1, -1, at + 6, -1, -1, -1, at + 7,
+    );
+    _mm256_shuffle_epi8(v, mask)
+}
+
+/// As [`tops`], but each byte into the low byte of its lane: the lane is the byte's unsigned value.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn lows(v: __m256i, at: i8) -> __m256i {
+    #[rustfmt::skip]
+    let mask = _mm256_setr_epi8(
+        at, -1, -1, -1, at + 1, -1, -1, -1, at + 2, -1, -1, -1, at + 3, -1, -1, -1,
+        at + 4, -1, -1, -1, at + 5, -1, -1, -1, at + 6, -1, -1, -1, at + 7, -1, -1, -1,
+    );
+    _mm256_shuffle_epi8(v, mask)
+}
+
+/// `v`'s 128-bit half `H` in both halves.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn both<const H: i32>(v: __m256i) -> __m256i {
+    _mm256_permute2x128_si256::<H>(v, v)
+}
+
+/// `d * q` for lanes that hold `q * 2^24` ([`tops`]), given `d24 = d * 2^-24` (exact: a power of two,
+/// and no f16 scale comes near f32's smallest normal): the same real product as `d * q`, so the same
+/// rounding, the same bits.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scaled(d24: __m256, v: __m256i) -> __m256 {
+    _mm256_mul_ps(d24, _mm256_cvtepi32_ps(v))
+}
+
+/// 2^-24, which takes a scale to [`scaled`]'s.
+const TOP_SCALE: f32 = 1.0 / 16_777_216.0;
+
+/// Q5_0 (`y = d * (q - 16)`): the fifth bits in the 32-bit word at byte 2, nibbles from byte 6; the
+/// values of [`q5`] with in-lane shuffles ([`tops`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q5_0(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
+    assert!(b.len() >= 22);
+    let d24 = _mm256_set1_ps(f16_at(b, 0) * TOP_SCALE);
+    let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+    // SAFETY: bytes 6..22 lie in the block (asserted).
+    let qs = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b.as_ptr().add(6).cast()) });
+    let mask = _mm256_set1_epi8(0x0F);
+    // Byte `k` of each half: 16 where bit `k` (values 0..16) or bit `16 + k` (values 16..32) of `qh` is set.
+    let bits = _mm256_set1_epi32(qh as i32);
+    #[rustfmt::skip]
+    let spread = |lo: i8| _mm256_setr_epi8(
+        lo, lo, lo, lo, lo, lo, lo, lo, lo + 1, lo + 1, lo + 1, lo + 1, lo + 1, lo + 1, lo + 1, lo + 1,
+        lo, lo, lo, lo, lo, lo, lo, lo, lo + 1, lo + 1, lo + 1, lo + 1, lo + 1, lo + 1, lo + 1, lo + 1,
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64 as i64);
+    let sixteens = |lo: i8| {
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(bits, spread(lo)), bit), bit);
+        _mm256_and_si256(set, _mm256_set1_epi8(16))
+    };
+    let (s_lo, s_hi) = (sixteens(0), sixteens(2));
+    let sixteen = _mm256_set1_epi8(16);
+    let lo = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(qs, mask), s_lo), sixteen);
+    let hi = _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16::<4>(qs), mask), s_hi), sixteen);
+    // Written out: each call's position must be a constant (see `group`).
+    put(0, scaled(d24, tops(lo, 0)));
+    put(8, scaled(d24, tops(lo, 8)));
+    put(16, scaled(d24, tops(hi, 0)));
+    put(24, scaled(d24, tops(hi, 8)));
 }
 
 /// Q5_0 (`y = d * (q - 16)`) and Q5_1 (`y = d * q + m`): the fifth bits in the 32-bit word at
@@ -316,6 +441,45 @@ fn q4_k(b: &[u8], put: &mut impl FnMut(usize, __m256), five: bool) {
     }
 }
 
+/// Q4_K, the values of [`q4_k`] with in-lane shuffles ([`lows`]) of each 16 bytes of nibbles loaded into
+/// both halves of a register.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn q4_k_lanes(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
+    assert!(b.len() >= 144);
+    let qs = &b[16..144];
+    let mask = _mm256_set1_epi8(0x0F);
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let scales = |sub: usize| {
+        let (sc, m) = super::scale_min_k4_int(sub, &b[4..16]);
+        (d * f32::from(sc), dmin * f32::from(m))
+    };
+    for j in 0..4 {
+        let [(d1, min1), (d2, min2)] = [scales(2 * j), scales(2 * j + 1)];
+        // SAFETY: the sub-block's 32 bytes, inside the block (asserted).
+        let q = unsafe {
+            [
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(qs.as_ptr().add(32 * j).cast())),
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(qs.as_ptr().add(32 * j + 16).cast())),
+            ]
+        };
+        // The low nibbles are values 64j .. 64j + 32, the high ones the next 32.
+        for (sub, dd, mm) in [(0, d1, min1), (32, d2, min2)] {
+            let (dd, mm) = (_mm256_set1_ps(dd), _mm256_set1_ps(mm));
+            for (part, q) in q.iter().enumerate() {
+                let v = if sub == 0 {
+                    _mm256_and_si256(*q, mask)
+                } else {
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(*q), mask)
+                };
+                let value = |n: __m256i| _mm256_sub_ps(_mm256_mul_ps(dd, _mm256_cvtepi32_ps(n)), mm);
+                put(64 * j + sub + 16 * part, value(lows(v, 0)));
+                put(64 * j + sub + 16 * part + 8, value(lows(v, 8)));
+            }
+        }
+    }
+}
+
 /// The 6-bit values (0..64, before the offset of -32) of half `n` of a Q6_K block, as four vectors
 /// of 32 bytes: vector `k` holds values `128n + 32k .. 128n + 32k + 32`, in position order.
 #[inline]
@@ -357,11 +521,13 @@ fn q6_k(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
     for n in 0..2 {
         let qs = q6_k_values(b, n);
         for (k, q) in qs.into_iter().enumerate() {
-            let halves = [_mm256_castsi256_si128(q), _mm256_extracti128_si256::<1>(q)];
-            for g in 0..4 {
-                let n32 = _mm256_sub_epi32(u8x8(halves[g / 2], g % 2 == 1), _mm256_set1_epi32(32));
-                let scale = d * f32::from(sc[8 * n + g / 2 + 2 * k] as i8);
-                put(128 * n + 32 * k + 8 * g, _mm256_mul_ps(_mm256_set1_ps(scale), _mm256_cvtepi32_ps(n32)));
+            // Signed bytes (`q - 32`), each 16-byte half in both halves of a register for `tops`.
+            let q = _mm256_sub_epi8(q, _mm256_set1_epi8(32));
+            let halves = [both::<0x00>(q), both::<0x11>(q)];
+            for (h, half) in halves.into_iter().enumerate() {
+                let scale = _mm256_set1_ps(d * f32::from(sc[8 * n + h + 2 * k] as i8) * TOP_SCALE);
+                put(128 * n + 32 * k + 16 * h, scaled(scale, tops(half, 0)));
+                put(128 * n + 32 * k + 16 * h + 8, scaled(scale, tops(half, 8)));
             }
         }
     }

@@ -134,6 +134,12 @@ fn dot_rows_agree(ty: GgmlType, src: &[u8], values: &[f32]) {
     // SAFETY: as above.
     unsafe { avx2::dot_rows::<3, 4>(ty, xs, &ws, n, &mut got) };
     assert_eq!(bits(&got), want, "{} AVX2 rows four side by side", ty.name());
+    // One activation row, weight rows two side by side (what Q4_1 runs at one row).
+    let mut one = [[0f32; 1]; 6];
+    // SAFETY: as above.
+    unsafe { avx2::dot_rows::<1, 2>(ty, [xs[0]], &ws, n, &mut one) };
+    let first: Vec<u32> = want.iter().map(|w| w[0]).collect();
+    assert_eq!(one.iter().map(|s| s[0].to_bits()).collect::<Vec<_>>(), first, "{} AVX2 one row", ty.name());
     if avx512::available() {
         let mut got = [[0f32; 3]; 6];
         // SAFETY: as above, and AVX-512F (checked).
