@@ -398,7 +398,8 @@ fn sixteens(bits: u16) -> __m128i {
     _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(bytes, bit), bit), _mm_set1_epi8(16))
 }
 
-/// Q4_K (`y = d * sc * q - dmin * m` per 32-value sub-block) and Q5_K (the same with a fifth bit).
+/// Q4_K (`y = d * sc * q - dmin * m` per 32-value sub-block) and Q5_K (the same with a fifth bit): the
+/// kernels run it for Q5_K, and [`q4_k_lanes`] for Q4_K.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q4_k(b: &[u8], put: &mut impl FnMut(usize, __m256), five: bool) {
