@@ -140,6 +140,46 @@ fn a_config_that_would_panic_or_give_nan_is_refused_by_name() {
     }
 }
 
+/// What the forward pass does not implement (biases, another activation, scaled rotations, soft-capped
+/// logits) is refused by name, not run as if absent.
+#[test]
+fn a_config_of_what_pdhost_does_not_implement_is_refused_by_name() {
+    let cases = [
+        ("tiny_llama_4l", "\"attention_bias\": false", "\"attention_bias\": true", "attention_bias: expected false"),
+        ("tiny_llama_4l", "\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"", "hidden_act: expected silu"),
+        (
+            "tiny_llama_4l",
+            "\"rope_type\": \"default\"",
+            "\"rope_type\": \"llama3\"",
+            "rope_parameters.rope_type: expected default (pdhost implements no other), found \"llama3\"",
+        ),
+        ("tiny_llama_4l", "\"use_cache\": true", "\"rope_scaling\": {\"factor\": 8.0}", "rope_scaling: expected null"),
+        (
+            "tiny_gemma3_8l",
+            "\"final_logit_softcapping\": null",
+            "\"final_logit_softcapping\": 30.0",
+            "final_logit_softcapping: expected null (pdhost implements no other), found 30.0",
+        ),
+        (
+            "tiny_gemma3_8l",
+            "\"rope_type\": \"default\"",
+            "\"rope_type\": \"linear\"",
+            "rope_parameters.full_attention.rope_type: expected default",
+        ),
+    ];
+    for (i, (model, from, to, says)) in cases.into_iter().enumerate() {
+        let base = std::fs::read_to_string(dir(model).join("config.json")).unwrap();
+        let tmp = std::env::temp_dir().join(format!("pdhost-unimplemented-{}-{i}", std::process::id()));
+        std::fs::create_dir_all(&tmp).unwrap();
+        std::fs::copy(dir(model).join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
+        assert!(base.contains(from), "{from}");
+        std::fs::write(tmp.join("config.json"), base.replace(from, to)).unwrap();
+        let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
+        assert!(err.contains(says), "{to}: {err}");
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
+}
+
 #[test]
 fn a_tensor_in_two_shards_is_refused_by_name() {
     let tmp = std::env::temp_dir().join(format!("pdhost-two-shards-{}", std::process::id()));

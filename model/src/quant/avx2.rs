@@ -235,7 +235,8 @@ fn q8_0(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
     }
 }
 
-/// Q4_0 (`y = d * (q - 8)`) and Q4_1 (`y = d * q + m`): 16 bytes of nibbles from byte `at`.
+/// Q4_0 (`y = d * (q - 8)`) and Q4_1 (`y = d * q + m`): 16 bytes of nibbles from byte `at`. The kernels
+/// run it for Q4_0, and [`q4_1`] for Q4_1.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q4(b: &[u8], put: &mut impl FnMut(usize, __m256), at: usize, m: Option<f32>) {
@@ -352,7 +353,7 @@ fn q5_0(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
 }
 
 /// Q5_0 (`y = d * (q - 16)`) and Q5_1 (`y = d * q + m`): the fifth bits in the 32-bit word at
-/// `at - 4`, nibbles from `at`.
+/// `at - 4`, nibbles from `at`. The kernels run it for Q5_1, and [`q5_0`] for Q5_0.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q5(b: &[u8], put: &mut impl FnMut(usize, __m256), at: usize, m: Option<f32>) {
