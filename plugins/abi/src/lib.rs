@@ -335,12 +335,12 @@ pub struct PdhostBackendV1 {
     /// (1.3, may be null) Computes the chunks of `n` requests (each as `prefill` would take it, at most
     /// one per request; call `i` starts `i * requests->struct_size` bytes after `requests`, which is
     /// `requests[i]` only while the header's `PdhostPrefill` is the producer's) in one pass, and keeps
-    /// their K/V: what a device gains
-    /// from a batch. The producer then calls `prefill` for each of them, in the same order and with the
-    /// same arguments, and each of those only writes what was staged. Nothing is written here. A
-    /// backend may compute only some (or none) and leave the rest to `prefill`; a `prefill` that differs
-    /// from what was staged computes its own chunk. A status other than `OK` fails no request: each
-    /// `prefill` then computes its chunk alone (and `PANIC` poisons the instance, as everywhere).
+    /// their K/V: what a device gains from a batch. The producer then calls `prefill` for each of them,
+    /// in the same order and with the same arguments, and each of those only writes what was staged.
+    /// Nothing is written here. A backend may compute only some (or none) and leave the rest to
+    /// `prefill`; a `prefill` that differs from what was staged computes its own chunk. A status other
+    /// than `OK` fails no request: each `prefill` then computes its chunk alone (and `PANIC` poisons the
+    /// instance, as everywhere).
     pub stage: Option<
         unsafe extern "C" fn(
             backend: *mut PdhostBackend,
