@@ -157,11 +157,11 @@ fn reduce(acc: [__m256; 2]) -> f32 {
 fn block(ty: GgmlType, b: &[u8], put: &mut impl FnMut(usize, __m256)) {
     match ty {
         GgmlType::Q8_0 => q8_0(b, put),
-        GgmlType::Q4_0 => q4(b, put, 2, None),
+        GgmlType::Q4_0 => q4_0(b, put),
         GgmlType::Q4_1 => q4_1(b, put),
         GgmlType::Q5_0 => q5_0(b, put),
-        GgmlType::Q5_1 => q5(b, put, 8, Some(f16_at(b, 2))),
-        GgmlType::Q4K => q4_k_lanes(b, put),
+        GgmlType::Q5_1 => q5_1(b, put),
+        GgmlType::Q4K => q4_k(b, put, false),
         GgmlType::Q5K => q4_k(b, put, true),
         GgmlType::Q6K => q6_k(b, put),
         _ => unreachable!("supports() was checked"),
@@ -213,13 +213,6 @@ fn f16_pair_at(b: &[u8], at: usize) -> __m128 {
     value
 }
 
-/// 8 unsigned bytes of `v` (its low half, or with `high` its high half), as 32-bit lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn u8x8(v: __m128i, high: bool) -> __m256i {
-    _mm256_cvtepu8_epi32(if high { _mm_srli_si128::<8>(v) } else { v })
-}
-
 /// `y = d * q`. (Its bytes are widened across lanes, each from memory: in-lane shuffles of the block
 /// loaded into both halves of a register, as [`q5_0`] does, made Gemma 3's Q8_0 head 14% slower on a
 /// Zen 3.)
@@ -235,23 +228,22 @@ fn q8_0(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
     }
 }
 
-/// Q4_0 (`y = d * (q - 8)`) and Q4_1 (`y = d * q + m`): 16 bytes of nibbles from byte `at`. The kernels
-/// run it for Q4_0, and [`q4_1`] for Q4_1.
+/// Q4_0 (`y = d * (q - 8)`): 16 bytes of nibbles from byte 2.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q4(b: &[u8], put: &mut impl FnMut(usize, __m256), at: usize, m: Option<f32>) {
-    assert!(b.len() >= at + 16);
-    // SAFETY: 16 bytes from `at` lie in the block (asserted).
-    let qs = unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) };
+fn q4_0(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
+    assert!(b.len() >= 18);
+    // SAFETY: bytes 2..18 lie in the block (asserted).
+    let qs = unsafe { _mm_loadu_si128(b.as_ptr().add(2).cast()) };
     let mask = _mm_set1_epi8(0x0F);
     let lo = _mm_and_si128(qs, mask);
     let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), mask);
-    small_values(b, put, [lo, hi], m, 8);
+    small_values(b, put, [lo, hi], None, 8);
 }
 
-/// Q4_1 (`y = d * q + m`), the values of [`q4`] with fewer instructions (what bounds `exact` at one
+/// Q4_1 (`y = d * q + m`), as [`q4_0`] but with fewer instructions (what bounds `exact` at one
 /// row): `d` and `m` widened together, and the nibbles placed in 32-bit lanes by an in-lane byte shuffle
-/// of the block's 16 bytes, loaded into both halves, where [`q4`] widens them across lanes.
+/// of the block's 16 bytes, loaded into both halves, where [`q4_0`] widens them across lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q4_1(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
@@ -319,7 +311,7 @@ fn scaled(d24: __m256, v: __m256i) -> __m256 {
 const TOP_SCALE: f32 = 1.0 / 16_777_216.0;
 
 /// Q5_0 (`y = d * (q - 16)`): the fifth bits in the 32-bit word at byte 2, nibbles from byte 6; the
-/// values of [`q5`] with in-lane shuffles ([`tops`]).
+/// values 0..32 put in 32-bit lanes by in-lane shuffles ([`tops`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q5_0(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
@@ -352,22 +344,21 @@ fn q5_0(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
     put(24, scaled(d24, tops(hi, 8)));
 }
 
-/// Q5_0 (`y = d * (q - 16)`) and Q5_1 (`y = d * q + m`): the fifth bits in the 32-bit word at
-/// `at - 4`, nibbles from `at`. The kernels run it for Q5_1, and [`q5_0`] for Q5_0.
+/// Q5_1 (`y = d * q + m`): the fifth bits in the 32-bit word at byte 4, nibbles from byte 8.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn q5(b: &[u8], put: &mut impl FnMut(usize, __m256), at: usize, m: Option<f32>) {
-    assert!(b.len() >= at + 16);
-    let qh = u32::from_le_bytes([b[at - 4], b[at - 3], b[at - 2], b[at - 1]]);
-    // SAFETY: 16 bytes from `at` lie in the block (asserted).
-    let qs = unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) };
+fn q5_1(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
+    assert!(b.len() >= 24);
+    let qh = u32::from_le_bytes([b[4], b[5], b[6], b[7]]);
+    // SAFETY: bytes 8..24 lie in the block (asserted).
+    let qs = unsafe { _mm_loadu_si128(b.as_ptr().add(8).cast()) };
     let mask = _mm_set1_epi8(0x0F);
     let lo = _mm_or_si128(_mm_and_si128(qs, mask), sixteens(qh as u16));
     let hi = _mm_or_si128(_mm_and_si128(_mm_srli_epi16::<4>(qs), mask), sixteens((qh >> 16) as u16));
-    small_values(b, put, [lo, hi], m, 16);
+    small_values(b, put, [lo, hi], Some(f16_at(b, 2)), 16);
 }
 
-/// The 32 values of a Q4_0, Q4_1, Q5_0 or Q5_1 block (scale `d` at byte 0), given as unsigned bytes
+/// The 32 values of a Q4_0 or Q5_1 block (scale `d` at byte 0), given as unsigned bytes
 /// `q` (values 0..16, then 16..32): `d * (q - zero)` without an offset `m`, else `d * q + m`. The
 /// bytes are made signed (`q - zero`) 16 at a time, then widened 8 at a time: the same floats as
 /// `float(q) - zero`, as every operand is a small integer.
@@ -399,14 +390,15 @@ fn sixteens(bits: u16) -> __m128i {
     _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(bytes, bit), bit), _mm_set1_epi8(16))
 }
 
-/// Q4_K (`y = d * sc * q - dmin * m` per 32-value sub-block) and Q5_K (the same with a fifth bit): the
-/// kernels run it for Q5_K, and [`q4_k_lanes`] for Q4_K.
+/// Q4_K (`y = d * sc * q - dmin * m` per 32-value sub-block) and Q5_K (the same with a fifth bit):
+/// each 16 bytes of nibbles (and of fifth bits) loaded into both halves of a register, and every value
+/// put in its 32-bit lane by an in-lane shuffle ([`lows`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn q4_k(b: &[u8], put: &mut impl FnMut(usize, __m256), five: bool) {
     assert!(b.len() >= if five { 176 } else { 144 });
     let (qh, qs) = if five { (&b[16..48], &b[48..176]) } else { (&b[0..0], &b[16..144]) };
-    let mask = _mm_set1_epi8(0x0F);
+    let mask = _mm256_set1_epi8(0x0F);
     // `super::k_scales`'s products, with the block's two f16s widened once by the CPU (the portable
     // widening, eight times a block, made Q4_K the slowest type by half).
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
@@ -414,66 +406,31 @@ fn q4_k(b: &[u8], put: &mut impl FnMut(usize, __m256), five: bool) {
         let (sc, m) = super::scale_min_k4_int(sub, &b[4..16]);
         (d * f32::from(sc), dmin * f32::from(m))
     };
+    let half = |v: &[u8], at: usize| {
+        let v = &v[at..at + 16];
+        // SAFETY: the 16 bytes of `v`.
+        _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(v.as_ptr().cast()) })
+    };
+    // Q5_K's fifth bits of values 16p .. 16p + 16 of every sub-block, bit `s` for sub-block `s`.
+    let high = if five { [half(qh, 0), half(qh, 16)] } else { [_mm256_setzero_si256(); 2] };
     for j in 0..4 {
         let [(d1, min1), (d2, min2)] = [scales(2 * j), scales(2 * j + 1)];
-        // SAFETY: the sub-block's 32 bytes, inside the block (asserted).
-        let q = unsafe {
-            [_mm_loadu_si128(qs.as_ptr().add(32 * j).cast()), _mm_loadu_si128(qs.as_ptr().add(32 * j + 16).cast())]
-        };
+        let q = [half(qs, 32 * j), half(qs, 32 * j + 16)];
         // The low nibbles are values 64j .. 64j + 32, the high ones the next 32.
         for (sub, dd, mm, bit) in [(0, d1, min1, 2 * j), (32, d2, min2, 2 * j + 1)] {
-            for (part, q) in q.iter().enumerate() {
-                let v = if sub == 0 { _mm_and_si128(*q, mask) } else { _mm_and_si128(_mm_srli_epi16::<4>(*q), mask) };
-                for (at, high) in [(0, false), (8, true)] {
-                    let mut n = u8x8(v, high);
-                    let l0 = 16 * part + at;
-                    if five {
-                        // SAFETY: 8 of the 32 high-bit bytes (asserted block length).
-                        let h = _mm256_cvtepu8_epi32(unsafe { _mm_loadl_epi64(qh.as_ptr().add(l0).cast()) });
-                        let set =
-                            _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_set1_epi32(bit as i32)), _mm256_set1_epi32(1));
-                        n = _mm256_add_epi32(n, _mm256_slli_epi32::<4>(set));
-                    }
-                    let value =
-                        _mm256_sub_ps(_mm256_mul_ps(_mm256_set1_ps(dd), _mm256_cvtepi32_ps(n)), _mm256_set1_ps(mm));
-                    put(64 * j + sub + l0, value);
-                }
-            }
-        }
-    }
-}
-
-/// Q4_K, the values of [`q4_k`] with in-lane shuffles ([`lows`]) of each 16 bytes of nibbles loaded into
-/// both halves of a register.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn q4_k_lanes(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
-    assert!(b.len() >= 144);
-    let qs = &b[16..144];
-    let mask = _mm256_set1_epi8(0x0F);
-    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-    let scales = |sub: usize| {
-        let (sc, m) = super::scale_min_k4_int(sub, &b[4..16]);
-        (d * f32::from(sc), dmin * f32::from(m))
-    };
-    for j in 0..4 {
-        let [(d1, min1), (d2, min2)] = [scales(2 * j), scales(2 * j + 1)];
-        // SAFETY: the sub-block's 32 bytes, inside the block (asserted).
-        let q = unsafe {
-            [
-                _mm256_broadcastsi128_si256(_mm_loadu_si128(qs.as_ptr().add(32 * j).cast())),
-                _mm256_broadcastsi128_si256(_mm_loadu_si128(qs.as_ptr().add(32 * j + 16).cast())),
-            ]
-        };
-        // The low nibbles are values 64j .. 64j + 32, the high ones the next 32.
-        for (sub, dd, mm) in [(0, d1, min1), (32, d2, min2)] {
             let (dd, mm) = (_mm256_set1_ps(dd), _mm256_set1_ps(mm));
             for (part, q) in q.iter().enumerate() {
-                let v = if sub == 0 {
+                let mut v = if sub == 0 {
                     _mm256_and_si256(*q, mask)
                 } else {
                     _mm256_and_si256(_mm256_srli_epi16::<4>(*q), mask)
                 };
+                if five {
+                    // 16 where the value's fifth bit is set: `q + 16`, as the portable `q + 16 * bit`.
+                    let bit = _mm256_set1_epi8((1u8 << bit) as i8);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(high[part], bit), bit);
+                    v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi8(16)));
+                }
                 let value = |n: __m256i| _mm256_sub_ps(_mm256_mul_ps(dd, _mm256_cvtepi32_ps(n)), mm);
                 put(64 * j + sub + 16 * part, value(lows(v, 0)));
                 put(64 * j + sub + 16 * part + 8, value(lows(v, 8)));
