@@ -370,20 +370,23 @@ impl Config {
             Arch::Llama => ("hidden_act", "silu"),
         };
         let given = |k: &str| Some(&c[k]).filter(|v| !v.is_null());
-        let mut refused: Vec<(String, &str)> = Vec::new();
-        if given(act_key).is_some_and(|v| v != act) {
-            refused.push((act_key.into(), act));
+        let refuse = |k: &str, expected: &str, found: &serde_json::Value| {
+            Err(bad(k, &format!("{expected} (pdhost implements no other)"), found.to_string()))
+        };
+        if let Some(v) = given(act_key).filter(|&v| v != act) {
+            return refuse(act_key, act, v);
         }
         for k in ["attention_bias", "mlp_bias", "use_bidirectional_attention"] {
-            if given(k).is_some_and(|v| v != false) {
-                refused.push((k.into(), "false"));
+            if let Some(v) = given(k).filter(|&v| v != false) {
+                return refuse(k, "false", v);
             }
         }
         for k in ["rope_scaling", "attn_logit_softcapping", "final_logit_softcapping"] {
-            if given(k).is_some() {
-                refused.push((k.into(), "null"));
+            if let Some(v) = given(k) {
+                return refuse(k, "null", v);
             }
         }
+        // `rope_parameters` is one set of parameters, or one per attention kind.
         let rope_types: Vec<(String, &serde_json::Value)> = match &c["rope_parameters"] {
             serde_json::Value::Object(m) if m.contains_key("rope_type") => {
                 vec![("rope_parameters".into(), &c["rope_parameters"])]
@@ -393,12 +396,8 @@ impl Config {
         };
         for (at, v) in rope_types {
             if v["rope_type"].as_str().is_some_and(|t| t != "default") {
-                refused.push((format!("{at}.rope_type"), "default"));
+                return refuse(&format!("{at}.rope_type"), "default", &v["rope_type"]);
             }
-        }
-        if let Some((k, expected)) = refused.first() {
-            let found = k.split('.').try_fold(&c, |v, part| v.get(part)).map_or("?".into(), |v| v.to_string());
-            return Err(bad(k, &format!("{expected} (pdhost implements no other)"), found));
         }
         let rope = |kind: &str| -> Option<f32> {
             c["rope_parameters"][kind]["rope_theta"]

@@ -87,16 +87,24 @@ fn gguf_string(s: &str) -> Vec<u8> {
     [&(s.len() as u64).to_le_bytes()[..], s.as_bytes()].concat()
 }
 
-/// `good` with `entries` (key, GGUF type, value bytes) put first among its metadata, padded with a filler
-/// entry to a multiple of the 32-byte alignment, so that every tensor's data keeps its relative offset.
+/// A metadata entry: key, GGUF type, value bytes.
+fn entry(key: &str, ty: u32, value: &[u8]) -> Vec<u8> {
+    [gguf_string(key), ty.to_le_bytes().to_vec(), value.to_vec()].concat()
+}
+
+/// A string entry that takes `added` bytes inserted before a GGUF's data to a multiple of its 32-byte
+/// alignment, so that every tensor's data keeps its relative offset: 8 + 5 + 4 + 8 bytes and its text.
+fn filler(added: usize) -> Vec<u8> {
+    let text = (added + 25).next_multiple_of(32) - added - 25;
+    let filler = entry("x.pad", 8, &gguf_string(&"p".repeat(text)));
+    assert_eq!((added + filler.len()) % 32, 0);
+    filler
+}
+
+/// `good` with `entries` (key, GGUF type, value bytes) put first among its metadata, and a [`filler`].
 fn with_metadata(good: &[u8], entries: &[(&str, u32, Vec<u8>)]) -> Vec<u8> {
-    let entry =
-        |key: &str, ty: u32, value: &[u8]| [gguf_string(key), ty.to_le_bytes().to_vec(), value.to_vec()].concat();
     let mut added: Vec<u8> = entries.iter().flat_map(|(k, ty, v)| entry(k, *ty, v)).collect();
-    // The filler: a string entry (8 + 5 + 4 + 8 bytes and its text).
-    let text = (added.len() + 25).next_multiple_of(32) - added.len() - 25;
-    added.extend(entry("x.pad", 8, &gguf_string(&"p".repeat(text))));
-    assert_eq!(added.len() % 32, 0);
+    added.extend(filler(added.len()));
     let n_kv = u64::from_le_bytes(good[16..24].try_into().unwrap()) + entries.len() as u64 + 1;
     [&good[..16], &n_kv.to_le_bytes(), &added, &good[24..]].concat()
 }
@@ -173,9 +181,7 @@ fn a_tensor_the_model_does_not_read_is_refused() {
     let rel = (good.len() - data).next_multiple_of(32) as u64;
     let info = [gguf_string("blk.0.attn_q.bias"), 1u32.to_le_bytes().to_vec(), 576u64.to_le_bytes().to_vec()].concat();
     let info = [info, 0u32.to_le_bytes().to_vec(), rel.to_le_bytes().to_vec()].concat();
-    // A metadata filler keeps the data section's start a multiple of 32 bytes further on.
-    let text = (info.len() + 25).next_multiple_of(32) - info.len() - 25;
-    let filler = [gguf_string("x.pad"), 8u32.to_le_bytes().to_vec(), gguf_string(&"p".repeat(text))].concat();
+    let filler = filler(info.len());
     let counts = |at: usize, by: u64| (u64::from_le_bytes(good[at..at + 8].try_into().unwrap()) + by).to_le_bytes();
     let mut bytes =
         [&good[..8], &counts(8, 1), &counts(16, 1), &filler, &good[24..infos], &info, &good[infos..]].concat();

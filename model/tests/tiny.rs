@@ -66,20 +66,13 @@ fn tiny_llama_matches_transformers() {
 
 #[test]
 fn a_checkpoint_whose_tensors_do_not_fit_its_config_is_refused_by_name() {
-    let tmp = std::env::temp_dir().join(format!("pdhost-bad-ckpt-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
-    std::fs::copy(dir("tiny_llama_4l").join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
-    let config = std::fs::read_to_string(dir("tiny_llama_4l").join("config.json")).unwrap();
-    std::fs::write(tmp.join("config.json"), config.replace("\"intermediate_size\": 64", "\"intermediate_size\": 48"))
-        .unwrap();
-    let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
+    let err = refusal("tiny_llama_4l", "\"intermediate_size\": 64", "\"intermediate_size\": 48", "ckpt");
     assert!(
         err.contains(
             "tensor model.layers.0.mlp.gate_proj.weight: expected shape [48, 32] for this config, found shape [64, 32]"
         ),
         "{err}"
     );
-    std::fs::remove_dir_all(&tmp).unwrap();
 }
 
 /// A matrix stored transposed has every value and the right count: only its shape tells, and multiplied
@@ -119,24 +112,34 @@ fn a_transposed_matrix_is_refused_by_its_shape() {
     std::fs::remove_dir_all(&tmp).unwrap();
 }
 
+/// The error of loading checkpoint `model` with `from` replaced by `to` in its config (which must
+/// hold `from`); `tag` names its scratch directory.
+fn refusal(model: &str, from: &str, to: &str, tag: &str) -> String {
+    let base = std::fs::read_to_string(dir(model).join("config.json")).unwrap();
+    let tmp = std::env::temp_dir().join(format!("pdhost-bad-config-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::copy(dir(model).join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
+    assert!(base.contains(from), "{from}");
+    std::fs::write(tmp.join("config.json"), base.replace(from, to)).unwrap();
+    let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
+    std::fs::remove_dir_all(&tmp).unwrap();
+    err
+}
+
 #[test]
 fn a_config_that_would_panic_or_give_nan_is_refused_by_name() {
-    let base = std::fs::read_to_string(dir("tiny_llama_4l").join("config.json")).unwrap();
-    for (from, to, says) in [
+    for (i, (from, to, says)) in [
         ("\"intermediate_size\": 64", "\"intermediate_size\": 0", "feed-forward width 0"),
         ("\"rms_norm_eps\": 1e-06", "\"rms_norm_eps\": -1e-06", "norm epsilon: expected a finite number above 0"),
         ("\"rope_theta\": 10000.0", "\"rope_theta\": 0.0", "rope base: expected a finite number above 0, found 0"),
         ("\"eos_token_id\": 2", "\"eos_token_id\": 256", "special token: expected an id below the vocabulary size 256"),
         ("\"bos_token_id\": 1", "\"bos_token_id\": 4294967297", "found 4294967295"),
-    ] {
-        let tmp = std::env::temp_dir().join(format!("pdhost-bad-config-{}-{}", std::process::id(), to.len()));
-        std::fs::create_dir_all(&tmp).unwrap();
-        std::fs::copy(dir("tiny_llama_4l").join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
-        assert!(base.contains(from), "{from}");
-        std::fs::write(tmp.join("config.json"), base.replace(from, to)).unwrap();
-        let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let err = refusal("tiny_llama_4l", from, to, &format!("nan-{i}"));
         assert!(err.contains(says), "{to}: {err}");
-        std::fs::remove_dir_all(&tmp).unwrap();
     }
 }
 
@@ -168,15 +171,8 @@ fn a_config_of_what_pdhost_does_not_implement_is_refused_by_name() {
         ),
     ];
     for (i, (model, from, to, says)) in cases.into_iter().enumerate() {
-        let base = std::fs::read_to_string(dir(model).join("config.json")).unwrap();
-        let tmp = std::env::temp_dir().join(format!("pdhost-unimplemented-{}-{i}", std::process::id()));
-        std::fs::create_dir_all(&tmp).unwrap();
-        std::fs::copy(dir(model).join("model.safetensors"), tmp.join("model.safetensors")).unwrap();
-        assert!(base.contains(from), "{from}");
-        std::fs::write(tmp.join("config.json"), base.replace(from, to)).unwrap();
-        let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
+        let err = refusal(model, from, to, &format!("unimplemented-{i}"));
         assert!(err.contains(says), "{to}: {err}");
-        std::fs::remove_dir_all(&tmp).unwrap();
     }
 }
 
