@@ -251,8 +251,7 @@ fn q4_1(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
     let dm = f16_pair_at(b, 0);
     let d = _mm256_broadcastss_ps(dm);
     let m = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dm), _mm256_set1_epi32(1));
-    // SAFETY: bytes 4..20 lie in the block (asserted).
-    let qs = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b.as_ptr().add(4).cast()) });
+    let qs = both_halves(b, 4);
     let mask = _mm256_set1_epi8(0x0F);
     let (lo, hi) = (_mm256_and_si256(qs, mask), _mm256_and_si256(_mm256_srli_epi16::<4>(qs), mask));
     // Written out, not a loop over the four: each call's position must be a constant (see `group`).
@@ -291,6 +290,16 @@ fn lows(v: __m256i, at: i8) -> __m256i {
     _mm256_shuffle_epi8(v, mask)
 }
 
+/// Bytes `at..at + 16` of `b` (a panic where `b` is shorter) in both 128-bit halves of a register, for
+/// [`lows`] and [`tops`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn both_halves(b: &[u8], at: usize) -> __m256i {
+    let b = &b[at..at + 16];
+    // SAFETY: the 16 bytes of `b`.
+    _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b.as_ptr().cast()) })
+}
+
 /// `v`'s 128-bit half `H` in both halves.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -318,8 +327,7 @@ fn q5_0(b: &[u8], put: &mut impl FnMut(usize, __m256)) {
     assert!(b.len() >= 22);
     let d24 = _mm256_set1_ps(f16_at(b, 0) * TOP_SCALE);
     let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
-    // SAFETY: bytes 6..22 lie in the block (asserted).
-    let qs = _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(b.as_ptr().add(6).cast()) });
+    let qs = both_halves(b, 6);
     let mask = _mm256_set1_epi8(0x0F);
     // Byte `k` of each half: 16 where bit `k` (values 0..16) or bit `16 + k` (values 16..32) of `qh` is set.
     let bits = _mm256_set1_epi32(qh as i32);
@@ -406,16 +414,11 @@ fn q4_k(b: &[u8], put: &mut impl FnMut(usize, __m256), five: bool) {
         let (sc, m) = super::scale_min_k4_int(sub, &b[4..16]);
         (d * f32::from(sc), dmin * f32::from(m))
     };
-    let half = |v: &[u8], at: usize| {
-        let v = &v[at..at + 16];
-        // SAFETY: the 16 bytes of `v`.
-        _mm256_broadcastsi128_si256(unsafe { _mm_loadu_si128(v.as_ptr().cast()) })
-    };
     // Q5_K's fifth bits of values 16p .. 16p + 16 of every sub-block, bit `s` for sub-block `s`.
-    let high = if five { [half(qh, 0), half(qh, 16)] } else { [_mm256_setzero_si256(); 2] };
+    let high = if five { [both_halves(qh, 0), both_halves(qh, 16)] } else { [_mm256_setzero_si256(); 2] };
     for j in 0..4 {
         let [(d1, min1), (d2, min2)] = [scales(2 * j), scales(2 * j + 1)];
-        let q = [half(qs, 32 * j), half(qs, 32 * j + 16)];
+        let q = [both_halves(qs, 32 * j), both_halves(qs, 32 * j + 16)];
         // The low nibbles are values 64j .. 64j + 32, the high ones the next 32.
         for (sub, dd, mm, bit) in [(0, d1, min1, 2 * j), (32, d2, min2, 2 * j + 1)] {
             let (dd, mm) = (_mm256_set1_ps(dd), _mm256_set1_ps(mm));
