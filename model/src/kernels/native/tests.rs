@@ -160,6 +160,42 @@ fn interleaved_simd_equals_portable_in_any_batch() {
     assert!(Interleaved::of(&Weight::from_blocks(GgmlType::Q5K, BlockBytes::Owned(k), 256)).is_none());
 }
 
+/// Every value at its largest magnitude and every activation at its largest, of one sign and of the
+/// other: the AVX2 kernel's 16-bit sums of several `maddubs` (`Form::run`) stay below `i16::MAX`, so
+/// every kernel still gives the portable kernel's bits.
+#[test]
+fn interleaved_simd_equals_portable_at_the_largest_values() {
+    use super::super::weight::{BlockBytes, Interleaved, Weight, GROUP};
+    let (n, t) = (512, 3);
+    let x: Vec<f32> = (0..t * n).map(|i| [1.0, -1.0, if i % 2 == 0 { 1.0 } else { -0.5 }][i / n]).collect();
+    let xq = Q8::new(&x, t, n).unwrap();
+    for (s, ty) in TYPES.into_iter().filter(|&ty| ty != GgmlType::Q5K).enumerate() {
+        let mut blocks = super::super::tests::random_blocks(ty, GROUP * n, 40 + s as u32);
+        // The bytes of the values (not the scales): all bits set, or Q8_0's -128.
+        let (values, fill) = match ty {
+            GgmlType::Q8_0 => (2..34, 0x80),
+            GgmlType::Q4_0 => (2..18, 0xFF),
+            GgmlType::Q4_1 => (4..20, 0xFF),
+            GgmlType::Q5_0 => (2..22, 0xFF),
+            GgmlType::Q5_1 => (4..24, 0xFF),
+            GgmlType::Q4K => (16..144, 0xFF),
+            _ => (0..192, 0xFF),
+        };
+        for b in blocks.chunks_exact_mut(ty.block_bytes()) {
+            b[values.clone()].fill(fill);
+        }
+        let m = Interleaved::of(&Weight::from_blocks(ty, BlockBytes::Owned(blocks), n)).expect("whole groups");
+        let mut want = vec![0f32; t * GROUP];
+        interleaved_dots(&Acts::new(&xq, false), &m, 0..GROUP, &mut want);
+        for kernel in kernels() {
+            let mut got = vec![0f32; t * GROUP];
+            interleaved_dots(&Acts::with(kernel, &xq), &m, 0..GROUP, &mut got);
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{} {kernel:?}", ty.name());
+        }
+    }
+}
+
 /// Every product, row-major or interleaved, is the dequantized weights' with the quantized activations
 /// (`d * q`), up to the float additions' roundings: the offsets' terms (Q4_1, Q5_1, the K-quants'
 /// minimums) take the sum of the quantized values, not of the values before quantization, which added
