@@ -88,6 +88,12 @@ impl Q8 {
                 unsafe { quantize_avx512(w, q, scales, sums) };
                 return;
             }
+            #[cfg(target_arch = "x86_64")]
+            if super::dot::simd() && crate::quant::avx2::available() {
+                // SAFETY: AVX2 is present.
+                unsafe { quantize_avx2(w, q, scales, sums) };
+                return;
+            }
             quantize(w, q, scales, sums);
         };
         if blocks <= PER_TASK || rayon::current_num_threads() < 2 {
@@ -181,7 +187,7 @@ fn block_scale(amax: f32) -> (f32, f32) {
 }
 
 /// [`quantize`] with AVX-512 written out: the same operations on the same values, so the same bits
-/// (`quantize_avx512_equals_the_portable_quantizer` checks them, NaN, infinities and tiny values
+/// (`quantize_simd_equals_the_portable_quantizer` checks them, NaN, infinities and tiny values
 /// included), a block at a time.
 ///
 /// # Safety
@@ -223,6 +229,60 @@ unsafe fn quantize_avx512(w: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mu
         }
         scales[b] = d;
         sums[b] = block_sum(d, total);
+    }
+}
+
+/// [`quantize`] with AVX2 written out, as [`quantize_avx512`] (the same test checks both), a block
+/// at a time. Without it a decode step of four SmolLM2 rows on a Zen 3 spent about 3% of its time
+/// quantizing the activations in the portable code.
+///
+/// # Safety
+///
+/// The CPU supports AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn quantize_avx2(w: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let blocks = w.len() / QK;
+    assert!(q.len() >= w.len() && scales.len() >= blocks && sums.len() >= blocks, "quantize operands");
+    let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
+    let (half, one_byte) = (_mm256_set1_ps(0.5), _mm256_set1_epi32(0xFF));
+    // The dwords of the two packs' bytes back in position order.
+    let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for b in 0..blocks {
+        let at = b * QK;
+        // SAFETY: 32 floats of block `b`; unaligned loads.
+        let v: [__m256; 4] = std::array::from_fn(|i| unsafe { _mm256_loadu_ps(w.as_ptr().add(at + 8 * i)) });
+        // As in `quantize_avx512`: a NaN leaves the running maximum as it was.
+        let lanes = v.iter().fold(_mm256_setzero_ps(), |m, &v| _mm256_max_ps(_mm256_and_ps(v, magnitude), m));
+        let mut top = [0f32; 8];
+        // SAFETY: 8 floats; unaligned store.
+        unsafe { _mm256_storeu_ps(top.as_mut_ptr(), lanes) };
+        let (d, inv) = block_scale(top.iter().fold(0f32, |m, &v| m.max(v)));
+        let inv = _mm256_set1_ps(inv);
+        let rounded = v.map(|v| {
+            let x = _mm256_mul_ps(v, inv);
+            // `x as i32`: truncation, and 0 for NaN.
+            let nan = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_UNORD_Q>(x, x));
+            let whole = _mm256_andnot_si256(nan, _mm256_cvttps_epi32(x));
+            let frac = _mm256_sub_ps(x, _mm256_cvtepi32_ps(whole));
+            // The comparisons' all-ones lanes are -1: subtracting one rounds up, adding one down.
+            let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half));
+            let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(frac, _mm256_sub_ps(_mm256_setzero_ps(), half)));
+            // `as i8`: the low byte, sign-extended.
+            _mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(_mm256_add_epi32(_mm256_sub_epi32(whole, up), down)))
+        });
+        let mut total = [0i32; 8];
+        let sum = _mm256_add_epi32(_mm256_add_epi32(rounded[0], rounded[1]), _mm256_add_epi32(rounded[2], rounded[3]));
+        // SAFETY: 8 i32s; unaligned store.
+        unsafe { _mm256_storeu_si256(total.as_mut_ptr().cast(), sum) };
+        // The low bytes, packed without saturation (each at most 255 as unsigned).
+        let low = rounded.map(|r| _mm256_and_si256(r, one_byte));
+        let bytes = _mm256_packus_epi16(_mm256_packus_epi32(low[0], low[1]), _mm256_packus_epi32(low[2], low[3]));
+        // SAFETY: the 32 bytes of block `b`; unaligned store.
+        unsafe { _mm256_storeu_si256(q.as_mut_ptr().add(at).cast(), _mm256_permutevar8x32_epi32(bytes, order)) };
+        scales[b] = d;
+        sums[b] = block_sum(d, total.iter().sum());
     }
 }
 
@@ -401,13 +461,14 @@ mod tests {
 
     #[test]
     #[cfg(target_arch = "x86_64")]
-    fn quantize_avx512_equals_the_portable_quantizer() {
+    fn quantize_simd_equals_the_portable_quantizer() {
         let avx512 = crate::kernels::dot::simd()
             && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512bw");
+        let avx2 = crate::kernels::dot::simd() && crate::quant::avx2::available();
         let mut next = crate::testing::xorshift32(0x9E37_79B9);
         // Whole groups and a tail (13 blocks), values of every size, with NaN, infinities, zeros,
-        // negative zero and a block of subnormal values among them.
+        // negative zero, a block of subnormal values and one of halves among them.
         for blocks in [1, 8, 13, 16, 21] {
             let mut w: Vec<f32> = (0..blocks * QK)
                 .map(|_| {
@@ -421,6 +482,11 @@ mod tests {
                 w[40] = f32::INFINITY;
                 w[96..128].fill(1e-40);
                 w[128..160].fill(0.0);
+                // A block whose scale is 1: every other value is a half, rounded away from zero.
+                w[160] = 127.0;
+                for (i, v) in w[161..192].iter_mut().enumerate() {
+                    *v = (i as f32 * 4.0 + 0.5) * if i % 2 == 0 { 1.0 } else { -1.0 };
+                }
             }
             let n = blocks * QK;
             let (mut q0, mut d0, mut s0) = (vec![0i8; n], vec![0f32; blocks], vec![0f32; blocks]);
@@ -430,16 +496,24 @@ mod tests {
                 // A block of subnormal values is zeros, like the block of zeros after it.
                 assert_eq!((d0[3], &q0[96..128]), (0.0, &[0i8; 32][..]));
             }
-            if !avx512 {
-                // Without AVX-512 that quantizer never runs; the portable one is what does.
-                continue;
-            }
-            // SAFETY: AVX-512F and BW are present (checked above).
-            unsafe { quantize_avx512(&w, &mut q1, &mut d1, &mut s1) };
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-            assert_eq!(q1, q0, "{blocks} blocks: values");
-            assert_eq!(bits(&d1), bits(&d0), "{blocks} blocks: scales");
-            assert_eq!(bits(&s1), bits(&s0), "{blocks} blocks: sums");
+            // Without an instruction set its quantizer never runs; the portable one is what does.
+            for (name, present) in [("AVX-512", avx512), ("AVX2", avx2)] {
+                if !present {
+                    continue;
+                }
+                // SAFETY: the instruction set is present (checked above).
+                unsafe {
+                    if name == "AVX2" {
+                        quantize_avx2(&w, &mut q1, &mut d1, &mut s1);
+                    } else {
+                        quantize_avx512(&w, &mut q1, &mut d1, &mut s1);
+                    }
+                }
+                assert_eq!(q1, q0, "{name}, {blocks} blocks: values");
+                assert_eq!(bits(&d1), bits(&d0), "{name}, {blocks} blocks: scales");
+                assert_eq!(bits(&s1), bits(&s0), "{name}, {blocks} blocks: sums");
+            }
         }
     }
 
