@@ -383,6 +383,8 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(14.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(25.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="not_found"}"#), Some(1.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="method_not_allowed"}"#), Some(1.0));
     assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(14.0));
     assert_eq!(metric(&s, "pdhost_time_to_first_token_seconds_count"), Some(14.0));
     assert_eq!(metric(&s, "pdhost_spans_accepted_total"), Some(14.0));

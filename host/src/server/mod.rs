@@ -350,9 +350,9 @@ async fn serve_http(
 }
 
 /// A path no route serves: 404, in an error object as every other refusal.
-async fn no_route(uri: axum::http::Uri) -> Response {
+async fn no_route(State(app): State<Arc<App>>, uri: axum::http::Uri) -> Response {
     let found = request::shorten(uri.path());
-    ApiError::new(
+    let e = ApiError::new(
         StatusCode::NOT_FOUND,
         "invalid_request_error",
         "not_found",
@@ -360,8 +360,8 @@ async fn no_route(uri: axum::http::Uri) -> Response {
             "path: expected /health, /metrics, /v1/models, /v1/completions, /v1/chat/completions, /tokenize or \
              /detokenize, found {found}"
         ),
-    )
-    .into_response()
+    );
+    refused(&app, e)
 }
 
 /// Whether a client's key is the server's, in a time that depends on their lengths alone: a comparison
@@ -375,18 +375,18 @@ fn same_key(given: &[u8], key: &[u8]) -> bool {
 
 /// A route asked with a method it does not take: 405, in an error object, with the `Allow` header
 /// RFC 9110 asks for.
-async fn wrong_method(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+async fn wrong_method(State(app): State<Arc<App>>, method: axum::http::Method, uri: axum::http::Uri) -> Response {
     let expected = match uri.path() {
         path if path == "/health" || path == "/metrics" || path.starts_with("/v1/models") => "GET",
         _ => "POST",
     };
-    let mut response = ApiError::new(
+    let e = ApiError::new(
         StatusCode::METHOD_NOT_ALLOWED,
         "invalid_request_error",
         "method_not_allowed",
-        format!("method: expected {expected} for {}, found {method}", uri.path()),
-    )
-    .into_response();
+        format!("method: expected {expected} for {}, found {method}", request::shorten(uri.path())),
+    );
+    let mut response = refused(&app, e);
     response.headers_mut().insert(axum::http::header::ALLOW, axum::http::HeaderValue::from_static(expected));
     response
 }
