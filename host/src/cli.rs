@@ -386,6 +386,11 @@ pub struct ServeArgs {
     /// Seconds in-flight requests may take to finish after SIGTERM or SIGINT (above 0, at most 3600).
     #[arg(long, value_parser = number, default_value_t = 30.0, value_name = "SECONDS", allow_hyphen_values = true)]
     pub drain_timeout: f64,
+    /// Web origins whose pages a browser lets call the API (CORS), such as `http://localhost:3000`, or
+    /// `*` for any. Default: none, so a browser keeps pages of other sites from reading the answers
+    /// (without `--api-key`, any page a user opens could otherwise use this server).
+    #[arg(long, value_name = "ORIGIN,...", value_delimiter = ',', value_parser = origin)]
+    pub allowed_origins: Vec<String>,
 }
 
 /// An on/off setting.
@@ -861,6 +866,33 @@ fn port(text: &str) -> Result<u16, String> {
 
 /// `serve --api-key`: what a client can send after `Bearer ` (HTTP trims a header value's ends, so a
 /// key that is empty or starts or ends with whitespace could never match).
+/// `*`, or a web origin: `http://` or `https://`, a host name or address, maybe a port, and no path;
+/// lowercased, as browsers send it.
+fn origin(text: &str) -> Result<String, String> {
+    if text == "*" {
+        return Ok(text.to_string());
+    }
+    let lower = text.to_ascii_lowercase();
+    let rest = lower.strip_prefix("http://").or_else(|| lower.strip_prefix("https://")).unwrap_or("");
+    // The port follows the last ':' that is not inside an IPv6 address's brackets.
+    let (host, port) = match rest.rfind(':') {
+        Some(i) if !rest[i..].contains(']') => (&rest[..i], Some(&rest[i + 1..])),
+        _ => (rest, None),
+    };
+    let host_fits = match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6.parse::<std::net::Ipv6Addr>().is_ok(),
+        None => !host.is_empty() && host.chars().all(|c| c.is_ascii_alphanumeric() || c == '.' || c == '-'),
+    };
+    if host_fits && port.is_none_or(|p| p.parse::<u16>().is_ok_and(|p| p > 0)) {
+        Ok(lower)
+    } else {
+        Err(format!(
+            "expected * or an origin such as http://localhost:3000 (a scheme, a host and maybe a port, no path), \
+             found {text:?}"
+        ))
+    }
+}
+
 fn api_key(text: &str) -> Result<String, String> {
     if text.is_empty() || text.trim() != text {
         return Err("expected a key with no whitespace at either end, not empty".into());
@@ -1030,5 +1062,24 @@ mod tests {
         assert_eq!(logit_bias("7=-100").unwrap_err(), "expected ID:BIAS pairs, found \"7=-100\"");
         assert_eq!(logit_bias("x:1").unwrap_err(), "expected a token id before ':', found \"x\"");
         assert_eq!(logit_bias("7:much").unwrap_err(), "expected a number after '7:', found \"much\"");
+    }
+
+    #[test]
+    fn origins_are_a_scheme_a_host_and_a_port() {
+        for (text, want) in [
+            ("*", "*"),
+            ("http://localhost:3000", "http://localhost:3000"),
+            ("HTTPS://Chat.Example.org", "https://chat.example.org"),
+            ("http://[::1]:8080", "http://[::1]:8080"),
+            ("http://[::1]", "http://[::1]"),
+        ] {
+            assert_eq!(origin(text).as_deref(), Ok(want), "{text}");
+        }
+        for text in
+            ["localhost:3000", "http://localhost:3000/", "http://host/chat", "ftp://host", "http://:80", "http://h:0"]
+        {
+            let e = origin(text).unwrap_err();
+            assert!(e.starts_with("expected * or an origin such as http://localhost:3000") && e.contains(text), "{e}");
+        }
     }
 }

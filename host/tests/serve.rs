@@ -349,6 +349,10 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     assert_eq!(r.headers().get("allow").and_then(|v| v.to_str().ok()), Some("POST"), "RFC 9110's Allow");
     let v: Value = r.body_mut().read_json().unwrap();
     assert_eq!(v["error"]["message"], "method: expected POST for /v1/completions, found GET");
+    // No `--allowed-origins`: no CORS header, so a browser keeps the answer from another site's page.
+    let r = agent().get(&format!("{}/v1/models", s.url)).header("origin", "http://localhost:3000").call().unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert!(r.headers().get("access-control-allow-origin").is_none(), "{r:?}");
 
     // A body over the limit: refused from its Content-Length alone, before it is read (sent by hand, so
     // the client does not race the server's early answer while still writing).
@@ -618,7 +622,7 @@ fn producers_of(pid: u32) -> Vec<u32> {
 
 #[test]
 fn an_api_key_is_required_when_set_and_sigterm_drains_leaving_nothing() {
-    let mut s = serve(&["--producer", "rngd", "--api-key", "sesame"]);
+    let mut s = serve(&["--producer", "rngd", "--api-key", "sesame", "--allowed-origins", "http://localhost:3000"]);
     let url = format!("{}/v1/completions", s.url);
     let body = json!({"prompt": "Hi", "max_tokens": 2, "temperature": 0});
     let r = agent().post(&url).send_json(&body).unwrap();
@@ -633,6 +637,34 @@ fn an_api_key_is_required_when_set_and_sigterm_drains_leaving_nothing() {
     let r = agent().post(&url).header("authorization", "Bearer SESAME").send_json(&body).unwrap();
     assert_eq!(r.status().as_u16(), 401);
     assert_eq!(get(&s, "/health").0, 200, "health needs no key");
+
+    // A page from an allowed origin: its browser's preflight is answered without the key, and the answer
+    // to the request itself names the origin; a page from elsewhere gets no such header.
+    let page = "http://localhost:3000";
+    let r = agent()
+        .options(&url)
+        .header("origin", page)
+        .header("access-control-request-method", "POST")
+        .header("access-control-request-headers", "authorization,content-type")
+        .call()
+        .unwrap();
+    let header = |r: &ureq::http::Response<ureq::Body>, name: &str| {
+        r.headers().get(name).map(|v| v.to_str().unwrap().to_ascii_lowercase())
+    };
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(header(&r, "access-control-allow-origin").as_deref(), Some(page));
+    assert!(header(&r, "access-control-allow-methods").is_some_and(|m| m.contains("post")), "{r:?}");
+    assert!(header(&r, "access-control-allow-headers").is_some_and(|h| h.contains("authorization")), "{r:?}");
+    for (origin, allowed) in [(page, Some(page)), ("http://elsewhere.example", None)] {
+        let r = agent()
+            .post(&url)
+            .header("origin", origin)
+            .header("authorization", "Bearer sesame")
+            .send_json(&body)
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 200);
+        assert_eq!(header(&r, "access-control-allow-origin").as_deref(), allowed, "{origin}");
+    }
     for path in ["/tokenize", "/detokenize"] {
         let body = json!({"prompt": "Hi", "tokens": [1]});
         assert_eq!(agent().post(&format!("{}{path}", s.url)).send_json(&body).unwrap().status().as_u16(), 401);

@@ -145,6 +145,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         chat,
         // Without producers, every prefill is the host's.
         prefill_chunk: if identity.is_none() { local_piece } else { prefill_chunk },
+        allowed_origins: args.allowed_origins.clone(),
     };
     let addr = SocketAddr::new(args.host, args.port);
     let precision = args.precision.precision();

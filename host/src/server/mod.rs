@@ -64,6 +64,9 @@ pub struct ServeConfig {
     pub chat: Option<Arc<ChatTemplate>>,
     /// Prompt tokens per prefill span (0: the whole prompt), as `--prefill-chunk`.
     pub prefill_chunk: usize,
+    /// Web origins allowed to call the API from a browser, as `--allowed-origins` (`*`: any; none: no
+    /// CORS headers).
+    pub allowed_origins: Vec<String>,
 }
 
 /// Shared by every handler.
@@ -265,6 +268,10 @@ impl Server {
             .method_not_allowed_fallback(wrong_method)
             .layer(DefaultBodyLimit::max(MAX_BODY))
             .with_state(Arc::clone(&app));
+        let router = match cors(&app.config.allowed_origins) {
+            Some(layer) => router.layer(layer),
+            None => router,
+        };
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let signalled = {
             let app = Arc::clone(&app);
@@ -401,6 +408,30 @@ async fn health(State(app): State<Arc<App>>) -> Response {
 async fn metrics_text(State(app): State<Arc<App>>) -> Response {
     app.metrics.waiting.set(app.engine.waiting() as i64);
     ([("content-type", "text/plain; version=0.0.4; charset=utf-8")], app.metrics.render()).into_response()
+}
+
+/// The CORS layer for `origins` (`--allowed-origins`), if any: browsers may then send a page's
+/// requests (`GET` and `POST`, with a JSON body and a key) from those origins and read the answers;
+/// their preflight `OPTIONS` requests are answered by the layer, before any route or key check.
+fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
+    use axum::http::{header, HeaderValue, Method};
+    use tower_http::cors::{AllowOrigin, CorsLayer};
+    if origins.is_empty() {
+        return None;
+    }
+    let allow = if origins.iter().any(|o| o == "*") {
+        AllowOrigin::any()
+    } else {
+        // `cli::origin` admitted only ASCII letters, digits and `:/.-[]`: every one a header value.
+        AllowOrigin::list(origins.iter().map(|o| HeaderValue::from_str(o).expect("an origin is a header value")))
+    };
+    Some(
+        CorsLayer::new()
+            .allow_origin(allow)
+            .allow_methods([Method::GET, Method::POST])
+            .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+            .max_age(Duration::from_secs(600)),
+    )
 }
 
 /// Counts a refused request by its code, and answers with its error object.
