@@ -779,8 +779,8 @@ impl Model {
     /// `gemma3_text` or `llama`. Every tensor the model uses must have the shape the config gives it (a
     /// transposed matrix has the right element count and would multiply into wrong values); tensors it
     /// does not use are passed over, as checkpoints carry buffers such as `rotary_emb.inv_freq` (a GGUF's
-    /// converter writes only what the model reads, so there an unused tensor is refused), but every tensor
-    /// is read, so each must be F32, BF16 or F16.
+    /// converter writes only what the model reads, so there an unused tensor is refused), whatever their
+    /// type; each tensor it uses must be F32, BF16 or F16.
     pub fn from_hf_dir(dir: &Path) -> Result<Self, LoadError> {
         let config = Config::from_hf_dir(dir)?;
         let c = &config;
@@ -827,9 +827,11 @@ impl Model {
         }
         let embed = t.take("model.embed_tokens.weight", &[c.vocab, c.hidden])?.into();
         let final_norm = norm(&mut t, "model.norm.weight", c.hidden)?;
-        let lm_head = match t.has("lm_head.weight") {
-            true => Some(Weight::F32(t.take("lm_head.weight", &[c.vocab, c.hidden])?)),
-            false => None,
+        // As transformers: a tied head is the embedding (an `lm_head.weight` beside it is passed over), and
+        // an untied one must be in the checkpoint (before, a missing one silently became the embedding).
+        let lm_head = match hf_tied(dir, arch)? {
+            true => None,
+            false => Some(Weight::F32(t.take("lm_head.weight", &[c.vocab, c.hidden])?)),
         };
         Model {
             embed,
@@ -888,10 +890,38 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
 
 /// Every tensor of a checkpoint directory's `*.safetensors` files, as f32 with its shape, each taken
 /// once by the model that uses it (so no tensor is held twice while the model is built).
+/// Whether the checkpoint in `dir` ties its output head to the embedding: `tie_word_embeddings`, or
+/// when absent the model type's default in transformers (Gemma 3's text model ties, Llama does not).
+fn hf_tied(dir: &Path, arch: Arch) -> Result<bool, LoadError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| LoadError::Io { path: path.clone(), source })?;
+    let c: serde_json::Value = serde_json::from_str(&text).map_err(|e| LoadError::Checkpoint {
+        path: path.clone(),
+        what: "config.json".into(),
+        expected: "JSON".into(),
+        found: e.to_string(),
+    })?;
+    match &c["tie_word_embeddings"] {
+        serde_json::Value::Null => Ok(arch == Arch::Gemma3),
+        serde_json::Value::Bool(tied) => Ok(*tied),
+        other => Err(LoadError::Checkpoint {
+            path,
+            what: "tie_word_embeddings".into(),
+            expected: "true or false".into(),
+            found: other.to_string(),
+        }),
+    }
+}
+
 struct HfTensors {
     dir: PathBuf,
-    tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    /// By name: the shape, and the values.
+    tensors: HashMap<String, (Vec<usize>, HfValues)>,
 }
+
+/// A tensor's values widened to f32, or why they cannot be (a type the model could not read, reported
+/// only if the model reads that tensor: checkpoints carry integer buffers too).
+type HfValues = Result<Vec<f32>, LoadError>;
 
 impl HfTensors {
     /// Reads every `*.safetensors` file of `dir`: each is mapped and its tensors widened to f32, each
@@ -914,24 +944,22 @@ impl HfTensors {
             })?;
             for (name, view) in st.tensors() {
                 let data = view.data();
-                let values: Vec<f32> = match view.dtype() {
+                let values: HfValues = match view.dtype() {
                     safetensors::Dtype::F32 => {
-                        data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect()
+                        Ok(data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
                     }
                     safetensors::Dtype::BF16 => {
-                        data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+                        Ok(data.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect())
                     }
                     safetensors::Dtype::F16 => {
-                        data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect()
+                        Ok(data.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect())
                     }
-                    other => {
-                        return Err(LoadError::Checkpoint {
-                            path: path.clone(),
-                            what: format!("tensor {name}"),
-                            expected: "F32, BF16 or F16".into(),
-                            found: other.to_string(),
-                        })
-                    }
+                    other => Err(LoadError::Checkpoint {
+                        path: path.clone(),
+                        what: format!("tensor {name}"),
+                        expected: "F32, BF16 or F16".into(),
+                        found: other.to_string(),
+                    }),
                 };
                 // SAFETY: as `BlockBytes::release`: the mapping is a file's, shared, read-only and never
                 // written through, so a dropped page maps again with the same bytes if it is read again.
@@ -957,11 +985,6 @@ impl HfTensors {
         Ok(HfTensors { dir: dir.into(), tensors })
     }
 
-    /// Whether a tensor of this name is (still) here.
-    fn has(&self, name: &str) -> bool {
-        self.tensors.contains_key(name)
-    }
-
     /// Takes the tensor `name`, which must have the shape `shape`.
     fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, LoadError> {
         let bad = |expected: String, found: String| LoadError::Checkpoint {
@@ -975,7 +998,7 @@ impl HfTensors {
             Some((found, _)) if found != shape => {
                 Err(bad(format!("shape {shape:?} for this config"), format!("shape {found:?}")))
             }
-            Some((_, values)) => Ok(values),
+            Some((_, values)) => values,
         }
     }
 }

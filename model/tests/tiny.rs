@@ -75,41 +75,91 @@ fn a_checkpoint_whose_tensors_do_not_fit_its_config_is_refused_by_name() {
     );
 }
 
+/// A checkpoint's tensors as `rewritten` edits them: name, type, shape, bytes.
+type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+
+/// A copy of checkpoint `model` in a scratch directory named by `tag`, its tensors changed by `edit`.
+fn rewritten(model: &str, tag: &str, edit: impl FnOnce(&mut Tensors)) -> std::path::PathBuf {
+    use safetensors::tensor::TensorView;
+    let tmp = std::env::temp_dir().join(format!("pdhost-rewritten-{}-{tag}", std::process::id()));
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::copy(dir(model).join("config.json"), tmp.join("config.json")).unwrap();
+    let bytes = std::fs::read(dir(model).join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut tensors: Tensors =
+        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+    edit(&mut tensors);
+    let views: Vec<(String, TensorView<'_>)> =
+        tensors.iter().map(|(n, t, s, d)| (n.clone(), TensorView::new(*t, s.clone(), d).unwrap())).collect();
+    safetensors::serialize_to_file(views, None, &tmp.join("model.safetensors")).unwrap();
+    tmp
+}
+
 /// A matrix stored transposed has every value and the right count: only its shape tells, and multiplied
 /// as it lies it would give wrong logits, not an error. One of the tiny checkpoint's down projections
 /// (32 x 64) is written back as its transpose (64 x 32).
 #[test]
 fn a_transposed_matrix_is_refused_by_its_shape() {
-    use safetensors::tensor::{Dtype, TensorView};
-    let tmp = std::env::temp_dir().join(format!("pdhost-transposed-{}", std::process::id()));
-    std::fs::create_dir_all(&tmp).unwrap();
-    std::fs::copy(dir("tiny_llama_4l").join("config.json"), tmp.join("config.json")).unwrap();
-    let bytes = std::fs::read(dir("tiny_llama_4l").join("model.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     let name = "model.layers.2.mlp.down_proj.weight";
-    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> =
-        st.tensors().into_iter().map(|(n, v)| (n, v.shape().to_vec(), v.data().to_vec())).collect();
-    let down = tensors.iter_mut().find(|(n, ..)| n == name).unwrap();
-    let [rows, cols] = down.1[..] else { panic!("{name}: {:?}", down.1) };
-    assert_ne!(rows, cols, "a square matrix would not show the transpose");
-    let values: Vec<&[u8]> = down.2.chunks_exact(4).collect();
-    let mut transposed = Vec::with_capacity(down.2.len());
-    for c in 0..cols {
-        for r in 0..rows {
-            transposed.extend_from_slice(values[r * cols + c]);
+    let tmp = rewritten("tiny_llama_4l", "transposed", |tensors| {
+        let down = tensors.iter_mut().find(|(n, ..)| n == name).unwrap();
+        let [rows, cols] = down.2[..] else { panic!("{name}: {:?}", down.2) };
+        assert_ne!(rows, cols, "a square matrix would not show the transpose");
+        let values: Vec<&[u8]> = down.3.chunks_exact(4).collect();
+        let mut transposed = Vec::with_capacity(down.3.len());
+        for c in 0..cols {
+            for r in 0..rows {
+                transposed.extend_from_slice(values[r * cols + c]);
+            }
         }
-    }
-    down.2 = transposed;
-    down.1 = vec![cols, rows];
-    let views: Vec<(String, TensorView<'_>)> =
-        tensors.iter().map(|(n, s, d)| (n.clone(), TensorView::new(Dtype::F32, s.clone(), d).unwrap())).collect();
-    safetensors::serialize_to_file(views, None, &tmp.join("model.safetensors")).unwrap();
+        down.3 = transposed;
+        down.2 = vec![cols, rows];
+    });
     let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
     assert!(
         err.contains(&format!("tensor {name}: expected shape [32, 64] for this config, found shape [64, 32]")),
         "{err}"
     );
     std::fs::remove_dir_all(&tmp).unwrap();
+}
+
+/// A tensor the model does not read passes whatever its type (checkpoints carry integer buffers such as
+/// position ids); one it reads must be F32, BF16 or F16, and an untied output head must be there (it
+/// used to become the embedding, silently).
+#[test]
+fn unread_tensors_of_any_type_pass_and_read_ones_must_be_floats() {
+    use safetensors::Dtype;
+    let ids = [1, 5, 9, 2];
+    let want = Model::from_hf_dir(&dir("tiny_llama_4l")).unwrap().forward(&ids, 0, &NoPast, false).logits;
+    let tmp = rewritten("tiny_llama_4l", "buffer", |t| {
+        t.push((
+            "model.rotary_emb.position_ids".into(),
+            Dtype::I64,
+            vec![1, 4],
+            [0, 1, 2, 3].map(i64::to_le_bytes).concat(),
+        ))
+    });
+    let got = Model::from_hf_dir(&tmp).unwrap().forward(&ids, 0, &NoPast, false).logits;
+    assert!(got.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()), "an unread buffer changed the logits");
+    std::fs::remove_dir_all(&tmp).unwrap();
+    for (tag, edit, says) in [
+        (
+            "int-norm",
+            Box::new(|t: &mut Tensors| t.iter_mut().find(|x| x.0 == "model.norm.weight").unwrap().1 = Dtype::I32)
+                as Box<dyn FnOnce(&mut Tensors)>,
+            "tensor model.norm.weight: expected F32, BF16 or F16, found I32",
+        ),
+        (
+            "no-head",
+            Box::new(|t: &mut Tensors| t.retain(|x| x.0 != "lm_head.weight")),
+            "tensor lm_head.weight: expected present in the safetensors files, found none",
+        ),
+    ] {
+        let tmp = rewritten("tiny_llama_4l", tag, edit);
+        let err = Model::from_hf_dir(&tmp).unwrap_err().to_string();
+        assert!(err.contains(says), "{tag}: {err}");
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
 }
 
 /// The error of loading checkpoint `model` with `from` replaced by `to` in its config (which must
