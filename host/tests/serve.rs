@@ -1523,13 +1523,14 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
 /// Two producers of two backends (`--producer rngd,faulty`): while the `faulty` one hangs on request 1
 /// (its `hang` mode), request 2 is prefilled by the `rngd` one and answered first; request 1 then falls
 /// back to local prefill when its producer's deadline kills it, and still equals `generate`. (The pool
-/// hands out the last idle producer first, so request 1 goes to the second backend named.) The deadline
-/// leaves request 2 time to be answered on a loaded machine: at 15 s, with the other tests' servers on
-/// the same two cores, it once was not.
+/// hands out the last idle producer first, so request 1 goes to the second backend named.) Request 2 is
+/// sent once request 1's batch is in its producer's hands, not merely admitted: admitted, request 1
+/// waits `--batch-wait` for others to join it, and on a loaded machine request 2 once did, and hung with
+/// it.
 #[test]
 fn a_second_producer_prefills_while_the_first_hangs() {
     let config = r#"{"fault": "hang", "on_requests": [1]}"#;
-    let s = serve(&["--producer", "rngd,faulty", "--backend-config", config, "--producer-timeout", "40"]);
+    let s = serve(&["--producer", "rngd,faulty", "--backend-config", config, "--producer-timeout", "20"]);
     let prompt = "The three primary colours are";
     let reference = generate(prompt, 4, &[]);
     let body = json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}).to_string();
@@ -1538,12 +1539,12 @@ fn a_second_producer_prefills_while_the_first_hangs() {
         std::thread::spawn(move || post_to(&url, "/v1/completions", &body))
     };
     let deadline = Instant::now() + Duration::from_secs(60);
-    while metric(&s, "pdhost_requests_running") != Some(1.0) {
-        assert!(Instant::now() < deadline, "request 1 was never admitted: {}", s.log.lock().unwrap());
+    while metric(&s, "pdhost_prefill_batch_calls_count") != Some(1.0) {
+        assert!(Instant::now() < deadline, "request 1 never went to a producer: {}", s.log.lock().unwrap());
         std::thread::sleep(Duration::from_millis(20));
     }
     let (status, second) = post(&s, "/v1/completions", &body);
-    assert!(!first.is_finished(), "request 1 answered before request 2");
+    assert!(!first.is_finished(), "request 1 answered before request 2: {second}\n{}", s.log.lock().unwrap());
     assert_eq!(status, 200, "{second}");
     assert_eq!(second["pdhost"]["prefill"], "remote", "{second}");
     assert_eq!(second["pdhost"]["producer"], "rngd", "{second}");
