@@ -81,7 +81,7 @@ mod tests {
                 "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": ffn,
                 "num_attention_heads": heads, "num_key_value_heads": kv_heads, "num_hidden_layers": layers,
                 "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "bos_token_id": 1, "eos_token_id": 2,
-                "max_position_embeddings": 64
+                "max_position_embeddings": 64, "tie_word_embeddings": true
             })
         };
         let (qd, kvd) = (heads * head_dim, kv_heads * head_dim);
