@@ -864,8 +864,6 @@ fn port(text: &str) -> Result<u16, String> {
     text.parse().map_err(|_| format!("expected a port from 0 to {}", u16::MAX))
 }
 
-/// `serve --api-key`: what a client can send after `Bearer ` (HTTP trims a header value's ends, so a
-/// key that is empty or starts or ends with whitespace could never match).
 /// `*`, or a web origin: `http://` or `https://`, a host name or address, maybe a port, and no path;
 /// lowercased, as browsers send it.
 fn origin(text: &str) -> Result<String, String> {
@@ -893,6 +891,8 @@ fn origin(text: &str) -> Result<String, String> {
     }
 }
 
+/// `serve --api-key`: what a client can send after `Bearer ` (HTTP trims a header value's ends, so a
+/// key that is empty or starts or ends with whitespace could never match).
 fn api_key(text: &str) -> Result<String, String> {
     if text.is_empty() || text.trim() != text {
         return Err("expected a key with no whitespace at either end, not empty".into());

@@ -888,8 +888,6 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
     Ok(files)
 }
 
-/// Every tensor of a checkpoint directory's `*.safetensors` files, as f32 with its shape, each taken
-/// once by the model that uses it (so no tensor is held twice while the model is built).
 /// Whether the checkpoint in `dir` ties its output head to the embedding: `tie_word_embeddings`, or
 /// when absent the model type's default in transformers (Gemma 3's text model ties, Llama does not).
 fn hf_tied(dir: &Path, arch: Arch) -> Result<bool, LoadError> {
@@ -913,6 +911,8 @@ fn hf_tied(dir: &Path, arch: Arch) -> Result<bool, LoadError> {
     }
 }
 
+/// Every tensor of a checkpoint directory's `*.safetensors` files, as f32 (or why not) with its shape,
+/// each taken once by the model that uses it (so no tensor is held twice while the model is built).
 struct HfTensors {
     dir: PathBuf,
     /// By name: the shape, and the values.

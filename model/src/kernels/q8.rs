@@ -246,7 +246,7 @@ unsafe fn quantize_avx2(w: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut 
     let blocks = w.len() / QK;
     assert!(q.len() >= w.len() && scales.len() >= blocks && sums.len() >= blocks, "quantize operands");
     let magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFF_FFFF));
-    let (half, one_byte) = (_mm256_set1_ps(0.5), _mm256_set1_epi32(0xFF));
+    let (half, minus_half, one_byte) = (_mm256_set1_ps(0.5), _mm256_set1_ps(-0.5), _mm256_set1_epi32(0xFF));
     // The dwords of the two packs' bytes back in position order.
     let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
     for b in 0..blocks {
@@ -268,7 +268,7 @@ unsafe fn quantize_avx2(w: &[f32], q: &mut [i8], scales: &mut [f32], sums: &mut 
             let frac = _mm256_sub_ps(x, _mm256_cvtepi32_ps(whole));
             // The comparisons' all-ones lanes are -1: subtracting one rounds up, adding one down.
             let up = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half));
-            let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(frac, _mm256_sub_ps(_mm256_setzero_ps(), half)));
+            let down = _mm256_castps_si256(_mm256_cmp_ps::<_CMP_LE_OQ>(frac, minus_half));
             // `as i8`: the low byte, sign-extended.
             _mm256_srai_epi32::<24>(_mm256_slli_epi32::<24>(_mm256_add_epi32(_mm256_sub_epi32(whole, up), down)))
         });
