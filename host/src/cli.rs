@@ -231,9 +231,12 @@ pub struct GenerateArgs {
     /// context when smaller].
     #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub page_size: Option<u64>,
-    /// Prompt tokens per prefill span (0: the whole prompt as one span).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 0)]
-    pub prefill_chunk: u64,
+    /// Prompt tokens per prefill span from a producer, and per piece where the host prefills (0: the
+    /// whole prompt as one). Default: spans of 2048 and pieces of 256 (a piece's activations and K/V
+    /// are the prefill's working memory), or the context when smaller; outputs are the same bits at
+    /// any size.
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, value_name = "TOKENS")]
+    pub prefill_chunk: Option<u64>,
     /// Arithmetic: `exact` is f32 on dequantized weights (matches transformers' fp32); `fast` quantizes
     /// activations to 8 bits and computes integer dot products on the GGUF's own blocks.
     #[arg(long, value_enum, default_value_t = PrecisionArg::Exact)]

@@ -166,11 +166,12 @@ fn fast_precision_and_threads_run_and_report_the_same_prefill() {
     assert_eq!(ids(&fast["output_ids"]).len(), 8);
     // Prefill is f32 in both precisions: the first token (from the prefill logits) agrees.
     assert_eq!(ids(&fast["output_ids"])[0], ids(&exact["output_ids"])[0]);
-    // The memory it reports: the KV pool preallocated for the prompt and 8 tokens, and a peak above it.
+    // The memory it reports: the KV pool preallocated for the prompt and 8 tokens, the resident memory
+    // once it and the weights are loaded, above the pool, and a peak at least that.
     for v in [&exact, &fast] {
-        let kv = v["memory"]["kv_pool_bytes"].as_u64().unwrap_or_else(|| panic!("{}", v["memory"]));
-        let peak = v["memory"]["peak_rss_bytes"].as_u64().unwrap_or_else(|| panic!("{}", v["memory"]));
-        assert!(kv > 0 && peak > kv, "{}", v["memory"]);
+        let field = |key: &str| v["memory"][key].as_u64().unwrap_or_else(|| panic!("{key}: {}", v["memory"]));
+        let (kv, loaded, peak) = (field("kv_pool_bytes"), field("rss_after_load_bytes"), field("peak_rss_bytes"));
+        assert!(kv > 0 && loaded > kv && peak >= loaded, "{}", v["memory"]);
     }
 }
 
@@ -305,7 +306,8 @@ fn any_depth_and_sliding_pattern_gives_the_same_output_through_both_producers() 
 
 /// Prefill is chunk-invariant: whole or in chunks, with an f32 or a bf16 cache, locally or in either
 /// producer, the output ids and the logits bits are the same. The tiny Gemma 3's chunks cross its
-/// 8-token window; Gemma 3 270M runs a real prompt.
+/// 8-token window; Gemma 3 270M runs a real prompt. By default the host prefills in pieces of 256
+/// tokens and a producer in spans of up to 2048, with the whole prompt's bits.
 #[test]
 fn every_chunking_gives_the_same_logits_bits() {
     let tiny = reference_dir().join("tiny_gemma3_8l");
@@ -315,12 +317,21 @@ fn every_chunking_gives_the_same_logits_bits() {
         [(tiny.to_str().unwrap(), &tiny_prompt, &["1", "7", "9"][..]), ("gemma3-270m", &real_prompt, &["7"][..])]
     {
         for dtype in ["f32", "bf16"] {
-            let whole = generate_everywhere(model, prompt, 4, &["--kv-dtype", dtype]);
+            let whole = generate_everywhere(model, prompt, 4, &["--kv-dtype", dtype, "--prefill-chunk", "0"]);
             for chunk in chunks {
                 let out = generate_everywhere(model, prompt, 4, &["--kv-dtype", dtype, "--prefill-chunk", chunk]);
                 assert_eq!(out["output_ids"], whole["output_ids"], "{model} {dtype} chunks of {chunk}");
                 assert_eq!(out["logits_xxh3"], whole["logits_xxh3"], "{model} {dtype} chunks of {chunk}: logits bits");
             }
         }
+    }
+    let long: Vec<u64> = (0..600).map(|i| (i * 37 + 5) % 256).collect();
+    let tiny = tiny.to_str().unwrap();
+    let whole = generate(tiny, &long, 2, &["--producer", "local", "--prefill-chunk", "0"]);
+    for (producer, spans) in [("local", 3), ("rngd", 1)] {
+        let v = generate(tiny, &long, 2, &["--producer", producer]);
+        // The last prompt token is the first decode step's: 599 tokens to prefill.
+        assert_eq!(v["prefill"]["spans"], spans, "{producer}: {}", v["prefill"]);
+        assert_eq!(v["logits_xxh3"], whole["logits_xxh3"], "{producer}: the whole prompt's logits bits");
     }
 }

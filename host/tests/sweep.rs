@@ -497,7 +497,7 @@ fn every_reported_case_is_refused_or_handled() {
         )
         .prints(&[
             " - ",
-            "gemma3-270m   exact  peak RSS of a `generate` of the first prompt: ",
+            "gemma3-270m   exact  RSS of a `generate` of the first prompt after load ",
             "(f16 KV; llama.cpp's is f16)",
         ])
         .never(&["NaN"]),

@@ -116,7 +116,14 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
     let dtype = args.kv_dtype.dtype();
     let vocab = model.config.vocab;
     let prompts = prompts(vocab);
-    let mut producer = choice.producer(&backend, &opened.path, &model.config, &model.identity, dtype, longest)?;
+    let mut producer = choice.producer(
+        &backend,
+        &opened.path,
+        &model.config,
+        &model.identity,
+        dtype,
+        super::producer::Ring { span_tokens: longest, slots: 2 },
+    )?;
     producer.set_restart_policy(RestartPolicy {
         initial_backoff: Duration::ZERO,
         max_backoff: Duration::ZERO,

@@ -95,6 +95,14 @@ pub fn library(path: &str, field: Field) -> anyhow::Result<(String, PathBuf)> {
     Ok((name, std::path::absolute(p)?))
 }
 
+/// What a producer's ring holds: `slots` spans of up to `span_tokens` tokens each. Two slots let the
+/// backend write a span while the host takes the one before.
+#[derive(Debug, Clone, Copy)]
+pub struct Ring {
+    pub span_tokens: usize,
+    pub slots: u32,
+}
+
 /// The backend a [`Choice`] names, found before the model is opened, so that a misspelled name, a missing
 /// library or a build without NIXL is refused before anything slow runs: how its producer is run.
 #[derive(Debug, Clone)]
@@ -158,8 +166,8 @@ impl Choice<'_> {
 
     /// The producer (not started yet) of `backend` ([`Choice::backend`]) for the model at `model_path`
     /// with configuration `model`. Its spans carry `dtype` (the cache's, so remote prefill stays
-    /// bit-identical to local) unless the backend config says otherwise, and hold up to `chunk_tokens`
-    /// tokens. A backend that reports another model identity than `identity` is refused at its handshake.
+    /// bit-identical to local) unless the backend config says otherwise, and its ring holds `ring`. A
+    /// backend that reports another model identity than `identity` is refused at its handshake.
     pub fn producer(
         &self,
         backend: &Backend,
@@ -167,7 +175,7 @@ impl Choice<'_> {
         model: &model::arch::Config,
         identity: &ModelIdentity,
         dtype: Dtype,
-        chunk_tokens: usize,
+        ring: Ring,
     ) -> anyhow::Result<Producer> {
         let geometry = &model.kv_geometry();
         let mut config = serde_json::json!({
@@ -190,9 +198,9 @@ impl Choice<'_> {
             program_args: backend.program_args.clone(),
             backend: backend.library.clone(),
             config: config.to_string(),
-            slots: 2,
+            slots: ring.slots,
             // The widest wire dtype: a backend may send f32 whatever the cache holds.
-            slot_capacity: ProducerSpec::capacity_for(geometry, Dtype::F32, chunk_tokens as u64),
+            slot_capacity: ProducerSpec::capacity_for(geometry, Dtype::F32, ring.span_tokens as u64),
             // torch's first start on a GGUF dequantizes it (50 s for Gemma 3 270M here, minutes on a busy
             // machine); it still has a deadline.
             start_timeout: if self.producer == "torch" { timeout.max(TORCH_START_TIMEOUT) } else { timeout },

@@ -12,19 +12,8 @@ use pdhost::server::worker::Loaded;
 use pdhost::server::{ServeConfig, Server};
 use pdhost::supervisor::RestartPolicy;
 
-use super::generate::Opened;
+use super::generate::{Opened, DEFAULT_LOCAL_PIECE, DEFAULT_PREFILL_CHUNK};
 use crate::cli::{ServeArgs, Switch};
-
-/// `--prefill-chunk` when not given. A producer's ring holds two spans of this many tokens, so it sets
-/// the shared memory a producer costs (Gemma 3 270M, f32: 2 x 72 MiB, against 2 x 324 MiB for whole
-/// 9216-token prompts).
-const DEFAULT_PREFILL_CHUNK: u64 = 2048;
-
-/// Prompt tokens per piece of a prefill the host runs itself (`--producer local`, or a remote prefill
-/// that fell back) when `--prefill-chunk` is not given. Every live stream waits while a piece runs, one
-/// piece a round: on two cores (Gemma 3 270M, `exact`) 256 tokens take about 0.45 s, where 2048 froze
-/// every stream for about 3.6 s. Outputs are the same bits at any size.
-const DEFAULT_LOCAL_PIECE: u64 = 256;
 
 /// The context a server gives each request unless told otherwise (the incident's deployment).
 const DEFAULT_CONTEXT: u64 = 9216;
@@ -124,7 +113,14 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         // The backends take the processes in turn.
         let (choice, backend) = &chosen[i % chosen.len()];
         if let Some(backend) = backend {
-            producers.push(choice.producer(backend, &opened.path, &opened.config, identity, dtype, chunk_tokens)?);
+            producers.push(choice.producer(
+                backend,
+                &opened.path,
+                &opened.config,
+                identity,
+                dtype,
+                super::producer::Ring { span_tokens: chunk_tokens, slots: 2 },
+            )?);
         }
     }
     let on_failure = args.on_producer_failure.policy();

@@ -665,6 +665,12 @@ pub fn peak_rss_bytes() -> Option<u64> {
     kib_field(&status, "VmHWM:").map(|k| k.saturating_mul(1024))
 }
 
+/// This process's resident memory now (`VmRSS`), or `None` where `/proc` does not say.
+pub fn rss_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    kib_field(&status, "VmRSS:").map(|k| k.saturating_mul(1024))
+}
+
 /// Memory that a new allocation may take now: the smaller of what the kernel calls available and what
 /// is left under this process's address-space limit (`ulimit -v`).
 pub fn memory_headroom() -> (u64, &'static str) {

@@ -59,20 +59,23 @@ struct Resident {
     gguf_mib: f64,
     /// The KV pool that `generate` preallocated for the prompt plus its output.
     kv_mib: f64,
+    /// The process's resident memory once the weights and the KV pool were loaded (the bar).
+    loaded_mib: f64,
     /// The process's peak resident memory.
     peak_mib: f64,
 }
 
-/// The peak resident memory of `pdhost generate` of `prompt` plus `decode` tokens of `model` in `precision`
-/// (local prefill, 2 threads) and the KV pool it preallocated, in MiB, as the process reports them in its
-/// `--json` (`memory.peak_rss_bytes`, `memory.kv_pool_bytes`).
+/// The resident memory of `pdhost generate` of `prompt` plus `decode` tokens of `model` in `precision`
+/// (local prefill, 2 threads) after load and at its peak, and the KV pool it preallocated, in MiB, as the
+/// process reports them in its `--json` (`memory.rss_after_load_bytes`, `memory.peak_rss_bytes`,
+/// `memory.kv_pool_bytes`).
 fn generate_memory_mib(
     model: &str,
     precision: &str,
     kv_dtype: &str,
     prompt: &[u32],
     decode: u64,
-) -> anyhow::Result<(f64, f64)> {
+) -> anyhow::Result<(f64, f64, f64)> {
     let ids: Vec<String> = prompt.iter().map(u32::to_string).collect();
     let out = Command::new(std::env::current_exe().context("locating the pdhost executable")?)
         .args(["generate", "--model", model, "--producer", "local", "--precision", precision, "--threads", "2"])
@@ -93,7 +96,7 @@ fn generate_memory_mib(
             .map(|b| b as f64 / (1 << 20) as f64)
             .with_context(|| format!("`pdhost generate --json`: expected memory.{key}, found {}", v["memory"]))
     };
-    Ok((mib("peak_rss_bytes")?, mib("kv_pool_bytes")?))
+    Ok((mib("rss_after_load_bytes")?, mib("peak_rss_bytes")?, mib("kv_pool_bytes")?))
 }
 
 /// The median of `xs` (the mean of the middle two of an even count; NaN of none). `bench pd` uses it too.
@@ -248,13 +251,14 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             });
             drop(model);
             bar.set_message(format!("{name} {}: the memory of a short generate", precision.name()));
-            let (peak_mib, kv_mib) =
+            let (loaded_mib, peak_mib, kv_mib) =
                 generate_memory_mib(name, precision.name(), kv_name, &case.requests[0].prompt, args.decode_tokens)?;
             residents.push(Resident {
                 model: name,
                 precision: precision.name(),
                 gguf_mib: std::fs::metadata(&case.path).context("the GGUF's size")?.len() as f64 / (1 << 20) as f64,
                 kv_mib,
+                loaded_mib,
                 peak_mib,
             });
         }
@@ -338,7 +342,7 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
             .iter()
             .map(|r| {
                 json!({"model": r.model, "precision": r.precision, "gguf_mib": r.gguf_mib, "kv_pool_mib": r.kv_mib,
-                       "generate_peak_rss_mib": r.peak_mib})
+                       "rss_after_load_mib": r.loaded_mib, "generate_peak_rss_mib": r.peak_mib})
             })
             .collect();
         outln!(
@@ -369,12 +373,14 @@ pub fn run(args: &ModelBenchArgs) -> anyhow::Result<ExitCode> {
         }
         for r in &residents {
             outln!(
-                "{:<13} {:<6} peak RSS of a `generate` of the first prompt: {:.0} MiB; its GGUF {:.0} MiB, its KV pool {:.1} MiB ({:.2}x GGUF + KV pool)",
+                "{:<13} {:<6} RSS of a `generate` of the first prompt after load {:.0} MiB ({:.2}x its GGUF {:.0} MiB + its KV pool {:.1} MiB), at its peak {:.0} MiB ({:.2}x)",
                 r.model,
                 r.precision,
-                r.peak_mib,
+                r.loaded_mib,
+                r.loaded_mib / (r.gguf_mib + r.kv_mib),
                 r.gguf_mib,
                 r.kv_mib,
+                r.peak_mib,
                 r.peak_mib / (r.gguf_mib + r.kv_mib)
             )?;
         }

@@ -16,7 +16,7 @@ use serde_json::json;
 
 use super::model_bench::median;
 use crate::cli::{PdBenchArgs, PrecisionArg};
-use crate::cmd::producer::Choice;
+use crate::cmd::producer::{Choice, Ring};
 use crate::cmd::{kv_error, outln};
 
 const TEXT: &str = include_str!("../../../../fixtures/prompts/lgpl-650w.txt");
@@ -125,6 +125,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     let tok = Tokenizer::from_gguf(&gguf)?;
     let mut text_ids = tok.encode(TEXT, tok.add_bos());
     let longest = *args.tokens.iter().max().expect("non-empty") as usize;
+    let spans = Ring { span_tokens: longest, slots: 2 };
     while text_ids.len() < longest {
         text_ids.extend(tok.encode(TEXT, false));
     }
@@ -132,10 +133,10 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     model.configure(Precision::Exact, threads);
     let dtype = args.kv_dtype.dtype();
     let absolute = std::path::absolute(&path)?;
-    let mut producer = choice.producer(&backend, &absolute, &model.config, &model.identity, dtype, longest)?;
+    let mut producer = choice.producer(&backend, &absolute, &model.config, &model.identity, dtype, spans)?;
     let mut ring = match ring {
         Some((choice, backend)) => {
-            Some(choice.producer(&backend, &absolute, &model.config, &model.identity, dtype, longest)?)
+            Some(choice.producer(&backend, &absolute, &model.config, &model.identity, dtype, spans)?)
         }
         None => None,
     };

@@ -445,7 +445,7 @@ unsafe fn avx2<const R: usize, const T: u32>(m: &Interleaved, g: usize, acts: [O
                     macro_rules! dp {
                         ($sum:expr, $l:expr) => {{
                             let l = $l;
-                            let t = match const { form(T).run } {
+                            let t = match f.run {
                                 1 => pairs!(l),
                                 2 => _mm256_add_epi16(pairs!(l), pairs!(l + 1)),
                                 4 => _mm256_add_epi16(
