@@ -205,7 +205,9 @@ fn every_link_failure_is_typed_and_lands_nothing() {
     ] {
         let node = Node::start("rngd", &["--fault", fault]);
         let before = node.footprint();
-        let out = generate(&model, &["--producer", &node.url("rngd"), "--producer-timeout", "3"]);
+        // Two spans, so that the ring has a second slot for `wrong-slot` to write into.
+        let out =
+            generate(&model, &["--producer", &node.url("rngd"), "--producer-timeout", "3", "--prefill-chunk", "6"]);
         assert_eq!(out["prefill"]["where"], "local", "{fault}");
         assert_eq!(out["prefill"]["fallback_kind"], kind, "{fault}: {}", out["prefill"]["fallback_reason"]);
         assert_eq!(out["output_ids"], local["output_ids"], "{fault}");

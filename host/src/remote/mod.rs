@@ -82,7 +82,8 @@ pub enum Fault {
     NoNotification,
     /// Sends the first frame's notification without writing its bytes.
     NotificationOnly,
-    /// Writes the first frame into the other slot and says so.
+    /// Writes the first frame into the next slot and says so (a ring of one slot, which `generate`
+    /// gives a prompt of one span, has no other: the fault needs a prompt of two spans or more).
     WrongSlot,
     /// Runs the session's producer at the epoch before the session's, so that every frame it writes is
     /// stale: a late frame of an earlier producer.
