@@ -340,17 +340,13 @@ impl Config {
     /// The configuration of a Hugging Face checkpoint directory (its `config.json`, model type
     /// `gemma3_text` or `llama`), without reading any weight.
     pub fn from_hf_dir(dir: &Path) -> Result<Self, LoadError> {
-        let config_path = dir.join("config.json");
-        let text = std::fs::read_to_string(&config_path)
-            .map_err(|source| LoadError::Io { path: config_path.clone(), source })?;
-        let bad = |what: &str, expected: &str, found: String| LoadError::Checkpoint {
-            path: config_path.clone(),
-            what: what.into(),
-            expected: expected.into(),
-            found,
-        };
-        let c: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| bad("config.json", "JSON", e.to_string()))?;
+        Self::from_hf(&HfConfig::read(dir)?)
+    }
+
+    /// [`Config::from_hf_dir`] of a `config.json` already read.
+    fn from_hf(hf: &HfConfig) -> Result<Self, LoadError> {
+        let (config_path, c) = (&hf.path, &hf.json);
+        let bad = |what: &str, expected: &str, found: String| hf.bad(what, expected, found);
         let u =
             |k: &str| c[k].as_u64().map(|v| v as usize).ok_or_else(|| bad(k, "an unsigned integer", c[k].to_string()));
         let arch = match c["model_type"].as_str() {
@@ -460,7 +456,7 @@ impl Config {
             bos: c["bos_token_id"].as_u64().map(saturate_id),
             eos: ids(&c["eos_token_id"]),
         };
-        config.checked(&config_path)
+        config.checked(config_path)
     }
 
     /// Refuses a configuration the forward pass cannot run (zero or mismatched heads, an odd head size,
@@ -782,7 +778,8 @@ impl Model {
     /// converter writes only what the model reads, so there an unused tensor is refused), whatever their
     /// type; each tensor it uses must be F32, BF16 or F16.
     pub fn from_hf_dir(dir: &Path) -> Result<Self, LoadError> {
-        let config = Config::from_hf_dir(dir)?;
+        let hf = HfConfig::read(dir)?;
+        let config = Config::from_hf(&hf)?;
         let c = &config;
         let (arch, n_layers) = (c.arch, c.layers.len());
         let (qd, kvd) = (c.heads * c.head_dim, c.kv_heads * c.head_dim);
@@ -829,7 +826,7 @@ impl Model {
         let final_norm = norm(&mut t, "model.norm.weight", c.hidden)?;
         // As transformers: a tied head is the embedding (an `lm_head.weight` beside it is passed over), and
         // an untied one must be in the checkpoint (before, a missing one silently became the embedding).
-        let lm_head = match hf_tied(dir, arch)? {
+        let lm_head = match hf.tied(arch)? {
             true => None,
             false => Some(Weight::F32(t.take("lm_head.weight", &[c.vocab, c.hidden])?)),
         };
@@ -888,26 +885,38 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, LoadError> {
     Ok(files)
 }
 
-/// Whether the checkpoint in `dir` ties its output head to the embedding: `tie_word_embeddings`, or
-/// when absent the model type's default in transformers (Gemma 3's text model ties, Llama does not).
-fn hf_tied(dir: &Path, arch: Arch) -> Result<bool, LoadError> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|source| LoadError::Io { path: path.clone(), source })?;
-    let c: serde_json::Value = serde_json::from_str(&text).map_err(|e| LoadError::Checkpoint {
-        path: path.clone(),
-        what: "config.json".into(),
-        expected: "JSON".into(),
-        found: e.to_string(),
-    })?;
-    match &c["tie_word_embeddings"] {
-        serde_json::Value::Null => Ok(arch == Arch::Gemma3),
-        serde_json::Value::Bool(tied) => Ok(*tied),
-        other => Err(LoadError::Checkpoint {
-            path,
-            what: "tie_word_embeddings".into(),
-            expected: "true or false".into(),
-            found: other.to_string(),
-        }),
+/// A checkpoint directory's `config.json`, read and parsed once for the configuration and the weights.
+struct HfConfig {
+    path: PathBuf,
+    json: serde_json::Value,
+}
+
+impl HfConfig {
+    fn read(dir: &Path) -> Result<Self, LoadError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| LoadError::Io { path: path.clone(), source })?;
+        let json = serde_json::from_str(&text).map_err(|e| LoadError::Checkpoint {
+            path: path.clone(),
+            what: "config.json".into(),
+            expected: "JSON".into(),
+            found: e.to_string(),
+        })?;
+        Ok(HfConfig { path, json })
+    }
+
+    /// Its key `what` is not what the loader expected.
+    fn bad(&self, what: &str, expected: &str, found: String) -> LoadError {
+        LoadError::Checkpoint { path: self.path.clone(), what: what.into(), expected: expected.into(), found }
+    }
+
+    /// Whether the checkpoint ties its output head to the embedding: `tie_word_embeddings`, or when
+    /// absent the model type's default in transformers (Gemma 3's text model ties, Llama does not).
+    fn tied(&self, arch: Arch) -> Result<bool, LoadError> {
+        match &self.json["tie_word_embeddings"] {
+            serde_json::Value::Null => Ok(arch == Arch::Gemma3),
+            serde_json::Value::Bool(tied) => Ok(*tied),
+            other => Err(self.bad("tie_word_embeddings", "true or false", other.to_string())),
+        }
     }
 }
 
