@@ -22,8 +22,9 @@ use crate::cli::{GenerateArgs, Switch};
 /// (Gemma 3 270M, f32: 2 x 72 MiB, against 2 x 324 MiB for whole 9216-token prompts).
 pub(super) const DEFAULT_PREFILL_CHUNK: u64 = 2048;
 
-/// Prompt tokens per piece of a prefill the host runs itself (`--producer local`) when
-/// `--prefill-chunk` is not given; outputs are the same bits at any size.
+/// Prompt tokens per piece of a prefill the host runs itself (`--producer local`, or in `serve` a remote
+/// prefill that fell back; `generate`'s fallback keeps the spans' size) when `--prefill-chunk` is not
+/// given; outputs are the same bits at any size.
 /// - A piece's activations and K/V are its forward pass's working memory. `generate` of an 1826-token
 ///   prompt (SmolLM2, `exact`, two threads) peaked at 369 MiB as one piece and 235 MiB in pieces of 256
 ///   (the GGUF 94 MiB, the KV pool 84 MiB), in the same CPU time.
