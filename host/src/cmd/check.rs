@@ -122,7 +122,7 @@ pub fn run(args: &CheckBackendArgs) -> anyhow::Result<ExitCode> {
         &model.config,
         &model.identity,
         dtype,
-        super::producer::Ring { span_tokens: longest, slots: 2 },
+        super::producer::Ring::double(longest),
     )?;
     producer.set_restart_policy(RestartPolicy {
         initial_backoff: Duration::ZERO,

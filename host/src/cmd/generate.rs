@@ -214,9 +214,9 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let chunk_tokens = if request.prefill_chunk == 0 { prompt.len() } else { request.prefill_chunk.min(prompt.len()) };
     // A prompt of one span (the last token is the host's) needs one slot: the other would be shared
     // memory the host maps and faults in for nothing (84 MB for 1826 tokens of SmolLM2 in f32).
-    let ring = super::producer::Ring {
-        span_tokens: chunk_tokens,
-        slots: if prompt.len().saturating_sub(1) > chunk_tokens { 2 } else { 1 },
+    let ring = match prompt.len().saturating_sub(1) > chunk_tokens {
+        true => super::producer::Ring::double(chunk_tokens),
+        false => super::producer::Ring { span_tokens: chunk_tokens, slots: 1 },
     };
     let mut producer =
         backend.map(|b| choice.producer(&b, &opened.path, &opened.config, &model.identity, dtype, ring)).transpose()?;

@@ -95,12 +95,18 @@ pub fn library(path: &str, field: Field) -> anyhow::Result<(String, PathBuf)> {
     Ok((name, std::path::absolute(p)?))
 }
 
-/// What a producer's ring holds: `slots` spans of up to `span_tokens` tokens each. Two slots let the
-/// backend write a span while the host takes the one before.
+/// What a producer's ring holds: `slots` spans of up to `span_tokens` tokens each.
 #[derive(Debug, Clone, Copy)]
 pub struct Ring {
     pub span_tokens: usize,
     pub slots: u32,
+}
+
+impl Ring {
+    /// Two slots of `span_tokens`: the backend writes a span while the host takes the one before.
+    pub fn double(span_tokens: usize) -> Self {
+        Ring { span_tokens, slots: 2 }
+    }
 }
 
 /// The backend a [`Choice`] names, found before the model is opened, so that a misspelled name, a missing

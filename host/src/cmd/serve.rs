@@ -119,7 +119,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
                 &opened.config,
                 identity,
                 dtype,
-                super::producer::Ring { span_tokens: chunk_tokens, slots: 2 },
+                super::producer::Ring::double(chunk_tokens),
             )?);
         }
     }

@@ -661,14 +661,18 @@ pub fn kv_budget(geometry: &KvGeometry, dtype: Dtype, page_size: u32, max_len: u
 /// the process itself: a parent's accounting of a child (`wait4`) also counts the parent's own memory at
 /// the child's start, which the child's address space copied or shared until it ran this program.
 pub fn peak_rss_bytes() -> Option<u64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    kib_field(&status, "VmHWM:").map(|k| k.saturating_mul(1024))
+    own_status_bytes("VmHWM:")
 }
 
 /// This process's resident memory now (`VmRSS`), or `None` where `/proc` does not say.
 pub fn rss_bytes() -> Option<u64> {
+    own_status_bytes("VmRSS:")
+}
+
+/// The field `key` (in KiB) of this process's `/proc/self/status`, in bytes.
+fn own_status_bytes(key: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    kib_field(&status, "VmRSS:").map(|k| k.saturating_mul(1024))
+    kib_field(&status, key).map(|k| k.saturating_mul(1024))
 }
 
 /// Memory that a new allocation may take now: the smaller of what the kernel calls available and what
@@ -679,8 +683,7 @@ pub fn memory_headroom() -> (u64, &'static str) {
     let mut headroom = (available, "available memory");
     let limit = rustix::process::getrlimit(rustix::process::Resource::As).current;
     if let Some(limit) = limit {
-        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-        let used = kib_field(&status, "VmSize:").map_or(0, |k| k.saturating_mul(1024));
+        let used = own_status_bytes("VmSize:").unwrap_or(0);
         let left = limit.saturating_sub(used);
         if left < headroom.0 {
             headroom = (left, "address space left under the process's limit");

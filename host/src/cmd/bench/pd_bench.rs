@@ -125,7 +125,7 @@ pub fn run(args: &PdBenchArgs) -> anyhow::Result<ExitCode> {
     let tok = Tokenizer::from_gguf(&gguf)?;
     let mut text_ids = tok.encode(TEXT, tok.add_bos());
     let longest = *args.tokens.iter().max().expect("non-empty") as usize;
-    let spans = Ring { span_tokens: longest, slots: 2 };
+    let spans = Ring::double(longest);
     while text_ids.len() < longest {
         text_ids.extend(tok.encode(TEXT, false));
     }
