@@ -307,7 +307,8 @@ fn any_depth_and_sliding_pattern_gives_the_same_output_through_both_producers() 
 /// Prefill is chunk-invariant: whole or in chunks, with an f32 or a bf16 cache, locally or in either
 /// producer, the output ids and the logits bits are the same. The tiny Gemma 3's chunks cross its
 /// 8-token window; Gemma 3 270M runs a real prompt. By default the host prefills in pieces of 256
-/// tokens and a producer in spans of up to 2048, with the whole prompt's bits.
+/// tokens (also where a producer failed) and a producer in spans of up to 2048, with the whole prompt's
+/// bits.
 #[test]
 fn every_chunking_gives_the_same_logits_bits() {
     let tiny = reference_dir().join("tiny_gemma3_8l");
@@ -328,10 +329,18 @@ fn every_chunking_gives_the_same_logits_bits() {
     let long: Vec<u64> = (0..600).map(|i| (i * 37 + 5) % 256).collect();
     let tiny = tiny.to_str().unwrap();
     let whole = generate(tiny, &long, 2, &["--producer", "local", "--prefill-chunk", "0"]);
-    for (producer, spans) in [("local", 3), ("rngd", 1)] {
-        let v = generate(tiny, &long, 2, &["--producer", producer]);
+    // A producer's prefill that fails (a bad checksum on its span), or one that cannot start (its `open`
+    // outlasts `--producer-timeout`), falls back to the host's pieces, not the producer's spans.
+    let bad_span = ["--backend-config", r#"{"fault":"bad_checksum"}"#];
+    let no_start = ["--producer-timeout", "1", "--backend-config", r#"{"open_delay_ms":3000}"#];
+    for (producer, extra, spans) in
+        [("local", &[][..], 3), ("rngd", &[][..], 1), ("faulty", &bad_span[..], 3), ("faulty", &no_start[..], 3)]
+    {
+        let v = generate(tiny, &long, 2, &[&["--producer", producer][..], extra].concat());
         // The last prompt token is the first decode step's: 599 tokens to prefill.
-        assert_eq!(v["prefill"]["spans"], spans, "{producer}: {}", v["prefill"]);
-        assert_eq!(v["logits_xxh3"], whole["logits_xxh3"], "{producer}: the whole prompt's logits bits");
+        assert_eq!(v["prefill"]["spans"], spans, "{producer} {extra:?}: {}", v["prefill"]);
+        let fell_back = producer == "faulty";
+        assert_eq!(v["prefill"]["fallback_reason"].is_string(), fell_back, "{producer} {extra:?}: {}", v["prefill"]);
+        assert_eq!(v["logits_xxh3"], whole["logits_xxh3"], "{producer} {extra:?}: the whole prompt's logits bits");
     }
 }

@@ -22,9 +22,8 @@ use crate::cli::{GenerateArgs, Switch};
 /// (Gemma 3 270M, f32: 2 x 72 MiB, against 2 x 324 MiB for whole 9216-token prompts).
 pub(super) const DEFAULT_PREFILL_CHUNK: u64 = 2048;
 
-/// Prompt tokens per piece of a prefill the host runs itself (`--producer local`, or in `serve` a remote
-/// prefill that fell back; `generate`'s fallback keeps the spans' size) when `--prefill-chunk` is not
-/// given; outputs are the same bits at any size.
+/// Prompt tokens per piece of a prefill the host runs itself (`--producer local`, or a remote prefill
+/// that fell back) when `--prefill-chunk` is not given; outputs are the same bits at any size.
 /// - A piece's activations and K/V are its forward pass's working memory. `generate` of an 1826-token
 ///   prompt (SmolLM2, `exact`, two threads) peaked at 369 MiB as one piece and 235 MiB in pieces of 256
 ///   (the GGUF 94 MiB, the KV pool 84 MiB), in the same CPU time.
@@ -221,6 +220,11 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
     let mut producer =
         backend.map(|b| choice.producer(&b, &opened.path, &opened.config, &model.identity, dtype, ring)).transpose()?;
     let mut engine = Engine::new(model, dtype, page_size, max_len, 1)?;
+    // A prefill that falls back to the host runs in its pieces, as `serve`'s does.
+    engine.set_local_piece(match args.prefill_chunk {
+        Some(_) => request.prefill_chunk,
+        None => DEFAULT_LOCAL_PIECE.min(limits.context as u64) as usize,
+    });
     let mut unstarted = None;
     if let Some(p) = producer.as_mut() {
         // Start the producer (load its model) before the clock of the request starts; a start-up failure

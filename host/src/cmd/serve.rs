@@ -167,6 +167,9 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
             let mut model = opened.load(true)?;
             model.configure(precision, threads);
             let mut engine = Engine::new(model, dtype, page_size, max_len, slots)?;
+            // Each piece of a prefill that fell back to the host runs between two decode rounds, so it
+            // bounds how long the live streams wait.
+            engine.set_local_piece(local_piece);
             if prefix_cache {
                 engine.kv.enable_prefix_cache();
             }
@@ -179,7 +182,6 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
                 engine,
                 producers,
                 on_failure,
-                local_piece,
                 slots: slots as usize,
                 batch_tokens: chunk_tokens,
                 batch_wait,

@@ -399,6 +399,9 @@ pub struct Engine {
     /// The cache.
     pub kv: PagedKv,
     next_seq: u64,
+    /// Prompt tokens per piece where the host prefills a prompt that was meant for a producer (see
+    /// [`Engine::set_local_piece`]); 0: the producer's spans.
+    local_piece: usize,
 }
 
 /// Past K/V of one sequence, read from the paged cache.
@@ -479,7 +482,16 @@ impl Engine {
         let kv = PagedKv::new(config)?;
         // The model rounds each chunk's K/V to what this cache stores before attending to it.
         model.kv_dtype = dtype;
-        Ok(Engine { kv, model, next_seq: 1 })
+        Ok(Engine { kv, model, next_seq: 1, local_piece: 0 })
+    }
+
+    /// Where the host prefills a prompt that was meant for a producer (it failed, or could not start), it
+    /// does so in pieces of at most `tokens` (0: in the producer's spans). A local forward pass holds its
+    /// piece's activations and every layer's K/V until they are paged, so a span's size (2048 tokens by
+    /// default) would raise the process's peak memory, and a server's live streams wait for each piece.
+    /// The bits are the same at any size.
+    pub fn set_local_piece(&mut self, tokens: usize) {
+        self.local_piece = tokens;
     }
 
     /// Ingests a chunk's K/V into `seq` as a grouped span. Its entries (contiguous, in order) are written
@@ -616,6 +628,7 @@ impl Engine {
                 p.prefilled.report.producer = Some(name);
                 p.prefilled.report.fallback = Some(error);
             }
+            p.in_pieces_of(self.local_piece);
         } else if let PrefillBy::Remote { producer, on_failure } = by {
             while let Some(call) = p.next_call(prompt).filter(|_| p.is_remote()) {
                 match producer.prefill(&mut self.kv, seq, &call) {
@@ -707,15 +720,16 @@ impl Engine {
 
     /// A remote chunk of `p` (prefilling `head`) failed: its sequence starts over empty (spans of earlier
     /// chunks are committed, a prefix shared under the producer's rounding is let go), and the rest of
-    /// `p` runs locally, after the longest prefix cached under the cache's own rounding, with `error` as
-    /// the fallback reason.
+    /// `p` runs locally (in pieces of [`Engine::set_local_piece`]), after the longest prefix cached under
+    /// the cache's own rounding, with `error` as the fallback reason.
     pub fn fall_back(&mut self, p: &mut Prefilling, head: &[u32], error: ProducerError) {
         let _ = self.kv.remove_sequence(p.seq);
         self.kv.add_sequence(p.seq, p.request_id).expect("the slot just freed");
         (p.done, p.hit) = (0, 0);
         p.remote = false;
-        // In the pieces it was planned in, not a backend's `max_tokens`.
+        // In the pieces it was planned in, not a backend's `max_tokens`, and at most the host's own.
         p.chunk = p.planned;
+        p.in_pieces_of(self.local_piece);
         // Nothing of the remote chunks counts any more: only who was asked, and why it failed.
         let producer = p.prefilled.report.producer.take();
         p.prefilled = Prefilled::default();

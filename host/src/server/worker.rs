@@ -31,9 +31,6 @@ pub struct Loaded {
     pub producers: Vec<Producer>,
     /// What a failed remote prefill does.
     pub on_failure: OnFailure,
-    /// Prompt tokens per piece of a prefill that fell back to the host (0: the rest at once): each piece
-    /// runs between two decode rounds, so it bounds how long the live streams wait.
-    pub local_piece: usize,
     /// Sequences live at once (the engine's cache holds this many).
     pub slots: usize,
     /// Prompt tokens a producer is given at once: a batch of chunks of different requests, computed in
@@ -533,7 +530,6 @@ impl<'t> Scheduler<'_, 't> {
     fn fall_back(&mut self, a: &mut Admitting, e: ProducerError) {
         let head = &a.job.request.prompt[..a.job.request.prompt.len() - 1];
         self.loaded.engine.fall_back(&mut a.prefill, head, e);
-        a.prefill.in_pieces_of(self.loaded.local_piece);
         if self.loaded.on_failure == OnFailure::Fail {
             let e = a.prefill.take_fallback().expect("just set");
             a.failed = Some(EngineError::from(e).to_string());
