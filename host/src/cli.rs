@@ -249,17 +249,17 @@ pub struct GenerateArgs {
     pub temperature: Option<f64>,
     /// Nucleus mass when sampling (needs --temperature): above 0, at most 1. Applied after --top-k and
     /// --min-p, to what they keep.
-    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 1.0, requires = "temperature")]
+    #[arg(long, value_parser = number, allow_hyphen_values = true, default_value_t = 1.0)]
     pub top_p: f64,
     /// Sample only from the N most likely tokens (needs --temperature; 0: no limit).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "temperature")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub top_k: Option<u64>,
     /// Sample only tokens at least P times as likely as the most likely one (needs --temperature; 0 to 1;
     /// 0: no limit).
-    #[arg(long, value_parser = number, allow_hyphen_values = true, requires = "temperature")]
+    #[arg(long, value_parser = number, allow_hyphen_values = true)]
     pub min_p: Option<f64>,
     /// Sampling seed (needs --temperature).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 0, requires = "temperature")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 0)]
     pub seed: u64,
     /// Subtracted from the logit of every token the output already holds (-2 to 2; OpenAI's
     /// `presence_penalty`). Penalties apply greedy or sampled.
@@ -278,7 +278,7 @@ pub struct GenerateArgs {
     pub logit_bias: Option<LogitBias>,
     /// With `--json`: each output token's log-probability under the model's logits (before penalties,
     /// bias and temperature), with this many of the most likely tokens at each step (0 to 20).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "json")]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true)]
     pub logprobs: Option<u64>,
     /// Go on past the model's end-of-sequence tokens: exactly `--max-tokens` tokens (vLLM's and
     /// llama-server's `ignore_eos`)
@@ -333,7 +333,7 @@ pub struct ServeArgs {
     /// Who prefills: `rngd`, `gpu`, `faulty`, `torch`, `py:MODULE:CLASS`, a backend library `PATH.so`,
     /// `nixl://HOST:PORT/NAME`, or `local` (see `generate`). Several backends separated by commas (`faulty,rngd`) share the producer
     /// processes in turn, one backend each.
-    #[arg(long, default_value = "rngd")]
+    #[arg(long, default_value = "rngd", value_parser = producer_list)]
     pub producer: String,
     /// Producer processes (1 to 8; default: one per backend in `--producer`): this many prompts prefill at
     /// once, each while the live sequences keep decoding.
@@ -766,13 +766,13 @@ pub struct ServeBenchArgs {
     )]
     pub mixed: bool,
     /// `--mixed`: streams decoding (1 to 16).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "mixed", default_value_t = 2)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 2)]
     pub streams: u64,
     /// `--mixed`: long prompts sent at once while the streams decode (1 to 8).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "mixed", default_value_t = 2)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 2)]
     pub long_prompts: u64,
     /// `--mixed`: tokens per long prompt (1 to the context less one).
-    #[arg(long, value_parser = whole, allow_negative_numbers = true, requires = "mixed", default_value_t = 2048)]
+    #[arg(long, value_parser = whole, allow_negative_numbers = true, default_value_t = 2048)]
     pub long_prompt: u64,
     /// Print one JSON object instead of a table.
     #[arg(long)]
@@ -791,7 +791,8 @@ pub struct PdBenchArgs {
     /// runs beside it, so that the network path is measured against the memfd ring in the same run).
     #[arg(long, default_value = "rngd", value_parser = pd_producer)]
     pub producer: String,
-    /// Prompt lengths in tokens (each from 1 to the model's context, less the decoded tokens).
+    /// Prompt lengths in tokens, each from 2 (a token to prefill before the last, which the host runs) to
+    /// the model's context less the decoded tokens.
     #[arg(long, value_parser = whole, allow_negative_numbers = true, value_delimiter = ',', default_value = "128,512,2048", value_name = "N,...")]
     pub tokens: Vec<u64>,
     /// Tokens decoded after the first (1 to 4096).
@@ -830,6 +831,82 @@ pub fn unused_without_producer(cli: &Cli, matches: &clap::ArgMatches) -> Result<
                 format!("no {} with --producer local (local prefill starts no producer)", field.flag()),
                 found.unwrap_or_default(),
             ));
+        }
+    }
+    Ok(())
+}
+
+/// Flags whose value is free text, which may start with `-` (a prompt's list item), and what it is.
+const FREE_TEXT: [(&str, &str); 2] = [("--prompt", "the prompt's text"), ("--api-key", "a key")];
+
+/// Refuses a flag of [`FREE_TEXT`] followed by one of pdhost's own long flags (`--prompt --json`): a
+/// script that left the value out (`--prompt $EMPTY --json`) would otherwise send the flag as the value,
+/// and lose it. Checked on the raw arguments, before clap, whose first complaint would be about what
+/// follows (`--api-key --port 80`: "unexpected argument '80'"). `--prompt=--json` is the text itself.
+pub fn free_text_values(args: &[std::ffi::OsString]) -> Result<(), String> {
+    fn has_long(cmd: &clap::Command, name: &str) -> bool {
+        cmd.get_arguments().any(|a| a.get_long() == Some(name)) || cmd.get_subcommands().any(|c| has_long(c, name))
+    }
+    let cli = std::cell::OnceCell::new();
+    for pair in args.windows(2) {
+        let Some((flag, what)) = FREE_TEXT.iter().find(|(flag, _)| pair[0] == **flag) else { continue };
+        let Some(name) = pair[1].to_str().and_then(|v| v.strip_prefix("--")) else { continue };
+        let name = name.split_once('=').map_or(name, |(name, _)| name);
+        if ["help", "version"].contains(&name)
+            || has_long(cli.get_or_init(<Cli as clap::CommandFactory>::command), name)
+        {
+            let value = pair[1].to_string_lossy();
+            return Err(format!(
+                "{flag}: expected {what}, found the flag --{name} (was the value left out? {flag}={value} gives it as the value)"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Flags that mean something only beside another, by clap id: the command's path, the flag, the one it
+/// needs and why. Checked after parsing ([`needed_flags`]) rather than with clap's `requires`, whose
+/// error names only the missing flag, as if it were required on its own.
+const NEEDS: [(&[&str], &str, &str, &str); 8] = [
+    (&["generate"], "top_p", "temperature", "without it decoding is greedy"),
+    (&["generate"], "top_k", "temperature", "without it decoding is greedy"),
+    (&["generate"], "min_p", "temperature", "without it decoding is greedy"),
+    (&["generate"], "seed", "temperature", "without it decoding is greedy"),
+    (&["generate"], "logprobs", "json", "the log-probabilities are in the JSON"),
+    (&["bench", "serve"], "streams", "mixed", "it sets up the mixed run"),
+    (&["bench", "serve"], "long_prompts", "mixed", "it sets up the mixed run"),
+    (&["bench", "serve"], "long_prompt", "mixed", "it sets up the mixed run"),
+];
+
+/// Refuses a flag of [`NEEDS`] typed without the flag it needs, naming both.
+pub fn needed_flags(matches: &clap::ArgMatches) -> Result<(), String> {
+    let typed = |m: &clap::ArgMatches, id: &str| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+    let flag = |id: &str| format!("--{}", id.replace('_', "-"));
+    for (path, id, needed, why) in NEEDS {
+        let Some(sub) = path.iter().try_fold(matches, |m, name| m.subcommand_matches(name)) else { continue };
+        if typed(sub, id) && !typed(sub, needed) {
+            return Err(format!("{}: expected {} with it ({why}), found none", flag(id), flag(needed)));
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a value given twice in a list flag of a `bench` command (`--threads 1,1`): each value is a
+/// case to run, and the second would run it again (minutes of a `bench model`).
+pub fn distinct_cases(matches: &clap::ArgMatches) -> Result<(), String> {
+    let Some(("bench", bench)) = matches.subcommand() else { return Ok(()) };
+    let Some((name, sub)) = bench.subcommand() else { return Ok(()) };
+    let cli = <Cli as clap::CommandFactory>::command();
+    let Some(command) = cli.find_subcommand("bench").and_then(|b| b.find_subcommand(name)) else { return Ok(()) };
+    for arg in command.get_arguments().filter(|a| a.get_value_delimiter() == Some(',')) {
+        let id = arg.get_id().as_str();
+        if sub.value_source(id) != Some(clap::parser::ValueSource::CommandLine) {
+            continue;
+        }
+        let values: Vec<_> = sub.get_raw(id).into_iter().flatten().collect();
+        if let Some(twice) = values.iter().enumerate().find_map(|(i, v)| values[..i].contains(v).then_some(v)) {
+            let flag = arg.get_long().unwrap_or(id);
+            return Err(format!("--{flag}: expected each value once, found {} twice", twice.to_string_lossy()));
         }
     }
     Ok(())
@@ -903,6 +980,12 @@ fn api_key(text: &str) -> Result<String, String> {
     Ok(text.to_string())
 }
 
+/// `serve --producer`: backends separated by commas, each name trimmed (`rngd, gpu`), so that every
+/// later check sees `local` as `local`.
+fn producer_list(text: &str) -> Result<String, String> {
+    Ok(text.split(',').map(str::trim).collect::<Vec<_>>().join(","))
+}
+
 /// `serve --host`: an IP address, or `localhost` (the loopback address, as `vllm serve` and `llama-server`
 /// take it). Other names are refused rather than resolved: the address a server binds should not depend
 /// on a resolver.
@@ -915,7 +998,7 @@ fn listen_ip(text: &str) -> Result<std::net::IpAddr, String> {
 
 /// A token id of `--prompt-ids` (checked against the vocabulary later).
 fn token_id(text: &str) -> Result<u32, String> {
-    text.parse().map_err(|_| format!("expected a token id, a whole number from 0 to {}", u32::MAX))
+    text.trim().parse().map_err(|_| format!("expected a token id, a whole number from 0 to {}", u32::MAX))
 }
 
 /// `--logit-bias`: `ID:BIAS` pairs separated by commas.

@@ -27,14 +27,23 @@ fn main() -> ExitCode {
         cmd::errln!("error: making the host non-dumpable (prctl PR_SET_DUMPABLE 0): {e}");
         return ExitCode::FAILURE;
     }
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if let Err(refusal) = cli::free_text_values(&args) {
+        cmd::errln!("error: {refusal} (see --help)");
+        return ExitCode::from(2);
+    }
     let parsed = cli::Cli::command()
-        .try_get_matches()
+        .try_get_matches_from(args)
         .and_then(|matches| cli::Cli::from_arg_matches(&matches).map(|cli| (cli, matches)));
     let cli = match parsed {
-        Ok((cli, matches)) => match cli::unused_without_producer(&cli, &matches) {
+        Ok((cli, matches)) => match cli::unused_without_producer(&cli, &matches)
+            .map_err(|invalid| invalid.to_string())
+            .and_then(|()| cli::needed_flags(&matches))
+            .and_then(|()| cli::distinct_cases(&matches))
+        {
             Ok(()) => cli,
-            Err(invalid) => {
-                cmd::errln!("error: {invalid}");
+            Err(refusal) => {
+                cmd::errln!("error: {refusal}");
                 return ExitCode::from(2);
             }
         },

@@ -669,6 +669,34 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
         }
     }
     let more = vec![
+        // A free-text flag whose value was left out takes no other flag as its value.
+        tiny_gen("prompt without its value", &["--prompt", "--json"])
+            .refused(2, &["--prompt: expected the prompt's text, found the flag --json"]),
+        case("serve api-key without its value", &["serve", "--api-key", "--port", "0"])
+            .refused(2, &["--api-key: expected a key, found the flag --port"]),
+        // A flag that means nothing without another names both.
+        tiny_gen("top-p without temperature", &["--top-p", "0.5"])
+            .refused(2, &["--top-p: expected --temperature with it (without it decoding is greedy), found none"]),
+        tiny_gen("logprobs without json", &["--logprobs", "2"]).refused(2, &["--logprobs: expected --json with it"]),
+        case("bench serve streams without mixed", &["bench", "serve", "--streams", "3"])
+            .refused(2, &["--streams: expected --mixed with it"]),
+        // A bench case given twice would run twice.
+        case("bench model threads twice", &["bench", "model", "--no-llama-cpp", "--threads", "1,2,1"])
+            .refused(2, &["--threads: expected each value once, found 1 twice"]),
+        case("bench ring sizes twice", &["bench", "ring", "--sizes", "4,4"])
+            .refused(2, &["--sizes: expected each value once, found 4 twice"]),
+        // A server's context holds a prompt token and an output token.
+        case("serve context 1", &["serve", "--model", &tiny(), "--producer", "local", "--context", "1"])
+            .refused(2, &["--context: expected 2 to 2048 tokens", "found 1"]),
+        case("bench serve context 1", &["bench", "serve", "--context", "1"]).refused(2, &["--context: expected 2 to"]),
+        // What the server a bench starts would refuse, the bench refuses itself, in one line.
+        case("bench serve producers 0", &["bench", "serve", "--producers", "0"])
+            .refused(2, &["--producers: expected 1 to 8, found 0"]),
+        case("bench serve prefill-chunk past the context", &["bench", "serve", "--context", "64", "--prefill-chunk", "65"])
+            .refused(2, &["--prefill-chunk: expected 0 to 64, found 65"]),
+        // A server's producer names are trimmed before any check.
+        case("serve local with spaces", &["serve", "--producer", " local", "--producer-memory=512"])
+            .refused(2, &["--producer-memory: expected no --producer-memory with --producer local"]),
         // A server's producers, refused before a model loads.
         case("serve producer list with local", &["serve", "--producer", "local,rngd"])
             .refused(2, &["--producer: expected one producer, or backends separated by commas (`local` alone)"]),

@@ -897,7 +897,7 @@ impl HfConfig {
         let text = std::fs::read_to_string(&path).map_err(|source| LoadError::Io { path: path.clone(), source })?;
         let json = serde_json::from_str(&text).map_err(|e| LoadError::Checkpoint {
             path: path.clone(),
-            what: "config.json".into(),
+            what: "its text".into(),
             expected: "JSON".into(),
             found: e.to_string(),
         })?;

@@ -34,13 +34,16 @@ struct Check {
 }
 
 /// Deterministic prompts of the given lengths, inside the vocabulary, avoiding the lowest ids (special
-/// tokens in both shipped models).
+/// tokens in both shipped models) where the vocabulary has more.
 fn prompts(vocab: usize) -> Vec<Vec<u32>> {
-    let span = (vocab.saturating_sub(4)).max(1) as u64;
+    let low: usize = if vocab > 4 { 4 } else { 0 };
+    let span = (vocab - low).max(1) as u64;
     PROMPT_LENS
         .iter()
         .enumerate()
-        .map(|(p, &len)| (0..len as u64).map(|i| (4 + (i * 7919 + p as u64 * 104_729) % span) as u32).collect())
+        .map(|(p, &len)| {
+            (0..len as u64).map(|i| (low as u64 + (i * 7919 + p as u64 * 104_729) % span) as u32).collect()
+        })
         .collect()
 }
 
@@ -476,4 +479,16 @@ fn print_report(r: &Report) -> anyhow::Result<()> {
         outln!("FAIL: {}", failed.join(", "))?;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn prompts_stay_inside_the_vocabulary() {
+        for vocab in [1, 2, 4, 5, 49_152] {
+            let ids = super::prompts(vocab);
+            assert!(ids.iter().flatten().all(|&t| (t as usize) < vocab), "vocabulary of {vocab}");
+            assert!(vocab <= 4 || ids.iter().flatten().all(|&t| t >= 4), "vocabulary of {vocab}: no special ids");
+        }
+    }
 }

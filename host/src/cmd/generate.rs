@@ -65,7 +65,8 @@ impl Opened {
             ModelSource::HfDir(dir) => {
                 let config = Config::from_hf_dir(dir)?;
                 let json = dir.join("tokenizer.json");
-                let tokenizer = if json.is_file() { Some(Tokenizer::from_file(&json)?) } else { None };
+                // Absent: a model without a tokenizer (ids in, ids out); anything else there must be one.
+                let tokenizer = if json.exists() { Some(Tokenizer::from_file(&json)?) } else { None };
                 if let Some(t) = &tokenizer {
                     fits_vocab(t, &config, &json)?;
                 }

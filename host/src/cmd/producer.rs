@@ -43,7 +43,11 @@ pub fn memory_limit(mib: Option<u64>) -> Result<u64, Invalid> {
     let total_mib = (total.totalram as u64 * u64::from(total.mem_unit)) >> 20;
     let mib = match mib {
         None => total_mib / 2,
-        Some(m) => pdhost::request::check_count(Field::ProducerMemory, m, 64, total_mib.max(64))?,
+        Some(m) => {
+            let max = total_mib.max(64);
+            pdhost::request::check_count(Field::ProducerMemory, m, 64, max)
+                .map_err(|e| Invalid { expected: format!("64 to {max} MiB (this machine's memory)"), ..e })?
+        }
     };
     Ok(mib << 20)
 }

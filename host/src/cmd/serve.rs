@@ -45,18 +45,8 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     )?);
     let slots = request::check_count(Field::Slots, args.slots, 1, MAX_SLOTS)? as u32;
     let backend_config = input::check_backend_config(args.backend_config.as_deref(), &args.producer)?;
-    let backends = backends(&args.producer)?;
+    let (backends, count) = producer_processes(&args.producer, args.producers)?;
     let max_restarts = request::check_count(Field::MaxRestarts, args.max_restarts, 0, MAX_RESTARTS)? as u32;
-    let producers = args.producers.unwrap_or(backends.len() as u64);
-    let count = request::check_count(Field::Producers, producers, backends.len() as u64, MAX_PRODUCERS)?;
-    if backends == ["local"] && count > 1 {
-        return Err(request::Invalid::new(
-            Field::Producers,
-            "1 with --producer local (prompts prefill in the server, between decode rounds)",
-            count,
-        )
-        .into());
-    }
     let source = input::model_source(&args.model)?;
     let choice = super::producer::Choice {
         field: Field::Producer,
@@ -80,7 +70,7 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
 
     let mut opened = Opened::open(&source, true)?;
     let context = args.context.unwrap_or(DEFAULT_CONTEXT.min(opened.config.context as u64));
-    let limits = Limits::new(&opened.name, &opened.config, Some(context))?;
+    let limits = Limits::serving(&opened.name, &opened.config, context)?;
     let page_size = request::check_page_size(args.page_size, &limits)?;
     let dtype = args.kv_dtype.dtype();
     let prefix_cache = args.prefix_cache == crate::cli::Switch::On;
@@ -228,9 +218,33 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// The backends of `--producer`: one name, or several separated by commas (`local` only alone).
+/// The backends of `--producer`, and how many producer processes take them in turn (`--producers`: by
+/// default one per backend).
+pub(super) fn producer_processes(producer: &str, producers: Option<u64>) -> Result<(Vec<&str>, u64), request::Invalid> {
+    let backends = backends(producer)?;
+    let count = producers.unwrap_or(backends.len() as u64);
+    let count = request::check_count(Field::Producers, count, backends.len() as u64, MAX_PRODUCERS)?;
+    if backends == ["local"] && count > 1 {
+        return Err(request::Invalid::new(
+            Field::Producers,
+            "1 with --producer local (prompts prefill in the server, between decode rounds)",
+            count,
+        ));
+    }
+    Ok((backends, count))
+}
+
+/// The backends of `--producer` (trimmed by the parser): one name, or several separated by commas (`local`
+/// only alone).
 fn backends(producer: &str) -> Result<Vec<&str>, request::Invalid> {
-    let names: Vec<&str> = producer.split(',').map(str::trim).collect();
+    let names: Vec<&str> = producer.split(',').collect();
+    if names.iter().any(|n| n.is_empty()) {
+        return Err(request::Invalid::new(
+            Field::Producer,
+            "backend names separated by commas, none of them empty",
+            format_args!("{producer:?}"),
+        ));
+    }
     if names.len() as u64 > MAX_PRODUCERS {
         return Err(request::Invalid::new(
             Field::Producer,
@@ -238,7 +252,7 @@ fn backends(producer: &str) -> Result<Vec<&str>, request::Invalid> {
             format_args!("{} in {producer:?}", names.len()),
         ));
     }
-    if names.len() > 1 && names.iter().any(|n| n.is_empty() || *n == "local") {
+    if names.len() > 1 && names.contains(&"local") {
         return Err(request::Invalid::new(
             Field::Producer,
             "one producer, or backends separated by commas (`local` alone)",

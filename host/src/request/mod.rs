@@ -337,6 +337,19 @@ impl Limits {
         Ok(limits)
     }
 
+    /// [`Limits::new`] for a server, whose context must hold a prompt token and an output token: every
+    /// request asks for one token at least.
+    pub fn serving(model: &str, config: &Config, context: u64) -> Result<Self, Invalid> {
+        if context == 1 && config.context > 1 {
+            return Err(Invalid::new(
+                Field::Context,
+                format!("2 to {} tokens (a request's prompt token and output token at least)", config.context),
+                context,
+            ));
+        }
+        Limits::new(model, config, Some(context))
+    }
+
     fn context_name(&self) -> String {
         if self.operator_context {
             format!("the {}-token --context", self.context)

@@ -156,6 +156,8 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         Err(e) => return Err(e.into()),
     }
     if args.url.is_none() {
+        // What the started server would refuse, refused here: its error would come nested in ours.
+        crate::cmd::serve::producer_processes(&args.producer, args.producers)?;
         check_producer(&args.producer)?;
     }
     let path = super::fetched(&name, args.json)?;
@@ -165,8 +167,11 @@ pub fn run(args: &ServeBenchArgs) -> anyhow::Result<ExitCode> {
         Some(c) => c,
         None => args.context.unwrap_or(DEFAULT_CONTEXT.min(config.context as u64)),
     };
-    let limits = Limits::new(&name, &config, Some(context))?;
+    let limits = Limits::serving(&name, &config, context)?;
     let context = limits.context as u64;
+    if let Some(chunk) = args.prefill_chunk {
+        request::check_count(Field::PrefillChunk, chunk, 0, context)?;
+    }
     let longest_output = *args.outputs.iter().max().expect("checked non-empty");
     let why = if context - 1 < MAX_OUTPUT {
         format!(" (the {context}-token context less a prompt token)")
