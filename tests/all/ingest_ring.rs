@@ -2,10 +2,10 @@
 
 use std::time::{Duration, Instant};
 
-use pdhost::kv::{IntoSequence, KvConfig, PagedKv, SeqId};
+use pdhost::kv::{IntoSequence, KvConfig, PagedKv, Rounding, SeqId};
 use shm_format::ring::RingGeometry;
 use shm_format::testing::pattern;
-use shm_format::{encode_frame, Dtype, EntryKind, KvGeometry, Manifest};
+use shm_format::{encode_frame, Dtype, EntryKind, GroupKind, KvGeometry, Manifest};
 use shm_ring::{create_ring, RingError, RingWriter, TakeError};
 
 fn gemma_like() -> KvGeometry {
@@ -90,4 +90,67 @@ fn a_span_the_cache_refuses_is_skipped_and_the_ring_goes_on() {
     writer.write_span(&right, soon(), |p| p.fill(9)).unwrap();
     ring.take_into(&mut into(&mut kv, Dtype::Bf16)).unwrap().expect("next frame");
     assert_eq!(kv.seq_len(SeqId(1)), Some(10));
+}
+
+/// With the prefix cache on and too few free pages, a span from the ring needs cached prefix pages. A
+/// frame whose payload turns out corrupt (after the cache had begun to receive it) must not cost the
+/// prefix cache those pages: the cache is as it was, and the prefix still hits. A good frame after it
+/// takes them, and its bytes read back.
+#[test]
+fn a_bad_frame_costs_the_prefix_cache_nothing() {
+    let g = gemma_like();
+    let mut config = KvConfig::new(g.clone(), Dtype::Bf16, 2 << 20);
+    config.max_seqs = 2;
+    let mut kv = PagedKv::new(config).unwrap();
+    kv.enable_prefix_cache();
+    let page = u64::from(kv.page_size());
+    let full = |kv: &PagedKv| kv.usage().into_iter().find(|u| u.kind == GroupKind::Full).unwrap();
+    let mut ring = create_ring("prefix", RingGeometry::new(2, 4 << 20).unwrap(), 1).unwrap();
+    let mut writer = RingWriter::open(ring.peer_fds().map(|fd| fd.try_clone_to_owned().unwrap())).unwrap();
+    let rounding = Rounding::host(Dtype::Bf16);
+
+    // Sequence 1 fills all full pages but one, and leaves them to the prefix cache.
+    let cached = u64::from(full(&kv).total) - 1;
+    let prompt: Vec<u32> = (0..(cached * page) as u32).collect();
+    kv.add_sequence(SeqId(1), 1).unwrap();
+    let m = Manifest::grouped(&g, 1, 0..prompt.len() as u64, Dtype::Bf16);
+    writer.write_span(&m, soon(), |p| p.copy_from_slice(&pattern(m.payload_len(), 1))).unwrap();
+    let end = prompt.len() as u64;
+    ring.take_into(&mut IntoSequence { kv: &mut kv, seq: SeqId(1), end, dtype: Dtype::Bf16 }).unwrap().unwrap();
+    kv.register_prefix(SeqId(1), &prompt, rounding);
+    kv.remove_sequence(SeqId(1)).unwrap();
+    assert_eq!((full(&kv).cached, full(&kv).free), (cached as u32, 1));
+
+    // Sequence 2's span needs four full pages: the free one and three cached ones.
+    kv.add_sequence(SeqId(2), 2).unwrap();
+    let before = kv.state_hash();
+    let span = Manifest::grouped(&g, 2, 0..4 * page, Dtype::Bf16);
+    let payload = pattern(span.payload_len(), 2);
+    let mut slot = writer.reserve(soon()).unwrap();
+    let mut frame = encode_frame(&span, &payload, slot.coords());
+    *frame.last_mut().unwrap() ^= 0x40;
+    slot.frame_mut()[..frame.len()].copy_from_slice(&frame);
+    slot.commit();
+    fn into(kv: &mut PagedKv, end: u64) -> IntoSequence<'_> {
+        IntoSequence { kv, seq: SeqId(2), end, dtype: Dtype::Bf16 }
+    }
+    let err = ring.take_into(&mut into(&mut kv, 4 * page)).unwrap_err();
+    assert!(matches!(&err, TakeError::Ring(RingError::Span { source, .. }) if source.kind() == "checksum_mismatch"));
+    assert_eq!(kv.state_hash(), before, "the cached pages, their bytes and the prefix index as they were");
+    kv.add_sequence(SeqId(3), 3).unwrap();
+    assert_eq!(kv.attach_prefix(SeqId(3), &prompt, rounding).tokens, prompt.len() as u64, "the whole prefix hits");
+    kv.remove_sequence(SeqId(3)).unwrap();
+
+    // The ring is poisoned by the bad frame; a new one (a restarted producer's) brings the good span.
+    let mut ring = create_ring("prefix", RingGeometry::new(2, 4 << 20).unwrap(), 2).unwrap();
+    let mut writer = RingWriter::open(ring.peer_fds().map(|fd| fd.try_clone_to_owned().unwrap())).unwrap();
+    writer.write_span(&span, soon(), |p| p.copy_from_slice(&payload)).unwrap();
+    ring.take_into(&mut into(&mut kv, 4 * page)).unwrap().expect("committed");
+    assert_eq!((full(&kv).cached, full(&kv).free), (cached as u32 - 3, 0));
+    let e = span.entries.iter().find(|e| e.layer == 2 && e.kind == EntryKind::K).unwrap();
+    let read = kv.read(SeqId(2), 2).unwrap().to_bytes();
+    assert!(read.0 == payload[e.offset as usize..(e.offset + e.len) as usize], "full layer K through the ring");
+    // Three of the prefix's pages were taken: a new request finds less of it.
+    kv.add_sequence(SeqId(4), 4).unwrap();
+    assert!(kv.attach_prefix(SeqId(4), &prompt, rounding).tokens <= (cached - 3) * page);
 }

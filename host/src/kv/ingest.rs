@@ -203,6 +203,8 @@ struct Run {
     group: usize,
     /// Byte offset in the group's pool.
     dst: usize,
+    /// Where a run bound for a cached page waits until commit: its byte offset in [`PagedKv::side`].
+    side: Option<usize>,
 }
 
 /// What the receiver must do to each group.
@@ -210,8 +212,10 @@ struct Run {
 struct GroupPlan {
     /// Logical page index of the first new page.
     first_new: u64,
-    /// Pages reserved, in logical order.
+    /// Pages reserved, in logical order: taken from the free list, then (the last `from_cache`) cached
+    /// prefix pages, which stay cached, unwritten, until commit.
     new_pages: Vec<u32>,
+    from_cache: usize,
 }
 
 /// A validated span with its pages reserved: write its payload, then commit or abort.
@@ -249,24 +253,39 @@ impl PagedKv {
 
     fn stage(&mut self, seq: SeqId, manifest: &Manifest, asked: Option<(u64, Dtype)>) -> Result<Staged, IngestError> {
         let (needed, keep_from) = self.validate(seq, manifest, asked)?;
-        // Every check passed: from here on nothing can fail.
+        // Every check passed: from here on nothing can fail. Free pages first; past them, the cached
+        // prefix pages `take_page` would evict, in its order, only named here: the frame may still turn
+        // out bad (its checksum is checked after the copy), and a rejected span must not cost the prefix
+        // cache its pages. Their runs go to `side` until commit.
         let mut groups = Vec::with_capacity(self.groups.len());
-        for (gi, &(first_new, count)) in needed.iter().enumerate() {
-            let new_pages = (0..count).map(|_| self.take_page(gi)).collect();
-            groups.push(GroupPlan { first_new, new_pages });
+        for (g, &(first_new, count)) in self.groups.iter_mut().zip(&needed) {
+            let from_free = (count as usize).min(g.free.len());
+            let mut new_pages: Vec<u32> = (0..from_free).map(|_| g.free.pop().expect("counted")).collect();
+            new_pages.extend(g.cached.values().take(count as usize - from_free));
+            groups.push(GroupPlan { first_new, from_cache: new_pages.len() - from_free, new_pages });
         }
         let s = &self.seqs[&seq];
         let p = u64::from(self.page_size);
         let (start, end) = (manifest.token_start, manifest.token_end);
         let src_es = manifest.dtype.size();
         let mut runs = Vec::new();
+        let mut side = 0;
+        // A run into one of the plan's cached pages gets the next bytes of `side`.
+        let mut run = |src: u64, len: u64, group: usize, dst: usize, page: u32, plan: &GroupPlan| {
+            let cached = plan.new_pages[plan.new_pages.len() - plan.from_cache..].contains(&page);
+            let at = cached.then(|| {
+                side += converted_len(manifest.dtype, self.dtype, len as usize);
+                side - converted_len(manifest.dtype, self.dtype, len as usize)
+            });
+            Run { src, len, group, dst, side: at }
+        };
         for e in &manifest.entries {
             let place = self.places[e.layer as usize];
             let g = &self.groups[place.group];
             let plan = &groups[place.group];
             if !g.is_attention() {
-                let dst = g.state_offset(plan.new_pages[0], place.slot);
-                runs.push(Run { src: e.offset, len: e.len, group: place.group, dst });
+                let page = plan.new_pages[0];
+                runs.push(run(e.offset, e.len, place.group, g.state_offset(page, place.slot), page, plan));
                 continue;
             }
             let table = &s.tables[place.group];
@@ -282,11 +301,14 @@ impl PagedKv {
                 };
                 let dst = g.row_offset(page, place.slot, e.kind == EntryKind::V, (pos % p) as usize, p as usize);
                 let src = e.offset + (pos - start) * src_row;
-                runs.push(Run { src, len: (run_end - pos) * src_row, group: place.group, dst });
+                runs.push(run(src, (run_end - pos) * src_row, place.group, dst, page, plan));
                 pos = run_end;
             }
         }
         runs.sort_by_key(|r| r.src);
+        if self.side.len() < side {
+            self.side.resize(side, 0);
+        }
         Ok(Staged { seq, end, src_dtype: manifest.dtype, groups, runs, cursor: 0 })
     }
 
@@ -424,9 +446,12 @@ impl PagedKv {
             let b = (run.src + run.len).min(end);
             if a < b {
                 let src = &bytes[(a - offset) as usize..(b - offset) as usize];
-                let dst_at = run.dst + converted_len(from, to, (a - run.src) as usize);
-                let pool = &mut self.groups[run.group].pool;
-                convert(from, src, to, &mut pool[dst_at..dst_at + converted_len(from, to, src.len())]);
+                let into = converted_len(from, to, (a - run.src) as usize);
+                let (dst, at) = match run.side {
+                    Some(side) => (&mut self.side[..], side + into),
+                    None => (&mut self.groups[run.group].pool[..], run.dst + into),
+                };
+                convert(from, src, to, &mut dst[at..at + converted_len(from, to, src.len())]);
             }
             if run.src + run.len <= end {
                 staged.cursor += 1;
@@ -436,8 +461,21 @@ impl PagedKv {
         }
     }
 
-    /// Links the staged pages into the sequence's block tables and extends it, in one step.
+    /// Links the staged pages into the sequence's block tables and extends it, in one step. Cached
+    /// prefix pages the span needed leave the prefix cache only now, and take their bytes from `side`.
     pub fn commit(&mut self, staged: Staged) {
+        for (gi, plan) in staged.groups.iter().enumerate() {
+            for &page in &plan.new_pages[plan.new_pages.len() - plan.from_cache..] {
+                self.evict(gi, page);
+            }
+        }
+        let to = self.dtype;
+        for run in &staged.runs {
+            if let Some(side) = run.side {
+                let len = converted_len(staged.src_dtype, to, run.len as usize);
+                self.groups[run.group].pool[run.dst..run.dst + len].copy_from_slice(&self.side[side..side + len]);
+            }
+        }
         let p = u64::from(self.page_size);
         let s = self.seqs.get_mut(&staged.seq).expect("a staged sequence stays live until commit or abort");
         let (len, end) = (s.len, staged.end);
@@ -475,12 +513,13 @@ impl PagedKv {
         }
     }
 
-    /// Returns a staged span's pages to the free lists. Without a prefix cache the free lists are restored
-    /// exactly; a cached page the span took stays free (its bytes may be overwritten). The bytes already
-    /// written stay where no read reaches them: in the reserved pages (never linked) and past the
-    /// sequence's end in its last page (until a later span overwrites them).
+    /// Returns a staged span's free pages to the free lists, restored exactly; the cached pages it named
+    /// were never taken from the prefix cache, nor written. The bytes already written stay where no read
+    /// reaches them: in the reserved free pages (never linked), in `side`, and past the sequence's end in
+    /// its last page (until a later span overwrites them).
     pub fn abort(&mut self, staged: Staged) {
-        for (g, plan) in self.groups.iter_mut().zip(staged.groups) {
+        for (g, mut plan) in self.groups.iter_mut().zip(staged.groups) {
+            plan.new_pages.truncate(plan.new_pages.len() - plan.from_cache);
             g.free.extend(plan.new_pages.into_iter().rev());
         }
     }

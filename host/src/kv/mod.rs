@@ -252,6 +252,9 @@ pub struct PagedKv {
     pub(crate) seqs: BTreeMap<SeqId, Seq>,
     /// Full pages of prompts, by content (`None`: the prefix cache is off).
     pub(crate) prefix: Option<prefix::PrefixIndex>,
+    /// Where a staged span's runs into cached prefix pages wait for its commit (see `PagedKv::commit`):
+    /// grown on first need, then kept.
+    pub(crate) side: Vec<u8>,
 }
 
 impl PagedKv {
@@ -366,6 +369,7 @@ impl PagedKv {
             places,
             seqs: BTreeMap::new(),
             prefix: None,
+            side: Vec::new(),
         })
     }
 
@@ -483,17 +487,23 @@ impl PagedKv {
         }
     }
 
-    /// A page for a new span: a free one, else the least recently released cached one (its prefix block
+    /// A page to write: a free one, else the least recently released cached one (its prefix block
     /// forgets it).
     pub(crate) fn take_page(&mut self, group: usize) -> u32 {
-        let g = &mut self.groups[group];
-        if let Some(page) = g.free.pop() {
+        if let Some(page) = self.groups[group].free.pop() {
             return page;
         }
-        let (_, page) = g.cached.pop_first().expect("capacity checked");
+        let page = *self.groups[group].cached.values().next().expect("capacity checked");
+        self.evict(group, page);
+        page
+    }
+
+    /// Takes the cached `page` out of the prefix cache: its prefix block forgets it.
+    pub(crate) fn evict(&mut self, group: usize, page: u32) {
+        let g = &mut self.groups[group];
+        g.cached.remove(&g.cached_at[page as usize]);
         g.cached_at[page as usize] = 0;
         self.prefix.as_mut().expect("cached pages exist only with a prefix index").forget(group, page);
-        page
     }
 
     /// Pages used and free per group.

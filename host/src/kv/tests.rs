@@ -423,11 +423,13 @@ fn layer_bytes(kv: &PagedKv, seq: SeqId, layer: u32) -> (std::ops::Range<u64>, V
     (read.positions, k, v)
 }
 
-/// A span that took cached pages and was then aborted (its checksum failed once its copy had begun)
-/// costs the prefix those pages held, nothing more: a later request misses it rather than reading bytes
-/// the span half overwrote, the pages are free again, and a live sequence's bytes are untouched.
+/// A span that needs cached prefix pages takes them out of the prefix cache only at its commit. Aborted
+/// (its checksum failed once its copy had begun), it leaves the cache exactly as it was, the prefix index,
+/// the cached pages and their bytes included: a producer's bad frames cannot flush the prefix cache.
+/// Committed, its bytes land in those pages (by way of the side buffer), the prefix they held is
+/// forgotten, and a live sequence's bytes are untouched either way.
 #[test]
-fn an_aborted_span_that_took_cached_pages_forgets_their_prefix() {
+fn a_span_takes_cached_pages_only_at_its_commit() {
     let g = sliding_and_full();
     let mut kv = cache(g.clone(), Dtype::F32, 4, 12 * 64 + 8 * 64);
     kv.enable_prefix_cache();
@@ -444,15 +446,32 @@ fn an_aborted_span_that_took_cached_pages_forgets_their_prefix() {
 
     // Six full pages: the two free ones, then the four cached ones, written and then aborted.
     kv.add_sequence(SeqId(3), 3).unwrap();
+    let before = kv.state_hash();
     let m = Manifest::grouped(&g, 3, 0..24, Dtype::F32);
+    let payload = payload_for(&m, 9);
     let mut staged = kv.prepare(SeqId(3), &m).unwrap();
-    kv.write_staged(&mut staged, 0, &payload_for(&m, 9));
+    kv.write_staged(&mut staged, 0, &payload);
     kv.abort(staged);
-    assert_eq!(kv.seq_len(SeqId(3)), Some(0));
-    kv.remove_sequence(SeqId(3)).unwrap();
-
+    assert_eq!(kv.state_hash(), before, "the cached pages, their bytes and the prefix index as they were");
     let full = kv.usage()[1].clone();
-    assert_eq!((full.used, full.cached, full.free), (2, 0, 6), "the taken pages are free, not cached");
+    assert_eq!((full.used, full.cached, full.free), (2, 4, 2));
+
+    // Committed, written in uneven pieces (runs cut across the side buffer and the pool).
+    let mut staged = kv.prepare(SeqId(3), &m).unwrap();
+    let mut at = 0;
+    for piece in payload.chunks(52) {
+        kv.write_staged(&mut staged, at, piece);
+        at += piece.len() as u64;
+    }
+    kv.commit(staged);
+    let full = kv.usage()[1].clone();
+    assert_eq!((full.used, full.cached, full.free), (8, 0, 0), "the cached pages are sequence 3's now");
+    let mut alone = cache(g.clone(), Dtype::F32, 4, 12 * 64 + 8 * 64);
+    alone.add_sequence(SeqId(3), 3).unwrap();
+    ingest(&mut alone, SeqId(3), &m, &payload).unwrap();
+    for layer in 0..2 {
+        assert_eq!(layer_bytes(&kv, SeqId(3), layer), layer_bytes(&alone, SeqId(3), layer), "layer {layer}");
+    }
     kv.add_sequence(SeqId(4), 4).unwrap();
     assert_eq!(kv.attach_prefix(SeqId(4), &a, Rounding::host(Dtype::F32)).tokens, 0, "the prefix is forgotten");
     assert_eq!((layer_bytes(&kv, SeqId(2), 0), layer_bytes(&kv, SeqId(2), 1)), live);
