@@ -448,6 +448,34 @@ fn the_end_of_request_entry_is_called() {
     assert_eq!(p.metrics().restarts, 0);
 }
 
+/// A reply is taken only from the process that sent it: after a restart, whose ring numbers its frames
+/// from 0 again, the old reply (frame 0 of the old ring) is refused rather than matched to the new ring's
+/// frame 0, and the cache is unchanged.
+#[test]
+fn a_reply_from_a_process_since_restarted_is_refused() {
+    let _serial = serial();
+    let mut e = engine(&gemma(), Dtype::F32);
+    let mut p =
+        producer(&e, builtin("rngd"), config(&gemma(), Dtype::F32, serde_json::json!({})), Duration::from_secs(30));
+    let (seq, _) = e.prefill(&[], 0, PrefillBy::Local).unwrap();
+    let call = pdhost::supervisor::PrefillCall {
+        request_id: seq.0,
+        start_pos: 0,
+        tokens: PROMPT[..4].to_vec(),
+        context: Vec::new(),
+    };
+    let stale = p.submit(&call).unwrap();
+    p.shutdown();
+    p.start().unwrap();
+    let fresh = p.submit(&call).unwrap();
+    assert_eq!(stale.sequence(), fresh.sequence(), "both rings' first frame");
+    let before = e.kv.state_hash();
+    let err = p.take(stale, &mut e.kv, seq).expect_err("a reply of the old process");
+    assert!(matches!(err, ProducerError::Protocol { .. }), "{err}");
+    assert!(err.to_string().contains("the process of epoch"), "{err}");
+    assert_eq!(e.kv.state_hash(), before);
+}
+
 /// A backend that takes at most 4 tokens per call says so in its capabilities, and the host chunks a
 /// prompt asked for in one span to fit.
 #[test]

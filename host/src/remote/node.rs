@@ -187,6 +187,14 @@ fn run_session(stream: &TcpStream, config: &NodeConfig, session: u64) -> Result<
             format!("ring: expected {} data bytes for its geometry, found {}", ring.data_len(), hello.data_len);
         return Err(refuse(stream, "link", 0, message));
     }
+    // Every WRITE lands at `data_addr` plus an offset inside the ring: checked once here.
+    if hello.data_addr.checked_add(hello.data_len).is_none() {
+        let message = format!(
+            "ring: expected a data address whose {} bytes end below 2^64, found {:#x}",
+            hello.data_len, hello.data_addr
+        );
+        return Err(refuse(stream, "link", 0, message));
+    }
     // The node allocates and prefaults a session's ring itself, before its producer starts: a peer's hello
     // may ask for 1024 slots of 16 GiB. A ring is held to what the node lets one producer have
     // (`--producer-memory`, by default half of this machine's memory).

@@ -169,6 +169,9 @@ pub struct Pending {
     /// Tokens sent: the call's, at most the backend's `max_tokens`.
     tokens: u64,
     sequence: u64,
+    /// The epoch of the process that announced it: a restarted process's ring numbers its frames from 0
+    /// again, so the sequence alone could match another process's frame.
+    epoch: u64,
     backend_ns: u64,
     frame_ns: u64,
     started: Instant,
@@ -823,7 +826,8 @@ impl Producer {
             let reply = self.receive(&mut running, deadline, "awaiting a prefill")?;
             match reply {
                 FromProducer::Done { request_id: r, sequence, backend_ns, frame_ns } if r == request_id => {
-                    Ok(Pending { request_id, end, tokens, sequence, backend_ns, frame_ns, started })
+                    let epoch = running.ring.epoch();
+                    Ok(Pending { request_id, end, tokens, sequence, epoch, backend_ns, frame_ns, started })
                 }
                 FromProducer::Unwritten { request_id: r, message } if r == request_id => {
                     Err(ProducerError::Unwritten { name: name.clone(), message })
@@ -910,21 +914,8 @@ impl Producer {
 
     fn take_frame(&mut self, pending: Pending, kv: &mut PagedKv, seq: SeqId) -> Result<SpanTimes, ProducerError> {
         let name = self.spec.name.clone();
-        let Some(running) = self.running.as_mut() else {
-            return Err(ProducerError::Protocol {
-                name,
-                expected: format!("the process that announced frame {}", pending.sequence),
-                found: "no running process".into(),
-            });
-        };
+        let running = announcer(&name, self.running.as_mut(), &pending)?;
         let sequence = pending.sequence;
-        if sequence != running.ring.next_sequence() {
-            return Err(ProducerError::Protocol {
-                name,
-                expected: format!("frame {}", running.ring.next_sequence()),
-                found: format!("frame {sequence}"),
-            });
-        }
         let t = Instant::now();
         let before = kv.seq_len(seq).unwrap_or(0);
         let wire = running.described.wire_dtype().expect("checked at the handshake");
@@ -983,18 +974,9 @@ impl Producer {
         send: impl FnOnce(u64, &shm_format::HeaderInfo) -> Result<(), String>,
     ) -> Result<(shm_format::HeaderInfo, u32), ProducerError> {
         let name = self.spec.name.clone();
-        let forwarded = match self.running.as_mut() {
-            None => Err(ProducerError::Protocol {
-                name,
-                expected: format!("the process that announced frame {}", pending.sequence),
-                found: "no running process".into(),
-            }),
-            Some(running) if pending.sequence != running.ring.next_sequence() => Err(ProducerError::Protocol {
-                name,
-                expected: format!("frame {}", running.ring.next_sequence()),
-                found: format!("frame {}", pending.sequence),
-            }),
-            Some(running) => match running.ring.forward_frame(|offset, info| send(offset, info).map_err(Sent)) {
+        let forwarded = match announcer(&name, self.running.as_mut(), &pending) {
+            Err(e) => Err(e),
+            Ok(running) => match running.ring.forward_frame(|offset, info| send(offset, info).map_err(Sent)) {
                 Ok(Some(forwarded)) => Ok(forwarded),
                 Ok(None) => Err(ProducerError::Protocol {
                     name,
@@ -1148,6 +1130,26 @@ pub fn builtin_backend(name: &str) -> Result<PathBuf, MissingBackend> {
         Some(path) => Ok(path),
         None => Err(MissingBackend { name: name.to_string(), file, looked: dirs }),
     }
+}
+
+/// The running process whose reply announced `pending`'s frame, that frame being its ring's next: not a
+/// process started since (whose ring numbers frames from 0 again), nor a frame out of turn.
+fn announcer<'r>(
+    name: &str,
+    running: Option<&'r mut Running>,
+    pending: &Pending,
+) -> Result<&'r mut Running, ProducerError> {
+    let protocol = |expected: String, found: String| ProducerError::Protocol { name: name.into(), expected, found };
+    let expected = || format!("the process of epoch {} that announced frame {}", pending.epoch, pending.sequence);
+    let running = running.ok_or_else(|| protocol(expected(), "no running process".into()))?;
+    if running.ring.epoch() != pending.epoch {
+        return Err(protocol(expected(), format!("a process of epoch {}", running.ring.epoch())));
+    }
+    if pending.sequence != running.ring.next_sequence() {
+        let next = running.ring.next_sequence();
+        return Err(protocol(format!("frame {next}"), format!("frame {}", pending.sequence)));
+    }
+    Ok(running)
 }
 
 /// Why a forwarded frame's transfer failed, as the ring's sink error.
