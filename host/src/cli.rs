@@ -755,8 +755,9 @@ pub struct ServeBenchArgs {
     /// Instead of the matrix: `--streams` streams decode while `--long-prompts` prompts of
     /// `--long-prompt` tokens arrive; their inter-token latency with and without the long prompts, for
     /// `--producer` (decode and the producer a core each) and for `--producer local` (prefill in the host,
-    /// in 256-token chunks between decode rounds), each in a server started for it. Greedy; `--precision`,
-    /// `--kv-dtype` and `--prefix-cache` go to both servers.
+    /// in 256-token chunks between decode rounds), each in a server started for it. The long prompts are
+    /// greedy, the streams sampled (temperature 0.8, a seed each); `--precision`, `--kv-dtype` and
+    /// `--prefix-cache` go to both servers.
     #[arg(
         long,
         conflicts_with_all = [

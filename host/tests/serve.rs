@@ -367,9 +367,17 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
     )
     .unwrap();
     let mut answer = String::new();
-    let _ = BufReader::new(tcp).read_line(&mut answer);
+    let _ = std::io::Read::read_to_string(&mut tcp, &mut answer);
     assert!(answer.starts_with("HTTP/1.1 413"), "{answer:?}");
+    assert!(answer.to_ascii_lowercase().contains("connection: close"), "unread, so the connection ends: {answer:?}");
     assert_eq!(get(&s, "/health").0, 200);
+    // A body that is not JSON by its type: a browser sends `text/plain` to any origin without asking.
+    let r = agent()
+        .post(&format!("{}/v1/completions", s.url))
+        .header("content-type", "text/plain")
+        .send(r#"{"prompt": "hi", "max_tokens": 1}"#)
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 415);
     // A body the client garbled (a chunk size that is no number) is that, not one too large.
     let mut tcp = std::net::TcpStream::connect(s.url.trim_start_matches("http://")).unwrap();
     let garbled = "POST /v1/completions HTTP/1.1\r\nhost: x\r\nconnection: close\r\ntransfer-encoding: chunked\r\n\r\n\
@@ -385,8 +393,9 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
 
     // Metrics count what happened.
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="ok"}"#), Some(14.0));
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(25.0));
-    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(1.0));
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="invalid_request"}"#), Some(26.0));
+    // One from `/v1/completions`, one from `/v1/models/gpt-4`: every route counts its refusals.
+    assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="model_not_found"}"#), Some(2.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="not_found"}"#), Some(1.0));
     assert_eq!(metric(&s, r#"pdhost_requests_total{outcome="method_not_allowed"}"#), Some(1.0));
     assert_eq!(metric(&s, r#"pdhost_prefills_total{producer="rngd",where="remote"}"#), Some(14.0));
@@ -645,7 +654,7 @@ fn an_api_key_is_required_when_set_and_sigterm_drains_leaving_nothing() {
         .options(&url)
         .header("origin", page)
         .header("access-control-request-method", "POST")
-        .header("access-control-request-headers", "authorization,content-type")
+        .header("access-control-request-headers", "authorization,content-type,x-stainless-os")
         .call()
         .unwrap();
     let header = |r: &ureq::http::Response<ureq::Body>, name: &str| {
@@ -654,7 +663,8 @@ fn an_api_key_is_required_when_set_and_sigterm_drains_leaving_nothing() {
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(header(&r, "access-control-allow-origin").as_deref(), Some(page));
     assert!(header(&r, "access-control-allow-methods").is_some_and(|m| m.contains("post")), "{r:?}");
-    assert!(header(&r, "access-control-allow-headers").is_some_and(|h| h.contains("authorization")), "{r:?}");
+    let asked = |h: &str| h.contains("authorization") && h.contains("x-stainless-os");
+    assert!(header(&r, "access-control-allow-headers").is_some_and(|h| asked(&h)), "the OpenAI SDK's too: {r:?}");
     for (origin, allowed) in [(page, Some(page)), ("http://elsewhere.example", None)] {
         let r = agent()
             .post(&url)

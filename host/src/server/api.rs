@@ -22,6 +22,8 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// Seconds after which a retry may succeed.
     pub retry_after: Option<u32>,
+    /// Whether the connection closes after the answer (`Connection: close`): a body refused unread.
+    pub close: bool,
 }
 
 impl ApiError {
@@ -43,7 +45,7 @@ impl ApiError {
     }
 
     /// A 400 about `param` with this message.
-    fn bad_request(param: &'static str, message: String) -> Self {
+    pub fn bad_request(param: &'static str, message: String) -> Self {
         ApiError {
             status: StatusCode::BAD_REQUEST,
             message,
@@ -51,12 +53,21 @@ impl ApiError {
             param: Some(param),
             code: None,
             retry_after: None,
+            close: false,
         }
     }
 
     /// Any other status.
     pub fn new(status: StatusCode, kind: &'static str, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, message: message.into(), kind, param: None, code: Some(code), retry_after: None }
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: Some(code),
+            retry_after: None,
+            close: false,
+        }
     }
 
     /// The error object: the body of a response, or the data of a stream's last event.
@@ -74,6 +85,7 @@ impl From<Invalid> for ApiError {
             param: Some(e.field.param()),
             code: None,
             retry_after: None,
+            close: false,
         }
     }
 }
@@ -83,6 +95,9 @@ impl IntoResponse for ApiError {
         let mut response = (self.status, axum::Json(self.body())).into_response();
         if let Some(s) = self.retry_after {
             response.headers_mut().insert("retry-after", HeaderValue::from(s));
+        }
+        if self.close {
+            response.headers_mut().insert(axum::http::header::CONNECTION, HeaderValue::from_static("close"));
         }
         response
     }

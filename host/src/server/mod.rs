@@ -16,7 +16,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
@@ -79,6 +79,10 @@ struct App {
     draining: AtomicBool,
     /// Completion requests being answered ([`InFlight`]).
     in_flight: AtomicUsize,
+    /// Bodies being parsed and tokenized at once, at most [`INTAKE`]: a 4 MiB body of token ids is
+    /// about 160 MiB of parsed JSON, and a 4 MiB text a second or two of a core to tokenize, all before
+    /// the queue's bound applies.
+    intake: tokio::sync::Semaphore,
     next_id: AtomicU64,
     metrics: metrics::Metrics,
     /// When the server started (Unix seconds): the model's `created`.
@@ -222,6 +226,7 @@ impl Server {
             engine,
             draining: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
+            intake: tokio::sync::Semaphore::new(INTAKE),
             next_id: AtomicU64::new(1),
             metrics,
             started: unix_now(),
@@ -320,6 +325,11 @@ impl Server {
 pub const HEADER_WAIT: Duration = Duration::from_secs(30);
 /// How long a request's body may pause between two of its pieces.
 pub const BODY_WAIT: Duration = Duration::from_secs(30);
+/// How long a request's whole body may take: a client that sends a byte a second never pauses.
+pub const BODY_TOTAL: Duration = Duration::from_secs(60);
+/// Request bodies parsed and tokenized at once ([`App::intake`]); the rest wait their turn, their bodies
+/// read.
+const INTAKE: usize = 2;
 
 /// Serves HTTP/1 connections from `listener` with `router` until `stop` resolves, then lets the open
 /// ones finish (a connection between requests closes at once). What `axum::serve` does, with a deadline
@@ -414,7 +424,7 @@ async fn metrics_text(State(app): State<Arc<App>>) -> Response {
 /// requests (`GET` and `POST`, with a JSON body and a key) from those origins and read the answers;
 /// their preflight `OPTIONS` requests are answered by the layer, before any route or key check.
 fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
-    use axum::http::{header, HeaderValue, Method};
+    use axum::http::{HeaderValue, Method};
     use tower_http::cors::{AllowOrigin, CorsLayer};
     if origins.is_empty() {
         return None;
@@ -429,7 +439,9 @@ fn cors(origins: &[String]) -> Option<tower_http::cors::CorsLayer> {
         CorsLayer::new()
             .allow_origin(allow)
             .allow_methods([Method::GET, Method::POST])
-            .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE])
+            // Whatever headers a page's client asks for (the OpenAI SDKs send `x-stainless-*`): no
+            // credentials are allowed, so none of them carries a cookie.
+            .allow_headers(tower_http::cors::AllowHeaders::mirror_request())
             .max_age(Duration::from_secs(600)),
     )
 }
@@ -445,7 +457,7 @@ fn refused(app: &App, e: ApiError) -> Response {
 
 async fn models(State(app): State<Arc<App>>, headers: HeaderMap) -> Response {
     if let Err(e) = app.authorize(&headers) {
-        return e.into_response();
+        return refused(&app, e);
     }
     Json(json!({"object": "list", "data": [app.model_object()]})).into_response()
 }
@@ -458,7 +470,7 @@ async fn model(
 ) -> Response {
     match app.authorize(&headers).and_then(|()| app.check_model(Some(&name))) {
         Ok(()) => Json(app.model_object()).into_response(),
-        Err(e) => e.into_response(),
+        Err(e) => refused(&app, e),
     }
 }
 
@@ -602,32 +614,57 @@ impl TextOffset {
     }
 }
 
-/// A request's body, at most [`MAX_BODY`] bytes: a declared length over that is refused before a byte
-/// is read, a longer one as it grows past it (413), and one the connection broke off or garbled (a
-/// chunk size that is no number, fewer bytes than declared) as what it is (400).
-async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+/// A request's body, at most [`MAX_BODY`] bytes of JSON: a declared length over that is refused before
+/// a byte is read, a longer one as it grows past it (413, and the connection closed: a client still
+/// sending would otherwise never read the answer), another content type (415: a browser sends
+/// `text/plain` across origins without asking, so any page could use a server without a key), one that
+/// pauses [`BODY_WAIT`] or takes [`BODY_TOTAL`] (408), one the server's drain overtakes (503), and one
+/// the connection broke off or garbled (a chunk size that is no number, fewer bytes than declared) as
+/// what it is (400).
+async fn read_body(app: &App, headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
+    if let Some(kind) = headers.get(axum::http::header::CONTENT_TYPE) {
+        let text = String::from_utf8_lossy(kind.as_bytes());
+        let media = text.split(';').next().unwrap_or_default().trim().to_ascii_lowercase();
+        if media != "application/json" && !media.ends_with("+json") {
+            let e = ApiError::invalid("content-type", "application/json (or none)", format_args!("{text:?}"));
+            return Err(ApiError { status: StatusCode::UNSUPPORTED_MEDIA_TYPE, ..e });
+        }
+    }
     let too_large = |found: String| ApiError {
         status: StatusCode::PAYLOAD_TOO_LARGE,
+        close: true,
         ..ApiError::invalid("body", format_args!("at most {} MiB of JSON", MAX_BODY >> 20), found)
     };
     let declared = headers.get("content-length").and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
     if let Some(n) = declared.filter(|&n| n > MAX_BODY as u64) {
         return Err(too_large(format!("{n} bytes")));
     }
+    let timeout = |expected: String, read: usize, then: &str| ApiError {
+        status: StatusCode::REQUEST_TIMEOUT,
+        code: Some("request_timeout"),
+        ..ApiError::invalid("body", expected, format_args!("{read} bytes, {then}"))
+    };
     let mut stream = body.into_data_stream();
     let mut read = Vec::with_capacity(declared.unwrap_or(0) as usize);
+    let (started, mut last) = (Instant::now(), Instant::now());
     loop {
-        let Ok(next) = tokio::time::timeout(BODY_WAIT, stream.next()).await else {
-            return Err(ApiError {
-                status: StatusCode::REQUEST_TIMEOUT,
-                code: Some("request_timeout"),
-                ..ApiError::invalid(
-                    "body",
-                    format_args!("the rest of the body within {} s", BODY_WAIT.as_secs()),
-                    format_args!("{} bytes, then nothing", read.len()),
-                )
-            });
+        // A second at a time, so that a pause, the whole body's deadline and a drain are all noticed.
+        let next = tokio::time::timeout(Duration::from_secs(1), stream.next()).await;
+        if let Some(e) = app.unavailable() {
+            return Err(e);
+        }
+        if started.elapsed() >= BODY_TOTAL {
+            let expected = format!("the whole body within {} s", BODY_TOTAL.as_secs());
+            return Err(timeout(expected, read.len(), "and more to come"));
+        }
+        let Ok(next) = next else {
+            if last.elapsed() >= BODY_WAIT {
+                let expected = format!("the rest of the body within {} s", BODY_WAIT.as_secs());
+                return Err(timeout(expected, read.len(), "then nothing"));
+            }
+            continue;
         };
+        last = Instant::now();
         let Some(chunk) = next else { break };
         let chunk = chunk.map_err(|e| {
             // hyper's words and their cause: "error reading a body from connection: end of file before
@@ -638,11 +675,8 @@ async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
                 why = format!("{why}: {s}");
                 source = s.source();
             }
-            ApiError::invalid(
-                "body",
-                "a whole HTTP body",
-                format_args!("a broken one after {} bytes ({why})", read.len()),
-            )
+            let found = request::shorten_to(&format!("a broken one after {} bytes ({why})", read.len()), 240);
+            ApiError::bad_request("body", format!("body: expected a whole HTTP body, found {found}"))
         })?;
         if read.len() + chunk.len() > MAX_BODY {
             return Err(too_large("more".to_string()));
@@ -658,7 +692,7 @@ async fn read_body(headers: &HeaderMap, body: Body) -> Result<Bytes, ApiError> {
 async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     let answer = async {
         app.authorize(&headers)?;
-        let t = Tokenize::parse(&read_body(&headers, body).await?)?;
+        let t = Tokenize::parse(&read_body(&app, &headers, body).await?)?;
         app.check_model(t.model.as_deref())?;
         let chat = app.chat_for(matches!(t.input, Prompt::Messages(_)))?;
         let tokenizer = Arc::clone(&app.tokenizer);
@@ -686,7 +720,7 @@ async fn tokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -
             "count": ids.len(), "max_model_len": app.config.limits.context, "tokens": ids, "token_strs": strs,
         })))
     };
-    answer.await.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+    answer.await.map_or_else(|e| refused(&app, e), IntoResponse::into_response)
 }
 
 /// The answer for a tokenizing thread that panicked.
@@ -698,14 +732,14 @@ fn tokenizer_failed(e: tokio::task::JoinError) -> ApiError {
 async fn detokenize(State(app): State<Arc<App>>, headers: HeaderMap, body: Body) -> Response {
     let answer = async {
         app.authorize(&headers)?;
-        let d = Detokenize::parse(&read_body(&headers, body).await?, app.config.limits.vocab)?;
+        let d = Detokenize::parse(&read_body(&app, &headers, body).await?, app.config.limits.vocab)?;
         app.check_model(d.model.as_deref())?;
         let tokenizer = Arc::clone(&app.tokenizer);
         let text =
             tokio::task::spawn_blocking(move || tokenizer.decode(&d.tokens, false)).await.map_err(tokenizer_failed)?;
         Ok::<_, ApiError>(Json(json!({ "prompt": text })))
     };
-    answer.await.map_or_else(IntoResponse::into_response, IntoResponse::into_response)
+    answer.await.map_or_else(|e| refused(&app, e), IntoResponse::into_response)
 }
 
 async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: Endpoint) -> Result<Response, ApiError> {
@@ -714,14 +748,18 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         return Err(e);
     }
     let in_flight = InFlight::new(&app);
-    let body = read_body(&headers, body).await?;
-    let mut c = match endpoint {
-        Endpoint::Text => Completion::parse(&body)?,
-        Endpoint::Chat => Completion::parse_chat(&body)?,
-    };
+    let body = read_body(&app, &headers, body).await?;
+    // Parsing and tokenizing a few MiB takes a while: a few bodies at a time ([`App::intake`]), and not
+    // on the async threads, which carry every stream's tokens.
+    let intake = app.intake.acquire().await.expect("the semaphore is never closed");
+    let mut c = tokio::task::spawn_blocking(move || match endpoint {
+        Endpoint::Text => Completion::parse(&body),
+        Endpoint::Chat => Completion::parse_chat(&body),
+    })
+    .await
+    .map_err(tokenizer_failed)??;
     let chat = app.chat_for(endpoint == Endpoint::Chat)?;
     app.check_model(c.model.as_deref())?;
-    // Tokenizing a few MiB takes a while: not on the async threads.
     let tokenizer = Arc::clone(&app.tokenizer);
     let prompts = std::mem::take(&mut c.prompts);
     let turn = c.turn;
@@ -739,6 +777,7 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
     })
     .await
     .map_err(tokenizer_failed)??;
+    drop(intake);
     let choices = prompts.len() * c.n;
     if choices > app.config.queue {
         let param = if prompts.len() > 1 { "prompt" } else { "n" };
