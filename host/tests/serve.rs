@@ -193,6 +193,8 @@ fn completions_equal_generate_streamed_or_not_and_bad_input_gets_an_error_object
         chunks.iter().map(|c| &c["choices"][0]["finish_reason"]).filter(|f| !f.is_null()).collect();
     assert_eq!(finish, vec![&json!("length")]);
     assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 12);
+    // OpenAI's shape: every other chunk carries `usage` too, as null.
+    assert!(chunks[..chunks.len() - 1].iter().all(|c| c.get("usage") == Some(&Value::Null)), "{chunks:?}");
     assert_eq!(
         chunks.iter().find(|c| !c["pdhost"].is_null()).unwrap()["pdhost"]["logits_xxh3"],
         reference["logits_xxh3"]

@@ -935,7 +935,11 @@ async fn completion(app: Arc<App>, headers: HeaderMap, body: Body, endpoint: End
         let mut state: Vec<(bool, TextOffset, bool)> =
             (0..choices).map(|_| (true, TextOffset::default(), false)).collect();
         let mut completion_tokens = 0;
-        let head = json!({"id": cmpl, "object": endpoint.object(true), "created": created, "model": model});
+        let mut head = json!({"id": cmpl, "object": endpoint.object(true), "created": created, "model": model});
+        if include_usage {
+            // OpenAI's: every chunk carries `usage`, null but in the last.
+            head["usage"] = Value::Null;
+        }
         let chunk = |choice: Value| {
             let mut v = head.clone();
             v["choices"] = json!([choice]);
