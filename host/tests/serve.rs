@@ -1458,8 +1458,9 @@ fn requests_that_wait_for_a_busy_producer_prefill_as_one_batch_and_each_equals_g
 /// A producer killed halfway through writing one request's span (request 2, the `faulty` backend's
 /// `kill_mid`) costs that request its remote prefill and nothing else: with `fallback` it is prefilled
 /// locally, in pieces of 256 tokens (its remote prefill was one span), and still equals `generate`; with
-/// `fail` it gets a 500 error object. A stream still live when that answer comes (asserted), and the
-/// request after (on a restarted producer), are remote and equal `generate`.
+/// `fail` it gets a 500 error object. A stream still live when that answer comes (asserted), a request
+/// that was waiting for the producer when it crashed, and the request after (on a restarted producer),
+/// are remote and equal `generate`.
 #[test]
 fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_else_anything() {
     let stream_prompt = "1, 2, 3, 4, 5, 6, 7, 8,";
@@ -1496,7 +1497,23 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
             std::thread::sleep(Duration::from_millis(20));
         }
         let body = json!({"prompt": prompt, "max_tokens": 8, "temperature": 0}).to_string();
-        let (status, crashed) = post(&s, "/v1/completions", &body);
+        let crashing = {
+            let (url, body) = (s.url.clone(), body.clone());
+            std::thread::spawn(move || post_to(&url, "/v1/completions", &body))
+        };
+        // Once request 2 is at the producer (its batch sent, after the stream's), request 3 waits for it.
+        // When request 2's crash stops the producer, request 3 waits out the restart's backoff too, and
+        // is prefilled by the new process: not sent to the stopped one, refused, and fallen back.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while metric(&s, "pdhost_prefill_batch_calls_count") != Some(2.0) {
+            assert!(Instant::now() < deadline, "request 2 never reached the producer: {}", s.log.lock().unwrap());
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let (status, waited) = post(&s, "/v1/completions", &body);
+        assert_eq!(status, 200, "{waited}");
+        assert_eq!(waited["pdhost"]["prefill"], "remote", "{policy}: {waited}");
+        assert_eq!(waited["pdhost"]["output_ids"], reference["output_ids"], "{waited}");
+        let (status, crashed) = crashing.join().unwrap();
         let live = chunks.lock().unwrap().iter().all(|c| c["pdhost"].is_null());
         assert!(live, "{policy}: the stream ended before the crashed request was answered");
         if policy == "fallback" {

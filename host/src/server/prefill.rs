@@ -132,6 +132,18 @@ impl Pool {
         self.send(index, producer, Order::Send(works))
     }
 
+    /// Takes producer `index` from rest for a moment, with its place among those at rest
+    /// ([`Pool::put_back`]).
+    pub fn take_idle(&mut self, index: usize) -> Option<(usize, Producer)> {
+        let at = self.idle.iter().position(|&(i, _)| i == index)?;
+        Some((at, self.idle.remove(at).1))
+    }
+
+    /// Puts back what [`Pool::take_idle`] took, where it was.
+    pub fn put_back(&mut self, (at, producer): (usize, Producer), index: usize) {
+        self.idle.insert(at, (index, producer));
+    }
+
     /// Where replies arrive.
     pub fn replies(&self) -> &Receiver<Reply> {
         &self.replies

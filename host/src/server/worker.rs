@@ -277,6 +277,7 @@ pub fn spawn(
             loaded: &mut loaded,
             pool: &mut pool,
             remote: Remote::together(&remotes),
+            releases: vec![Vec::new(); remotes.len()],
             remotes,
             tokenizer: &tokenizer,
             metrics: &metrics,
@@ -332,6 +333,9 @@ struct Scheduler<'a, 't> {
     metrics: &'a Metrics,
     /// Until when new prompts wait for others to join them, to go to a producer in one batch.
     hold: Option<Instant>,
+    /// Per producer, the requests whose prefill ended (cancelled, or failed) between two of their chunks
+    /// there: released when the producer is next at hand, so that its backend frees their K/V.
+    releases: Vec<Vec<u64>>,
 }
 
 impl<'t> Scheduler<'_, 't> {
@@ -471,6 +475,11 @@ impl<'t> Scheduler<'_, 't> {
         }
         let sent = if !rest.is_empty() {
             self.pool.await_rest(index, producer, rest)
+        } else if self.owed(admitting, index, &mut producer) {
+            // It stopped and waits out its backoff (or will not start again): new prompts go to a producer
+            // that can take them now, or wait (`Pool::ready`), rather than being sent here to be refused.
+            self.pool.rest(index, producer);
+            Ok(())
         } else {
             let works = self.gather(admitting, index);
             if works.is_empty() {
@@ -493,6 +502,26 @@ impl<'t> Scheduler<'_, 't> {
                 self.fall_back(a, ProducerError::Io { name: name.clone(), op: "prefill", source });
             }
         }
+    }
+
+    /// What is owed to producer `index`, at hand between batches: the releases of prefills that ended
+    /// between its chunks, and the fallback of those it was on whose earlier chunks its process no longer
+    /// holds (it stopped, or was started again: a new process would refuse the next chunk, or compute
+    /// it without them). Returns whether it refuses work now (`Producer::refusing`).
+    fn owed(&mut self, admitting: &mut [Admitting], index: usize, producer: &mut Producer) -> bool {
+        for id in std::mem::take(&mut self.releases[index]) {
+            producer.release(id);
+        }
+        for a in admitting.iter_mut() {
+            let on = a.producer == Some(index) && !a.in_flight && a.failed.is_none() && a.prefill.is_remote();
+            if on && !a.job.events.is_closed() && a.prefill.next_chunk(a.head()).is_some() {
+                let id = a.prefill.request_id();
+                if !producer.holds(id) {
+                    self.fall_back(a, producer.lost(id));
+                }
+            }
+        }
+        producer.refusing(Instant::now()).is_some()
     }
 
     /// The next batch for producer `index`: the next chunks of the prefills it is on (it keeps their
@@ -550,6 +579,12 @@ impl<'t> Scheduler<'_, 't> {
     /// Gives each producer at rest that should take work its next batch ([`Scheduler::gather`]).
     fn dispatch(&mut self, admitting: &mut [Admitting]) {
         for index in self.pool.ready() {
+            let Some((at, mut producer)) = self.pool.take_idle(index) else { continue };
+            let refusing = self.owed(admitting, index, &mut producer);
+            self.pool.put_back((at, producer), index);
+            if refusing {
+                continue;
+            }
             let works = self.gather(admitting, index);
             if works.is_empty() {
                 continue;
@@ -598,7 +633,11 @@ impl<'t> Scheduler<'_, 't> {
                 i += 1;
                 continue;
             }
-            let Admitting { job, prefill, admitted, failed, .. } = admitting.remove(i);
+            let Admitting { job, prefill, admitted, failed, producer, .. } = admitting.remove(i);
+            if let Some(p) = producer.filter(|_| !complete && prefill.is_remote()) {
+                // Ended between two of its chunks at a producer, which keeps the K/V of the first.
+                self.releases[p].push(prefill.request_id());
+            }
             if cancelled || failed.is_some() {
                 // Not running any more, and what its prefill committed counted, before its client hears.
                 self.metrics.running.dec();

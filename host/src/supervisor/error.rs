@@ -195,6 +195,17 @@ pub enum ProducerError {
         /// The failure that stopped it, as reported for its own request.
         reason: String,
     },
+    /// The process that held the K/V of a request's earlier chunks is gone (it stopped, or was started
+    /// again) before its next chunk, which no other process can continue.
+    #[error("producer {name}: the process holding request {request_id}'s earlier chunks is gone: {reason}")]
+    Lost {
+        /// Producer.
+        name: String,
+        /// The request whose chunks were lost.
+        request_id: u64,
+        /// What ended the process, as far as the host knows.
+        reason: String,
+    },
     /// A control message that is not the protocol.
     #[error("producer {name}: control channel: expected {expected}, found {found}")]
     Protocol {
@@ -272,6 +283,7 @@ impl ProducerError {
             ProducerError::Ring { source, .. } => source.kind(),
             ProducerError::Rejected { source, .. } => source.kind(),
             ProducerError::BatchBroken { .. } => "batch_broken",
+            ProducerError::Lost { .. } => "lost",
             ProducerError::Protocol { .. } => "protocol",
             ProducerError::RestartLimit { .. } => "restart_limit",
             ProducerError::BackingOff { .. } => "backing_off",

@@ -334,6 +334,22 @@ impl Producer {
         self.running.as_ref().map(|r| r.described.capabilities.max_tokens).filter(|&m| m > 0)
     }
 
+    /// Whether the running process was asked for `request_id` and not told to release it, so that it may
+    /// hold the K/V of the request's earlier chunks. A process started since never was.
+    pub fn holds(&self, request_id: u64) -> bool {
+        self.running.as_ref().is_some_and(|r| r.open_requests.contains(&request_id))
+    }
+
+    /// The error of a request whose earlier chunks the running process does not hold ([`Producer::holds`]).
+    pub fn lost(&self, request_id: u64) -> ProducerError {
+        let reason = match (&self.running, &self.last_failure) {
+            (None, Some(failure)) => failure.clone(),
+            (None, None) => "it is not running".into(),
+            (Some(_), _) => "a process started since has none of them".into(),
+        };
+        ProducerError::Lost { name: self.spec.name.clone(), request_id, reason }
+    }
+
     /// The request is over (finished, failed or cancelled): tells the backend, if this process prefilled
     /// any of it, so that it can free what it keeps. Costs one message and no wait.
     pub fn release(&mut self, request_id: u64) {
