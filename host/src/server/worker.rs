@@ -829,8 +829,18 @@ fn safe_end(text: &str, sent: usize, stop: &[String], floor: usize) -> (usize, b
     while !text.is_char_boundary(from) {
         from -= 1;
     }
-    let first =
-        |s: &String| text[from..].match_indices(s.as_str()).map(|(i, _)| from + i).find(|&at| at + s.len() > floor);
+    // Every occurrence, overlapping ones too (`match_indices` skips them: in "aaa", "aa" at 1 after 0),
+    // for one that ends before the floor may overlap the first that ends past it.
+    let first = |s: &String| {
+        let mut at = from;
+        while let Some(i) = text[at..].find(s.as_str()) {
+            if at + i + s.len() > floor {
+                return Some(at + i);
+            }
+            at += i + text[at + i..].chars().next().map_or(1, char::len_utf8);
+        }
+        None
+    };
     if let Some(at) = stop.iter().filter_map(first).min() {
         return (at.max(sent), true);
     }
@@ -979,5 +989,8 @@ mod tests {
         let ab = vec!["ab".to_string()];
         assert_eq!(safe_end("xa", 0, &ab, usize::MAX), (1, false));
         assert_eq!(safe_end("xab", 1, &ab, 2), (1, true));
+        // One that ends before the floor does not hide an overlapping one that ends past it.
+        let aa = vec!["aa".to_string()];
+        assert_eq!(safe_end("aaa", 2, &aa, 2), (2, true));
     }
 }
