@@ -475,7 +475,8 @@ fn stage(instance: &Instance<'_>, calls: &[PrefillCall]) -> Option<String> {
     };
     match PdhostStatus::from_raw(code) {
         Some(PdhostStatus::Ok) => None,
-        Some(PdhostStatus::Panic) => Some(format!("backend stage: {}: {}", status_text(code), err_text(&err))),
+        // A code outside the ABI, as in `prefill`: as a panic.
+        Some(PdhostStatus::Panic) | None => Some(format!("backend stage: {}: {}", status_text(code), err_text(&err))),
         _ => {
             eprintln!(
                 "pdhost-producer: backend stage: {}: {} (each call computes alone)",
@@ -834,7 +835,9 @@ fn frame_span(
     };
     let backend = t.elapsed();
     if code != PdhostStatus::Ok as u32 {
-        let status = PdhostStatus::from_raw(code).unwrap_or(PdhostStatus::BackendError);
+        // A code outside the ABI (a C function that ended without a `return`, say) leaves the backend's
+        // state as unknown as a panic does: the producer is replaced, not trusted with the next request.
+        let status = PdhostStatus::from_raw(code).unwrap_or(PdhostStatus::Panic);
         return Err(SpanFailure::Status(status, format!("backend prefill: {}: {}", status_text(code), err_text(&err))));
     }
     let handed = ctx.handed.into_inner().unwrap_or_else(std::sync::PoisonError::into_inner);
