@@ -1,6 +1,7 @@
 //! `pdhost check-backend`: the conformance kit for backend authors. It runs a backend through a real
 //! producer against the host's own local prefill on the same model, and says, check by check, whether it
-//! holds: start and handshake, spans accepted whole, chunked and after a context (a prefix-cache hit),
+//! holds: start and handshake, spans accepted whole, chunked, batched (where the backend stages batches)
+//! and after a context (a prefix-cache hit),
 //! per-layer K/V error within a tolerance,
 //! greedy agreement up to near-ties, behaviour at a deadline, and timings.
 
@@ -255,6 +256,12 @@ fn spans_and_errors(
             engine.release(local);
         }
     }
+    let batches = producer.described().is_some_and(|d| d.batches);
+    if batches {
+        if let Err(detail) = batch_calls(engine, producer, prompts, &mut sums) {
+            return (Check { name: "spans", ok: false, detail }, None);
+        }
+    }
     let takes_context = producer.takes_context() == Some(true);
     if takes_context {
         for prompt in prompts {
@@ -265,8 +272,13 @@ fn spans_and_errors(
     }
     let spans = producer.metrics().spans_accepted - before;
     let detail = format!(
-        "{spans} spans accepted: prompts of {} tokens, whole, in chunks of {CHUNK}, and {}",
+        "{spans} spans accepted: prompts of {} tokens, whole, in chunks of {CHUNK}, {}, and {}",
         PROMPT_LENS.map(|l| l.to_string()).join(", "),
+        if batches {
+            "all three as one batch (the backend stages batches)"
+        } else {
+            "no batch (the backend does not stage them)"
+        },
         if takes_context {
             "their second halves after the first as a context (a prefix-cache hit)"
         } else {
@@ -274,6 +286,54 @@ fn spans_and_errors(
         }
     );
     (Check { name: "spans", ok: true, detail }, Some(sums))
+}
+
+/// What a server sends a backend that stages batches (ABI 1.3 `stage`): the prompts' first calls as one
+/// batch, `stage` then a `prefill` for each, the spans streaming through a ring of two slots. Each span's
+/// K/V are compared with the host's prefill of the same tokens alone.
+fn batch_calls(
+    engine: &mut Engine,
+    producer: &mut Producer,
+    prompts: &[Vec<u32>],
+    sums: &mut [ErrorSum],
+) -> Result<(), String> {
+    let limit = producer.max_tokens().map_or(usize::MAX, |m| usize::try_from(m).unwrap_or(usize::MAX));
+    let heads: Vec<&[u32]> = prompts.iter().map(|p| &p[..p.len().min(limit)]).collect();
+    let seqs: Vec<_> =
+        heads.iter().map(|_| engine.prefill(&[], 0, PrefillBy::Local).expect("an empty sequence").0).collect();
+    let calls: Vec<_> = seqs
+        .iter()
+        .zip(&heads)
+        .map(|(seq, head)| pdhost_producer::protocol::PrefillCall {
+            request_id: seq.0,
+            start_pos: 0,
+            tokens: head.to_vec(),
+            context: Vec::new(),
+        })
+        .collect();
+    let mut taken = Ok(());
+    for (i, call) in calls.iter().enumerate() {
+        let pending = if i == 0 { producer.submit_batch(&calls) } else { producer.next(call) };
+        let span = match pending {
+            Ok(pending) => producer.take(pending, &mut engine.kv, seqs[i]),
+            Err(e) => Err(e),
+        };
+        if let Err(e) = span {
+            taken =
+                Err(format!("a batch of {} prompts' calls, call {i} ({} tokens): {e}", calls.len(), call.tokens.len()));
+            break;
+        }
+    }
+    for (seq, head) in seqs.into_iter().zip(heads) {
+        producer.release(seq.0);
+        if taken.is_ok() {
+            let (local, _) = engine.prefill(head, 0, PrefillBy::Local).expect("local prefill");
+            kv_error::accumulate(sums, engine, local, seq);
+            engine.release(local);
+        }
+        engine.release(seq);
+    }
+    taken
 }
 
 /// What a prefix-cache hit sends a backend: a new request that starts at the middle of `prompt`, with the
