@@ -274,8 +274,9 @@ impl PagedKv {
         let mut run = |src: u64, len: u64, group: usize, dst: usize, page: u32, plan: &GroupPlan| {
             let cached = plan.new_pages[plan.new_pages.len() - plan.from_cache..].contains(&page);
             let at = cached.then(|| {
+                let at = side;
                 side += converted_len(manifest.dtype, self.dtype, len as usize);
-                side - converted_len(manifest.dtype, self.dtype, len as usize)
+                at
             });
             Run { src, len, group, dst, side: at }
         };
