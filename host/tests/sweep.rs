@@ -694,6 +694,10 @@ fn a_fresh_hostile_sweep_finds_no_crash_hang_or_leak() {
             .refused(2, &["--producers: expected 1 to 8, found 0"]),
         case("bench serve prefill-chunk past the context", &["bench", "serve", "--context", "64", "--prefill-chunk", "65"])
             .refused(2, &["--prefill-chunk: expected 0 to 64, found 65"]),
+        // A list of ids may have spaces after its commas; a memory size names its unit.
+        tiny_gen("prompt ids with spaces", &["--prompt-ids", "2, 100, 20", "--json"]).prints(&["\"prompt_ids\":[2,100,20]"]),
+        tiny_gen("producer-memory 1", &["--producer", "rngd", "--producer-memory", "1"])
+            .refused(2, &["--producer-memory: expected 64 to", "MiB (this machine's memory), found 1"]),
         // A server's producer names are trimmed before any check.
         case("serve local with spaces", &["serve", "--producer", " local", "--producer-memory=512"])
             .refused(2, &["--producer-memory: expected no --producer-memory with --producer local"]),
