@@ -825,7 +825,7 @@ pub fn unused_without_producer(cli: &Cli, matches: &clap::ArgMatches) -> Result<
     };
     let Some(sub) = matches.subcommand_matches(name).filter(|_| producer == "local") else { return Ok(()) };
     for &(id, field) in flags {
-        if sub.value_source(id) == Some(clap::parser::ValueSource::CommandLine) {
+        if typed(sub, id) {
             let found = sub.get_raw(id).and_then(|mut v| v.next()).map(|v| v.to_string_lossy().into_owned());
             return Err(Invalid::new(
                 field,
@@ -881,7 +881,6 @@ const NEEDS: [(&[&str], &str, &str, &str); 8] = [
 
 /// Refuses a flag of [`NEEDS`] typed without the flag it needs, naming both.
 pub fn needed_flags(matches: &clap::ArgMatches) -> Result<(), String> {
-    let typed = |m: &clap::ArgMatches, id: &str| m.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
     let flag = |id: &str| format!("--{}", id.replace('_', "-"));
     for (path, id, needed, why) in NEEDS {
         let Some(sub) = path.iter().try_fold(matches, |m, name| m.subcommand_matches(name)) else { continue };
@@ -890,6 +889,12 @@ pub fn needed_flags(matches: &clap::ArgMatches) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Whether the flag with clap id `id` was typed on the command line (its default is no choice of the
+/// user's).
+fn typed(matches: &clap::ArgMatches, id: &str) -> bool {
+    matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine)
 }
 
 /// Refuses a value given twice in a list flag of a `bench` command (`--threads 1,1`): each value is a
@@ -901,7 +906,7 @@ pub fn distinct_cases(matches: &clap::ArgMatches) -> Result<(), String> {
     let Some(command) = cli.find_subcommand("bench").and_then(|b| b.find_subcommand(name)) else { return Ok(()) };
     for arg in command.get_arguments().filter(|a| a.get_value_delimiter() == Some(',')) {
         let id = arg.get_id().as_str();
-        if sub.value_source(id) != Some(clap::parser::ValueSource::CommandLine) {
+        if !typed(sub, id) {
             continue;
         }
         let values: Vec<_> = sub.get_raw(id).into_iter().flatten().collect();

@@ -94,6 +94,16 @@ fn metric(s: &Served, sample: &str) -> Option<f64> {
     text.lines().find_map(|l| l.strip_prefix(sample).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.parse().ok()))
 }
 
+/// Waits until `sample` of `GET /metrics` reads `value`, failing with `what` and the server's log after
+/// `within`.
+fn await_metric(s: &Served, sample: &str, value: f64, within: Duration, what: &str) {
+    let deadline = Instant::now() + within;
+    while metric(s, sample) != Some(value) {
+        assert!(Instant::now() < deadline, "{what}: {}", s.log.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn get(s: &Served, path: &str) -> (u16, Value) {
     let mut r = agent().get(&format!("{}{path}", s.url)).call().unwrap();
     let status = r.status().as_u16();
@@ -492,11 +502,7 @@ fn a_queued_client_that_leaves_gives_its_place_back() {
     assert_eq!(queued.status().as_u16(), 200);
     assert_eq!(metric(&s, "pdhost_requests_waiting"), Some(1.0));
     drop(queued);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while metric(&s, "pdhost_requests_waiting") != Some(0.0) {
-        assert!(Instant::now() < deadline, "the place is still taken: {}", s.log.lock().unwrap());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    await_metric(&s, "pdhost_requests_waiting", 0.0, Duration::from_secs(10), "the place is still taken");
     // The long stream still holds the slot; the next request takes the free place and waits.
     let next = {
         let url = url.clone();
@@ -539,11 +545,7 @@ fn the_queue_refuses_past_its_size_while_a_remote_prefill_holds_the_slot() {
         })
     };
     let hung = send(&s);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while metric(&s, "pdhost_requests_running") != Some(1.0) {
-        assert!(Instant::now() < deadline, "request 1 was never admitted: {}", s.log.lock().unwrap());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    await_metric(&s, "pdhost_requests_running", 1.0, Duration::from_secs(60), "request 1 was never admitted");
     let mut more: Vec<_> = (0..3).map(|_| send(&s)).collect();
     // Refusals are at once; the hung prefill holds the slot for 20 s.
     let deadline = Instant::now() + Duration::from_secs(15);
@@ -1295,11 +1297,8 @@ fn n_choices_and_batched_prompts_each_equal_their_own_request() {
     let mut lines = BufReader::new(r.into_body().into_reader()).lines();
     while !lines.next().unwrap().unwrap().starts_with("data: ") {}
     drop(lines);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while metric(&s, r#"pdhost_requests_total{outcome="cancelled"}"#) != Some(3.0) {
-        assert!(Instant::now() < deadline, "not all three cancelled: {}", s.log.lock().unwrap());
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let cancelled = r#"pdhost_requests_total{outcome="cancelled"}"#;
+    await_metric(&s, cancelled, 3.0, Duration::from_secs(30), "not all three cancelled");
     assert_eq!(metric(&s, "pdhost_requests_waiting"), Some(0.0));
     assert_eq!(metric(&s, r#"pdhost_kv_pages{group="0 (full attention)",state="used"}"#), Some(0.0));
 
@@ -1504,11 +1503,8 @@ fn a_producer_killed_mid_span_costs_one_request_its_remote_prefill_and_no_one_el
         // Once request 2 is at the producer (its batch sent, after the stream's), request 3 waits for it.
         // When request 2's crash stops the producer, request 3 waits out the restart's backoff too, and
         // is prefilled by the new process: not sent to the stopped one, refused, and fallen back.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while metric(&s, "pdhost_prefill_batch_calls_count") != Some(2.0) {
-            assert!(Instant::now() < deadline, "request 2 never reached the producer: {}", s.log.lock().unwrap());
-            std::thread::sleep(Duration::from_millis(5));
-        }
+        let batches = "pdhost_prefill_batch_calls_count";
+        await_metric(&s, batches, 2.0, Duration::from_secs(60), "request 2 never reached the producer");
         let (status, waited) = post(&s, "/v1/completions", &body);
         assert_eq!(status, 200, "{waited}");
         assert_eq!(waited["pdhost"]["prefill"], "remote", "{policy}: {waited}");
@@ -1567,11 +1563,8 @@ fn a_second_producer_prefills_while_the_first_hangs() {
         let (url, body) = (s.url.clone(), body.clone());
         std::thread::spawn(move || post_to(&url, "/v1/completions", &body))
     };
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while metric(&s, "pdhost_prefill_batch_calls_count") != Some(1.0) {
-        assert!(Instant::now() < deadline, "request 1 never went to a producer: {}", s.log.lock().unwrap());
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let batches = "pdhost_prefill_batch_calls_count";
+    await_metric(&s, batches, 1.0, Duration::from_secs(60), "request 1 never went to a producer");
     let (status, second) = post(&s, "/v1/completions", &body);
     assert!(!first.is_finished(), "request 1 answered before request 2: {second}\n{}", s.log.lock().unwrap());
     assert_eq!(status, 200, "{second}");

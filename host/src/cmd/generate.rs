@@ -20,7 +20,7 @@ use crate::cli::{GenerateArgs, Switch};
 /// `--prefill-chunk` of `generate` and `serve` when not given: tokens per span from a producer. A
 /// producer's ring holds two spans of this many tokens, so it sets the shared memory a producer costs
 /// (Gemma 3 270M, f32: 2 x 72 MiB, against 2 x 324 MiB for whole 9216-token prompts).
-pub(super) const DEFAULT_PREFILL_CHUNK: u64 = 2048;
+const DEFAULT_PREFILL_CHUNK: u64 = 2048;
 
 /// Prompt tokens per piece of a prefill the host runs itself (`--producer local`, or a remote prefill
 /// that fell back) when `--prefill-chunk` is not given; outputs are the same bits at any size.
@@ -29,7 +29,16 @@ pub(super) const DEFAULT_PREFILL_CHUNK: u64 = 2048;
 ///   (the GGUF 94 MiB, the KV pool 84 MiB), in the same CPU time.
 /// - In `serve`, every live stream waits while a piece runs, one piece a round: on two cores (Gemma 3
 ///   270M, `exact`) 256 tokens take about 0.45 s, where 2048 froze every stream for about 3.6 s.
-pub(super) const DEFAULT_LOCAL_PIECE: u64 = 256;
+const DEFAULT_LOCAL_PIECE: u64 = 256;
+
+/// Tokens per span a producer is asked for and per piece the host prefills in, at most `context`: both
+/// `--prefill-chunk` where it is given (`generate` and `serve` alike), the defaults above otherwise.
+pub(super) fn chunking(given: Option<u64>, context: u64) -> (u64, u64) {
+    match given {
+        Some(given) => (given, given),
+        None => (DEFAULT_PREFILL_CHUNK.min(context), DEFAULT_LOCAL_PIECE.min(context)),
+    }
+}
 
 /// A model whose metadata and tokenizer are read and whose weights are not yet: requests are checked
 /// against its limits before the slow part.
@@ -179,15 +188,15 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         }
         (None, None) => unreachable!("clap requires one"),
     };
+    // Spans from a producer, and pieces where the host prefills (a fallback's too).
+    let (spans, pieces) = chunking(args.prefill_chunk, limits.context as u64);
     let raw = RawRequest {
         prompt,
         prompt_field: Some(prompt_field),
         max_tokens: args.max_tokens,
         min_max_tokens: 0,
         sampling: sampling_params(args),
-        prefill_chunk: args.prefill_chunk.unwrap_or(
-            if backend.is_some() { DEFAULT_PREFILL_CHUNK } else { DEFAULT_LOCAL_PIECE }.min(limits.context as u64),
-        ),
+        prefill_chunk: if backend.is_some() { spans } else { pieces },
         presence_penalty: args.presence_penalty,
         frequency_penalty: args.frequency_penalty,
         repetition_penalty: args.repetition_penalty,
@@ -222,10 +231,7 @@ pub fn run(args: &GenerateArgs) -> anyhow::Result<ExitCode> {
         backend.map(|b| choice.producer(&b, &opened.path, &opened.config, &model.identity, dtype, ring)).transpose()?;
     let mut engine = Engine::new(model, dtype, page_size, max_len, 1)?;
     // A prefill that falls back to the host runs in its pieces, as `serve`'s does.
-    engine.set_local_piece(match args.prefill_chunk {
-        Some(_) => request.prefill_chunk,
-        None => DEFAULT_LOCAL_PIECE.min(limits.context as u64) as usize,
-    });
+    engine.set_local_piece(pieces as usize);
     let mut unstarted = None;
     if let Some(p) = producer.as_mut() {
         // Start the producer (load its model) before the clock of the request starts; a start-up failure

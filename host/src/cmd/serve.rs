@@ -12,7 +12,7 @@ use pdhost::server::worker::Loaded;
 use pdhost::server::{ServeConfig, Server};
 use pdhost::supervisor::RestartPolicy;
 
-use super::generate::{Opened, DEFAULT_LOCAL_PIECE, DEFAULT_PREFILL_CHUNK};
+use super::generate::{chunking, Opened};
 use crate::cli::{ServeArgs, Switch};
 
 /// The context a server gives each request unless told otherwise (the incident's deployment).
@@ -88,13 +88,11 @@ pub fn run(args: &ServeArgs) -> anyhow::Result<ExitCode> {
         request::Invalid::new(Field::Model, "a model with a tokenizer (requests carry text)", &opened.name)
     })?);
     // Spans from producers, and pieces the host prefills between decode rounds.
-    let (prefill_chunk, local_piece) = match args.prefill_chunk {
-        Some(given) => {
-            let given = request::check_count(Field::PrefillChunk, given, 0, max_len)? as usize;
-            (given, given)
-        }
-        None => (DEFAULT_PREFILL_CHUNK.min(max_len) as usize, DEFAULT_LOCAL_PIECE.min(max_len) as usize),
-    };
+    if let Some(given) = args.prefill_chunk {
+        request::check_count(Field::PrefillChunk, given, 0, max_len)?;
+    }
+    let (prefill_chunk, local_piece) = chunking(args.prefill_chunk, max_len);
+    let (prefill_chunk, local_piece) = (prefill_chunk as usize, local_piece as usize);
     let chunk_tokens = if prefill_chunk == 0 { max_len as usize } else { prefill_chunk };
     let mut producers = Vec::new();
     let identity = if backends == ["local"] { None } else { Some(opened.identity()?) };
